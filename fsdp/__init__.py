@@ -1,0 +1,50 @@
+"""fsdp: fully sharded data parallel for PyTorch, in the FlatParameter / wrapper-module design.
+
+The public names are those of ``torch.distributed.fsdp`` (FSDP1), so a script switches by
+changing its imports only::
+
+    from fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
+    from fsdp.wrap import ModuleWrapPolicy
+"""
+
+from fsdp.api import (
+    BackwardPrefetch,
+    CPUOffload,
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    LocalOptimStateDictConfig,
+    LocalStateDictConfig,
+    MixedPrecision,
+    OptimStateDictConfig,
+    OptimStateKeyType,
+    ShardedOptimStateDictConfig,
+    ShardedStateDictConfig,
+    ShardingStrategy,
+    StateDictConfig,
+    StateDictSettings,
+    StateDictType,
+)
+from fsdp.flat_param.flat_param import FlatParameter
+from fsdp.fully_sharded_data_parallel import FullyShardedDataParallel
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FullyShardedDataParallel",
+    "ShardingStrategy",
+    "BackwardPrefetch",
+    "MixedPrecision",
+    "CPUOffload",
+    "StateDictType",
+    "StateDictConfig",
+    "FullStateDictConfig",
+    "ShardedStateDictConfig",
+    "LocalStateDictConfig",
+    "OptimStateDictConfig",
+    "FullOptimStateDictConfig",
+    "ShardedOptimStateDictConfig",
+    "LocalOptimStateDictConfig",
+    "StateDictSettings",
+    "OptimStateKeyType",
+    "FlatParameter",
+]

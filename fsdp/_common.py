@@ -1,0 +1,69 @@
+"""Small helpers shared across the package: the internal-invariant error tier and tensor tree maps.
+
+Two error tiers (see docs/design.md, [Note: Error tiers]):
+
+- *Internal invariants* use :func:`p_assert`. It prints the message before raising, because an
+  exception raised inside an autograd hook can lose its message on the way out of the engine.
+  A failing ``p_assert`` is a bug in ``fsdp``, never the user's fault.
+- *User mistakes* raise ``ValueError`` / ``TypeError`` / ``RuntimeError`` /
+  ``NotImplementedError`` with the offending module, parameter or argument and the remedy.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from typing import Any, Callable, NoReturn
+
+import torch
+
+FSDP_WRAPPED_MODULE = "_fsdp_wrapped_module"
+FSDP_PREFIX = FSDP_WRAPPED_MODULE + "."
+FLAT_PARAM = "_flat_param"
+
+
+class FSDPInternalError(AssertionError):
+    """Raised when an internal invariant of ``fsdp`` does not hold (a bug in fsdp)."""
+
+
+def p_assert(cond: Any, msg: str) -> None:
+    """Checks an internal invariant; prints the message and stack before raising.
+
+    Args:
+        cond: Condition that must hold.
+        msg: What was expected, with the actual values.
+
+    Raises:
+        FSDPInternalError: If ``cond`` is false.
+    """
+    if not cond:
+        _fail(msg)
+
+
+def _fail(msg: str) -> NoReturn:
+    full = f"fsdp internal error (please report): {msg}"
+    print(full, file=sys.stderr)
+    traceback.print_stack(file=sys.stderr)
+    raise FSDPInternalError(full)
+
+
+def apply_to_tensors(fn: Callable[[torch.Tensor], Any], container: Any) -> Any:
+    """Applies ``fn`` to every tensor in a nested structure and rebuilds the structure.
+
+    Handles tensors, lists, tuples (including namedtuples), dicts (keeping their type) and
+    leaves anything else unchanged.
+    """
+    if isinstance(container, torch.Tensor):
+        return fn(container)
+    if isinstance(container, dict):
+        return type(container)((k, apply_to_tensors(fn, v)) for k, v in container.items())
+    if isinstance(container, tuple) and hasattr(container, "_fields"):  # namedtuple
+        return type(container)(*(apply_to_tensors(fn, v) for v in container))
+    if isinstance(container, (list, tuple)):
+        return type(container)(apply_to_tensors(fn, v) for v in container)
+    return container
+
+
+def clean_fqn(name: str) -> str:
+    """Removes FSDP's wrapper prefixes from a fully qualified name."""
+    return name.replace(FSDP_PREFIX, "")

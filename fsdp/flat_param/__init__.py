@@ -1,0 +1,1 @@
+"""flat_param package of fsdp."""

@@ -1,0 +1,472 @@
+"""FlatParameter and FlatParamHandle: one unit's parameters as one sharded 1-D tensor.
+
+See docs/flat_param_lifecycle.md, [Note: Flat parameter storage lifecycle], for the states a
+handle moves through and what memory each one holds.
+"""
+
+from __future__ import annotations
+
+import weakref
+from enum import Enum, auto
+from typing import Any, Callable, NamedTuple, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp._common import FLAT_PARAM, p_assert
+from fsdp.flat_param._sharding import (
+    gradient_divide_factors,
+    padded_unsharded_numel,
+    shard_bounds,
+)
+from fsdp.runtime import _collectives as comm
+
+__all__ = ["FlatParameter", "FlatParamHandle", "HandleState", "ParamInfo", "SharedParamInfo"]
+
+
+class FlatParameter(nn.Parameter):
+    """The one ``nn.Parameter`` a unit registers: its original parameters, flattened and padded.
+
+    Its ``.data`` is the local shard (1-D, ``sharded_numel`` elements) while the handle is
+    SHARDED, and the padded unsharded tensor while it is UNSHARDED. All metadata lives on the
+    owning :class:`FlatParamHandle`; optimizers only ever see the sharded form.
+    """
+
+    def __new__(cls, data: torch.Tensor, requires_grad: bool = True) -> "FlatParameter":
+        p_assert(data.dim() == 1, f"FlatParameter data must be 1-D, got shape {tuple(data.shape)}")
+        return super().__new__(cls, data, requires_grad)
+
+
+class ParamInfo(NamedTuple):
+    """Where an original parameter lives: ``getattr(module, param_name)``.
+
+    Attributes:
+        param_name: Attribute name on the owning module (``"weight"``).
+        module: The owning module.
+        module_name: Qualified name of the owning module inside the unit's wrapped module.
+        shape: Original shape.
+        numel: Original number of elements.
+    """
+
+    param_name: str
+    module: nn.Module
+    module_name: str
+    shape: torch.Size
+    numel: int
+
+    @property
+    def fqn(self) -> str:
+        return f"{self.module_name}.{self.param_name}" if self.module_name else self.param_name
+
+
+class SharedParamInfo(NamedTuple):
+    """A second (or later) name for a parameter already flattened as ``param_infos[prim_index]``."""
+
+    param_name: str
+    module: nn.Module
+    module_name: str
+    prim_index: int
+
+    @property
+    def fqn(self) -> str:
+        return f"{self.module_name}.{self.param_name}" if self.module_name else self.param_name
+
+
+class HandleState(Enum):
+    """What the FlatParameter's ``.data`` is, and so what memory the unit holds.
+
+    - ``SHARDED``: ``.data`` is the local shard; the padded unsharded storage has size 0; the
+      original parameter names on the modules hold placeholders that raise a clear error.
+    - ``UNSHARDED``: ``.data`` is the padded unsharded tensor (allocated, gathered); the names
+      are views into it.
+    """
+
+    SHARDED = auto()
+    UNSHARDED = auto()
+
+
+class _ShardedParamPlaceholder(torch.Tensor):
+    """Stands in for an original parameter while its unit is sharded.
+
+    Any use in a computation raises a RuntimeError naming the parameter and the unit, instead of
+    a shape mismatch deep inside torch (for example when a submodule of a unit is called
+    directly, outside the unit's forward).
+    """
+
+    _fsdp_handle: "FlatParamHandle"
+    _fsdp_fqn: str
+    _fsdp_module_name: str
+
+    @staticmethod
+    def make(
+        handle: "FlatParamHandle", fqn: str, module_name: str, dtype: torch.dtype
+    ) -> "_ShardedParamPlaceholder":
+        t = torch.Tensor._make_subclass(
+            _ShardedParamPlaceholder, torch.empty(0, dtype=dtype, device=handle.device)
+        )
+        t._fsdp_handle = handle
+        t._fsdp_fqn = fqn
+        t._fsdp_module_name = module_name
+        return t
+
+    def describe(self) -> str:
+        unit = self._fsdp_handle.unit_name
+        module = self._fsdp_module_name or "<the unit's module>"
+        return (
+            f"fsdp: parameter '{self._fsdp_fqn}' belongs to the FSDP unit '{unit}', which is "
+            f"sharded right now, so it holds no data. Submodule '{module}' was used outside its "
+            f"unit's forward. Call the FSDP-wrapped module (or the root) instead of its submodule, "
+            f"or access full parameters inside FullyShardedDataParallel.summon_full_params(model)."
+        )
+
+    @classmethod
+    def __torch_function__(
+        cls, func: Callable, types: Any, args: Sequence[Any] = (), kwargs: Optional[dict] = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func in _PLACEHOLDER_SAFE_FUNCS:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        for arg in list(args) + list(kwargs.values()):
+            if isinstance(arg, _ShardedParamPlaceholder):
+                raise RuntimeError(arg.describe())
+        raise RuntimeError("fsdp: a sharded parameter placeholder was used in a computation")
+
+    def __repr__(self, *args: Any, **kwargs: Any) -> str:  # type: ignore[override]
+        return f"<sharded fsdp parameter '{self._fsdp_fqn}' of unit '{self._fsdp_handle.unit_name}'>"
+
+
+_PLACEHOLDER_SAFE_FUNCS = {
+    torch.Tensor.dtype.__get__,  # type: ignore[attr-defined]
+    torch.Tensor.device.__get__,  # type: ignore[attr-defined]
+    torch.Tensor.requires_grad.__get__,  # type: ignore[attr-defined]
+    torch.Tensor.is_cuda.__get__,  # type: ignore[attr-defined]
+    torch.Tensor.layout.__get__,  # type: ignore[attr-defined]
+    torch.Tensor.__repr__,
+}
+
+
+def _set_module_tensor(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Sets ``module.name`` to a plain tensor attribute (not a registered parameter)."""
+    module._parameters.pop(name, None)
+    object.__setattr__(module, name, tensor)
+
+
+def _set_module_param(module: nn.Module, name: str, param: nn.Parameter) -> None:
+    """Registers ``param`` as ``module.name``, replacing a plain tensor attribute if any."""
+    module.__dict__.pop(name, None)
+    module._parameters[name] = param
+
+
+class FlatParamHandle:
+    """Owns one unit's FlatParameter and does everything to it.
+
+    Flattens the unit's parameters at construction, keeps this rank's shard, unshards
+    (all-gathers) and reshards (frees) it, points the original parameter names at views or
+    placeholders, and turns the unsharded gradient into the reduced sharded gradient.
+
+    Args:
+        params: ``(module_name, module, param_name, param)`` for every parameter name of the
+            unit, in ``named_parameters`` order; a Parameter that appears twice (tied weights)
+            is stored once.
+        wrapped_module: The unit's wrapped module; the FlatParameter is registered on it as
+            ``_flat_param``.
+        device: The compute device.
+        process_group: The group the parameter is sharded over.
+        uses_sharding: False for NO_SHARD and for world size 1 (nothing is ever freed).
+        unit_name: Name of the unit for messages (refined at lazy init).
+    """
+
+    def __init__(
+        self,
+        params: Sequence[tuple[str, nn.Module, str, nn.Parameter]],
+        wrapped_module: nn.Module,
+        device: torch.device,
+        process_group: dist.ProcessGroup,
+        uses_sharding: bool,
+        unit_name: str,
+    ) -> None:
+        self.device = device
+        self.process_group = process_group
+        self.rank = dist.get_rank(process_group)
+        self.world_size = dist.get_world_size(process_group)
+        self.uses_sharding = uses_sharding and self.world_size > 1
+        self.unit_name = unit_name
+        self.param_infos: list[ParamInfo] = []
+        self.shared_param_infos: list[SharedParamInfo] = []
+
+        unique_params: list[nn.Parameter] = []
+        index_of: dict[int, int] = {}
+        for module_name, module, param_name, param in params:
+            if id(param) in index_of:
+                self.shared_param_infos.append(
+                    SharedParamInfo(param_name, module, module_name, index_of[id(param)])
+                )
+                continue
+            index_of[id(param)] = len(unique_params)
+            unique_params.append(param)
+            self.param_infos.append(
+                ParamInfo(param_name, module, module_name, param.shape, param.numel())
+            )
+        p_assert(len(unique_params) > 0, "a FlatParamHandle needs at least one parameter")
+        # Weak references only: holding the originals would keep their memory alive.
+        self._original_param_refs = [weakref.ref(p) for p in unique_params]
+        self.dtype = unique_params[0].dtype
+        self.unpadded_unsharded_numel = sum(info.numel for info in self.param_infos)
+        if self.uses_sharding:
+            self.padded_unsharded_numel = padded_unsharded_numel(
+                self.unpadded_unsharded_numel, self.world_size
+            )
+        else:
+            self.padded_unsharded_numel = self.unpadded_unsharded_numel
+        self.sharded_numel = self.padded_unsharded_numel // (
+            self.world_size if self.uses_sharding else 1
+        )
+        self.pre_divide, self.post_divide = gradient_divide_factors(self.world_size)
+
+        with torch.no_grad():
+            flat = torch.cat([p.detach().reshape(-1).to(device) for p in unique_params])
+            if self.uses_sharding:
+                start, end = shard_bounds(self.unpadded_unsharded_numel, self.rank, self.world_size)
+                local_shard = torch.zeros(self.sharded_numel, dtype=self.dtype, device=device)
+                valid = flat[start:end]
+                local_shard[: valid.numel()].copy_(valid)
+                del flat
+            else:
+                local_shard = flat
+        requires_grad = unique_params[0].requires_grad
+        self.flat_param = FlatParameter(local_shard, requires_grad=requires_grad)
+        self._local_shard: torch.Tensor = self.flat_param.data
+        # Padded unsharded buffer: allocated once, its storage resized to 0 when freed so that
+        # views saved by autograd stay valid once it is refilled (see the design note).
+        self._padded_unsharded: Optional[torch.Tensor] = None
+        if self.uses_sharding:
+            self._padded_unsharded = torch.empty(
+                self.padded_unsharded_numel, dtype=self.dtype, device=device
+            )
+            self._free_storage(self._padded_unsharded)
+        self.state = HandleState.UNSHARDED if not self.uses_sharding else HandleState.SHARDED
+
+        # Gradient bookkeeping (see [Note: Gradient flow] in docs/flat_param_lifecycle.md).
+        self._sharded_grad_stash: Optional[torch.Tensor] = None
+        self._unsynced_unsharded_grad: Optional[torch.Tensor] = None
+        self._pending_sharded_grad: Optional[torch.Tensor] = None
+
+        for info in self.param_infos:
+            info.module._parameters.pop(info.param_name, None)
+        for shared in self.shared_param_infos:
+            shared.module._parameters.pop(shared.param_name, None)
+        wrapped_module.register_parameter(FLAT_PARAM, self.flat_param)
+        self.wrapped_module = wrapped_module
+        if self.uses_sharding:
+            self.use_sharded_views()
+        else:
+            with torch.no_grad():
+                self.use_unsharded_views()
+
+    def original_params(self) -> list[Optional[nn.Parameter]]:
+        """The original Parameter objects still alive elsewhere (None where collected)."""
+        return [ref() for ref in self._original_param_refs]
+
+    # ------------------------------------------------------------------ storage
+    @staticmethod
+    def _free_storage(tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        if storage.size() != 0:
+            storage.resize_(0)
+
+    @staticmethod
+    def _alloc_storage(tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        nbytes = tensor.numel() * tensor.element_size()
+        if storage.size() != nbytes:
+            storage.resize_(nbytes)
+
+    @property
+    def padded_unsharded(self) -> torch.Tensor:
+        """The padded unsharded flat tensor (its storage may be freed)."""
+        if self._padded_unsharded is None:
+            return self._local_shard
+        return self._padded_unsharded
+
+    def unsharded_storage_nbytes(self) -> int:
+        """Bytes the padded unsharded buffer holds right now (0 when freed)."""
+        return self.padded_unsharded.untyped_storage().nbytes()
+
+    def unshard(self) -> None:
+        """All-gathers the shards into the padded unsharded tensor.
+
+        Postcondition: state is UNSHARDED and the FlatParameter's ``.data`` is the padded
+        unsharded tensor on the compute device. A no-op if already unsharded.
+        """
+        if self.state is HandleState.UNSHARDED:
+            return
+        padded_unsharded = self.padded_unsharded
+        self._alloc_storage(padded_unsharded)
+        comm.all_gather_flat(padded_unsharded, self._local_shard, self.process_group)
+        self.flat_param.data = padded_unsharded
+        self.state = HandleState.UNSHARDED
+
+    def reshard(self) -> None:
+        """Frees the padded unsharded tensor and points every name at a placeholder.
+
+        Postcondition: state is SHARDED, ``.data`` is the local shard and the unsharded storage
+        has size 0. A no-op for a handle that never shards (NO_SHARD, world size 1).
+        """
+        if not self.uses_sharding or self.state is HandleState.SHARDED:
+            return
+        self.flat_param.data = self._local_shard
+        self._free_storage(self.padded_unsharded)
+        self.state = HandleState.SHARDED
+        self.use_sharded_views()
+
+    # ------------------------------------------------------------------ views
+    def _unsharded_views(self, source: torch.Tensor) -> list[torch.Tensor]:
+        unpadded = source[: self.unpadded_unsharded_numel] if self.uses_sharding else source
+        splits = torch.split(unpadded, [info.numel for info in self.param_infos])
+        return [split.view(info.shape) for split, info in zip(splits, self.param_infos)]
+
+    def use_unsharded_views(self, as_params: bool = False) -> None:
+        """Points each original parameter name at a view into the unsharded FlatParameter.
+
+        Views are taken from the FlatParameter itself, so when grad mode is on, autograd routes
+        their gradients into the FlatParameter's (padded unsharded) gradient.
+
+        Args:
+            as_params: Register the views as ``nn.Parameter`` (for summon_full_params) rather
+                than as plain tensors (for forward).
+        """
+        p_assert(
+            self.state is HandleState.UNSHARDED,
+            f"unit '{self.unit_name}': use_unsharded_views needs UNSHARDED, state is {self.state}",
+        )
+        views = self._unsharded_views(self.flat_param)
+        if as_params:
+            req = self.flat_param.requires_grad
+            params = [nn.Parameter(view, requires_grad=req) for view in views]
+            for info, param in zip(self.param_infos, params):
+                _set_module_param(info.module, info.param_name, param)
+            for shared in self.shared_param_infos:
+                _set_module_param(shared.module, shared.param_name, params[shared.prim_index])
+            return
+        for info, view in zip(self.param_infos, views):
+            _set_module_tensor(info.module, info.param_name, view)
+        for shared in self.shared_param_infos:
+            _set_module_tensor(shared.module, shared.param_name, views[shared.prim_index])
+
+    def use_sharded_views(self) -> None:
+        """Points each original parameter name at a placeholder that raises when used."""
+        placeholders = [
+            _ShardedParamPlaceholder.make(self, info.fqn, info.module_name, self.dtype)
+            for info in self.param_infos
+        ]
+        for info, placeholder in zip(self.param_infos, placeholders):
+            _set_module_tensor(info.module, info.param_name, placeholder)
+        for shared in self.shared_param_infos:
+            _set_module_tensor(shared.module, shared.param_name, placeholders[shared.prim_index])
+
+    def module_tensors(self) -> list[torch.Tensor]:
+        """The tensors the original parameter names currently hold (in ``param_infos`` order)."""
+        return [getattr(info.module, info.param_name) for info in self.param_infos]
+
+    def unsharded_views(self, source: torch.Tensor) -> list[torch.Tensor]:
+        """Views of a padded unsharded flat tensor shaped like the original parameters."""
+        return self._unsharded_views(source)
+
+    def write_back_shard(self, padded_unsharded: torch.Tensor) -> None:
+        """Copies this rank's slice of ``padded_unsharded`` into the local shard."""
+        if not self.uses_sharding:
+            if padded_unsharded.data_ptr() != self._local_shard.data_ptr():
+                self._local_shard.copy_(padded_unsharded)
+            return
+        start, end = shard_bounds(self.unpadded_unsharded_numel, self.rank, self.world_size)
+        self._local_shard.copy_(padded_unsharded[start:end])
+
+    # ------------------------------------------------------------------ gradients
+    def stash_sharded_grad(self) -> None:
+        """Moves an existing (already reduced) ``.grad`` aside before autograd accumulates.
+
+        Called from a hook on the FlatParameter just before AccumulateGrad, so the new
+        unsharded gradient never mixes with the reduced sharded one; the stash is added back
+        after the reduction (gradient accumulation without ``no_sync``).
+        """
+        grad = self.flat_param.grad
+        if grad is not None:
+            p_assert(
+                self._sharded_grad_stash is None,
+                f"unit '{self.unit_name}': gradient stashed twice in one backward",
+            )
+            self._sharded_grad_stash = grad
+            self.flat_param.grad = None
+
+    def reduce_grad(self, sync: bool) -> None:
+        """Reduces the unsharded gradient autograd just accumulated.
+
+        With ``sync`` False (inside ``no_sync``) the unsharded gradient is kept locally and
+        added to the next one. Otherwise it is divided by the pre-divide factor, reduce-scattered
+        (all-reduced for NO_SHARD) and divided by the post-divide factor, which averages over
+        ranks exactly as torch FSDP1 does.
+
+        Postcondition: ``.grad`` is None; the reduced sharded gradient waits in
+        ``_pending_sharded_grad`` until :meth:`finalize_grad`.
+        """
+        unsharded_grad = self.flat_param.grad
+        self.flat_param.grad = None
+        p_assert(unsharded_grad is not None, f"unit '{self.unit_name}': no gradient to reduce")
+        assert unsharded_grad is not None  # for type checkers
+        p_assert(
+            unsharded_grad.numel() == self.padded_unsharded_numel,
+            f"unit '{self.unit_name}': expected an unsharded gradient of "
+            f"{self.padded_unsharded_numel} elements, got {unsharded_grad.numel()}",
+        )
+        if self._unsynced_unsharded_grad is not None:
+            unsharded_grad = unsharded_grad + self._unsynced_unsharded_grad
+            self._unsynced_unsharded_grad = None
+        if not sync:
+            self._unsynced_unsharded_grad = unsharded_grad
+            return
+        if self.world_size == 1:
+            sharded_grad = unsharded_grad
+        else:
+            if self.pre_divide > 1:
+                unsharded_grad.div_(self.pre_divide)
+            if self.uses_sharding:
+                sharded_grad = torch.empty(
+                    self.sharded_numel, dtype=unsharded_grad.dtype, device=unsharded_grad.device
+                )
+                comm.reduce_scatter_flat(sharded_grad, unsharded_grad, self.process_group)
+            else:
+                comm.all_reduce_sum(unsharded_grad, self.process_group)
+                sharded_grad = unsharded_grad
+            if self.post_divide > 1:
+                sharded_grad.div_(self.post_divide)
+        if self._pending_sharded_grad is not None:
+            self._pending_sharded_grad.add_(sharded_grad)
+        else:
+            self._pending_sharded_grad = sharded_grad
+
+    def finalize_grad(self) -> None:
+        """At the end of backward: sets ``.grad`` to the sharded gradient (plus any stash).
+
+        Precondition: the FlatParameter holds its sharded data (or never shards).
+        """
+        pending, stash = self._pending_sharded_grad, self._sharded_grad_stash
+        self._pending_sharded_grad = None
+        self._sharded_grad_stash = None
+        if pending is None and stash is None:
+            return
+        if self.uses_sharding:
+            p_assert(
+                self.flat_param.data.data_ptr() == self._local_shard.data_ptr(),
+                f"unit '{self.unit_name}': finalize_grad while the FlatParameter is unsharded",
+            )
+        if pending is not None and stash is not None:
+            stash.add_(pending)
+            self.flat_param.grad = stash
+        else:
+            self.flat_param.grad = pending if pending is not None else stash
+
+    def has_unsynced_grad(self) -> bool:
+        """Whether a ``no_sync`` gradient is waiting to be synchronized."""
+        return self._unsynced_unsharded_grad is not None

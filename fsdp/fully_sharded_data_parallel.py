@@ -1,0 +1,451 @@
+"""The public wrapper: ``FullyShardedDataParallel``.
+
+Thin by design: ``__init__`` is a short sequence of init steps (``fsdp/init/``), ``forward``
+hands off to the runtime (``fsdp/runtime/``), and the public methods delegate. See
+docs/design.md for the whole picture.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Generator, Iterable, Iterator, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp._common import FSDP_PREFIX, FSDP_WRAPPED_MODULE, clean_fqn
+from fsdp.api import (
+    BackwardPrefetch,
+    CPUOffload,
+    MixedPrecision,
+    OptimStateDictConfig,
+    ShardingStrategy,
+    StateDictConfig,
+    StateDictSettings,
+    StateDictType,
+)
+from fsdp.flat_param.flat_param import FlatParamHandle
+from fsdp.init._device import move_module_to_device, resolve_compute_device
+from fsdp.init._process_group import resolve_process_group
+from fsdp.init._unit_params import collect_unit_params, validate_unit_params
+from fsdp.init._validate import plan_and_validate_units, validate_init_args
+from fsdp.runtime._clip_grad import clip_grad_norm_ as _clip_grad_norm
+from fsdp.runtime._hooks import register_flat_param_hooks, unit_forward
+from fsdp.runtime._lazy_init import check_idle, is_fsdp, lazy_init, reset_lazy_init
+from fsdp.runtime._state import TrainingState, UnitState
+from fsdp.runtime._summon import summon_full_params as _summon_full_params
+from fsdp.state_dict import _settings
+
+__all__ = ["FullyShardedDataParallel"]
+
+
+def _not_yet(feature: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"fsdp: {feature} is not implemented yet in fsdp; see the feature table in README.md."
+    )
+
+
+class FullyShardedDataParallel(nn.Module):
+    """Shards a module's parameters, gradients and optimizer state across data-parallel ranks.
+
+    Same constructor arguments, names, order and defaults as torch FSDP1. The module's
+    parameters not claimed by a nested FSDP instance are flattened into one
+    :class:`~fsdp.flat_param.FlatParameter`, padded and sharded; forward and backward gather
+    them just in time and free them after use, and gradients are reduce-scattered.
+
+    Args:
+        module: The module to wrap.
+        process_group: The group to shard over (default: the default group).
+        sharding_strategy: FULL_SHARD (default), SHARD_GRAD_OP or NO_SHARD.
+        cpu_offload: ``CPUOffload(offload_params=False)`` only, for now.
+        auto_wrap_policy: A policy from :mod:`fsdp.wrap` (or a callable with the functional
+            policy signature) that picks nested units.
+        backward_prefetch: Accepted; prefetching is a scheduling choice that does not change
+            results (overlap is a planned feature).
+        mixed_precision: Not implemented yet (must be None).
+        ignored_modules: Not implemented yet (must be None).
+        param_init_fn: Not implemented yet (must be None).
+        device_id: The compute device (int = CUDA index, or a torch.device).
+        sync_module_states: Not implemented yet (must be False).
+        forward_prefetch: Accepted; see backward_prefetch.
+        limit_all_gathers: Accepted; see backward_prefetch.
+        use_orig_params: Not implemented yet (must be False).
+        ignored_states: Not implemented yet (must be None).
+        device_mesh: Not implemented yet (must be None).
+    """
+
+    _is_fsdp_wrapper = True
+    _fsdp_state: UnitState
+
+    def __init__(
+        self,
+        module: nn.Module,
+        process_group: Any = None,
+        sharding_strategy: Optional[ShardingStrategy] = None,
+        cpu_offload: Optional[CPUOffload] = None,
+        auto_wrap_policy: Optional[Callable] = None,
+        backward_prefetch: Optional[BackwardPrefetch] = BackwardPrefetch.BACKWARD_PRE,
+        mixed_precision: Optional[MixedPrecision] = None,
+        ignored_modules: Optional[Iterable[nn.Module]] = None,
+        param_init_fn: Optional[Callable[[nn.Module], None]] = None,
+        device_id: Optional[Union[int, torch.device]] = None,
+        sync_module_states: bool = False,
+        forward_prefetch: bool = False,
+        limit_all_gathers: bool = True,
+        use_orig_params: bool = False,
+        ignored_states: Optional[Iterable[Any]] = None,
+        device_mesh: Any = None,
+    ) -> None:
+        # 1. Check everything a user can get wrong, before changing anything.
+        validate_init_args(
+            module=module,
+            sharding_strategy=sharding_strategy,
+            cpu_offload=cpu_offload,
+            auto_wrap_policy=auto_wrap_policy,
+            backward_prefetch=backward_prefetch,
+            mixed_precision=mixed_precision,
+            ignored_modules=ignored_modules,
+            param_init_fn=param_init_fn,
+            sync_module_states=sync_module_states,
+            use_orig_params=use_orig_params,
+            ignored_states=ignored_states,
+        )
+        group = resolve_process_group(process_group, device_mesh)
+        device = resolve_compute_device(module, device_id)
+        rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+        strategy = sharding_strategy or ShardingStrategy.FULL_SHARD
+        if world_size == 1:
+            strategy = ShardingStrategy.NO_SHARD  # nothing to shard (as torch FSDP1 does)
+        root_kwargs = dict(
+            process_group=process_group,
+            sharding_strategy=sharding_strategy,
+            cpu_offload=cpu_offload,
+            backward_prefetch=backward_prefetch,
+            mixed_precision=mixed_precision,
+            param_init_fn=param_init_fn,
+            device_id=device_id,
+            sync_module_states=sync_module_states,
+            forward_prefetch=forward_prefetch,
+            limit_all_gathers=limit_all_gathers,
+            use_orig_params=use_orig_params,
+        )
+        plan_and_validate_units(module, auto_wrap_policy, type(self), root_kwargs)
+
+        # 2. Wrap nested units (bottom-up), then this one.
+        super().__init__()
+        if auto_wrap_policy is not None:
+            from fsdp.wrap import _auto_wrap
+
+            _auto_wrap(module, auto_wrap_policy, type(self), root_kwargs)
+        move_module_to_device(module, device)
+        self._fsdp_wrapped_module = module
+        params = collect_unit_params(module, is_fsdp)
+        validate_unit_params(type(module).__name__, params)
+        handle = None
+        if params:
+            handle = FlatParamHandle(
+                params,
+                module,
+                device,
+                group,
+                uses_sharding=strategy is not ShardingStrategy.NO_SHARD,
+                unit_name=type(module).__name__,
+            )
+        self._fsdp_state = UnitState(
+            handle=handle,
+            process_group=group,
+            rank=rank,
+            world_size=world_size,
+            sharding_strategy=strategy,
+            compute_device=device,
+            unit_name=type(module).__name__,
+        )
+        register_flat_param_hooks(self._fsdp_state)
+        self._state_dict_settings = _settings.default_settings()
+
+    # ------------------------------------------------------------------ module plumbing
+    @property
+    def module(self) -> nn.Module:
+        """The wrapped module."""
+        return self._fsdp_wrapped_module
+
+    def __getattr__(self, name: str) -> Any:
+        """Forwards missing attributes to the wrapped module."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == FSDP_WRAPPED_MODULE:
+                raise
+            return getattr(self._fsdp_wrapped_module, name)
+
+    def __getitem__(self, key: int) -> Any:
+        """Forwards indexing to the wrapped module (e.g. an ``nn.Sequential``)."""
+        return self._fsdp_wrapped_module.__getitem__(key)  # type: ignore[operator]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Runs the wrapped module with its parameters unsharded (see docs/hook_order.md)."""
+        return unit_forward(self, args, kwargs)
+
+    @property
+    def training_state(self) -> TrainingState:
+        """What this unit is doing right now (IDLE, FORWARD, ...)."""
+        return self._fsdp_state.training_state
+
+    @property
+    def sharding_strategy(self) -> ShardingStrategy:
+        """The sharding strategy in effect for this unit."""
+        return self._fsdp_state.sharding_strategy
+
+    def _in_summon(self) -> bool:
+        return self._fsdp_state.training_state is TrainingState.SUMMON_FULL_PARAMS
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
+        """As ``nn.Module.named_parameters``; inside ``summon_full_params`` names carry no FSDP prefix."""
+        clean = self._in_summon()
+        for name, param in super().named_parameters(*args, **kwargs):
+            yield (clean_fqn(name) if clean else name), param
+
+    def named_buffers(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.Tensor]]:
+        """As ``nn.Module.named_buffers``; inside ``summon_full_params`` names carry no FSDP prefix."""
+        clean = self._in_summon()
+        for name, buf in super().named_buffers(*args, **kwargs):
+            yield (clean_fqn(name) if clean else name), buf
+
+    # ------------------------------------------------------------------ queries
+    def check_is_root(self) -> bool:
+        """Whether this instance is the root (initializes the runtime if needed)."""
+        return bool(lazy_init(self).is_root)
+
+    @staticmethod
+    def fsdp_modules(module: nn.Module, root_only: bool = False) -> list["FullyShardedDataParallel"]:
+        """Returns the FSDP instances in ``module`` (pre-order); only the top-level ones if ``root_only``."""
+        if not root_only:
+            return [m for m in module.modules() if is_fsdp(m)]  # type: ignore[misc]
+        result: list[FullyShardedDataParallel] = []
+
+        def visit(mod: nn.Module) -> None:
+            if is_fsdp(mod):
+                result.append(mod)  # type: ignore[arg-type]
+                return
+            for child in mod.children():
+                visit(child)
+
+        visit(module)
+        return result
+
+    def apply(self, fn: Callable[[nn.Module], None]) -> "FullyShardedDataParallel":
+        """Applies ``fn`` to every submodule with full parameters gathered (and written back)."""
+        uninitialized = self._fsdp_state.is_root is None
+        check_idle(self, "apply()")
+        with _summon_full_params(self, recurse=False, writeback=True):
+            ret = super().apply(fn)
+        if uninitialized:
+            reset_lazy_init(self)
+        return ret  # type: ignore[return-value]
+
+    # ------------------------------------------------------------------ training API
+    def _require_root(self, what: str) -> UnitState:
+        state = lazy_init(self)
+        if not state.is_root:
+            raise RuntimeError(
+                f"fsdp: {what} must be called on the root FSDP instance, but it was called on "
+                f"the nested unit '{state.unit_name}'. Call it on the outermost FSDP module."
+            )
+        return state
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Generator[None, None, None]:
+        """Skips gradient synchronization: gradients accumulate locally, unsharded.
+
+        The next backward outside the context reduces the accumulated gradients. Root only.
+        """
+        state = self._require_root("no_sync()")
+        check_idle(self, "no_sync()")
+        assert state.ctx is not None
+        previous = [(unit, unit.sync_gradients) for unit in state.ctx.states]
+        for unit, _ in previous:
+            unit.sync_gradients = False
+        try:
+            yield
+        finally:
+            for unit, flag in previous:
+                unit.sync_gradients = flag
+
+    def clip_grad_norm_(self, max_norm: Union[float, int], norm_type: Union[float, int] = 2.0) -> torch.Tensor:
+        """Clips gradients of the whole model to ``max_norm``; returns the total norm.
+
+        The norm covers every shard on every rank, equal to ``torch.nn.utils.clip_grad_norm_``
+        on the unsharded model. Root only; a collective, so every rank must call it.
+        """
+        state = self._require_root("clip_grad_norm_()")
+        check_idle(self, "clip_grad_norm_()")
+        return _clip_grad_norm(self, state, float(max_norm), float(norm_type))
+
+    @staticmethod
+    @contextlib.contextmanager
+    def summon_full_params(
+        module: nn.Module,
+        recurse: bool = True,
+        writeback: bool = True,
+        rank0_only: bool = False,
+        offload_to_cpu: bool = False,
+        with_grads: bool = False,
+    ) -> Generator[None, None, None]:
+        """Exposes full parameters of ``module``'s FSDP units inside the context.
+
+        Args:
+            module: An FSDP instance or a module containing FSDP instances.
+            recurse: Also gather nested FSDP units (default True).
+            writeback: Write in-place (or ``.data``) changes back to the shards on exit.
+            rank0_only: Only rank 0 sees full parameters (requires writeback=False).
+            offload_to_cpu: Expose the full parameters as CPU tensors (works on CPU too).
+            with_grads: Also expose full gradients as ``param.grad``.
+
+        Raises:
+            ValueError: writeback together with rank0_only.
+            NotImplementedError: with_grads together with offload_to_cpu.
+            RuntimeError: Called inside forward or backward.
+        """
+        with _summon_full_params(module, recurse, writeback, rank0_only, offload_to_cpu, with_grads):
+            yield
+
+    # ------------------------------------------------------------------ state dicts (planned)
+    @staticmethod
+    def set_state_dict_type(
+        module: nn.Module,
+        state_dict_type: StateDictType,
+        state_dict_config: Optional[StateDictConfig] = None,
+        optim_state_dict_config: Optional[OptimStateDictConfig] = None,
+    ) -> StateDictSettings:
+        """Sets the state-dict type of every FSDP unit in ``module``; returns the previous settings."""
+        return _settings.set_state_dict_type(
+            FullyShardedDataParallel.fsdp_modules(module),
+            state_dict_type,
+            state_dict_config,
+            optim_state_dict_config,
+        )
+
+    @staticmethod
+    def get_state_dict_type(module: nn.Module) -> StateDictSettings:
+        """Returns the state-dict settings of ``module``'s FSDP units (they must agree)."""
+        return _settings.get_state_dict_type(FullyShardedDataParallel.fsdp_modules(module))
+
+    @staticmethod
+    @contextlib.contextmanager
+    def state_dict_type(
+        module: nn.Module,
+        state_dict_type: StateDictType,
+        state_dict_config: Optional[StateDictConfig] = None,
+        optim_state_dict_config: Optional[OptimStateDictConfig] = None,
+    ) -> Generator[None, None, None]:
+        """Context manager form of :meth:`set_state_dict_type`; restores the previous settings."""
+        previous = FullyShardedDataParallel.set_state_dict_type(
+            module, state_dict_type, state_dict_config, optim_state_dict_config
+        )
+        try:
+            yield
+        finally:
+            FullyShardedDataParallel.set_state_dict_type(
+                module,
+                previous.state_dict_type,
+                previous.state_dict_config,
+                previous.optim_state_dict_config,
+            )
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        """Model state dicts are a planned feature."""
+        raise _not_yet(
+            "model state_dict() (FULL/SHARDED/LOCAL_STATE_DICT); meanwhile read full parameters "
+            "inside FullyShardedDataParallel.summon_full_params(model)"
+        )
+
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        """Model state dicts are a planned feature."""
+        raise _not_yet(
+            "model load_state_dict(); meanwhile copy values in place inside "
+            "FullyShardedDataParallel.summon_full_params(model)"
+        )
+
+    def register_comm_hook(self, state: object, hook: Callable) -> None:
+        """Communication hooks are a planned feature."""
+        raise _not_yet("register_comm_hook (argument 'hook')")
+
+    @staticmethod
+    def full_optim_state_dict(
+        model: nn.Module,
+        optim: torch.optim.Optimizer,
+        optim_input: Optional[Any] = None,
+        rank0_only: bool = True,
+        group: Optional[dist.ProcessGroup] = None,
+    ) -> dict[str, Any]:
+        """Optimizer state dicts are a planned feature."""
+        raise _not_yet("full_optim_state_dict")
+
+    @staticmethod
+    def sharded_optim_state_dict(
+        model: nn.Module, optim: torch.optim.Optimizer, group: Optional[dist.ProcessGroup] = None
+    ) -> dict[str, Any]:
+        """Optimizer state dicts are a planned feature."""
+        raise _not_yet("sharded_optim_state_dict")
+
+    @staticmethod
+    def shard_full_optim_state_dict(
+        full_optim_state_dict: dict[str, Any],
+        model: nn.Module,
+        optim_input: Optional[Any] = None,
+        optim: Optional[torch.optim.Optimizer] = None,
+    ) -> dict[str, Any]:
+        """Optimizer state dicts are a planned feature."""
+        raise _not_yet("shard_full_optim_state_dict")
+
+    @staticmethod
+    def flatten_sharded_optim_state_dict(
+        sharded_optim_state_dict: dict[str, Any], model: nn.Module, optim: torch.optim.Optimizer
+    ) -> dict[str, Any]:
+        """Optimizer state dicts are a planned feature."""
+        raise _not_yet("flatten_sharded_optim_state_dict")
+
+    @staticmethod
+    def scatter_full_optim_state_dict(
+        full_optim_state_dict: Optional[dict[str, Any]],
+        model: nn.Module,
+        optim_input: Optional[Any] = None,
+        optim: Optional[torch.optim.Optimizer] = None,
+        group: Optional[Any] = None,
+    ) -> dict[str, Any]:
+        """Optimizer state dicts are a planned feature."""
+        raise _not_yet("scatter_full_optim_state_dict")
+
+    @staticmethod
+    def rekey_optim_state_dict(
+        optim_state_dict: dict[str, Any],
+        optim_state_key_type: Any,
+        model: nn.Module,
+        optim_input: Optional[Any] = None,
+        optim: Optional[torch.optim.Optimizer] = None,
+    ) -> dict[str, Any]:
+        """Optimizer state dicts are a planned feature."""
+        raise _not_yet("rekey_optim_state_dict")
+
+    @staticmethod
+    def optim_state_dict(
+        model: nn.Module,
+        optim: torch.optim.Optimizer,
+        optim_state_dict: Optional[dict[str, Any]] = None,
+        group: Optional[dist.ProcessGroup] = None,
+    ) -> dict[str, Any]:
+        """Optimizer state dicts are a planned feature."""
+        raise _not_yet("optim_state_dict")
+
+    @staticmethod
+    def optim_state_dict_to_load(
+        model: nn.Module,
+        optim: torch.optim.Optimizer,
+        optim_state_dict: dict[str, Any],
+        is_named_optimizer: bool = False,
+        load_directly: bool = False,
+        group: Optional[dist.ProcessGroup] = None,
+    ) -> dict[str, Any]:
+        """Optimizer state dicts are a planned feature."""
+        raise _not_yet("optim_state_dict_to_load")

@@ -1,0 +1,1 @@
+"""init package of fsdp."""

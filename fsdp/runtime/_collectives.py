@@ -1,0 +1,42 @@
+"""Every collective ``fsdp`` issues goes through this file.
+
+One place to count, trace, or swap communication. Functions look ``torch.distributed`` up at
+call time, so tests that patch ``torch.distributed.<collective>`` see every call.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+def all_gather_flat(
+    output: torch.Tensor, input: torch.Tensor, group: Optional[dist.ProcessGroup]
+) -> None:
+    """All-gathers equal-sized 1-D ``input`` shards into ``output`` (rank order)."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(output, input, group=group)
+
+
+def reduce_scatter_flat(
+    output: torch.Tensor, input: torch.Tensor, group: Optional[dist.ProcessGroup]
+) -> None:
+    """Sum-reduces ``input`` across ranks and leaves chunk ``rank`` of the result in ``output``.
+
+    Example with world size 2: rank 0 passes ``[1, 2, 3, 4]`` and rank 1 ``[5, 6, 7, 8]``;
+    rank 0 receives ``[6, 8]`` and rank 1 ``[10, 12]``.
+    """
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(output, input, group=group)
+
+
+def all_reduce_sum(tensor: torch.Tensor, group: Optional[dist.ProcessGroup]) -> None:
+    """Sum-reduces ``tensor`` in place across ranks."""
+    dist.all_reduce(tensor, group=group)
+
+
+def all_reduce_max(tensor: torch.Tensor, group: Optional[dist.ProcessGroup]) -> None:
+    """Max-reduces ``tensor`` in place across ranks."""
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)

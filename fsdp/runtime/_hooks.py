@@ -1,0 +1,158 @@
+"""Forward and backward hooks: when each unit unshards, reshards and reduces its gradient.
+
+See docs/hook_order.md, [Note: Hook order], for the sequence in one training step.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd import Variable
+
+from fsdp._common import apply_to_tensors, p_assert
+from fsdp.flat_param.flat_param import FlatParameter, HandleState
+from fsdp.runtime._lazy_init import lazy_init
+from fsdp.runtime._state import RootContext, TrainingState, UnitState, transition
+
+
+def unit_forward(wrapper: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Runs one unit's forward: lazy init (root), unshard, the wrapped module, post-forward."""
+    state = lazy_init(wrapper)
+    if state.is_root:
+        args, kwargs = _root_pre_forward(state, args, kwargs)
+    _pre_forward(state)
+    try:
+        output = wrapper._fsdp_wrapped_module(*args, **kwargs)  # type: ignore[operator]
+    except BaseException:
+        state.training_state = TrainingState.IDLE
+        raise
+    return _post_forward(state, output)
+
+
+def _root_pre_forward(
+    state: UnitState, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Moves forward inputs to the compute device (a no-op when they are already there)."""
+    device = state.compute_device
+
+    def to_device(t: torch.Tensor) -> torch.Tensor:
+        return t if t.device == device else t.to(device, non_blocking=True)
+
+    return apply_to_tensors(to_device, args), apply_to_tensors(to_device, kwargs)
+
+
+def _pre_forward(state: UnitState) -> None:
+    """Postcondition: the unit's parameters are unsharded and its names are views into them."""
+    transition(state, TrainingState.FORWARD)
+    handle = state.handle
+    if handle is not None:
+        handle.unshard()
+        handle.use_unsharded_views()
+
+
+def _post_forward(state: UnitState, output: Any) -> Any:
+    """Reshards per strategy and registers the pre-backward hooks on the outputs.
+
+    The root keeps its parameters unsharded after forward when a backward is expected (it
+    would gather them again at once); every unit reshards when no backward can follow (grad
+    disabled, or no output requires grad), so eval and ``no_grad`` leave nothing behind.
+    """
+    grad_outputs: list[torch.Tensor] = []
+    if torch.is_grad_enabled():
+
+        def collect(t: torch.Tensor) -> torch.Tensor:
+            if t.requires_grad:
+                grad_outputs.append(t)
+            return t
+
+        apply_to_tensors(collect, output)
+    handle = state.handle
+    if handle is not None:
+        expects_backward = bool(grad_outputs)
+        if not expects_backward or (state.reshards_after_forward and not state.is_root):
+            handle.reshard()
+    hook = functools.partial(_pre_backward_hook, state)
+    for t in grad_outputs:
+        t.register_hook(hook)
+    transition(state, TrainingState.IDLE)
+    return output
+
+
+def _queue_final_callback(ctx: RootContext) -> None:
+    if not ctx.final_callback_queued:
+        ctx.final_callback_queued = True
+        Variable._execution_engine.queue_callback(functools.partial(_final_callback, ctx))
+
+
+def _pre_backward_hook(state: UnitState, grad: torch.Tensor) -> torch.Tensor:
+    """Runs when a gradient w.r.t. one of the unit's outputs is ready: unshard for backward.
+
+    Postcondition: the unit's FlatParameter holds the padded unsharded tensor, so the views
+    autograd saved in forward see valid data again.
+    """
+    p_assert(state.ctx is not None, f"unit '{state.unit_name}': backward before lazy init")
+    assert state.ctx is not None
+    _queue_final_callback(state.ctx)
+    if state.ran_pre_backward:
+        return grad
+    state.ran_pre_backward = True
+    transition(state, TrainingState.BACKWARD_PRE)
+    if state.handle is not None:
+        state.handle.unshard()
+    return grad
+
+
+def _pre_accumulate_hook(state: UnitState, grad: torch.Tensor) -> torch.Tensor:
+    """Runs just before autograd accumulates into the FlatParameter: stash the old gradient."""
+    assert state.handle is not None
+    state.handle.stash_sharded_grad()
+    return grad
+
+
+def _post_backward_hook(state: UnitState, flat_param: FlatParameter) -> None:
+    """Runs once the unit's unsharded gradient is accumulated: reduce it, then reshard."""
+    handle = state.handle
+    p_assert(handle is not None, f"unit '{state.unit_name}': post-backward without a handle")
+    assert handle is not None and state.ctx is not None
+    _queue_final_callback(state.ctx)
+    p_assert(
+        handle.state is HandleState.UNSHARDED,
+        f"unit '{state.unit_name}': gradient arrived while the parameters are sharded "
+        f"(the pre-backward hook did not run)",
+    )
+    transition(state, TrainingState.BACKWARD_POST)
+    handle.reduce_grad(sync=state.sync_gradients)
+    if state.reshards_after_backward():
+        handle.reshard()
+
+
+def register_flat_param_hooks(state: UnitState) -> None:
+    """Registers the gradient hooks on the unit's FlatParameter (once, at construction)."""
+    handle = state.handle
+    if handle is None or not handle.flat_param.requires_grad:
+        return
+    handle.flat_param.register_hook(functools.partial(_pre_accumulate_hook, state))
+    handle.flat_param.register_post_accumulate_grad_hook(
+        functools.partial(_post_backward_hook, state)
+    )
+
+
+def _final_callback(ctx: RootContext) -> None:
+    """End of backward: reshard what is still unsharded, set sharded grads, reset states.
+
+    Units whose gradient never arrived (unused outputs, frozen parameters) are resharded here,
+    and keep ``.grad`` as it was.
+    """
+    for state in ctx.states:
+        handle = state.handle
+        if handle is not None:
+            if handle.state is HandleState.UNSHARDED and state.reshards_after_backward():
+                handle.reshard()
+            if handle.state is HandleState.SHARDED or not handle.uses_sharding:
+                handle.finalize_grad()
+        state.ran_pre_backward = False
+        state.training_state = TrainingState.IDLE
+    ctx.final_callback_queued = False

@@ -1,0 +1,70 @@
+"""Root lazy initialization: done once, on the first forward (or first API call) of the root.
+
+The first FSDP instance to run becomes the root unless an FSDP ancestor already claimed it. It
+creates the shared :class:`RootContext`, hands it to every unit in its tree, and names units by
+their qualified names (for messages).
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+from torch import nn
+
+from fsdp._common import clean_fqn
+from fsdp.runtime._state import RootContext, TrainingState, UnitState
+
+
+def is_fsdp(module: nn.Module) -> bool:
+    """Whether ``module`` is an FSDP wrapper (without importing the wrapper class)."""
+    return getattr(type(module), "_is_fsdp_wrapper", False)
+
+
+def named_fsdp_states(module: nn.Module) -> Iterator[tuple[str, nn.Module, UnitState]]:
+    """Yields ``(qualified name, wrapper, state)`` for every FSDP unit in ``module``, pre-order."""
+    for name, sub in module.named_modules():
+        if is_fsdp(sub):
+            yield clean_fqn(name), sub, sub._fsdp_state  # type: ignore[attr-defined]
+
+
+def lazy_init(module: nn.Module) -> UnitState:
+    """Initializes the root's runtime if ``module``'s unit has not been initialized yet.
+
+    Returns:
+        The unit's state, with ``is_root`` and ``ctx`` set.
+    """
+    state: UnitState = module._fsdp_state  # type: ignore[attr-defined]
+    if state.is_root is not None:
+        return state
+    state.is_root = True
+    ctx = RootContext(root=state)
+    for name, _, unit in named_fsdp_states(module):
+        if unit is not state:
+            unit.is_root = False
+        unit.ctx = ctx
+        unit.unit_name = name or "<root>"
+        if unit.handle is not None:
+            unit.handle.unit_name = unit.unit_name
+        ctx.states.append(unit)
+    return state
+
+
+def reset_lazy_init(module: nn.Module) -> None:
+    """Undoes :func:`lazy_init` for ``module``'s tree (so it can be wrapped further)."""
+    for _, _, unit in named_fsdp_states(module):
+        unit.is_root = None
+        unit.ctx = None
+
+
+def check_idle(module: nn.Module, what: str) -> None:
+    """Raises if any unit in ``module``'s root tree is in forward, backward or summon."""
+    state: UnitState = module._fsdp_state  # type: ignore[attr-defined]
+    states = state.ctx.states if state.ctx is not None else [s for _, _, s in named_fsdp_states(module)]
+    busy = [s for s in states if s.training_state is not TrainingState.IDLE]
+    if busy:
+        desc = ", ".join(f"'{s.unit_name}' ({s.training_state.name})" for s in busy)
+        raise RuntimeError(
+            f"fsdp: {what} cannot be called while FSDP units are in forward, backward or "
+            f"summon_full_params: {desc}. Call it between training steps, outside the model's "
+            f"forward and backward."
+        )

@@ -1,0 +1,120 @@
+"""Per-unit runtime state and the context the root shares with every unit.
+
+All fields are declared here, in one place. A unit's training state is an explicit enum whose
+transitions go through :func:`transition`, which checks them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum, auto
+from typing import TYPE_CHECKING, Optional
+
+import torch
+import torch.distributed as dist
+
+from fsdp._common import p_assert
+from fsdp.api import ShardingStrategy
+
+if TYPE_CHECKING:
+    from fsdp.flat_param.flat_param import FlatParamHandle
+
+
+class TrainingState(Enum):
+    """What a unit is doing right now."""
+
+    IDLE = auto()
+    FORWARD = auto()
+    BACKWARD_PRE = auto()
+    BACKWARD_POST = auto()
+    SUMMON_FULL_PARAMS = auto()
+
+
+# Allowed transitions: from -> the states that may follow.
+_TRANSITIONS: dict[TrainingState, frozenset[TrainingState]] = {
+    TrainingState.IDLE: frozenset(
+        {
+            TrainingState.FORWARD,
+            TrainingState.BACKWARD_PRE,
+            TrainingState.BACKWARD_POST,
+            TrainingState.SUMMON_FULL_PARAMS,
+        }
+    ),
+    TrainingState.FORWARD: frozenset({TrainingState.IDLE}),
+    TrainingState.BACKWARD_PRE: frozenset({TrainingState.BACKWARD_POST, TrainingState.IDLE}),
+    TrainingState.BACKWARD_POST: frozenset({TrainingState.BACKWARD_PRE, TrainingState.IDLE}),
+    TrainingState.SUMMON_FULL_PARAMS: frozenset({TrainingState.IDLE}),
+}
+
+
+@dataclass
+class UnitState:
+    """Everything the runtime knows about one FSDP instance.
+
+    Attributes:
+        handle: The unit's FlatParamHandle; None when the unit owns no parameters.
+        process_group: The group parameters are sharded over.
+        rank: This rank in ``process_group``.
+        world_size: Size of ``process_group``.
+        sharding_strategy: The strategy in effect (FULL_SHARD becomes NO_SHARD at world size 1).
+        compute_device: Where the unit computes and its parameters live.
+        unit_name: Qualified name of the wrapped module in the root (set at lazy init).
+        training_state: See :class:`TrainingState`.
+        is_root: None until lazy init, then whether this unit is the root.
+        ctx: The root's shared context (set at lazy init).
+        sync_gradients: False inside ``no_sync``.
+        ran_pre_backward: The pre-backward hook already ran in this backward.
+    """
+
+    handle: Optional["FlatParamHandle"]
+    process_group: dist.ProcessGroup
+    rank: int
+    world_size: int
+    sharding_strategy: ShardingStrategy
+    compute_device: torch.device
+    unit_name: str
+    training_state: TrainingState = TrainingState.IDLE
+    is_root: Optional[bool] = None
+    ctx: Optional["RootContext"] = None
+    sync_gradients: bool = True
+    ran_pre_backward: bool = False
+
+    @property
+    def reshards_after_forward(self) -> bool:
+        """Whether the strategy frees the unsharded parameter between forward and backward."""
+        return self.sharding_strategy is ShardingStrategy.FULL_SHARD
+
+    def reshards_after_backward(self) -> bool:
+        """Whether the unsharded parameter is freed once this unit's backward is done.
+
+        Inside ``no_sync`` SHARD_GRAD_OP keeps it (the next forward needs it again and its
+        gradient stays unsharded anyway); FULL_SHARD always frees.
+        """
+        return self.sync_gradients or self.reshards_after_forward
+
+
+@dataclass
+class RootContext:
+    """State the root owns and shares with every unit in its tree (handed down, never copied).
+
+    Attributes:
+        root: The root unit's state.
+        states: Every unit's state in the tree, root first (pre-order).
+        final_callback_queued: The end-of-backward callback is queued for the running backward.
+    """
+
+    root: UnitState
+    states: list[UnitState] = field(default_factory=list)
+    final_callback_queued: bool = False
+
+
+def transition(state: UnitState, new: TrainingState) -> None:
+    """Moves ``state`` to ``new``, checking that the transition is allowed."""
+    if new is state.training_state:
+        return
+    p_assert(
+        new in _TRANSITIONS[state.training_state],
+        f"unit '{state.unit_name}': invalid training-state transition "
+        f"{state.training_state.name} -> {new.name}",
+    )
+    state.training_state = new

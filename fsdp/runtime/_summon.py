@@ -1,0 +1,203 @@
+"""``summon_full_params``: expose a module's full parameters (and optionally gradients).
+
+Inside the context each unit's FlatParameter is deregistered and its original parameters are
+registered back on their modules as ``nn.Parameter`` views of the unsharded flat tensor, so
+``named_parameters()`` shows the original names and shapes. On exit, changes are written back
+to the local shards (``writeback=True``) and everything is resharded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Optional
+
+import torch
+from torch import nn
+
+from fsdp._common import FLAT_PARAM
+from fsdp.flat_param.flat_param import FlatParamHandle, HandleState
+from fsdp.runtime import _collectives as comm
+from fsdp.runtime._lazy_init import check_idle, is_fsdp, lazy_init, named_fsdp_states
+from fsdp.runtime._state import TrainingState, UnitState, transition
+
+
+def _validate_args(writeback: bool, rank0_only: bool, offload_to_cpu: bool, with_grads: bool) -> None:
+    if writeback and rank0_only:
+        raise ValueError(
+            "fsdp: summon_full_params(writeback=True, rank0_only=True) is not supported: only "
+            "rank 0 would hold full parameters, so ranks would write back different data. Pass "
+            "writeback=False with rank0_only=True, or rank0_only=False to write back."
+        )
+    if with_grads and offload_to_cpu:
+        raise NotImplementedError(
+            "fsdp: summon_full_params(with_grads=True, offload_to_cpu=True) is not supported; "
+            "pass offload_to_cpu=False to see gradients, or with_grads=False to offload."
+        )
+
+
+def _top_level_fsdp(module: nn.Module) -> list[nn.Module]:
+    """FSDP instances in ``module`` that have no FSDP ancestor inside ``module``."""
+    if is_fsdp(module):
+        return [module]
+    result: list[nn.Module] = []
+    for child in module.children():
+        result.extend(_top_level_fsdp(child))
+    return result
+
+
+def _modules_to_summon(module: nn.Module, recurse: bool) -> list[nn.Module]:
+    tops = _top_level_fsdp(module)
+    if not recurse:
+        return tops
+    out: list[nn.Module] = []
+    for top in tops:
+        out.extend(wrapper for _, wrapper, _ in named_fsdp_states(top))
+    return out
+
+
+@contextlib.contextmanager
+def _summon_unit(
+    wrapper: nn.Module,
+    state: UnitState,
+    writeback: bool,
+    rank0_only: bool,
+    offload_to_cpu: bool,
+    with_grads: bool,
+) -> Iterator[None]:
+    if state.training_state is TrainingState.SUMMON_FULL_PARAMS:
+        yield  # already summoned by an enclosing context
+        return
+    if state.handle is None:
+        transition(state, TrainingState.SUMMON_FULL_PARAMS)
+        try:
+            yield
+        finally:
+            state.training_state = TrainingState.IDLE
+        return
+    p_handle: FlatParamHandle = state.handle
+    was_sharded = p_handle.state is HandleState.SHARDED
+    transition(state, TrainingState.SUMMON_FULL_PARAMS)
+    try:
+        p_handle.unshard()
+        full_grad = _gather_grad(p_handle) if with_grads else None
+        if rank0_only and state.rank != 0:
+            # Other ranks took part in the collectives but keep only their shards.
+            if was_sharded:
+                p_handle.reshard()
+            yield
+            return
+        flat = p_handle.flat_param
+        source = flat.data
+        if offload_to_cpu and source.device.type != "cpu":
+            source = source.cpu()
+            if was_sharded:
+                p_handle.reshard()
+        wrapped = wrapper._fsdp_wrapped_module  # type: ignore[attr-defined]
+        wrapped._parameters.pop(FLAT_PARAM)
+        views = p_handle.unsharded_views(source)
+        params = [nn.Parameter(v, requires_grad=flat.requires_grad) for v in views]
+        if full_grad is not None:
+            for param, grad_view in zip(params, p_handle.unsharded_views(full_grad)):
+                param.grad = grad_view
+        _register(p_handle, params)
+        try:
+            yield
+        finally:
+            if writeback:
+                _write_back(p_handle, params, source)
+            _deregister(p_handle)
+            wrapped.register_parameter(FLAT_PARAM, flat)
+    finally:
+        if was_sharded:
+            p_handle.reshard()
+        elif p_handle.state is HandleState.UNSHARDED:
+            p_handle.use_unsharded_views()
+        state.training_state = TrainingState.IDLE
+
+
+def _gather_grad(handle: FlatParamHandle) -> Optional[torch.Tensor]:
+    grad = handle.flat_param.grad
+    if grad is None:
+        return None
+    if not handle.uses_sharding:
+        return grad
+    full = torch.empty(handle.padded_unsharded_numel, dtype=grad.dtype, device=grad.device)
+    comm.all_gather_flat(full, grad, handle.process_group)
+    return full
+
+
+def _register(handle: FlatParamHandle, params: list[nn.Parameter]) -> None:
+    for info, param in zip(handle.param_infos, params):
+        info.module.__dict__.pop(info.param_name, None)
+        info.module._parameters[info.param_name] = param
+    for shared in handle.shared_param_infos:
+        shared.module.__dict__.pop(shared.param_name, None)
+        shared.module._parameters[shared.param_name] = params[shared.prim_index]
+
+
+def _deregister(handle: FlatParamHandle) -> None:
+    for info in handle.param_infos:
+        info.module._parameters.pop(info.param_name, None)
+    for shared in handle.shared_param_infos:
+        shared.module._parameters.pop(shared.param_name, None)
+
+
+def _write_back(handle: FlatParamHandle, params: list[nn.Parameter], source: torch.Tensor) -> None:
+    """Copies changes made inside the context into the local shard.
+
+    In-place changes already live in ``source``. A parameter whose ``.data`` or module
+    attribute was replaced is copied in as well (torch FSDP1 silently drops those).
+    """
+    views = handle.unsharded_views(source)
+    with torch.no_grad():
+        for info, param, view in zip(handle.param_infos, params, views):
+            current = info.module._parameters.get(info.param_name, getattr(info.module, info.param_name, None))
+            if current is None:
+                current = param
+            if current.data_ptr() != view.data_ptr():
+                if current.shape != view.shape:
+                    raise ValueError(
+                        f"fsdp: summon_full_params writeback: '{info.fqn}' was given shape "
+                        f"{tuple(current.shape)} but the flat parameter stores {tuple(view.shape)}; "
+                        f"keep parameter shapes unchanged (copy into it in place instead)."
+                    )
+                view.copy_(current.detach().to(view.device))
+        handle.write_back_shard(source)
+
+
+@contextlib.contextmanager
+def summon_full_params(
+    module: nn.Module,
+    recurse: bool = True,
+    writeback: bool = True,
+    rank0_only: bool = False,
+    offload_to_cpu: bool = False,
+    with_grads: bool = False,
+) -> Iterator[None]:
+    """See :meth:`fsdp.FullyShardedDataParallel.summon_full_params`."""
+    _validate_args(writeback, rank0_only, offload_to_cpu, with_grads)
+    wrappers = _modules_to_summon(module, recurse)
+    for top in _top_level_fsdp(module):
+        root = lazy_init(top)
+        if root.ctx is not None:
+            check_idle_except_summon(top)
+    with contextlib.ExitStack() as stack:
+        for wrapper in wrappers:
+            state: UnitState = wrapper._fsdp_state  # type: ignore[attr-defined]
+            stack.enter_context(
+                _summon_unit(wrapper, state, writeback, rank0_only, offload_to_cpu, with_grads)
+            )
+        yield
+
+
+def check_idle_except_summon(module: nn.Module) -> None:
+    """Raises if a unit of ``module``'s tree is in forward or backward (summon may nest)."""
+    state: UnitState = module._fsdp_state  # type: ignore[attr-defined]
+    assert state.ctx is not None
+    busy = [
+        s
+        for s in state.ctx.states
+        if s.training_state not in (TrainingState.IDLE, TrainingState.SUMMON_FULL_PARAMS)
+    ]
+    if busy:
+        check_idle(module, "summon_full_params()")

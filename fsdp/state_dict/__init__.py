@@ -1,0 +1,1 @@
+"""state_dict package of fsdp."""

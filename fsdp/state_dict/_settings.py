@@ -1,0 +1,81 @@
+"""``state_dict_type`` bookkeeping: which kind of state dict each unit produces and takes."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from torch import nn
+
+from fsdp.api import (
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    LocalOptimStateDictConfig,
+    LocalStateDictConfig,
+    OptimStateDictConfig,
+    ShardedOptimStateDictConfig,
+    ShardedStateDictConfig,
+    StateDictConfig,
+    StateDictSettings,
+    StateDictType,
+)
+
+_CONFIG_TYPES: dict[StateDictType, tuple[type, type]] = {
+    StateDictType.FULL_STATE_DICT: (FullStateDictConfig, FullOptimStateDictConfig),
+    StateDictType.SHARDED_STATE_DICT: (ShardedStateDictConfig, ShardedOptimStateDictConfig),
+    StateDictType.LOCAL_STATE_DICT: (LocalStateDictConfig, LocalOptimStateDictConfig),
+}
+
+
+def default_settings() -> StateDictSettings:
+    """The settings a new unit starts with (FULL_STATE_DICT, default configs), as in torch."""
+    return StateDictSettings(
+        StateDictType.FULL_STATE_DICT, FullStateDictConfig(), FullOptimStateDictConfig()
+    )
+
+
+def _check_config(kind: str, config: object, expected: type, state_dict_type: StateDictType) -> None:
+    if type(config) is not expected:
+        raise ValueError(
+            f"fsdp: {kind} must be a {expected.__name__} for {state_dict_type}, got "
+            f"{type(config).__name__}. Pass {expected.__name__}(...) or None for the default."
+        )
+
+
+def set_state_dict_type(
+    modules: Sequence[nn.Module],
+    state_dict_type: StateDictType,
+    state_dict_config: Optional[StateDictConfig],
+    optim_state_dict_config: Optional[OptimStateDictConfig],
+) -> StateDictSettings:
+    """Sets the settings on every unit in ``modules``; returns the previous (common) settings."""
+    if not isinstance(state_dict_type, StateDictType):
+        raise TypeError(f"fsdp: state_dict_type must be a StateDictType, got {state_dict_type!r}")
+    config_type, optim_config_type = _CONFIG_TYPES[state_dict_type]
+    if state_dict_config is None:
+        state_dict_config = config_type()
+    if optim_state_dict_config is None:
+        optim_state_dict_config = optim_config_type()
+    _check_config("state_dict_config", state_dict_config, config_type, state_dict_type)
+    _check_config(
+        "optim_state_dict_config", optim_state_dict_config, optim_config_type, state_dict_type
+    )
+    previous = get_state_dict_type(modules)
+    new = StateDictSettings(state_dict_type, state_dict_config, optim_state_dict_config)
+    for module in modules:
+        module._state_dict_settings = new  # type: ignore[assignment]
+    return previous
+
+
+def get_state_dict_type(modules: Sequence[nn.Module]) -> StateDictSettings:
+    """Returns the settings shared by every unit in ``modules``."""
+    if not modules:
+        raise ValueError("fsdp: the module contains no FullyShardedDataParallel instance")
+    settings = [m._state_dict_settings for m in modules]  # type: ignore[attr-defined]
+    first = settings[0]
+    for other in settings[1:]:
+        if other != first:
+            raise ValueError(
+                f"fsdp: FSDP units disagree on their state_dict settings ({first} vs {other}); "
+                f"set them once on the root with FullyShardedDataParallel.set_state_dict_type."
+            )
+    return first

@@ -1,0 +1,23 @@
+"""Packaging for ``fsdp``: a standalone FSDP1-style fully sharded data-parallel library."""
+
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+_README = Path(__file__).with_name("README.md")
+
+setup(
+    name="fsdp",
+    version="0.1.0",
+    description="Fully sharded data parallel (FlatParameter / wrapper-module design) for PyTorch",
+    long_description=_README.read_text(encoding="utf-8") if _README.exists() else "",
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["fsdp", "fsdp.*"]),
+    package_data={"fsdp": ["py.typed"], "fsdp.examples": ["data/*.txt"]},
+    include_package_data=True,
+    python_requires=">=3.10",
+    # torch is pinned by the README / CI commands (``pip install torch==2.13.0`` first); the
+    # range here is one that 2.13.0 satisfies (and the one we test) so that installing fsdp never pulls another build.
+    install_requires=["torch>=2.13", "typing-extensions>=4.0", "packaging>=21.0"],
+    extras_require={"test": ["pytest>=7"]},
+)
