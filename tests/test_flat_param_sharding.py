@@ -1,0 +1,80 @@
+"""Pure sharding arithmetic (no process group): padding, shard bounds, slices, divide factors."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from fsdp.flat_param._sharding import (
+    ParamShardSlice,
+    gradient_divide_factors,
+    padded_unsharded_numel,
+    param_slices_in_shard,
+    shard_bounds,
+    sharded_numel,
+)
+
+
+@pytest.mark.parametrize("numel,world_size,expected", [(7, 3, 9), (8, 4, 8), (1, 4, 4), (0, 2, 0), (5, 1, 5)])
+def test_padded_numel(numel: int, world_size: int, expected: int) -> None:
+    assert padded_unsharded_numel(numel, world_size) == expected
+    assert sharded_numel(numel, world_size) * world_size == expected
+
+
+def test_docstring_example() -> None:
+    assert param_slices_in_shard([3, 4], 0, 3) == [ParamShardSlice(0, 0, 3, 0)]
+    assert param_slices_in_shard([3, 4], 1, 3) == [ParamShardSlice(1, 0, 3, 0)]
+    assert param_slices_in_shard([3, 4], 2, 3) == [ParamShardSlice(1, 3, 1, 0)]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("numels", [[3, 4], [1], [5, 1, 9, 2], [12], [1, 1, 1]])
+def test_slices_reassemble_the_flat_tensor(numels: list[int], world_size: int) -> None:
+    """Every element of every parameter lands in exactly one rank's shard, at the right place."""
+    flat = torch.arange(1, sum(numels) + 1)
+    padded = torch.cat([flat, flat.new_zeros(padded_unsharded_numel(flat.numel(), world_size) - flat.numel())])
+    params = list(torch.split(flat, numels))
+    seen = [torch.zeros(n, dtype=torch.long) for n in numels]
+    for rank in range(world_size):
+        start, end = shard_bounds(flat.numel(), rank, world_size)
+        shard = padded[start:end]
+        for s in param_slices_in_shard(numels, rank, world_size):
+            piece = params[s.param_index][s.offset_in_param : s.offset_in_param + s.numel]
+            assert torch.equal(shard[s.offset_in_shard : s.offset_in_shard + s.numel], piece)
+            seen[s.param_index][s.offset_in_param : s.offset_in_param + s.numel] += 1
+    assert all(torch.equal(c, torch.ones_like(c)) for c in seen)
+
+
+def test_shard_bounds_rejects_bad_rank() -> None:
+    with pytest.raises(ValueError, match=r"rank must be in \[0, 2\), got 2"):
+        shard_bounds(5, 2, 2)
+    with pytest.raises(ValueError, match="world_size must be >= 1"):
+        padded_unsharded_numel(5, 0)
+
+
+@pytest.mark.parametrize("world_size", range(1, 65))
+def test_divide_factors_match_torch_rule(world_size: int) -> None:
+    """pre doubles while world_size % pre == 0 and world_size / pre > pre; pre * post == world_size."""
+    pre, post = gradient_divide_factors(world_size)
+    expected = 1
+    while world_size % expected == 0 and world_size / expected > expected:
+        expected *= 2
+    assert pre == expected
+    assert pre * post == pytest.approx(world_size)
+
+
+def test_divide_factors_known_values() -> None:
+    assert [gradient_divide_factors(n) for n in (1, 2, 4, 8, 16)] == [
+        (1.0, 1.0), (2.0, 1.0), (2.0, 2.0), (4.0, 2.0), (4.0, 4.0)
+    ]
+
+
+def test_divide_factors_agree_with_torch() -> None:
+    from torch.distributed.algorithms._comm_hooks.default_hooks import DefaultState  # oracle
+
+    _get_gradient_predivide_factor = DefaultState._get_gradient_predivide_factor
+
+    for n in itertools.chain(range(1, 33), [48, 64, 96, 128, 1000]):
+        assert gradient_divide_factors(n)[0] == _get_gradient_predivide_factor(n)
