@@ -1,0 +1,105 @@
+"""Communication is exactly what the strategy needs, and resharding really frees memory."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests._comm_count import count_collectives
+from tests._harness import RankPool
+from tests._models import global_batch, lm_loss, local_rows, make_toy
+from tests.test_parity import _wrap
+
+
+def _one_step(model: torch.nn.Module, step: int = 0) -> None:
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    tokens, targets = global_batch(step, ws)
+    lm_loss(model(local_rows(tokens, rank, ws)), local_rows(targets, rank, ws)).backward()
+
+
+def step_counts(strategy: str, freeze_block: bool) -> dict[str, Any]:
+    from fsdp import FullyShardedDataParallel as FSDP
+
+    result: dict[str, Any] = {}
+    for lib in ("ours", "torch"):
+        model = make_toy()
+        if freeze_block:
+            model.blocks[1].requires_grad_(False)
+        model = _wrap(lib, model, strategy, "module")
+        _one_step(model)  # warm-up: lazy init, first-iteration bookkeeping
+        with count_collectives() as counts:
+            _one_step(model, 1)
+        result[lib] = (dict(counts.calls), dict(counts.bytes))
+        if lib == "ours":
+            handles = [m._fsdp_state.handle for m in FSDP.fsdp_modules(model)]
+            result["padded_bytes"] = [h.padded_unsharded_numel * 4 for h in handles]
+            result["sharded_bytes"] = [h.sharded_numel * 4 for h in handles]
+    return result
+
+
+@pytest.mark.parametrize("freeze_block", [False, True])
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
+@pytest.mark.parametrize("dist_pool", [2, 4], indirect=True)
+def test_collectives_per_step(dist_pool: RankPool, strategy: str, freeze_block: bool) -> None:
+    res = dist_pool.run(step_counts, strategy, freeze_block)[0]
+    calls, nbytes = res["ours"]
+    padded = res["padded_bytes"]  # root unit first, then the 3 blocks
+    root, blocks = padded[0], padded[1:]
+    trained_blocks = [b for i, b in enumerate(blocks) if not (freeze_block and i == 1)]
+    trained = [root] + trained_blocks
+    if strategy == "FULL_SHARD":
+        # Each non-root unit twice (forward, backward); the root once: it stays unsharded from
+        # its forward into its backward, as in torch FSDP1.
+        expected_calls = {"all_gather": 2 * len(blocks) + 1, "reduce_scatter": len(trained)}
+        expected_bytes = {"all_gather": 2 * sum(blocks) + root, "reduce_scatter": sum(res["sharded_bytes"][i] for i in range(len(padded)) if not (freeze_block and i == 2))}
+    elif strategy == "SHARD_GRAD_OP":
+        expected_calls = {"all_gather": len(padded), "reduce_scatter": len(trained)}
+        expected_bytes = {"all_gather": sum(padded), "reduce_scatter": sum(res["sharded_bytes"][i] for i in range(len(padded)) if not (freeze_block and i == 2))}
+    else:
+        expected_calls = {"all_reduce": len(trained)}
+        expected_bytes = {"all_reduce": sum(trained)}
+    assert calls == expected_calls
+    assert nbytes == expected_bytes
+    # torch FSDP1 issues the same collectives with the same sizes.
+    assert res["torch"] == res["ours"]
+
+
+def memory_lifecycle(strategy: str) -> None:
+    from fsdp import FullyShardedDataParallel as FSDP
+
+    model = _wrap("ours", make_toy(), strategy, "module")
+    units = FSDP.fsdp_modules(model)
+    root, blocks = units[0], units[1:]
+
+    def nbytes(unit: Any) -> int:
+        return unit._fsdp_state.handle.unsharded_storage_nbytes()
+
+    assert all(nbytes(u) == 0 for u in units), "nothing is unsharded before the first forward"
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    tokens, targets = global_batch(0, ws)
+    loss = lm_loss(model(local_rows(tokens, rank, ws)), local_rows(targets, rank, ws))
+    if strategy == "FULL_SHARD":
+        assert all(nbytes(b) == 0 for b in blocks), "FULL_SHARD frees non-root units after forward"
+        assert nbytes(root) > 0, "the root stays unsharded for its backward"
+    else:
+        assert all(nbytes(u) == u._fsdp_state.handle.padded_unsharded_numel * 4 for u in units)
+    loss.backward()
+    for unit in units:
+        handle = unit._fsdp_state.handle
+        assert nbytes(unit) == 0, f"{unit._fsdp_state.unit_name} still holds unsharded storage"
+        assert handle.flat_param.numel() == handle.sharded_numel
+        assert handle.flat_param.grad.shape == (handle.sharded_numel,)
+    # eval / no_grad: forward frees everything and leaves no backward state behind.
+    model.eval()
+    with torch.no_grad():
+        model(local_rows(tokens, rank, ws))
+    assert all(nbytes(u) == 0 for u in units)
+    assert all(u.training_state.name == "IDLE" for u in units)
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
+def test_memory_lifecycle(pool2: RankPool, strategy: str) -> None:
+    pool2.run(memory_lifecycle, strategy)

@@ -1,0 +1,131 @@
+"""Runtime edge cases, each against torch FSDP1 and single-process training.
+
+A unit run twice per forward, outputs unused by the loss, frozen units, eval/no_grad between
+steps, structured (dict / namedtuple) inputs, and the wrapper's module plumbing.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tests._harness import RankPool
+from tests._models import DIM, VOCAB, Block, global_batch, lm_loss, local_rows
+from tests.test_parity import _full_params
+
+
+class Inputs(NamedTuple):
+    tokens: torch.Tensor
+    scale: float
+
+
+class Twice(nn.Module):
+    """Runs ``shared`` twice per forward; ``aux`` produces an output the loss ignores."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.shared = Block()
+        self.aux = Block()
+        self.frozen = Block()
+        self.frozen.requires_grad_(False)
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs: Inputs = batch["inputs"]
+        x = self.embed(inputs.tokens) * inputs.scale
+        x = self.shared(self.frozen(self.shared(x)))
+        return self.head(x), self.aux(x)
+
+
+def _make(lib: str, strategy: str) -> nn.Module:
+    torch.manual_seed(0)
+    model = Twice()
+    if lib == "ref":
+        return model
+    if lib == "ours":
+        from fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
+        from fsdp.wrap import ModuleWrapPolicy
+
+        extra: dict[str, Any] = {}
+    else:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP  # type: ignore[no-redef]
+        from torch.distributed.fsdp import ShardingStrategy  # type: ignore[no-redef]
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy  # type: ignore[no-redef]
+
+        extra = {"device_id": torch.device("cpu")}
+    return FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}), sharding_strategy=ShardingStrategy[strategy], **extra)
+
+
+def edge_cases(strategy: str, steps: int = 3) -> None:
+    from fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    models = [_make(lib, strategy) for lib in ("ref", "ours", "torch")]
+    opts = [torch.optim.SGD((p for p in m.parameters() if p.requires_grad), lr=0.1, momentum=0.9) for m in models]
+    for step in range(steps):
+        tokens, targets = global_batch(step, ws)
+        for i, (model, opt) in enumerate(zip(models, opts)):
+            x, y = (tokens, targets) if i == 0 else (local_rows(tokens, rank, ws), local_rows(targets, rank, ws))
+            logits, _aux = model({"inputs": Inputs(x, 0.5)})
+            lm_loss(logits, y).backward()  # aux is unused: its unit gets no gradient
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        # Evaluation between steps, under no_grad and eval(): must leave no state behind.
+        for model in models[1:]:
+            model.eval()
+            with torch.no_grad():
+                model({"inputs": Inputs(local_rows(tokens, rank, ws), 0.5)})
+            model.train()
+    ours = [m for m in FSDP.fsdp_modules(models[1])]
+    for unit in ours:
+        assert unit.training_state.name == "IDLE"
+        assert unit._fsdp_state.handle is None or unit._fsdp_state.handle.unsharded_storage_nbytes() == 0 or strategy == "NO_SHARD"
+    aux = models[1].aux._fsdp_state.handle.flat_param
+    frozen = models[1].frozen._fsdp_state.handle.flat_param
+    assert aux.grad is None and frozen.grad is None and not frozen.requires_grad
+    mine, theirs = _full_params(models[1], FSDP), _full_params(models[2], TorchFSDP)
+    ref = dict(models[0].named_parameters())
+    assert list(mine) == list(theirs) == list(ref)
+    for name in mine:
+        assert torch.equal(mine[name], theirs[name]), name
+        torch.testing.assert_close(mine[name], ref[name].detach(), rtol=2e-5, atol=2e-6, msg=name)
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
+@pytest.mark.parametrize("dist_pool", [2, 3], indirect=True)
+def test_edge_cases(dist_pool: RankPool, strategy: str) -> None:
+    dist_pool.run(edge_cases, strategy)
+
+
+def plumbing() -> None:
+    from fsdp import FullyShardedDataParallel as FSDP
+    from fsdp.wrap import ModuleWrapPolicy
+
+    torch.manual_seed(0)
+    inner = nn.Sequential(Block(), Block(), nn.Linear(DIM, 3))
+    inner.custom_attribute = "hello"  # type: ignore[assignment]
+    model = FSDP(inner, auto_wrap_policy=ModuleWrapPolicy({Block}))
+    assert model.module is inner
+    assert model.custom_attribute == "hello"  # attribute forwarding
+    assert isinstance(model[0], FSDP) and model[0].module.__class__ is Block  # __getitem__ forwarding
+    assert model[2] is inner[2]
+    assert [type(m.module).__name__ for m in FSDP.fsdp_modules(model)] == ["Sequential", "Block", "Block"]
+    assert FSDP.fsdp_modules(model, root_only=True) == [model]
+    assert model.check_is_root() and not model[0].check_is_root()
+    # Outside summon_full_params names carry the wrapper prefixes (as in torch FSDP1).
+    names = [n for n, _ in model.named_parameters()]
+    assert names == [
+        "_fsdp_wrapped_module._flat_param",
+        "_fsdp_wrapped_module.0._fsdp_wrapped_module._flat_param",
+        "_fsdp_wrapped_module.1._fsdp_wrapped_module._flat_param",
+    ]
+
+
+def test_plumbing(pool2: RankPool) -> None:
+    pool2.run(plumbing)
