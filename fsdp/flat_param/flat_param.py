@@ -253,6 +253,7 @@ class FlatParamHandle:
         self._unsynced_unsharded_grad: Optional[torch.Tensor] = None
         self._pending_sharded_grad: Optional[torch.Tensor] = None
 
+        self._placeholders: Optional[list[_ShardedParamPlaceholder]] = None
         for info in self.param_infos:
             info.module._parameters.pop(info.param_name, None)
         for shared in self.shared_param_infos:
@@ -357,10 +358,12 @@ class FlatParamHandle:
 
     def use_sharded_views(self) -> None:
         """Points each original parameter name at a placeholder that raises when used."""
-        placeholders = [
-            _ShardedParamPlaceholder.make(self, info.fqn, info.module_name, self.dtype)
-            for info in self.param_infos
-        ]
+        if self._placeholders is None:  # made once: they hold no data and never change
+            self._placeholders = [
+                _ShardedParamPlaceholder.make(self, info.fqn, info.module_name, self.dtype)
+                for info in self.param_infos
+            ]
+        placeholders = self._placeholders
         for info, placeholder in zip(self.param_infos, placeholders):
             _set_module_tensor(info.module, info.param_name, placeholder)
         for shared in self.shared_param_infos:

@@ -1,0 +1,281 @@
+"""Train a small character-level GPT with ``fsdp.FullyShardedDataParallel``.
+
+Run ``python -m fsdp.examples.train``. With no launcher it starts ``--nprocs`` (default 2) local
+CPU ranks itself (``torch.multiprocessing`` spawn, gloo, rendezvous on 127.0.0.1 at a free port).
+Under ``torchrun`` (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` set) it joins that
+rendezvous instead, using NCCL and ``device_id=cuda:LOCAL_RANK`` when CUDA is available and gloo
+on CPU otherwise::
+
+    torchrun --nproc_per_node=8 -m fsdp.examples.train --model small --strategy SHARD_GRAD_OP
+
+Each block of the model is one FSDP unit (``ModuleWrapPolicy({Block})``); the optimizer is AdamW
+with a warmup + cosine learning-rate schedule and ``clip_grad_norm_(1.0)``. Rank 0 logs the loss
+(averaged over ranks), the global tokens/s and each rank's memory, then prints a summary. The exit
+status is non-zero when the smoothed loss did not fall, so the command doubles as an end-to-end
+check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import resource
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from fsdp.examples.data import CharTokenizer, load_corpus, sample_batch
+from fsdp.examples.model import GPT, PRESETS, Block, GPTConfig
+
+if os.environ.get("TMP_EXAMPLE_USE_TORCH_FSDP"):  # TEMPORARY-SWITCH (remove)
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP  # TEMPORARY-SWITCH
+    from torch.distributed.fsdp import ShardingStrategy  # TEMPORARY-SWITCH
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy  # TEMPORARY-SWITCH
+else:  # TEMPORARY-SWITCH
+    from fsdp import FullyShardedDataParallel as FSDP
+    from fsdp import ShardingStrategy
+    from fsdp.wrap import ModuleWrapPolicy
+
+if TYPE_CHECKING:
+    from multiprocessing.sharedctypes import Synchronized
+
+__all__ = ["parse_args", "main", "train_worker"]
+
+#: Strategies the example accepts (the hybrid ones need a 2-D process layout).
+STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
+#: The loss counts as "fallen" when the smoothed last loss is below this fraction of the first.
+REQUIRED_LOSS_RATIO = 0.99
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """Parse the command line (see ``python -m fsdp.examples.train --help``)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m fsdp.examples.train",
+        description="Train a character-level GPT with fsdp.FullyShardedDataParallel.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "--nprocs", type=int, default=2, help="local CPU ranks to spawn (ignored under torchrun)"
+    )
+    parser.add_argument("--steps", type=int, default=300, help="optimizer steps")
+    parser.add_argument("--strategy", choices=STRATEGIES, default="FULL_SHARD", help="sharding strategy")
+    parser.add_argument("--model", choices=sorted(PRESETS), default="tiny", help="model size preset")
+    parser.add_argument("--batch-size", type=int, default=16, help="sequences per rank per step")
+    parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
+    parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    parser.add_argument("--seed", type=int, default=0, help="seed for init and data")
+    parser.add_argument("--log-every", type=int, default=10, help="log every N steps")
+    args = parser.parse_args(argv)
+    if args.steps < 2:
+        parser.error("--steps must be at least 2 (the loss must be able to fall)")
+    for name in ("nprocs", "batch_size", "seq_len", "log_every"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be positive")
+    if args.lr <= 0:
+        parser.error("--lr must be positive")
+    return args
+
+
+def _launched_by_torchrun() -> bool:
+    return all(v in os.environ for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"))
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _rss_mib() -> float:
+    """Current resident set size of this process in MiB (peak RSS where /proc is missing)."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as f:
+            pages = int(f.read().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        return _peak_rss_mib()
+
+
+def _peak_rss_mib() -> float:
+    """Peak resident set size of this process in MiB."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # bytes on macOS, KiB else
+
+
+def _fmt_mib(values: Sequence[float]) -> str:
+    return "[" + ", ".join(f"{v:.0f}" for v in values) + "]"
+
+
+@dataclass
+class _StepRecord:
+    loss: float  # averaged over ranks
+    seconds: float  # wall time of the step on rank 0 (ranks are synchronised every step)
+
+
+def _lr_factor(step: int, total: int) -> float:
+    """Linear warmup over the first ~5% of steps, then cosine decay to 10% of the peak."""
+    warmup = max(1, min(20, total // 20))
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def train_worker(rank: int, world_size: int, local_rank: int, args: argparse.Namespace, init_method: str) -> bool:
+    """Join the process group, train, and return whether the loss fell (same answer on all ranks)."""
+    torch.set_num_threads(1)
+    use_cuda = _launched_by_torchrun() and torch.cuda.is_available()
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    backend = "nccl" if use_cuda else "gloo"
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+    try:
+        return _train(rank, world_size, device, backend, args)
+    finally:
+        dist.destroy_process_group()
+
+
+def _train(rank: int, world_size: int, device: torch.device, backend: str, args: argparse.Namespace) -> bool:
+    start = time.perf_counter()
+    text = load_corpus()
+    tokenizer = CharTokenizer(text)
+    data = tokenizer.encode_tensor(text)
+
+    torch.manual_seed(args.seed)  # identical initial weights on every rank
+    config = GPTConfig.from_preset(args.model, vocab_size=tokenizer.vocab_size, block_size=args.seq_len)
+    model = GPT(config)
+    n_params = model.num_parameters()
+    strategy = ShardingStrategy[args.strategy]
+    model = FSDP(
+        model,
+        auto_wrap_policy=ModuleWrapPolicy({Block}),
+        sharding_strategy=strategy,
+        # torch's FSDP1 needs device_id=cpu to train on CPU (without it, it looks for an
+        # accelerator); fsdp accepts the same.
+        device_id=device,
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(s, args.steps))
+
+    tokens_per_step = args.batch_size * args.seq_len * world_size
+    if rank == 0:
+        print(
+            f"fsdp example: model {args.model} ({n_params / 1e6:.2f}M params, {config.n_layer} blocks, "
+            f"d_model {config.d_model}), vocab {tokenizer.vocab_size}, corpus {data.numel():,} chars\n"
+            f"  {world_size} ranks ({backend}, {device.type}), strategy {strategy.name}, "
+            f"batch {args.batch_size}x{args.seq_len} per rank ({tokens_per_step:,} tokens/step), "
+            f"lr {args.lr:g}, {args.steps} steps",
+            flush=True,
+        )
+
+    records: List[_StepRecord] = []
+    model.train()
+    train_start = time.perf_counter()
+    for step in range(args.steps):
+        t0 = time.perf_counter()
+        inputs, targets = sample_batch(
+            data, args.batch_size, args.seq_len, seed=args.seed, rank=rank, step=step
+        )
+        inputs, targets = inputs.to(device), targets.to(device)
+        logits = model(inputs)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = model.clip_grad_norm_(1.0)
+        optimizer.step()
+        scheduler.step()
+
+        # One collective per step: every rank's (loss, RSS, CUDA peak), gathered on all ranks.
+        cuda_peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else 0.0
+        local = torch.tensor([loss.item(), _rss_mib(), cuda_peak], dtype=torch.float64, device=device)
+        gathered = [torch.empty_like(local) for _ in range(world_size)]
+        dist.all_gather(gathered, local)
+        per_rank = torch.stack(gathered).cpu()
+        seconds = time.perf_counter() - t0
+        records.append(_StepRecord(loss=per_rank[:, 0].mean().item(), seconds=seconds))
+
+        if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
+            line = (
+                f"step {step + 1:>5}/{args.steps} | loss {records[-1].loss:.4f} | "
+                f"grad norm {float(grad_norm):.3f} | lr {scheduler.get_last_lr()[0]:.2e} | "
+                f"{tokens_per_step / seconds:>9,.0f} tok/s | rss MiB {_fmt_mib(per_rank[:, 1].tolist())}"
+            )
+            if device.type == "cuda":
+                line += f" | cuda max MiB {_fmt_mib(per_rank[:, 2].tolist())}"
+            print(line, flush=True)
+
+    train_seconds = time.perf_counter() - train_start
+    # Peak memory of every rank (gathered on all ranks; printed by rank 0).
+    cuda_peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else 0.0
+    local = torch.tensor([_peak_rss_mib(), cuda_peak], dtype=torch.float64, device=device)
+    gathered = [torch.empty_like(local) for _ in range(world_size)]
+    dist.all_gather(gathered, local)
+    peaks = torch.stack(gathered).cpu()
+
+    window = max(1, min(10, args.steps // 10))
+    first = sum(r.loss for r in records[:window]) / window
+    last = sum(r.loss for r in records[-window:]) / window
+    fell = math.isfinite(last) and last < first * REQUIRED_LOSS_RATIO
+    if rank == 0:
+        total_tokens = tokens_per_step * args.steps
+        print(
+            f"summary ({strategy.name}, {world_size} ranks, {args.model} model):\n"
+            f"  loss           {first:.4f} (mean of first {window} steps) -> {last:.4f} "
+            f"(mean of last {window} steps)\n"
+            f"  throughput     {total_tokens / train_seconds:,.0f} tok/s mean (global), "
+            f"{train_seconds / args.steps * 1e3:.0f} ms/step\n"
+            f"  time           {train_seconds:.1f} s training, {time.perf_counter() - start:.1f} s in rank 0\n"
+            f"  peak rss MiB   {_fmt_mib(peaks[:, 0].tolist())} (per rank)",
+            flush=True,
+        )
+        if device.type == "cuda":
+            print(f"  peak cuda MiB  {_fmt_mib(peaks[:, 1].tolist())} (per rank, max allocated)", flush=True)
+        if fell:
+            print(f"OK: loss fell from {first:.4f} to {last:.4f}", flush=True)
+        else:
+            print(
+                f"FAILED: loss did not fall (first {first:.4f}, last {last:.4f}; "
+                f"required last < {REQUIRED_LOSS_RATIO} x first)",
+                flush=True,
+            )
+    return fell
+
+
+def _spawn_entry(
+    rank: int, world_size: int, port: int, args: argparse.Namespace, verdict: Synchronized[int]
+) -> None:
+    """``mp.spawn`` target: run one local rank; rank 0 stores whether the loss fell."""
+    fell = train_worker(rank, world_size, rank, args, init_method=f"tcp://127.0.0.1:{port}")
+    if rank == 0:
+        verdict.value = 1 if fell else 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point; returns the process exit status (0 when the loss fell)."""
+    args = parse_args(argv)
+    if _launched_by_torchrun():
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        local_rank = int(os.environ["LOCAL_RANK"])
+        fell = train_worker(rank, world_size, local_rank, args, init_method="env://")
+        return 0 if fell else 1
+
+    start = time.perf_counter()
+    verdict = mp.get_context("spawn").Value("i", -1)
+    mp.spawn(_spawn_entry, args=(args.nprocs, _free_port(), args, verdict), nprocs=args.nprocs, join=True)
+    print(f"total wall time (including process start-up): {time.perf_counter() - start:.1f} s", flush=True)
+    return 0 if verdict.value == 1 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
