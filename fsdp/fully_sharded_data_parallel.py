@@ -112,7 +112,7 @@ class FullyShardedDataParallel(nn.Module):
             ignored_states=ignored_states,
         )
         group = resolve_process_group(process_group, device_mesh)
-        device = resolve_compute_device(module, device_id)
+        device = resolve_compute_device(module, device_id, dist.get_backend(group))
         rank, world_size = dist.get_rank(group), dist.get_world_size(group)
         strategy = sharding_strategy or ShardingStrategy.FULL_SHARD
         if world_size == 1:
@@ -237,7 +237,7 @@ class FullyShardedDataParallel(nn.Module):
     def apply(self, fn: Callable[[nn.Module], None]) -> "FullyShardedDataParallel":
         """Applies ``fn`` to every submodule with full parameters gathered (and written back)."""
         uninitialized = self._fsdp_state.is_root is None
-        check_idle(self, "apply()")
+        check_idle(self, "apply()", allow_summon=True)
         with _summon_full_params(self, recurse=False, writeback=True):
             ret = super().apply(fn)
         if uninitialized:

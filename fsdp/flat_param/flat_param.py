@@ -377,14 +377,17 @@ class FlatParamHandle:
         """Views of a padded unsharded flat tensor shaped like the original parameters."""
         return self._unsharded_views(source)
 
+    def local_slice(self, padded_unsharded: torch.Tensor) -> torch.Tensor:
+        """This rank's shard-sized slice of a padded unsharded flat tensor."""
+        if not self.uses_sharding:
+            return padded_unsharded
+        start, end = shard_bounds(self.unpadded_unsharded_numel, self.rank, self.world_size)
+        return padded_unsharded[start:end]
+
     def write_back_shard(self, padded_unsharded: torch.Tensor) -> None:
         """Copies this rank's slice of ``padded_unsharded`` into the local shard."""
-        if not self.uses_sharding:
-            if padded_unsharded.data_ptr() != self._local_shard.data_ptr():
-                self._local_shard.copy_(padded_unsharded)
-            return
-        start, end = shard_bounds(self.unpadded_unsharded_numel, self.rank, self.world_size)
-        self._local_shard.copy_(padded_unsharded[start:end])
+        if padded_unsharded.data_ptr() != self._local_shard.data_ptr():
+            self._local_shard.copy_(self.local_slice(padded_unsharded))
 
     # ------------------------------------------------------------------ gradients
     def stash_sharded_grad(self) -> None:

@@ -9,13 +9,17 @@ from torch import nn
 
 
 def resolve_compute_device(
-    module: nn.Module, device_id: Optional[Union[int, torch.device]]
+    module: nn.Module,
+    device_id: Optional[Union[int, torch.device]],
+    backend: Optional[str] = None,
 ) -> torch.device:
     """Returns the device a unit computes on.
 
     ``device_id`` wins when given (an int means that CUDA device). Otherwise the device of the
     module's parameters is used; a module on CPU stays on CPU (this works without any
-    accelerator, unlike torch FSDP1, which requires device_id for CPU).
+    accelerator, unlike torch FSDP1, which requires device_id for CPU) unless the group's
+    backend is NCCL, which needs CUDA tensors: then the current CUDA device is used and the
+    module is moved there.
 
     Raises:
         ValueError: If the module's parameters are on more than one device, or device_id is
@@ -41,11 +45,12 @@ def resolve_compute_device(
         raise ValueError(
             f"fsdp: device_id must be an int or torch.device, got {type(device_id).__name__}"
         )
-    if devices:
-        (device,) = devices
-        if device.type != "meta":
-            return device
-    return torch.device("cpu")
+    device = next(iter(devices)) if devices else torch.device("cpu")
+    if device.type in ("cpu", "meta") and backend == "nccl" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    if device.type == "meta":
+        return torch.device("cpu")
+    return device
 
 
 def move_module_to_device(module: nn.Module, device: torch.device) -> None:

@@ -25,8 +25,8 @@ def clip_grad_norm_(
     """
     assert state.ctx is not None
     norm_type = float(norm_type)
-    if norm_type <= 0 and not math.isinf(norm_type):
-        raise ValueError(f"fsdp: clip_grad_norm_ needs norm_type > 0 or inf, got {norm_type}")
+    if norm_type < 0 or math.isnan(norm_type):
+        raise ValueError(f"fsdp: clip_grad_norm_ needs norm_type >= 0 or inf, got {norm_type}")
     sharded: list[torch.Tensor] = []
     replicated: list[torch.Tensor] = []
     managed: set[int] = set()
@@ -53,7 +53,9 @@ def clip_grad_norm_(
     else:
         local = _sum_pow(sharded, norm_type, device)
         comm.all_reduce_sum(local, state.process_group)
-        total = (local + _sum_pow(replicated, norm_type, device)) ** (1.0 / norm_type)
+        total = local + _sum_pow(replicated, norm_type, device)
+        if norm_type != 0:  # the 0-"norm" counts non-zero elements: no root
+            total = total ** (1.0 / norm_type)
     clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for grad in grads:
         grad.mul_(clip_coef.to(grad.dtype))
@@ -78,5 +80,6 @@ def _max_abs(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
 def _sum_pow(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
     result = torch.zeros((), dtype=torch.float32, device=device)
     for grad in grads:
-        result = result + torch.linalg.vector_norm(grad.detach(), norm_type, dtype=torch.float32) ** norm_type
+        norm = torch.linalg.vector_norm(grad.detach(), norm_type, dtype=torch.float32)
+        result = result + (norm if norm_type == 0 else norm**norm_type)
     return result

@@ -56,11 +56,21 @@ def reset_lazy_init(module: nn.Module) -> None:
         unit.ctx = None
 
 
-def check_idle(module: nn.Module, what: str) -> None:
-    """Raises if any unit in ``module``'s root tree is in forward, backward or summon."""
+def check_idle(module: nn.Module, what: str, allow_summon: bool = False) -> None:
+    """Raises if any unit in ``module``'s root tree is in forward or backward (or summon).
+
+    Args:
+        module: An FSDP instance.
+        what: The API being called, for the message.
+        allow_summon: Accept units inside ``summon_full_params`` (it may nest, and ``apply``
+            runs inside it).
+    """
     state: UnitState = module._fsdp_state  # type: ignore[attr-defined]
     states = state.ctx.states if state.ctx is not None else [s for _, _, s in named_fsdp_states(module)]
-    busy = [s for s in states if s.training_state is not TrainingState.IDLE]
+    allowed = {TrainingState.IDLE}
+    if allow_summon:
+        allowed.add(TrainingState.SUMMON_FULL_PARAMS)
+    busy = [s for s in states if s.training_state not in allowed]
     if busy:
         desc = ", ".join(f"'{s.unit_name}' ({s.training_state.name})" for s in busy)
         raise RuntimeError(

@@ -105,6 +105,8 @@ def _summon_unit(
         finally:
             if writeback:
                 _write_back(p_handle, params, source)
+                if full_grad is not None:
+                    _write_back_grad(p_handle, params, full_grad)
             _deregister(p_handle)
             wrapped.register_parameter(FLAT_PARAM, flat)
     finally:
@@ -165,6 +167,23 @@ def _write_back(handle: FlatParamHandle, params: list[nn.Parameter], source: tor
         handle.write_back_shard(source)
 
 
+def _write_back_grad(handle: FlatParamHandle, params: list[nn.Parameter], full_grad: torch.Tensor) -> None:
+    """Copies gradient edits made inside the context into the sharded ``.grad``."""
+    with torch.no_grad():
+        for info, param, view in zip(handle.param_infos, params, handle.unsharded_views(full_grad)):
+            grad = param.grad
+            if grad is not None and grad.data_ptr() != view.data_ptr():
+                if grad.shape != view.shape:
+                    raise ValueError(
+                        f"fsdp: summon_full_params writeback: the gradient of '{info.fqn}' was "
+                        f"given shape {tuple(grad.shape)}, expected {tuple(view.shape)}."
+                    )
+                view.copy_(grad)
+        sharded_grad = handle.flat_param.grad
+        if sharded_grad is not None and sharded_grad.data_ptr() != full_grad.data_ptr():
+            sharded_grad.copy_(handle.local_slice(full_grad))
+
+
 @contextlib.contextmanager
 def summon_full_params(
     module: nn.Module,
@@ -179,8 +198,7 @@ def summon_full_params(
     wrappers = _modules_to_summon(module, recurse)
     for top in _top_level_fsdp(module):
         root = lazy_init(top)
-        if root.ctx is not None:
-            check_idle_except_summon(top)
+        check_idle(top, "summon_full_params()", allow_summon=True)
     with contextlib.ExitStack() as stack:
         for wrapper in wrappers:
             state: UnitState = wrapper._fsdp_state  # type: ignore[attr-defined]
@@ -190,14 +208,3 @@ def summon_full_params(
         yield
 
 
-def check_idle_except_summon(module: nn.Module) -> None:
-    """Raises if a unit of ``module``'s tree is in forward or backward (summon may nest)."""
-    state: UnitState = module._fsdp_state  # type: ignore[attr-defined]
-    assert state.ctx is not None
-    busy = [
-        s
-        for s in state.ctx.states
-        if s.training_state not in (TrainingState.IDLE, TrainingState.SUMMON_FULL_PARAMS)
-    ]
-    if busy:
-        check_idle(module, "summon_full_params()")
