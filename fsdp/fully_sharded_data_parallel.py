@@ -27,7 +27,7 @@ from fsdp.api import (
 )
 from fsdp.flat_param.flat_param import FlatParamHandle
 from fsdp.init._device import move_module_to_device, resolve_compute_device
-from fsdp.init._process_group import resolve_process_group
+from fsdp.init._process_group import HYBRID_STRATEGIES, resolve_process_groups
 from fsdp.init._unit_params import collect_unit_params, validate_unit_params
 from fsdp.init._validate import plan_and_validate_units, validate_init_args
 from fsdp.runtime._clip_grad import clip_grad_norm_ as _clip_grad_norm
@@ -56,8 +56,10 @@ class FullyShardedDataParallel(nn.Module):
 
     Args:
         module: The module to wrap.
-        process_group: The group to shard over (default: the default group).
-        sharding_strategy: FULL_SHARD (default), SHARD_GRAD_OP or NO_SHARD.
+        process_group: The group to shard over (default: the default group), or for hybrid
+            strategies an ``(intra_node_group, inter_node_group)`` tuple.
+        sharding_strategy: FULL_SHARD (default), SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD or
+            _HYBRID_SHARD_ZERO2 (see [Note: Hybrid sharding layout]).
         cpu_offload: ``CPUOffload(offload_params=False)`` only, for now.
         auto_wrap_policy: A policy from :mod:`fsdp.wrap` (or a callable with the functional
             policy signature) that picks nested units.
@@ -72,7 +74,8 @@ class FullyShardedDataParallel(nn.Module):
         limit_all_gathers: Accepted; see backward_prefetch.
         use_orig_params: Not implemented yet (must be False).
         ignored_states: Not implemented yet (must be None).
-        device_mesh: Not implemented yet (must be None).
+        device_mesh: A 1-D mesh to shard over, or for hybrid strategies a 2-D mesh (dim 0
+            replicates, dim 1 shards).
     """
 
     _is_fsdp_wrapper = True
@@ -111,11 +114,12 @@ class FullyShardedDataParallel(nn.Module):
             use_orig_params=use_orig_params,
             ignored_states=ignored_states,
         )
-        group = resolve_process_group(process_group, device_mesh)
+        strategy = sharding_strategy or ShardingStrategy.FULL_SHARD
+        groups = resolve_process_groups(process_group, device_mesh, strategy)
+        group = groups.shard
         device = resolve_compute_device(module, device_id, dist.get_backend(group))
         rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-        strategy = sharding_strategy or ShardingStrategy.FULL_SHARD
-        if world_size == 1:
+        if world_size == 1 and strategy not in HYBRID_STRATEGIES:
             strategy = ShardingStrategy.NO_SHARD  # nothing to shard (as torch FSDP1 does)
         root_kwargs = dict(
             process_group=process_group,
@@ -129,6 +133,7 @@ class FullyShardedDataParallel(nn.Module):
             forward_prefetch=forward_prefetch,
             limit_all_gathers=limit_all_gathers,
             use_orig_params=use_orig_params,
+            device_mesh=device_mesh,
         )
         plan_and_validate_units(module, auto_wrap_policy, type(self), root_kwargs)
 
@@ -150,11 +155,13 @@ class FullyShardedDataParallel(nn.Module):
                 device,
                 group,
                 uses_sharding=strategy is not ShardingStrategy.NO_SHARD,
+                replicate_group=groups.replicate,
                 unit_name=type(module).__name__,
             )
         self._fsdp_state = UnitState(
             handle=handle,
             process_group=group,
+            replicate_group=groups.replicate,
             rank=rank,
             world_size=world_size,
             sharding_strategy=strategy,

@@ -186,11 +186,14 @@ class FlatParamHandle:
         process_group: dist.ProcessGroup,
         uses_sharding: bool,
         unit_name: str,
+        replicate_group: Optional[dist.ProcessGroup] = None,
     ) -> None:
         self.device = device
         self.process_group = process_group
+        self.replicate_group = replicate_group
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
+        self.replicate_world_size = dist.get_world_size(replicate_group) if replicate_group else 1
         self.uses_sharding = uses_sharding and self.world_size > 1
         self.unit_name = unit_name
         self.param_infos: list[ParamInfo] = []
@@ -223,7 +226,10 @@ class FlatParamHandle:
         self.sharded_numel = self.padded_unsharded_numel // (
             self.world_size if self.uses_sharding else 1
         )
-        self.pre_divide, self.post_divide = gradient_divide_factors(self.world_size)
+        # Averaging is over every data-parallel replica: shard group x replicate group.
+        self.pre_divide, self.post_divide = gradient_divide_factors(
+            self.world_size * self.replicate_world_size
+        )
 
         with torch.no_grad():
             flat = torch.cat([p.detach().reshape(-1).to(device) for p in unique_params])
@@ -432,21 +438,20 @@ class FlatParamHandle:
         if not sync:
             self._unsynced_unsharded_grad = unsharded_grad
             return
-        if self.world_size == 1:
-            sharded_grad = unsharded_grad
-        else:
-            if self.pre_divide > 1:
-                unsharded_grad.div_(self.pre_divide)
-            if self.uses_sharding:
-                sharded_grad = torch.empty(
-                    self.sharded_numel, dtype=unsharded_grad.dtype, device=unsharded_grad.device
-                )
-                comm.reduce_scatter_flat(sharded_grad, unsharded_grad, self.process_group)
-            else:
-                comm.all_reduce_sum(unsharded_grad, self.process_group)
-                sharded_grad = unsharded_grad
-            if self.post_divide > 1:
-                sharded_grad.div_(self.post_divide)
+        sharded_grad = unsharded_grad
+        if self.pre_divide > 1:
+            unsharded_grad.div_(self.pre_divide)
+        if self.uses_sharding:
+            sharded_grad = torch.empty(
+                self.sharded_numel, dtype=unsharded_grad.dtype, device=unsharded_grad.device
+            )
+            comm.reduce_scatter_flat(sharded_grad, unsharded_grad, self.process_group)
+        elif self.world_size > 1:
+            comm.all_reduce_sum(unsharded_grad, self.process_group)
+        if self.replicate_world_size > 1:
+            comm.all_reduce_sum(sharded_grad, self.replicate_group)
+        if self.post_divide > 1:
+            sharded_grad.div_(self.post_divide)
         if self._pending_sharded_grad is not None:
             self._pending_sharded_grad.add_(sharded_grad)
         else:

@@ -1,20 +1,42 @@
-"""Resolving which process group a unit shards over."""
+"""Resolving which process groups a unit shards over and replicates across.
+
+[Note: Hybrid sharding layout]
+HYBRID_SHARD and _HYBRID_SHARD_ZERO2 shard inside a *shard group* (typically one node) and
+replicate across a *replicate group* (the ranks with the same position in every shard group).
+The layout comes from, in order: an ``(intra, inter)`` process-group tuple; a 2-D DeviceMesh
+(dim 0 replicates, dim 1 shards, as torch FSDP1 reads it); or torchrun's ``LOCAL_WORLD_SIZE``
+(one shard group per node). Without any of these, torch FSDP1 on CPU silently trains
+unsynchronized replicas; fsdp raises instead.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import os
+from typing import Any, NamedTuple, Optional
 
 import torch.distributed as dist
 
+from fsdp.api import ShardingStrategy
 
-def resolve_process_group(process_group: Any, device_mesh: Any) -> dist.ProcessGroup:
-    """Returns the group to shard over, or raises a clear error.
+HYBRID_STRATEGIES = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
 
-    Raises:
-        RuntimeError: If no default process group is initialized.
-        NotImplementedError: For hybrid layouts (a tuple of groups, or a device mesh).
-        TypeError: If ``process_group`` is not a ProcessGroup.
+# Hybrid groups derived from LOCAL_WORLD_SIZE, built once per (world size, local size).
+_DERIVED_HYBRID_GROUPS: dict[tuple[int, int], "ShardingGroups"] = {}
+
+
+class ShardingGroups(NamedTuple):
+    """The groups one unit communicates over.
+
+    Attributes:
+        shard: Parameters are sharded (all-gathered, reduce-scattered) over this group.
+        replicate: Hybrid strategies only: sharded gradients are all-reduced over this group.
     """
+
+    shard: dist.ProcessGroup
+    replicate: Optional[dist.ProcessGroup]
+
+
+def _check_initialized() -> None:
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "fsdp: FullyShardedDataParallel needs an initialized default process group, and "
@@ -23,26 +45,116 @@ def resolve_process_group(process_group: Any, device_mesh: Any) -> dist.ProcessG
             "first, typically under `torchrun --nproc_per_node=N train.py`; or try the "
             "self-launching demo: python -m fsdp.examples.train"
         )
-    if device_mesh is not None:
-        raise NotImplementedError(
-            "fsdp: device_mesh is not supported yet (hybrid sharding comes with the "
-            "'process groups and HYBRID_SHARD' feature); pass process_group instead."
-        )
-    if isinstance(process_group, tuple):
-        raise NotImplementedError(
-            "fsdp: process_group as an (intra, inter) tuple (hybrid sharding) is not supported "
-            "yet; pass a single ProcessGroup."
-        )
-    if process_group is None:
-        return dist.group.WORLD  # type: ignore[return-value]
-    if not isinstance(process_group, dist.ProcessGroup):
+
+
+def _check_group(group: Any, what: str) -> dist.ProcessGroup:
+    if not isinstance(group, dist.ProcessGroup):
         raise TypeError(
-            f"fsdp: process_group must be a torch.distributed.ProcessGroup or None, got "
-            f"{type(process_group).__name__}"
+            f"fsdp: {what} must be a torch.distributed.ProcessGroup, got {type(group).__name__}"
         )
-    return process_group
+    return group
 
 
-def group_rank_and_size(group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
-    """Returns ``(rank, world_size)`` of this process in ``group``."""
-    return dist.get_rank(group), dist.get_world_size(group)
+def resolve_process_groups(
+    process_group: Any, device_mesh: Any, strategy: ShardingStrategy
+) -> ShardingGroups:
+    """Returns the shard (and, for hybrid strategies, replicate) group, or raises a clear error.
+
+    Raises:
+        RuntimeError: No default process group is initialized.
+        ValueError: A layout that does not fit the strategy or the world (both process_group
+            and device_mesh; a tuple or 2-D mesh without a hybrid strategy; a hybrid strategy
+            without a layout; groups whose sizes do not multiply to the world size).
+        TypeError: Objects of the wrong type.
+    """
+    _check_initialized()
+    hybrid = strategy in HYBRID_STRATEGIES
+    if process_group is not None and device_mesh is not None:
+        raise ValueError(
+            "fsdp: pass either process_group or device_mesh, not both (got both)."
+        )
+    if device_mesh is not None:
+        return _groups_from_mesh(device_mesh, hybrid, strategy)
+    if isinstance(process_group, tuple):
+        if not hybrid:
+            raise ValueError(
+                f"fsdp: process_group as an (intra, inter) tuple needs sharding_strategy="
+                f"HYBRID_SHARD or _HYBRID_SHARD_ZERO2, got {strategy}. Pass one ProcessGroup "
+                f"for {strategy.name}."
+            )
+        if len(process_group) != 2:
+            raise ValueError(
+                f"fsdp: process_group tuple must be (intra_node_group, inter_node_group), got "
+                f"{len(process_group)} elements"
+            )
+        shard = _check_group(process_group[0], "process_group[0] (the intra-node group)")
+        replicate = _check_group(process_group[1], "process_group[1] (the inter-node group)")
+        _check_hybrid_sizes(shard, replicate, "process_group")
+        return ShardingGroups(shard, replicate)
+    if hybrid:
+        if process_group is not None:
+            raise ValueError(
+                f"fsdp: {strategy.name} needs two groups: pass process_group=(intra_node_group, "
+                f"inter_node_group) or a 2-D device_mesh, not a single ProcessGroup."
+            )
+        return _derived_hybrid_groups(strategy)
+    if process_group is None:
+        return ShardingGroups(dist.group.WORLD, None)  # type: ignore[arg-type]
+    return ShardingGroups(_check_group(process_group, "process_group"), None)
+
+
+def _groups_from_mesh(device_mesh: Any, hybrid: bool, strategy: ShardingStrategy) -> ShardingGroups:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(device_mesh, DeviceMesh):
+        raise TypeError(f"fsdp: device_mesh must be a DeviceMesh, got {type(device_mesh).__name__}")
+    if hybrid:
+        if device_mesh.ndim != 2:
+            raise ValueError(
+                f"fsdp: {strategy.name} needs a 2-D device_mesh (dim 0 replicates, dim 1 shards), "
+                f"got a {device_mesh.ndim}-D mesh of shape {tuple(device_mesh.shape)}."
+            )
+        return ShardingGroups(device_mesh.get_group(mesh_dim=1), device_mesh.get_group(mesh_dim=0))
+    if device_mesh.ndim != 1:
+        raise ValueError(
+            f"fsdp: {strategy.name} needs a 1-D device_mesh, got a {device_mesh.ndim}-D mesh of "
+            f"shape {tuple(device_mesh.shape)}; use HYBRID_SHARD for 2-D meshes."
+        )
+    return ShardingGroups(device_mesh.get_group(), None)
+
+
+def _check_hybrid_sizes(shard: dist.ProcessGroup, replicate: dist.ProcessGroup, what: str) -> None:
+    world = dist.get_world_size()
+    intra, inter = dist.get_world_size(shard), dist.get_world_size(replicate)
+    if intra * inter != world:
+        raise ValueError(
+            f"fsdp: {what}: the intra-node group has {intra} ranks and the inter-node group "
+            f"{inter}, but {intra} x {inter} != world size {world}. Every rank must be in one "
+            f"shard group and one replicate group that cover the world."
+        )
+
+
+def _derived_hybrid_groups(strategy: ShardingStrategy) -> ShardingGroups:
+    world = dist.get_world_size()
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if local is None:
+        raise ValueError(
+            f"fsdp: {strategy.name} without process_group or device_mesh needs to know the node "
+            f"size, and LOCAL_WORLD_SIZE is not set (torchrun sets it). Pass "
+            f"device_mesh=init_device_mesh(device_type, (num_nodes, ranks_per_node)) or "
+            f"process_group=(intra_node_group, inter_node_group)."
+        )
+    local_size = int(local)
+    if local_size <= 0 or world % local_size != 0:
+        raise ValueError(
+            f"fsdp: LOCAL_WORLD_SIZE={local_size} does not divide the world size {world}; pass "
+            f"an explicit device_mesh or (intra, inter) process_group."
+        )
+    key = (world, local_size)
+    if key not in _DERIVED_HYBRID_GROUPS:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        mesh = init_device_mesh(device_type, (world // local_size, local_size))
+        _DERIVED_HYBRID_GROUPS[key] = ShardingGroups(mesh.get_group(1), mesh.get_group(0))
+    return _DERIVED_HYBRID_GROUPS[key]

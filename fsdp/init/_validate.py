@@ -20,8 +20,6 @@ from fsdp.init._unit_params import (
 )
 from fsdp.runtime._lazy_init import is_fsdp
 
-_HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
-
 
 def _not_yet(argument: str, value: Any, feature: str) -> NotImplementedError:
     return NotImplementedError(
@@ -57,8 +55,6 @@ def validate_init_args(
         raise TypeError(
             f"fsdp: sharding_strategy must be a ShardingStrategy or None, got {sharding_strategy!r}"
         )
-    if sharding_strategy in _HYBRID:
-        raise _not_yet("sharding_strategy", sharding_strategy, "hybrid sharding")
     if cpu_offload is not None:
         if not isinstance(cpu_offload, CPUOffload):
             raise TypeError(f"fsdp: cpu_offload must be a CPUOffload or None, got {cpu_offload!r}")

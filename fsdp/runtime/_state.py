@@ -54,6 +54,7 @@ class UnitState:
     Attributes:
         handle: The unit's FlatParamHandle; None when the unit owns no parameters.
         process_group: The group parameters are sharded over.
+        replicate_group: Hybrid strategies: the group sharded gradients are all-reduced over.
         rank: This rank in ``process_group``.
         world_size: Size of ``process_group``.
         sharding_strategy: The strategy in effect (FULL_SHARD becomes NO_SHARD at world size 1).
@@ -68,6 +69,7 @@ class UnitState:
 
     handle: Optional["FlatParamHandle"]
     process_group: dist.ProcessGroup
+    replicate_group: Optional[dist.ProcessGroup]
     rank: int
     world_size: int
     sharding_strategy: ShardingStrategy
@@ -82,12 +84,12 @@ class UnitState:
     @property
     def reshards_after_forward(self) -> bool:
         """Whether the strategy frees the unsharded parameter between forward and backward."""
-        return self.sharding_strategy is ShardingStrategy.FULL_SHARD
+        return self.sharding_strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
 
     def reshards_after_backward(self) -> bool:
         """Whether the unsharded parameter is freed once this unit's backward is done.
 
-        Inside ``no_sync`` SHARD_GRAD_OP keeps it (the next forward needs it again and its
+        Inside ``no_sync`` SHARD_GRAD_OP (and _HYBRID_SHARD_ZERO2) keeps it (the next forward needs it again and its
         gradient stays unsharded anyway); FULL_SHARD always frees.
         """
         return self.sync_gradients or self.reshards_after_forward
