@@ -65,5 +65,11 @@ def apply_to_tensors(fn: Callable[[torch.Tensor], Any], container: Any) -> Any:
 
 
 def clean_fqn(name: str) -> str:
-    """Removes FSDP's wrapper prefixes from a fully qualified name."""
-    return name.replace(FSDP_PREFIX, "")
+    """Removes FSDP's wrapper segments from a fully qualified name.
+
+    ``"blocks.0._fsdp_wrapped_module.fc1.weight"`` becomes ``"blocks.0.fc1.weight"`` and
+    ``"embed._fsdp_wrapped_module"`` becomes ``"embed"``.
+    """
+    if FSDP_WRAPPED_MODULE not in name:
+        return name
+    return ".".join(part for part in name.split(".") if part != FSDP_WRAPPED_MODULE)

@@ -26,10 +26,12 @@ from fsdp.api import (
     StateDictType,
 )
 from fsdp.flat_param.flat_param import FlatParamHandle
-from fsdp.init._device import move_module_to_device, resolve_compute_device
+from fsdp.init._device import move_modules_to_device, resolve_compute_device
+from fsdp.init._materialize import materialize_and_wrap
+from fsdp.init._sync import sync_buffers
 from fsdp.init._process_group import HYBRID_STRATEGIES, resolve_process_groups
-from fsdp.init._unit_params import collect_unit_params, validate_unit_params
-from fsdp.init._validate import plan_and_validate_units, validate_init_args
+from fsdp.init._unit_params import mark_tied_owners, unit_modules, unit_params, validate_unit_params
+from fsdp.init._validate import plan_units, validate_init_args
 from fsdp.runtime._clip_grad import clip_grad_norm_ as _clip_grad_norm
 from fsdp.runtime._hooks import register_flat_param_hooks, unit_forward
 from fsdp.runtime._lazy_init import check_idle, is_fsdp, lazy_init, reset_lazy_init
@@ -66,14 +68,17 @@ class FullyShardedDataParallel(nn.Module):
         backward_prefetch: Accepted; prefetching is a scheduling choice that does not change
             results (overlap is a planned feature).
         mixed_precision: Not implemented yet (must be None).
-        ignored_modules: Not implemented yet (must be None).
-        param_init_fn: Not implemented yet (must be None).
+        ignored_modules: Modules whose parameters and buffers FSDP leaves alone (not sharded,
+            not moved, not communicated).
+        param_init_fn: Called on each module with meta-device states to materialize it (see
+            [Note: Meta-device materialization order]); without it ``reset_parameters()``.
         device_id: The compute device (int = CUDA index, or a torch.device).
-        sync_module_states: Not implemented yet (must be False).
+        sync_module_states: Broadcast parameters and buffers from rank 0 at construction
+            (unit by unit; works on CPU too).
         forward_prefetch: Accepted; see backward_prefetch.
         limit_all_gathers: Accepted; see backward_prefetch.
         use_orig_params: Not implemented yet (must be False).
-        ignored_states: Not implemented yet (must be None).
+        ignored_states: Parameters or modules to ignore (instead of ignored_modules).
         device_mesh: A 1-D mesh to shard over, or for hybrid strategies a 2-D mesh (dim 0
             replicates, dim 1 shards).
     """
@@ -100,7 +105,7 @@ class FullyShardedDataParallel(nn.Module):
         ignored_states: Optional[Iterable[Any]] = None,
         device_mesh: Any = None,
     ) -> None:
-        # 1. Check everything a user can get wrong, before changing anything.
+        # 1. Check everything a user can get wrong, and plan every unit, before changing anything.
         validate_init_args(
             module=module,
             sharding_strategy=sharding_strategy,
@@ -108,11 +113,8 @@ class FullyShardedDataParallel(nn.Module):
             auto_wrap_policy=auto_wrap_policy,
             backward_prefetch=backward_prefetch,
             mixed_precision=mixed_precision,
-            ignored_modules=ignored_modules,
             param_init_fn=param_init_fn,
-            sync_module_states=sync_module_states,
             use_orig_params=use_orig_params,
-            ignored_states=ignored_states,
         )
         strategy = sharding_strategy or ShardingStrategy.FULL_SHARD
         groups = resolve_process_groups(process_group, device_mesh, strategy)
@@ -135,29 +137,40 @@ class FullyShardedDataParallel(nn.Module):
             use_orig_params=use_orig_params,
             device_mesh=device_mesh,
         )
-        plan_and_validate_units(module, auto_wrap_policy, type(self), root_kwargs)
+        plan = plan_units(module, auto_wrap_policy, root_kwargs, ignored_modules, ignored_states)
 
-        # 2. Wrap nested units (bottom-up), then this one.
+        # 2. Materialize (meta) in pre-order and wrap nested units bottom-up, then this unit.
         super().__init__()
-        if auto_wrap_policy is not None:
-            from fsdp.wrap import _auto_wrap
-
-            _auto_wrap(module, auto_wrap_policy, type(self), root_kwargs)
-        move_module_to_device(module, device)
-        self._fsdp_wrapped_module = module
-        params = collect_unit_params(module, is_fsdp)
-        validate_unit_params(type(module).__name__, params)
-        handle = None
-        if params:
-            handle = FlatParamHandle(
-                params,
+        with mark_tied_owners(plan.tied_owner):
+            materialize_and_wrap(
                 module,
+                plan.targets,
+                type(self),
                 device,
-                group,
-                uses_sharding=strategy is not ShardingStrategy.NO_SHARD,
-                replicate_group=groups.replicate,
-                unit_name=type(module).__name__,
+                param_init_fn,
+                is_skipped=lambda m: is_fsdp(m) or m in plan.ignored_modules,
             )
+            own_modules = unit_modules(module, plan.ignored_modules)
+            move_modules_to_device(own_modules, device)
+            self._fsdp_wrapped_module = module
+            params = unit_params(
+                module, lambda m: is_fsdp(m) or m in plan.ignored_modules, plan.ignored_params
+            )
+            validate_unit_params(type(module).__name__, params)
+            if sync_module_states:
+                sync_buffers(own_modules, groups)
+            handle = None
+            if params:
+                handle = FlatParamHandle(
+                    params,
+                    module,
+                    device,
+                    group,
+                    uses_sharding=strategy is not ShardingStrategy.NO_SHARD,
+                    unit_name=type(module).__name__,
+                    replicate_group=groups.replicate,
+                    sync_module_states=sync_module_states,
+                )
         self._fsdp_state = UnitState(
             handle=handle,
             process_group=group,

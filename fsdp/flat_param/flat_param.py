@@ -176,6 +176,8 @@ class FlatParamHandle:
         process_group: The group the parameter is sharded over.
         uses_sharding: False for NO_SHARD and for world size 1 (nothing is ever freed).
         unit_name: Name of the unit for messages (refined at lazy init).
+        replicate_group: Hybrid strategies: the group sharded gradients are all-reduced over.
+        sync_module_states: Broadcast the flat parameter from rank 0 before sharding it.
     """
 
     def __init__(
@@ -187,6 +189,7 @@ class FlatParamHandle:
         uses_sharding: bool,
         unit_name: str,
         replicate_group: Optional[dist.ProcessGroup] = None,
+        sync_module_states: bool = False,
     ) -> None:
         self.device = device
         self.process_group = process_group
@@ -233,6 +236,11 @@ class FlatParamHandle:
 
         with torch.no_grad():
             flat = torch.cat([p.detach().reshape(-1).to(device) for p in unique_params])
+            if sync_module_states:
+                from fsdp.init._process_group import ShardingGroups
+                from fsdp.init._sync import broadcast_from_group_rank0
+
+                broadcast_from_group_rank0(flat, ShardingGroups(process_group, replicate_group))
             if self.uses_sharding:
                 start, end = shard_bounds(self.unpadded_unsharded_numel, self.rank, self.world_size)
                 local_shard = torch.zeros(self.sharded_numel, dtype=self.dtype, device=device)

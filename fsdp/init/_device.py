@@ -25,11 +25,12 @@ def resolve_compute_device(
         ValueError: If the module's parameters are on more than one device, or device_id is
             not an int or torch.device.
     """
-    devices = {p.device for p in module.parameters()}
+    devices = {p.device for p in module.parameters() if not p.is_meta}
     if len(devices) > 1:
         names = {}
         for name, p in module.named_parameters():
-            names.setdefault(p.device, name)
+            if not p.is_meta:
+                names.setdefault(p.device, name)
         listing = ", ".join(f"'{n}' on {d}" for d, n in names.items())
         raise ValueError(
             f"fsdp: {type(module).__name__} has parameters on several devices ({listing}); move "
@@ -46,14 +47,18 @@ def resolve_compute_device(
             f"fsdp: device_id must be an int or torch.device, got {type(device_id).__name__}"
         )
     device = next(iter(devices)) if devices else torch.device("cpu")
-    if device.type in ("cpu", "meta") and backend == "nccl" and torch.cuda.is_available():
+    if device.type == "cpu" and backend == "nccl" and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
-    if device.type == "meta":
-        return torch.device("cpu")
     return device
 
 
-def move_module_to_device(module: nn.Module, device: torch.device) -> None:
-    """Moves parameters and buffers of ``module`` to ``device`` when they live elsewhere."""
-    if any(t.device != device for t in list(module.parameters()) + list(module.buffers())):
-        module.to(device)
+def move_modules_to_device(modules: list[nn.Module], device: torch.device) -> None:
+    """Moves the own parameters and buffers of ``modules`` to ``device`` (in place).
+
+    Only the given modules (a unit's, not nested units' or ignored modules') are touched;
+    Parameter objects stay the same.
+    """
+    for module in modules:
+        tensors = list(module._parameters.values()) + list(module._buffers.values())
+        if any(t is not None and t.device != device for t in tensors):
+            module._apply(lambda t: t.to(device), recurse=False)

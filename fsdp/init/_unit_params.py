@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+import contextlib
+from typing import Callable, Iterable, Iterator, Optional
 
 from torch import nn
+
+from fsdp._common import clean_fqn
 
 UnitParam = tuple[str, nn.Module, str, nn.Parameter]
 
@@ -34,6 +37,79 @@ def collect_unit_params(
             visit(f"{prefix}.{child_name}" if prefix else child_name, child)
 
     visit("", module)
+    return result
+
+
+# Set on a Parameter used by several units, during the construction that planned it: the unit
+# module that owns it (see [Note: Tied parameters across units] in _validate.py).
+TIED_OWNER_ATTR = "_fsdp_tied_owner"
+
+
+def tied_owner_of(param: nn.Parameter) -> Optional[nn.Module]:
+    """The unit module that owns ``param`` if it is tied across units, else None."""
+    return getattr(param, TIED_OWNER_ATTR, None)
+
+
+def unit_params(
+    unit_module: nn.Module,
+    is_other_unit: Callable[[nn.Module], bool],
+    ignored_params: set[nn.Parameter],
+) -> list[UnitParam]:
+    """The parameter names a unit manages: its own (not ignored, not owned by an ancestor for
+    tying) plus the references inside nested units to tied parameters it owns.
+    """
+    own = [
+        p
+        for p in collect_unit_params(unit_module, is_other_unit)
+        if p[3] not in ignored_params and tied_owner_of(p[3]) in (None, unit_module)
+    ]
+    seen = {(id(m), name) for _, m, name, _ in own}
+    extra: list[UnitParam] = []
+    for module_name, mod in unit_module.named_modules(remove_duplicate=False):
+        for name, param in mod._parameters.items():
+            if param is None or tied_owner_of(param) is not unit_module:
+                continue
+            if (id(mod), name) not in seen:
+                seen.add((id(mod), name))
+                extra.append((clean_fqn(module_name), mod, name, param))
+    return own + extra
+
+
+@contextlib.contextmanager
+def mark_tied_owners(tied_owner: dict[int, tuple[nn.Parameter, nn.Module]]) -> Iterator[None]:
+    """Marks each tied Parameter with its owning unit module for the duration of construction."""
+    marked = [param for param, _ in tied_owner.values() if tied_owner_of(param) is None]
+    for param, owner in tied_owner.values():
+        if param in marked:
+            setattr(param, TIED_OWNER_ATTR, owner)
+    try:
+        yield
+    finally:
+        for param in marked:
+            if hasattr(param, TIED_OWNER_ATTR):
+                delattr(param, TIED_OWNER_ATTR)
+
+
+def unit_modules(unit_module: nn.Module, ignored_modules: set[nn.Module]) -> list[nn.Module]:
+    """The modules whose own parameters and buffers belong to this unit (pre-order).
+
+    Nested FSDP instances and ignored modules are not descended into.
+    """
+    from fsdp.runtime._lazy_init import is_fsdp
+
+    result: list[nn.Module] = []
+    seen: set[int] = set()
+
+    def visit(mod: nn.Module) -> None:
+        if id(mod) in seen:
+            return
+        seen.add(id(mod))
+        result.append(mod)
+        for child in mod.children():
+            if not is_fsdp(child) and child not in ignored_modules:
+                visit(child)
+
+    visit(unit_module)
     return result
 
 
@@ -89,7 +165,9 @@ def check_no_param_in_two_units(units: dict[str, list[UnitParam]]) -> None:
                 raise ValueError(
                     f"fsdp: parameter '{fqn}' of FSDP unit '{unit_name}' is the same Parameter "
                     f"as '{other_fqn}' of FSDP unit '{other_unit}' (tied weights across units). "
-                    f"Tied parameters must live in one unit: wrap a common ancestor of both "
-                    f"modules instead (e.g. exclude one of them from the auto_wrap_policy)."
+                    f"A unit wrapped by hand has already flattened it, so it cannot move to a "
+                    f"common ancestor unit. Wrap with auto_wrap_policy instead (fsdp then "
+                    f"places tied parameters in the lowest common ancestor unit), or do not wrap "
+                    f"either module separately."
                 )
             owner.setdefault(id(param), (unit_name, fqn))

@@ -1,21 +1,33 @@
 """Argument checks and unit planning: every user mistake is caught here, before any change.
 
-``plan_and_validate_units`` works out which modules will become units (running the wrap policy
-without wrapping anything), then checks every unit's parameters, so that a bad unit deep in the
-tree fails the constructor with the model untouched.
+``plan_units`` works out which modules will become units (running the wrap policy without
+wrapping anything), which parameters are ignored, and which unit owns a parameter that
+several units use (tied weights), then checks every unit's parameters, so that a bad unit deep
+in the tree fails the constructor with the model untouched.
+
+[Note: Tied parameters across units]
+When one Parameter is used by modules in two units (an embedding in one, an output head in
+another), it is flattened into their lowest common ancestor unit, which is unsharded whenever
+either user runs: an ancestor's forward encloses its descendants' forwards, and its gradient is
+reduced only after every use's backward. Both names become views of the ancestor's flat
+parameter, so gradients of both uses sum in one place and state dicts hold one copy. This
+needs the units to be planned together (auto-wrap); when a nested unit was wrapped by hand and
+already flattened the parameter, construction fails with an error naming both places.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Optional
 
 from torch import nn
 
 from fsdp.api import BackwardPrefetch, CPUOffload, ShardingStrategy
+from fsdp.init._materialize import check_materializable, validate_param_init_fn
 from fsdp.init._unit_params import (
     UnitParam,
     check_no_param_in_two_units,
-    collect_unit_params,
+    unit_params,
     validate_unit_params,
 )
 from fsdp.runtime._lazy_init import is_fsdp
@@ -36,11 +48,8 @@ def validate_init_args(
     auto_wrap_policy: Any,
     backward_prefetch: Any,
     mixed_precision: Any,
-    ignored_modules: Any,
     param_init_fn: Any,
-    sync_module_states: bool,
     use_orig_params: bool,
-    ignored_states: Any,
 ) -> None:
     """Raises a clear error for any argument the constructor cannot take."""
     if not isinstance(module, nn.Module):
@@ -70,74 +79,209 @@ def validate_init_args(
         )
     if mixed_precision is not None:
         raise _not_yet("mixed_precision", mixed_precision, "mixed precision")
-    if ignored_modules is not None and list(ignored_modules):
-        raise _not_yet("ignored_modules", ignored_modules, "ignored modules")
-    if ignored_states is not None and list(ignored_states):
-        raise _not_yet("ignored_states", ignored_states, "ignored states")
-    if param_init_fn is not None:
-        raise _not_yet("param_init_fn", param_init_fn, "deferred (meta-device) init")
-    meta = [name for name, p in module.named_parameters() if p.is_meta]
-    if meta:
-        raise NotImplementedError(
-            f"fsdp: parameters on the meta device (e.g. '{meta[0]}') are not supported yet "
-            f"(deferred init is a planned feature); build the module on CPU or CUDA."
-        )
-    if sync_module_states:
-        raise _not_yet("sync_module_states", sync_module_states, "module-state sync")
+    validate_param_init_fn(param_init_fn)
     if use_orig_params:
         raise _not_yet("use_orig_params", use_orig_params, "use_orig_params")
 
 
-def plan_units(module: nn.Module, policy: Optional[Callable], root_kwargs: dict[str, Any]) -> list[nn.Module]:
-    """Returns the modules ``policy`` would wrap (bottom-up), without changing anything."""
-    if policy is None:
-        return []
-    from fsdp.wrap import _Policy, _check_no_existing_wrappers, _recursive_wrap
+def resolve_ignored(
+    module: nn.Module, ignored_modules: Optional[Iterable[Any]], ignored_states: Optional[Iterable[Any]]
+) -> tuple[set[nn.Module], set[nn.Parameter]]:
+    """Returns the ignored modules (closed under descendants) and all ignored parameters.
 
+    Raises:
+        ValueError: Both arguments given; ignored_states mixing modules and parameters; an
+            ignored module that is an FSDP instance.
+        TypeError: Elements that are neither modules nor parameters.
+    """
+    modules_arg = list(ignored_modules) if ignored_modules is not None else []
+    states_arg = list(ignored_states) if ignored_states is not None else []
+    if modules_arg and states_arg:
+        raise ValueError(
+            "fsdp: pass ignored_modules or ignored_states, not both (ignored_states accepts "
+            "modules too)."
+        )
+    roots: list[nn.Module] = []
+    params: set[nn.Parameter] = set()
+    if states_arg:
+        kinds = {type(s).__name__ for s in states_arg}
+        if all(isinstance(s, nn.Parameter) for s in states_arg):
+            params.update(states_arg)
+        elif all(isinstance(s, nn.Module) for s in states_arg):
+            roots = states_arg
+        else:
+            raise ValueError(
+                f"fsdp: ignored_states must hold only nn.Parameter or only nn.Module elements, "
+                f"got {sorted(kinds)}."
+            )
+    for m in modules_arg:
+        if not isinstance(m, nn.Module):
+            raise TypeError(
+                f"fsdp: ignored_modules must hold nn.Module elements, got {type(m).__name__}"
+            )
+        roots.append(m)
+    names = {m: n for n, m in module.named_modules()}
+    closed: set[nn.Module] = set()
+    for root in roots:
+        for sub in root.modules():
+            if is_fsdp(sub):
+                where = names.get(sub, type(sub).__name__)
+                raise ValueError(
+                    f"fsdp: ignored module '{where}' is (or contains) a FullyShardedDataParallel "
+                    f"instance; ignored modules must not be FSDP-wrapped. Ignore the inner module "
+                    f"before wrapping, or do not ignore it."
+                )
+            closed.add(sub)
+    for sub in closed:
+        params.update(sub.parameters(recurse=False))
+    return closed, params
+
+
+@dataclass
+class UnitPlan:
+    """What the constructor will build, worked out before anything changes.
+
+    Attributes:
+        targets: Modules to wrap as nested units (post-order) with their kwargs.
+        ignored_modules: Ignored modules, closed under descendants.
+        ignored_params: Parameters no unit manages.
+        tied_owner: For a Parameter used by several units: the Parameter and the unit module
+            that owns it, by id (see [Note: Tied parameters across units]).
+    """
+
+    targets: dict[nn.Module, dict[str, Any]] = field(default_factory=dict)
+    ignored_modules: set[nn.Module] = field(default_factory=set)
+    ignored_params: set[nn.Parameter] = field(default_factory=set)
+    tied_owner: dict[int, tuple[nn.Parameter, nn.Module]] = field(default_factory=dict)
+
+
+def _policy_targets(
+    module: nn.Module,
+    policy: Optional[Callable],
+    root_kwargs: dict[str, Any],
+    ignored_modules: set[nn.Module],
+    ignored_params: set[nn.Parameter],
+) -> dict[nn.Module, dict[str, Any]]:
+    """The modules ``policy`` picks (post-order, root excluded) with their kwargs."""
+    if policy is None:
+        return {}
     from fsdp.fully_sharded_data_parallel import FullyShardedDataParallel
+    from fsdp.wrap import _check_no_existing_wrappers, _Policy, _recursive_wrap
 
     _check_no_existing_wrappers(module, FullyShardedDataParallel)
+    child_kwargs = {**root_kwargs, "auto_wrap_policy": None}
     if isinstance(policy, _Policy):
-        targets = policy._run_policy(module, set(), dict(root_kwargs))
-        return [m for m in module.modules() if m in targets and m is not module][::-1]
-    planned: list[nn.Module] = []
+        picked = policy._run_policy(module, ignored_modules, dict(child_kwargs))
+        order = [m for m in module.modules() if m in picked and m is not module][::-1]
+        return {m: {**picked[m], "auto_wrap_policy": None} for m in order}
+    planned: dict[nn.Module, dict[str, Any]] = {}
 
     def record(m: nn.Module) -> nn.Module:
-        planned.append(m)
+        planned[m] = dict(child_kwargs)
         return m  # returning the module itself leaves the tree unchanged
 
-    _recursive_wrap(module, policy, record, set(), set(), {}, is_root=True)
+    _recursive_wrap(module, policy, record, ignored_modules, ignored_params, {}, is_root=True)
     return planned
 
 
-def plan_and_validate_units(
-    module: nn.Module, policy: Optional[Callable], wrapper_cls: type, root_kwargs: dict[str, Any]
-) -> None:
-    """Checks every future unit's parameters (dtypes, requires_grad, tied across units).
+def _unit_tree(module: nn.Module, unit_modules: set[nn.Module]) -> dict[nn.Module, Optional[nn.Module]]:
+    """Maps each unit module to its parent unit module (None for the root)."""
+    parent: dict[nn.Module, Optional[nn.Module]] = {module: None}
+
+    def visit(m: nn.Module, current: nn.Module) -> None:
+        for child in m.children():
+            if child in unit_modules and child not in parent:
+                parent[child] = current
+                visit(child, child)
+            else:
+                visit(child, current)
+
+    visit(module, module)
+    return parent
+
+
+def _lowest_common_unit(units: list[nn.Module], parent: dict[nn.Module, Optional[nn.Module]]) -> nn.Module:
+    def chain(u: nn.Module) -> list[nn.Module]:
+        out: list[nn.Module] = []
+        cur: Optional[nn.Module] = u
+        while cur is not None:
+            out.append(cur)
+            cur = parent[cur]
+        return out
+
+    common = chain(units[0])
+    for u in units[1:]:
+        ancestors = set(chain(u))
+        common = [c for c in common if c in ancestors]
+    return common[0]
+
+
+def plan_units(
+    module: nn.Module,
+    policy: Optional[Callable],
+    root_kwargs: dict[str, Any],
+    ignored_modules: Optional[Iterable[Any]],
+    ignored_states: Optional[Iterable[Any]],
+) -> UnitPlan:
+    """Plans and validates every unit (see the module docstring).
 
     Raises:
-        ValueError: Naming the unit and parameters at fault (see ``validate_unit_params``).
+        ValueError / TypeError: Naming the unit, parameters or argument at fault.
     """
-    planned = plan_units(module, policy, root_kwargs)
-    unit_modules = set(planned)
+    closed, ignored_params = resolve_ignored(module, ignored_modules, ignored_states)
+    plan = UnitPlan(ignored_modules=closed, ignored_params=ignored_params)
+    check_materializable(
+        module, root_kwargs.get("param_init_fn"), lambda m: is_fsdp(m) or m in closed
+    )
+    plan.targets = _policy_targets(module, policy, root_kwargs, closed, ignored_params)
+    unit_modules = set(plan.targets)
     names = {m: name for name, m in module.named_modules()}
 
     def is_other_unit(m: nn.Module) -> bool:
-        return m in unit_modules or is_fsdp(m)
+        return m in unit_modules or is_fsdp(m) or m in closed
 
-    units: dict[str, list[UnitParam]] = {}
-    for unit in planned + [module]:
-        name = names.get(unit, "") or f"<root {type(module).__name__}>"
-        params = collect_unit_params(unit, is_other_unit)
-        validate_unit_params(name, params)
-        units[name] = params
-    # Parameters already owned by nested FSDP instances count as their units' too.
+    def unit_name(u: nn.Module) -> str:
+        return names.get(u, "") or f"<root {type(module).__name__}>"
+
+    claims: dict[int, list[nn.Module]] = {}
+    units: dict[nn.Module, list[UnitParam]] = {}
+    for unit in list(plan.targets) + [module]:
+        params = unit_params(unit, is_other_unit, ignored_params)
+        units[unit] = params
+        for _, _, _, param in params:
+            owners = claims.setdefault(id(param), [])
+            if unit not in owners:
+                owners.append(unit)
+    parent = _unit_tree(module, unit_modules)
+    by_id = {id(p[3]): p[3] for ps in units.values() for p in ps}
+    for pid, owners in claims.items():
+        if len(owners) > 1:
+            plan.tied_owner[pid] = (by_id[pid], _lowest_common_unit(owners, parent))
+
+    def owns(unit: nn.Module, param: nn.Parameter) -> bool:
+        return id(param) not in plan.tied_owner or plan.tied_owner[id(param)][1] is unit
+
+    for unit, params in units.items():
+        validate_unit_params(unit_name(unit), [p for p in params if owns(unit, p[3])])
+    # Parameters already flattened by nested FSDP instances (wrapped by hand) cannot move.
+    existing: dict[str, list[UnitParam]] = {
+        unit_name(u): [p for p in ps if owns(u, p[3])] for u, ps in units.items()
+    }
     for name, sub in module.named_modules():
         if is_fsdp(sub) and sub._fsdp_state.handle is not None:  # type: ignore[union-attr]
             handle = sub._fsdp_state.handle  # type: ignore[union-attr]
-            units.setdefault(name, []).extend(
+            existing.setdefault(name, []).extend(
                 (info.module_name, info.module, info.param_name, param)
                 for info, param in zip(handle.param_infos, handle.original_params())
                 if param is not None
             )
-    check_no_param_in_two_units(units)
+    check_no_param_in_two_units(existing)
+    # Nested units leave ignored states alone too.
+    for target, kwargs in plan.targets.items():
+        inner_modules = [m for m in target.modules() if m in closed and m is not target]
+        inner_params = [p for p in target.parameters() if p in ignored_params]
+        if ignored_modules is not None or (ignored_states is not None and inner_modules):
+            kwargs["ignored_states"] = inner_modules or None
+        elif inner_params:
+            kwargs["ignored_states"] = inner_params
+    return plan

@@ -1,0 +1,125 @@
+"""Deferred (meta-device) initialization: materialize the model unit by unit.
+
+[Note: Meta-device materialization order]
+Modules built on the meta device hold no data. FSDP materializes them on the compute device
+with ``param_init_fn(module)`` when given, else ``module.to_empty(recurse=False)`` followed by
+``module.reset_parameters()``, module by module in *pre-order* (the order in which an eager
+``__init__`` typically creates them, so random initialization draws the same numbers as eager
+init with the same seed). Units are still wrapped bottom-up: a nested unit is flattened and
+sharded as soon as the pre-order walk leaves its subtree, so at any time only the units on the
+current root-to-leaf path hold unsharded parameters, never the whole model.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+from torch import nn
+
+
+def has_meta_states(module: nn.Module, recurse: bool = True) -> bool:
+    """Whether ``module`` (or, with ``recurse``, its subtree) has parameters or buffers on meta."""
+    tensors: Iterable[torch.Tensor]
+    if recurse:
+        tensors = list(module.parameters()) + list(module.buffers())
+    else:
+        tensors = list(module._parameters.values()) + list(module._buffers.values())  # type: ignore[arg-type]
+    return any(t is not None and t.is_meta for t in tensors)
+
+
+def validate_param_init_fn(param_init_fn: Any) -> None:
+    """Raises TypeError for a ``param_init_fn`` that is not callable."""
+    if param_init_fn is not None and not callable(param_init_fn):
+        raise TypeError(
+            f"fsdp: param_init_fn must be a callable taking a module (e.g. "
+            f"lambda m: m.to_empty(device='cpu', recurse=False)), got "
+            f"{type(param_init_fn).__name__}: {param_init_fn!r}"
+        )
+
+
+def _no_reset_error(label: str, module: nn.Module) -> ValueError:
+    return ValueError(
+        f"fsdp: module '{label}' ({type(module).__name__}) has parameters or buffers on the "
+        f"meta device but no reset_parameters() to initialize them; pass "
+        f"param_init_fn=... to FullyShardedDataParallel, or build the module on a real device."
+    )
+
+
+def check_materializable(
+    root: nn.Module,
+    param_init_fn: Optional[Callable[[nn.Module], None]],
+    is_skipped: Callable[[nn.Module], bool],
+) -> None:
+    """Raises before anything changes if a meta module could not be materialized."""
+    if param_init_fn is not None:
+        return
+    for name, module in root.named_modules():
+        if is_skipped(module) or not has_meta_states(module, recurse=False):
+            continue
+        if not callable(getattr(module, "reset_parameters", None)):
+            raise _no_reset_error(name or f"<root {type(module).__name__}>", module)
+
+
+def materialize_module(
+    name: str,
+    module: nn.Module,
+    device: torch.device,
+    param_init_fn: Optional[Callable[[nn.Module], None]],
+) -> None:
+    """Materializes ``module``'s own meta parameters and buffers (not its children's).
+
+    Raises:
+        ValueError: The module has meta states but no ``reset_parameters()`` and no
+            ``param_init_fn`` was given, or ``param_init_fn`` left meta states behind.
+    """
+    if not has_meta_states(module, recurse=False):
+        return
+    label = name or f"<root {type(module).__name__}>"
+    if param_init_fn is not None:
+        param_init_fn(module)
+        if has_meta_states(module, recurse=False):
+            raise ValueError(
+                f"fsdp: param_init_fn left parameters or buffers of module '{label}' "
+                f"({type(module).__name__}) on the meta device; it must materialize them (e.g. "
+                f"module.to_empty(device=..., recurse=False) then initialize)."
+            )
+        return
+    reset = getattr(module, "reset_parameters", None)
+    if not callable(reset):
+        raise _no_reset_error(label, module)
+    module.to_empty(device=device, recurse=False)
+    reset()
+
+
+def materialize_and_wrap(
+    root: nn.Module,
+    targets: dict[nn.Module, dict[str, Any]],
+    wrapper_cls: type,
+    device: torch.device,
+    param_init_fn: Optional[Callable[[nn.Module], None]],
+    is_skipped: Callable[[nn.Module], bool],
+) -> None:
+    """Materializes ``root``'s subtree in pre-order, wrapping each target when its subtree is done.
+
+    Args:
+        root: The root module (materialized, not wrapped here).
+        targets: Modules to wrap with their wrapper kwargs.
+        wrapper_cls: The FSDP class.
+        device: Where to materialize.
+        param_init_fn: The user's init function, if any.
+        is_skipped: Modules not to descend into (already wrapped units, ignored modules).
+    """
+    visited: set[int] = set()
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        visited.add(id(module))
+        materialize_module(prefix, module, device, param_init_fn)
+        for child_name, child in list(module.named_children()):
+            if child is None or id(child) in visited or is_skipped(child):
+                continue
+            visit(f"{prefix}.{child_name}" if prefix else child_name, child)
+            if child in targets:
+                setattr(module, child_name, wrapper_cls(child, **targets[child]))
+
+    visit("", root)
