@@ -30,7 +30,13 @@ from fsdp.init._device import move_modules_to_device, resolve_compute_device
 from fsdp.init._materialize import materialize_and_wrap
 from fsdp.init._sync import sync_buffers
 from fsdp.init._process_group import HYBRID_STRATEGIES, resolve_process_groups
-from fsdp.init._unit_params import mark_tied_owners, unit_modules, unit_params, validate_unit_params
+from fsdp.init._unit_params import (
+    mark_tied_owners,
+    split_by_requires_grad,
+    unit_modules,
+    unit_params,
+    validate_unit_params,
+)
 from fsdp.init._validate import plan_units, validate_init_args
 from fsdp.runtime._clip_grad import clip_grad_norm_ as _clip_grad_norm
 from fsdp.runtime._hooks import register_flat_param_hooks, unit_forward
@@ -77,7 +83,9 @@ class FullyShardedDataParallel(nn.Module):
             (unit by unit; works on CPU too).
         forward_prefetch: Accepted; see backward_prefetch.
         limit_all_gathers: Accepted; see backward_prefetch.
-        use_orig_params: Not implemented yet (must be False).
+        use_orig_params: Keep the original parameters registered (``named_parameters()``
+            yields them, optimizer parameter groups work, frozen and trainable parameters may
+            share a unit, and frozen ones cost no gradient memory).
         ignored_states: Parameters or modules to ignore (instead of ignored_modules).
         device_mesh: A 1-D mesh to shard over, or for hybrid strategies a 2-D mesh (dim 0
             replicates, dim 1 shards).
@@ -156,13 +164,12 @@ class FullyShardedDataParallel(nn.Module):
             params = unit_params(
                 module, lambda m: is_fsdp(m) or m in plan.ignored_modules, plan.ignored_params
             )
-            validate_unit_params(type(module).__name__, params)
+            validate_unit_params(type(module).__name__, params, use_orig_params)
             if sync_module_states:
                 sync_buffers(own_modules, groups)
-            handle = None
-            if params:
-                handle = FlatParamHandle(
-                    params,
+            handles = [
+                FlatParamHandle(
+                    handle_params,
                     module,
                     device,
                     group,
@@ -170,9 +177,12 @@ class FullyShardedDataParallel(nn.Module):
                     unit_name=type(module).__name__,
                     replicate_group=groups.replicate,
                     sync_module_states=sync_module_states,
+                    use_orig_params=use_orig_params,
                 )
+                for handle_params in split_by_requires_grad(params, use_orig_params)
+            ]
         self._fsdp_state = UnitState(
-            handle=handle,
+            handles=handles,
             process_group=group,
             replicate_group=groups.replicate,
             rank=rank,

@@ -30,7 +30,7 @@ __all__ = ["GPTConfig", "PRESETS", "CausalSelfAttention", "MLP", "Block", "GPT"]
 #: Named model sizes: ``name -> (n_layer, n_head, d_model)``. ``vocab_size`` comes from the
 #: tokenizer and ``block_size`` from the sequence length, so they are not part of a preset.
 PRESETS: Dict[str, Tuple[int, int, int]] = {
-    "tiny": (4, 4, 128),  # ~0.8M parameters: the default, trains in ~2 minutes on 2 CPU cores
+    "tiny": (4, 4, 128),  # ~0.8M parameters: the trainer's default (about a minute on 2 CPU cores)
     "small": (6, 6, 384),  # ~10.7M parameters
     "medium": (12, 12, 768),  # ~85M parameters (GPT-2 small sized body)
 }
@@ -58,7 +58,9 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_head != 0:
-            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_head ({self.n_head})")
+            raise ValueError(
+                f"d_model ({self.d_model}) must be divisible by n_head ({self.n_head})"
+            )
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "d_model"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -73,7 +75,9 @@ class GPTConfig:
         try:
             n_layer, n_head, d_model = PRESETS[name]
         except KeyError:
-            raise ValueError(f"unknown model preset {name!r}; choose from {sorted(PRESETS)}") from None
+            raise ValueError(
+                f"unknown model preset {name!r}; choose from {sorted(PRESETS)}"
+            ) from None
         return cls(
             vocab_size=vocab_size,
             block_size=block_size,

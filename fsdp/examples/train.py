@@ -24,7 +24,6 @@ import resource
 import socket
 import sys
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, List, Optional, Sequence
 
 import torch
@@ -32,17 +31,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from fsdp import FullyShardedDataParallel as FSDP
+from fsdp import ShardingStrategy
 from fsdp.examples.data import CharTokenizer, load_corpus, sample_batch
 from fsdp.examples.model import GPT, PRESETS, Block, GPTConfig
-
-if os.environ.get("TMP_EXAMPLE_USE_TORCH_FSDP"):  # TEMPORARY-SWITCH (remove)
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP  # TEMPORARY-SWITCH
-    from torch.distributed.fsdp import ShardingStrategy  # TEMPORARY-SWITCH
-    from torch.distributed.fsdp.wrap import ModuleWrapPolicy  # TEMPORARY-SWITCH
-else:  # TEMPORARY-SWITCH
-    from fsdp import FullyShardedDataParallel as FSDP
-    from fsdp import ShardingStrategy
-    from fsdp.wrap import ModuleWrapPolicy
+from fsdp.wrap import ModuleWrapPolicy
 
 if TYPE_CHECKING:
     from multiprocessing.sharedctypes import Synchronized
@@ -65,11 +58,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument(
         "--nprocs", type=int, default=2, help="local CPU ranks to spawn (ignored under torchrun)"
     )
-    parser.add_argument("--steps", type=int, default=300, help="optimizer steps")
-    parser.add_argument("--strategy", choices=STRATEGIES, default="FULL_SHARD", help="sharding strategy")
-    parser.add_argument("--model", choices=sorted(PRESETS), default="tiny", help="model size preset")
+    parser.add_argument("--steps", type=int, default=500, help="optimizer steps")
+    parser.add_argument(
+        "--strategy", choices=STRATEGIES, default="FULL_SHARD", help="sharding strategy"
+    )
+    parser.add_argument(
+        "--model", choices=sorted(PRESETS), default="tiny", help="model size preset"
+    )
     parser.add_argument("--batch-size", type=int, default=16, help="sequences per rank per step")
-    parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
+    parser.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     parser.add_argument("--seed", type=int, default=0, help="seed for init and data")
     parser.add_argument("--log-every", type=int, default=10, help="log every N steps")
@@ -110,14 +107,20 @@ def _peak_rss_mib() -> float:
     return peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # bytes on macOS, KiB else
 
 
+def _cuda_peak_mib(device: torch.device) -> float:
+    """``torch.cuda.max_memory_allocated`` in MiB (0 off CUDA)."""
+    return torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else 0.0
+
+
+def _all_gather_rows(local: torch.Tensor, world_size: int) -> torch.Tensor:
+    """All-gather a 1-D tensor from every rank into a ``(world_size, n)`` CPU tensor."""
+    gathered = [torch.empty_like(local) for _ in range(world_size)]
+    dist.all_gather(gathered, local)
+    return torch.stack(gathered).cpu()
+
+
 def _fmt_mib(values: Sequence[float]) -> str:
     return "[" + ", ".join(f"{v:.0f}" for v in values) + "]"
-
-
-@dataclass
-class _StepRecord:
-    loss: float  # averaged over ranks
-    seconds: float  # wall time of the step on rank 0 (ranks are synchronised every step)
 
 
 def _lr_factor(step: int, total: int) -> float:
@@ -129,8 +132,10 @@ def _lr_factor(step: int, total: int) -> float:
     return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def train_worker(rank: int, world_size: int, local_rank: int, args: argparse.Namespace, init_method: str) -> bool:
-    """Join the process group, train, and return whether the loss fell (same answer on all ranks)."""
+def train_worker(
+    rank: int, world_size: int, local_rank: int, args: argparse.Namespace, init_method: str
+) -> bool:
+    """Join the process group, train, and return whether the loss fell (same on all ranks)."""
     torch.set_num_threads(1)
     use_cuda = _launched_by_torchrun() and torch.cuda.is_available()
     if use_cuda:
@@ -146,40 +151,48 @@ def train_worker(rank: int, world_size: int, local_rank: int, args: argparse.Nam
         dist.destroy_process_group()
 
 
-def _train(rank: int, world_size: int, device: torch.device, backend: str, args: argparse.Namespace) -> bool:
+def _train(
+    rank: int, world_size: int, device: torch.device, backend: str, args: argparse.Namespace
+) -> bool:
     start = time.perf_counter()
     text = load_corpus()
     tokenizer = CharTokenizer(text)
     data = tokenizer.encode_tensor(text)
 
     torch.manual_seed(args.seed)  # identical initial weights on every rank
-    config = GPTConfig.from_preset(args.model, vocab_size=tokenizer.vocab_size, block_size=args.seq_len)
-    model = GPT(config)
-    n_params = model.num_parameters()
+    config = GPTConfig.from_preset(
+        args.model, vocab_size=tokenizer.vocab_size, block_size=args.seq_len
+    )
+    gpt = GPT(config)
+    n_params = gpt.num_parameters()
     strategy = ShardingStrategy[args.strategy]
     model = FSDP(
-        model,
+        gpt,
         auto_wrap_policy=ModuleWrapPolicy({Block}),
         sharding_strategy=strategy,
         # torch's FSDP1 needs device_id=cpu to train on CPU (without it, it looks for an
         # accelerator); fsdp accepts the same.
         device_id=device,
     )
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    # Created after wrapping: it sees the flat (sharded) parameters.
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01
+    )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(s, args.steps))
 
     tokens_per_step = args.batch_size * args.seq_len * world_size
     if rank == 0:
         print(
-            f"fsdp example: model {args.model} ({n_params / 1e6:.2f}M params, {config.n_layer} blocks, "
-            f"d_model {config.d_model}), vocab {tokenizer.vocab_size}, corpus {data.numel():,} chars\n"
+            f"fsdp example: model {args.model} ({n_params / 1e6:.2f}M params, "
+            f"{config.n_layer} blocks, d_model {config.d_model}), vocab {tokenizer.vocab_size}, "
+            f"corpus {data.numel():,} chars\n"
             f"  {world_size} ranks ({backend}, {device.type}), strategy {strategy.name}, "
             f"batch {args.batch_size}x{args.seq_len} per rank ({tokens_per_step:,} tokens/step), "
             f"lr {args.lr:g}, {args.steps} steps",
             flush=True,
         )
 
-    records: List[_StepRecord] = []
+    losses: List[float] = []  # per step, averaged over ranks
     model.train()
     train_start = time.perf_counter()
     for step in range(args.steps):
@@ -193,23 +206,24 @@ def _train(rank: int, world_size: int, device: torch.device, backend: str, args:
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = model.clip_grad_norm_(1.0)
+        lr = optimizer.param_groups[0]["lr"]
         optimizer.step()
         scheduler.step()
 
         # One collective per step: every rank's (loss, RSS, CUDA peak), gathered on all ranks.
-        cuda_peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else 0.0
-        local = torch.tensor([loss.item(), _rss_mib(), cuda_peak], dtype=torch.float64, device=device)
-        gathered = [torch.empty_like(local) for _ in range(world_size)]
-        dist.all_gather(gathered, local)
-        per_rank = torch.stack(gathered).cpu()
-        seconds = time.perf_counter() - t0
-        records.append(_StepRecord(loss=per_rank[:, 0].mean().item(), seconds=seconds))
+        local = torch.tensor(
+            [loss.item(), _rss_mib(), _cuda_peak_mib(device)], dtype=torch.float64, device=device
+        )
+        per_rank = _all_gather_rows(local, world_size)
+        seconds = time.perf_counter() - t0  # ranks are in step: the all-gather synchronises them
+        losses.append(per_rank[:, 0].mean().item())
 
         if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
             line = (
-                f"step {step + 1:>5}/{args.steps} | loss {records[-1].loss:.4f} | "
-                f"grad norm {float(grad_norm):.3f} | lr {scheduler.get_last_lr()[0]:.2e} | "
-                f"{tokens_per_step / seconds:>9,.0f} tok/s | rss MiB {_fmt_mib(per_rank[:, 1].tolist())}"
+                f"step {step + 1:>5}/{args.steps} | loss {losses[-1]:.4f} | "
+                f"grad norm {float(grad_norm):.3f} | lr {lr:.2e} | "
+                f"{tokens_per_step / seconds:>9,.0f} tok/s | "
+                f"rss MiB {_fmt_mib(per_rank[:, 1].tolist())}"
             )
             if device.type == "cuda":
                 line += f" | cuda max MiB {_fmt_mib(per_rank[:, 2].tolist())}"
@@ -217,15 +231,14 @@ def _train(rank: int, world_size: int, device: torch.device, backend: str, args:
 
     train_seconds = time.perf_counter() - train_start
     # Peak memory of every rank (gathered on all ranks; printed by rank 0).
-    cuda_peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else 0.0
-    local = torch.tensor([_peak_rss_mib(), cuda_peak], dtype=torch.float64, device=device)
-    gathered = [torch.empty_like(local) for _ in range(world_size)]
-    dist.all_gather(gathered, local)
-    peaks = torch.stack(gathered).cpu()
+    local = torch.tensor(
+        [_peak_rss_mib(), _cuda_peak_mib(device)], dtype=torch.float64, device=device
+    )
+    peaks = _all_gather_rows(local, world_size)
 
     window = max(1, min(10, args.steps // 10))
-    first = sum(r.loss for r in records[:window]) / window
-    last = sum(r.loss for r in records[-window:]) / window
+    first = sum(losses[:window]) / window
+    last = sum(losses[-window:]) / window
     fell = math.isfinite(last) and last < first * REQUIRED_LOSS_RATIO
     if rank == 0:
         total_tokens = tokens_per_step * args.steps
@@ -235,12 +248,16 @@ def _train(rank: int, world_size: int, device: torch.device, backend: str, args:
             f"(mean of last {window} steps)\n"
             f"  throughput     {total_tokens / train_seconds:,.0f} tok/s mean (global), "
             f"{train_seconds / args.steps * 1e3:.0f} ms/step\n"
-            f"  time           {train_seconds:.1f} s training, {time.perf_counter() - start:.1f} s in rank 0\n"
+            f"  time           {train_seconds:.1f} s training, "
+            f"{time.perf_counter() - start:.1f} s in rank 0\n"
             f"  peak rss MiB   {_fmt_mib(peaks[:, 0].tolist())} (per rank)",
             flush=True,
         )
         if device.type == "cuda":
-            print(f"  peak cuda MiB  {_fmt_mib(peaks[:, 1].tolist())} (per rank, max allocated)", flush=True)
+            print(
+                f"  peak cuda MiB  {_fmt_mib(peaks[:, 1].tolist())} (per rank, max allocated)",
+                flush=True,
+            )
         if fell:
             print(f"OK: loss fell from {first:.4f} to {last:.4f}", flush=True)
         else:
@@ -272,8 +289,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     start = time.perf_counter()
     verdict = mp.get_context("spawn").Value("i", -1)
-    mp.spawn(_spawn_entry, args=(args.nprocs, _free_port(), args, verdict), nprocs=args.nprocs, join=True)
-    print(f"total wall time (including process start-up): {time.perf_counter() - start:.1f} s", flush=True)
+    mp.spawn(
+        _spawn_entry,
+        args=(args.nprocs, _free_port(), args, verdict),
+        nprocs=args.nprocs,
+        join=True,
+    )
+    elapsed = time.perf_counter() - start
+    print(f"total wall time (including process start-up): {elapsed:.1f} s", flush=True)
     return 0 if verdict.value == 1 else 1
 
 

@@ -18,6 +18,7 @@ from fsdp._common import FLAT_PARAM, p_assert
 from fsdp.flat_param._sharding import (
     gradient_divide_factors,
     padded_unsharded_numel,
+    param_slices_in_shard,
     shard_bounds,
 )
 from fsdp.runtime import _collectives as comm
@@ -178,6 +179,8 @@ class FlatParamHandle:
         unit_name: Name of the unit for messages (refined at lazy init).
         replicate_group: Hybrid strategies: the group sharded gradients are all-reduced over.
         sync_module_states: Broadcast the flat parameter from rank 0 before sharding it.
+        use_orig_params: Keep the original Parameters registered (see
+            [Note: Original parameters] in docs/flat_param_lifecycle.md).
     """
 
     def __init__(
@@ -190,6 +193,7 @@ class FlatParamHandle:
         unit_name: str,
         replicate_group: Optional[dist.ProcessGroup] = None,
         sync_module_states: bool = False,
+        use_orig_params: bool = False,
     ) -> None:
         self.device = device
         self.process_group = process_group
@@ -199,6 +203,7 @@ class FlatParamHandle:
         self.replicate_world_size = dist.get_world_size(replicate_group) if replicate_group else 1
         self.uses_sharding = uses_sharding and self.world_size > 1
         self.unit_name = unit_name
+        self.use_orig_params = use_orig_params
         self.param_infos: list[ParamInfo] = []
         self.shared_param_infos: list[SharedParamInfo] = []
 
@@ -268,12 +273,19 @@ class FlatParamHandle:
         self._pending_sharded_grad: Optional[torch.Tensor] = None
 
         self._placeholders: Optional[list[_ShardedParamPlaceholder]] = None
+        self.wrapped_module = wrapped_module
+        # With use_orig_params the original Parameters stay registered (optimizers hold them);
+        # otherwise the FlatParameter replaces them on the wrapped module.
+        self._orig_params: list[nn.Parameter] = list(unique_params) if use_orig_params else []
+        self._orig_sharded_ranges = self._sharded_ranges()
+        if use_orig_params:
+            self.use_sharded_views()
+            return
         for info in self.param_infos:
             info.module._parameters.pop(info.param_name, None)
         for shared in self.shared_param_infos:
             shared.module._parameters.pop(shared.param_name, None)
         wrapped_module.register_parameter(FLAT_PARAM, self.flat_param)
-        self.wrapped_module = wrapped_module
         if self.uses_sharding:
             self.use_sharded_views()
         else:
@@ -327,9 +339,14 @@ class FlatParamHandle:
         """Frees the padded unsharded tensor and points every name at a placeholder.
 
         Postcondition: state is SHARDED, ``.data`` is the local shard and the unsharded storage
-        has size 0. A no-op for a handle that never shards (NO_SHARD, world size 1).
+        has size 0. For a handle that never shards (NO_SHARD, world size 1) only the original
+        Parameters are registered back (use_orig_params).
         """
-        if not self.uses_sharding or self.state is HandleState.SHARDED:
+        if not self.uses_sharding:
+            if self.use_orig_params:
+                self.use_sharded_views()  # registers the original Parameters back
+            return
+        if self.state is HandleState.SHARDED:
             return
         self.flat_param.data = self._local_shard
         self._free_storage(self.padded_unsharded)
@@ -359,7 +376,12 @@ class FlatParamHandle:
         views = self._unsharded_views(self.flat_param)
         if as_params:
             req = self.flat_param.requires_grad
-            params = [nn.Parameter(view, requires_grad=req) for view in views]
+            if self.use_orig_params:
+                params = self._orig_params
+                for param, view in zip(params, views):
+                    param.data = view.detach()
+            else:
+                params = [nn.Parameter(view, requires_grad=req) for view in views]
             for info, param in zip(self.param_infos, params):
                 _set_module_param(info.module, info.param_name, param)
             for shared in self.shared_param_infos:
@@ -370,8 +392,46 @@ class FlatParamHandle:
         for shared in self.shared_param_infos:
             _set_module_tensor(shared.module, shared.param_name, views[shared.prim_index])
 
+    def _sharded_ranges(self) -> list[tuple[int, int]]:
+        """``(offset in the local shard, numel)`` of each parameter's part on this rank."""
+        if not self.uses_sharding:
+            offsets, start = [], 0
+            for info in self.param_infos:
+                offsets.append((start, info.numel))
+                start += info.numel
+            return offsets
+        ranges = [(0, 0)] * len(self.param_infos)
+        numels = [info.numel for info in self.param_infos]
+        for piece in param_slices_in_shard(numels, self.rank, self.world_size):
+            ranges[piece.param_index] = (piece.offset_in_shard, piece.numel)
+        return ranges
+
+    def _orig_sharded_view(self, source: torch.Tensor, index: int) -> torch.Tensor:
+        """Parameter ``index``'s part of a shard-shaped tensor (original shape if unsharded)."""
+        offset, numel = self._orig_sharded_ranges[index]
+        view = source[offset : offset + numel]
+        return view if self.uses_sharding else view.view(self.param_infos[index].shape)
+
+    def managed_orig_params(self) -> list[nn.Parameter]:
+        """The original Parameters this handle keeps registered (use_orig_params), else []."""
+        return list(self._orig_params)
+
     def use_sharded_views(self) -> None:
-        """Points each original parameter name at a placeholder that raises when used."""
+        """Points each original parameter name at what it holds while the unit is sharded.
+
+        With use_orig_params: the original Parameter, its ``.data`` this rank's 1-D part of the
+        local shard (possibly empty). Its ``.grad`` is left alone: between steps the original
+        Parameters' gradients are authoritative (the optimizer and ``zero_grad`` act on them);
+        :meth:`use_sharded_grad_views` re-derives them after a backward. Otherwise: a
+        placeholder that raises when used.
+        """
+        if self.use_orig_params:
+            for index, (info, param) in enumerate(zip(self.param_infos, self._orig_params)):
+                param.data = self._orig_sharded_view(self._local_shard, index)
+                _set_module_param(info.module, info.param_name, param)
+            for shared in self.shared_param_infos:
+                _set_module_param(shared.module, shared.param_name, self._orig_params[shared.prim_index])
+            return
         if self._placeholders is None:  # made once: they hold no data and never change
             self._placeholders = [
                 _ShardedParamPlaceholder.make(self, info.fqn, info.module_name, self.dtype)
@@ -411,7 +471,7 @@ class FlatParamHandle:
         unsharded gradient never mixes with the reduced sharded one; the stash is added back
         after the reduction (gradient accumulation without ``no_sync``).
         """
-        grad = self.flat_param.grad
+        grad = self.sync_flat_grad_from_orig()
         if grad is not None:
             p_assert(
                 self._sharded_grad_stash is None,
@@ -485,6 +545,101 @@ class FlatParamHandle:
             self.flat_param.grad = stash
         else:
             self.flat_param.grad = pending if pending is not None else stash
+        self.use_sharded_grad_views()
+
+    def use_sharded_grad_views(self) -> None:
+        """use_orig_params: each original Parameter's ``.grad`` views the sharded gradient."""
+        if not self.use_orig_params:
+            return
+        grad = self.flat_param.grad
+        for index, param in enumerate(self._orig_params):
+            if grad is None or grad.shape != self._local_shard.shape or not param.requires_grad:
+                param.grad = None
+            else:
+                param.grad = self._orig_sharded_view(grad, index)
+
+    def sync_flat_grad_from_orig(self) -> Optional[torch.Tensor]:
+        """Makes the sharded flat gradient agree with the original Parameters' ``.grad``.
+
+        With use_orig_params the optimizer and the user see the original Parameters: after
+        ``zero_grad(set_to_none=True)`` their grads are None (so is the flat gradient then),
+        and a replaced ``.grad`` is copied into the flat gradient. Returns the flat gradient.
+        """
+        flat_grad = self.flat_param.grad
+        if not self.use_orig_params or (
+            flat_grad is not None and flat_grad.shape != self._local_shard.shape
+        ):
+            return flat_grad
+        grads = [p.grad for p in self._orig_params]
+        if all(g is None for g in grads):
+            self.flat_param.grad = None
+            return None
+        if flat_grad is not None and all(
+            g is not None and g.data_ptr() == self._orig_sharded_view(flat_grad, i).data_ptr()
+            for i, g in enumerate(grads)
+            if self._orig_sharded_ranges[i][1] > 0
+        ):
+            return flat_grad
+        rebuilt = torch.zeros_like(self._local_shard)
+        for index, grad in enumerate(grads):
+            if grad is not None and self._orig_sharded_ranges[index][1] > 0:
+                self._orig_sharded_view(rebuilt, index).copy_(grad.reshape(self._orig_sharded_view(rebuilt, index).shape))
+        self.flat_param.grad = rebuilt
+        self.use_sharded_grad_views()
+        return rebuilt
+
+    def writeback_orig_params(self) -> None:
+        """use_orig_params: adopts ``.data`` or Parameters the user replaced since the last step.
+
+        The original Parameters' ``.data`` always view the local shard (forward only swaps the
+        module attributes), so this works in any state; a stale gathered copy is dropped.
+        An in-place change already lives in the local shard. A new ``.data`` (or a new
+        Parameter set on the module) is copied in: either in the sharded 1-D shape the
+        parameter has between steps, or in its original full shape (this rank's part is taken).
+
+        Raises:
+            ValueError: The new value has neither shape.
+        """
+        if not self.use_orig_params:
+            return
+        changed = False
+        for index, info in enumerate(self.param_infos):
+            current = info.module._parameters.get(info.param_name)
+            tracked = self._orig_params[index]
+            expected = self._orig_sharded_view(self._local_shard, index)
+            if current is tracked and (expected.numel() == 0 or current.data_ptr() == expected.data_ptr()) and current.shape == expected.shape:
+                continue
+            if current is None:
+                continue  # name currently holds a view (forward in progress)
+            changed = True
+            new = current.detach()
+            with torch.no_grad():
+                if new.shape == expected.shape:
+                    expected.copy_(new)
+                elif new.shape == info.shape:
+                    full = new.reshape(-1)
+                    if self.uses_sharding:
+                        start, _ = shard_bounds(self.unpadded_unsharded_numel, self.rank, self.world_size)
+                        offset, numel = self._orig_sharded_ranges[index]
+                        param_start = sum(i.numel for i in self.param_infos[:index])
+                        lo = start + offset - param_start
+                        expected.copy_(full[lo : lo + numel])
+                    else:
+                        expected.copy_(new)
+                else:
+                    raise ValueError(
+                        f"fsdp: parameter '{info.fqn}' of FSDP unit '{self.unit_name}' was given "
+                        f"shape {tuple(new.shape)}; it must keep its shape {tuple(info.shape)} (or "
+                        f"its sharded shape {tuple(expected.shape)} between steps)."
+                    )
+            if current is not tracked:
+                current.data = expected
+                self._orig_params[index] = current
+        if not changed:
+            return
+        if self.uses_sharding and self.state is HandleState.UNSHARDED:
+            self.reshard()  # the gathered copy is stale; the next unshard gathers the new values
+        self.use_sharded_views()
 
     def has_unsynced_grad(self) -> bool:
         """Whether a ``no_sync`` gradient is waiting to be synchronized."""

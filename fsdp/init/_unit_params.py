@@ -117,7 +117,22 @@ def _fqn(module_name: str, param_name: str) -> str:
     return f"{module_name}.{param_name}" if module_name else param_name
 
 
-def validate_unit_params(unit_name: str, params: Iterable[UnitParam]) -> None:
+def split_by_requires_grad(params: list[UnitParam], use_orig_params: bool) -> list[list[UnitParam]]:
+    """One parameter list per handle: all together, or (use_orig_params) trainable then frozen.
+
+    A separate frozen handle has no gradient at all, so frozen parameters cost no gradient
+    memory (torch FSDP1 allocates a gradient for the whole flat parameter).
+    """
+    if not params:
+        return []
+    if not use_orig_params:
+        return [params]
+    trainable = [p for p in params if p[3].requires_grad]
+    frozen = [p for p in params if not p[3].requires_grad]
+    return [group for group in (trainable, frozen) if group]
+
+
+def validate_unit_params(unit_name: str, params: Iterable[UnitParam], use_orig_params: bool = False) -> None:
     """Raises if a unit's parameters cannot share one FlatParameter.
 
     Raises:
@@ -138,15 +153,15 @@ def validate_unit_params(unit_name: str, params: Iterable[UnitParam]) -> None:
             f"the module (e.g. module.to(torch.float32)) or wrap the differing submodules as "
             f"their own units."
         )
-    if len(flags) > 1:
+    if len(flags) > 1 and not use_orig_params:
         listing = "; ".join(
             f"requires_grad={flag}: {', '.join(names[:4])}" for flag, names in flags.items()
         )
         raise ValueError(
             f"fsdp: the FSDP unit '{unit_name}' mixes frozen and trainable parameters ({listing}). "
             f"With use_orig_params=False a unit's parameters must all have the same "
-            f"requires_grad: wrap the frozen submodules as their own units, or freeze/unfreeze "
-            f"the whole unit."
+            f"requires_grad: pass use_orig_params=True, wrap the frozen submodules as their "
+            f"own units, or freeze/unfreeze the whole unit."
         )
 
 

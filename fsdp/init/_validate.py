@@ -80,8 +80,6 @@ def validate_init_args(
     if mixed_precision is not None:
         raise _not_yet("mixed_precision", mixed_precision, "mixed precision")
     validate_param_init_fn(param_init_fn)
-    if use_orig_params:
-        raise _not_yet("use_orig_params", use_orig_params, "use_orig_params")
 
 
 def resolve_ignored(
@@ -262,14 +260,19 @@ def plan_units(
         return id(param) not in plan.tied_owner or plan.tied_owner[id(param)][1] is unit
 
     for unit, params in units.items():
-        validate_unit_params(unit_name(unit), [p for p in params if owns(unit, p[3])])
+        validate_unit_params(
+            unit_name(unit),
+            [p for p in params if owns(unit, p[3])],
+            bool(root_kwargs.get("use_orig_params")),
+        )
     # Parameters already flattened by nested FSDP instances (wrapped by hand) cannot move.
     existing: dict[str, list[UnitParam]] = {
         unit_name(u): [p for p in ps if owns(u, p[3])] for u, ps in units.items()
     }
     for name, sub in module.named_modules():
-        if is_fsdp(sub) and sub._fsdp_state.handle is not None:  # type: ignore[union-attr]
-            handle = sub._fsdp_state.handle  # type: ignore[union-attr]
+        if not is_fsdp(sub):
+            continue
+        for handle in sub._fsdp_state.handles:  # type: ignore[union-attr]
             existing.setdefault(name, []).extend(
                 (info.module_name, info.module, info.param_name, param)
                 for info, param in zip(handle.param_infos, handle.original_params())

@@ -31,13 +31,13 @@ def clip_grad_norm_(
     replicated: list[torch.Tensor] = []
     managed: set[int] = set()
     for unit in state.ctx.states:
-        if unit.handle is None:
-            continue
-        managed.add(id(unit.handle.flat_param))
-        grad = unit.handle.flat_param.grad
-        if grad is None:
-            continue
-        (sharded if unit.handle.uses_sharding else replicated).append(grad)
+        for handle in unit.handles:
+            managed.add(id(handle.flat_param))
+            managed.update(id(p) for p in handle.managed_orig_params())
+            grad = handle.sync_flat_grad_from_orig()
+            if grad is None:
+                continue
+            (sharded if handle.uses_sharding else replicated).append(grad)
     for param in root.parameters():
         if id(param) not in managed and param.grad is not None:
             replicated.append(param.grad)

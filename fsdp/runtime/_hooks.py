@@ -13,14 +13,18 @@ from torch import nn
 from torch.autograd import Variable
 
 from fsdp._common import apply_to_tensors, p_assert
-from fsdp.flat_param.flat_param import FlatParameter, HandleState
+from fsdp.flat_param.flat_param import FlatParameter, FlatParamHandle, HandleState
 from fsdp.runtime._lazy_init import lazy_init
 from fsdp.runtime._state import RootContext, TrainingState, UnitState, transition
 
 
 def unit_forward(wrapper: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Runs one unit's forward: lazy init (root), unshard, the wrapped module, post-forward."""
-    state = lazy_init(wrapper)
+    """Runs one unit's forward: lazy init (root), unshard, the wrapped module, post-forward.
+
+    Under ``torch.compile`` the FSDP steps (marked ``torch.compiler.disable``) run eagerly and
+    graph-break; the wrapped module's own forward in between is compiled.
+    """
+    state = _lazy_init_eager(wrapper)
     if state.is_root:
         args, kwargs = _root_pre_forward(state, args, kwargs)
     _pre_forward(state)
@@ -32,6 +36,12 @@ def unit_forward(wrapper: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     return _post_forward(state, output)
 
 
+@torch.compiler.disable
+def _lazy_init_eager(wrapper: nn.Module) -> UnitState:
+    return lazy_init(wrapper)
+
+
+@torch.compiler.disable  # FSDP bookkeeping runs eagerly; the module's own forward compiles
 def _root_pre_forward(
     state: UnitState, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -44,15 +54,18 @@ def _root_pre_forward(
     return apply_to_tensors(to_device, args), apply_to_tensors(to_device, kwargs)
 
 
+@torch.compiler.disable  # FSDP bookkeeping runs eagerly; the module's own forward compiles
 def _pre_forward(state: UnitState) -> None:
     """Postcondition: the unit's parameters are unsharded and its names are views into them."""
+    for handle in state.handles:
+        handle.writeback_orig_params()  # may raise a user error: before any state change
     transition(state, TrainingState.FORWARD)
-    handle = state.handle
-    if handle is not None:
+    for handle in state.handles:
         handle.unshard()
         handle.use_unsharded_views()
 
 
+@torch.compiler.disable  # FSDP bookkeeping runs eagerly; the module's own forward compiles
 def _post_forward(state: UnitState, output: Any) -> Any:
     """Reshards per strategy and registers the pre-backward hooks on the outputs.
 
@@ -69,10 +82,9 @@ def _post_forward(state: UnitState, output: Any) -> Any:
             return t
 
         apply_to_tensors(collect, output)
-    handle = state.handle
-    if handle is not None:
-        expects_backward = bool(grad_outputs)
-        if not expects_backward or (state.reshards_after_forward and not state.is_root):
+    expects_backward = bool(grad_outputs)
+    if not expects_backward or (state.reshards_after_forward and not state.is_root):
+        for handle in state.handles:
             handle.reshard()
     hook = functools.partial(_pre_backward_hook, state)
     for t in grad_outputs:
@@ -100,23 +112,20 @@ def _pre_backward_hook(state: UnitState, grad: torch.Tensor) -> torch.Tensor:
         return grad
     state.ran_pre_backward = True
     transition(state, TrainingState.BACKWARD_PRE)
-    if state.handle is not None:
-        state.handle.unshard()
+    for handle in state.handles:
+        handle.unshard()
     return grad
 
 
-def _pre_accumulate_hook(state: UnitState, grad: torch.Tensor) -> torch.Tensor:
+def _pre_accumulate_hook(handle: FlatParamHandle, grad: torch.Tensor) -> torch.Tensor:
     """Runs just before autograd accumulates into the FlatParameter: stash the old gradient."""
-    assert state.handle is not None
-    state.handle.stash_sharded_grad()
+    handle.stash_sharded_grad()
     return grad
 
 
-def _post_backward_hook(state: UnitState, flat_param: FlatParameter) -> None:
-    """Runs once the unit's unsharded gradient is accumulated: reduce it, then reshard."""
-    handle = state.handle
-    p_assert(handle is not None, f"unit '{state.unit_name}': post-backward without a handle")
-    assert handle is not None and state.ctx is not None
+def _post_backward_hook(state: UnitState, handle: FlatParamHandle, flat_param: FlatParameter) -> None:
+    """Runs once a handle's unsharded gradient is accumulated: reduce it, then reshard."""
+    assert state.ctx is not None
     _queue_final_callback(state.ctx)
     p_assert(
         handle.state is HandleState.UNSHARDED,
@@ -126,18 +135,22 @@ def _post_backward_hook(state: UnitState, flat_param: FlatParameter) -> None:
     transition(state, TrainingState.BACKWARD_POST)
     handle.reduce_grad(sync=state.sync_gradients)
     if state.reshards_after_backward():
-        handle.reshard()
+        # A frozen handle of the same unit was needed for this unit's backward only; it is
+        # done now too (its gradient-less parameters fire no hook of their own).
+        for unit_handle in state.handles:
+            if unit_handle is handle or not unit_handle.flat_param.requires_grad:
+                unit_handle.reshard()
 
 
 def register_flat_param_hooks(state: UnitState) -> None:
-    """Registers the gradient hooks on the unit's FlatParameter (once, at construction)."""
-    handle = state.handle
-    if handle is None or not handle.flat_param.requires_grad:
-        return
-    handle.flat_param.register_hook(functools.partial(_pre_accumulate_hook, state))
-    handle.flat_param.register_post_accumulate_grad_hook(
-        functools.partial(_post_backward_hook, state)
-    )
+    """Registers the gradient hooks on the unit's trainable FlatParameters (once)."""
+    for handle in state.handles:
+        if not handle.flat_param.requires_grad:
+            continue
+        handle.flat_param.register_hook(functools.partial(_pre_accumulate_hook, handle))
+        handle.flat_param.register_post_accumulate_grad_hook(
+            functools.partial(_post_backward_hook, state, handle)
+        )
 
 
 def _final_callback(ctx: RootContext) -> None:
@@ -147,8 +160,7 @@ def _final_callback(ctx: RootContext) -> None:
     and keep ``.grad`` as it was.
     """
     for state in ctx.states:
-        handle = state.handle
-        if handle is not None:
+        for handle in state.handles:
             if handle.state is HandleState.UNSHARDED and state.reshards_after_backward():
                 handle.reshard()
             if handle.state is HandleState.SHARDED or not handle.uses_sharding:

@@ -43,8 +43,8 @@ def lazy_init(module: nn.Module) -> UnitState:
             unit.is_root = False
         unit.ctx = ctx
         unit.unit_name = name or "<root>"
-        if unit.handle is not None:
-            unit.handle.unit_name = unit.unit_name
+        for handle in unit.handles:
+            handle.unit_name = unit.unit_name
         ctx.states.append(unit)
     return state
 

@@ -52,7 +52,9 @@ class UnitState:
     """Everything the runtime knows about one FSDP instance.
 
     Attributes:
-        handle: The unit's FlatParamHandle; None when the unit owns no parameters.
+        handles: The unit's FlatParamHandles: none when it owns no parameters, one normally,
+            two with use_orig_params when it mixes trainable and frozen parameters (the
+            frozen handle has no gradient, so frozen parameters cost no gradient memory).
         process_group: The group parameters are sharded over.
         replicate_group: Hybrid strategies: the group sharded gradients are all-reduced over.
         rank: This rank in ``process_group``.
@@ -67,7 +69,7 @@ class UnitState:
         ran_pre_backward: The pre-backward hook already ran in this backward.
     """
 
-    handle: Optional["FlatParamHandle"]
+    handles: list["FlatParamHandle"]
     process_group: dist.ProcessGroup
     replicate_group: Optional[dist.ProcessGroup]
     rank: int
@@ -80,6 +82,11 @@ class UnitState:
     ctx: Optional["RootContext"] = None
     sync_gradients: bool = True
     ran_pre_backward: bool = False
+
+    @property
+    def handle(self) -> Optional["FlatParamHandle"]:
+        """The unit's first (trainable, if any) handle; None when it owns no parameters."""
+        return self.handles[0] if self.handles else None
 
     @property
     def reshards_after_forward(self) -> bool:

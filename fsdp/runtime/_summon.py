@@ -67,54 +67,82 @@ def _summon_unit(
     if state.training_state is TrainingState.SUMMON_FULL_PARAMS:
         yield  # already summoned by an enclosing context
         return
-    if state.handle is None:
-        transition(state, TrainingState.SUMMON_FULL_PARAMS)
-        try:
-            yield
-        finally:
-            state.training_state = TrainingState.IDLE
-        return
-    p_handle: FlatParamHandle = state.handle
-    was_sharded = p_handle.state is HandleState.SHARDED
     transition(state, TrainingState.SUMMON_FULL_PARAMS)
     try:
-        p_handle.unshard()
-        full_grad = _gather_grad(p_handle) if with_grads else None
-        if rank0_only and state.rank != 0:
+        with contextlib.ExitStack() as stack:
+            for handle in state.handles:
+                stack.enter_context(
+                    _summon_handle(
+                        wrapper, handle, state.rank, writeback, rank0_only, offload_to_cpu, with_grads
+                    )
+                )
+            yield
+    finally:
+        state.training_state = TrainingState.IDLE
+
+
+@contextlib.contextmanager
+def _summon_handle(
+    wrapper: nn.Module,
+    handle: FlatParamHandle,
+    rank: int,
+    writeback: bool,
+    rank0_only: bool,
+    offload_to_cpu: bool,
+    with_grads: bool,
+) -> Iterator[None]:
+    was_sharded = handle.state is HandleState.SHARDED
+    try:
+        handle.writeback_orig_params()
+        handle.sync_flat_grad_from_orig()
+        handle.unshard()
+        full_grad = _gather_grad(handle) if with_grads else None
+        if rank0_only and rank != 0:
             # Other ranks took part in the collectives but keep only their shards.
             if was_sharded:
-                p_handle.reshard()
+                handle.reshard()
             yield
             return
-        flat = p_handle.flat_param
+        flat = handle.flat_param
         source = flat.data
         if offload_to_cpu and source.device.type != "cpu":
             source = source.cpu()
             if was_sharded:
-                p_handle.reshard()
+                handle.reshard()
         wrapped = wrapper._fsdp_wrapped_module  # type: ignore[attr-defined]
-        wrapped._parameters.pop(FLAT_PARAM)
-        views = p_handle.unsharded_views(source)
-        params = [nn.Parameter(v, requires_grad=flat.requires_grad) for v in views]
-        if full_grad is not None:
-            for param, grad_view in zip(params, p_handle.unsharded_views(full_grad)):
-                param.grad = grad_view
-        _register(p_handle, params)
+        registered = wrapped._parameters.pop(FLAT_PARAM, None) is not None
+        views = handle.unsharded_views(source)
+        if handle.use_orig_params:
+            params = handle.managed_orig_params()
+            for param, view in zip(params, views):
+                param.data = view
+        else:
+            params = [nn.Parameter(v, requires_grad=flat.requires_grad) for v in views]
+        for param, grad_view in zip(params, handle.unsharded_views(full_grad) if full_grad is not None else []):
+            param.grad = grad_view
+        if full_grad is None:
+            for param in params:
+                param.grad = None
+        _register(handle, params)
         try:
             yield
         finally:
             if writeback:
-                _write_back(p_handle, params, source)
+                _write_back(handle, params, source)
                 if full_grad is not None:
-                    _write_back_grad(p_handle, params, full_grad)
-            _deregister(p_handle)
-            wrapped.register_parameter(FLAT_PARAM, flat)
+                    _write_back_grad(handle, params, full_grad)
+            if not handle.use_orig_params:
+                _deregister(handle)
+            if registered:
+                wrapped.register_parameter(FLAT_PARAM, flat)
     finally:
         if was_sharded:
-            p_handle.reshard()
-        elif p_handle.state is HandleState.UNSHARDED:
-            p_handle.use_unsharded_views()
-        state.training_state = TrainingState.IDLE
+            handle.reshard()
+        elif handle.use_orig_params:
+            handle.use_sharded_views()
+        elif handle.state is HandleState.UNSHARDED:
+            handle.use_unsharded_views()
+        handle.use_sharded_grad_views()  # use_orig_params: grads were replaced inside
 
 
 def _gather_grad(handle: FlatParamHandle) -> Optional[torch.Tensor]:
