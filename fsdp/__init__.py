@@ -1,6 +1,6 @@
 """fsdp: fully sharded data parallel for PyTorch, in the FlatParameter / wrapper-module design.
 
-The public names are those of ``torch.distributed.fsdp`` (FSDP1), so a script switches by
+The public names are those of PyTorch's FSDP1 package, so a script switches by
 changing its imports only::
 
     from fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy

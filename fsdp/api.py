@@ -1,4 +1,4 @@
-"""Public enums and configuration dataclasses, named and shaped as in ``torch.distributed.fsdp``.
+"""Public enums and configuration dataclasses, named and shaped as in PyTorch FSDP1.
 
 These are plain data: no behaviour lives here. Each mirrors the torch FSDP1 name, fields and
 defaults so that a training script switches to ``fsdp`` by changing its imports only.

@@ -191,6 +191,9 @@ class FullyShardedDataParallel(nn.Module):
             compute_device=device,
             unit_name=type(module).__name__,
         )
+        for sub in module.modules():
+            if is_fsdp(sub):
+                sub._fsdp_state.has_fsdp_parent = True
         register_flat_param_hooks(self._fsdp_state)
         self._state_dict_settings = _settings.default_settings()
 
@@ -276,8 +279,8 @@ class FullyShardedDataParallel(nn.Module):
 
     # ------------------------------------------------------------------ training API
     def _require_root(self, what: str) -> UnitState:
-        state = lazy_init(self)
-        if not state.is_root:
+        state = self._fsdp_state if self._fsdp_state.has_fsdp_parent else lazy_init(self)
+        if state.has_fsdp_parent or not state.is_root:
             raise RuntimeError(
                 f"fsdp: {what} must be called on the root FSDP instance, but it was called on "
                 f"the nested unit '{state.unit_name}'. Call it on the outermost FSDP module."

@@ -2,7 +2,7 @@
 
 A *wrap policy* decides which submodules of a model become their own sharded unit (their own
 wrapper instance, and so their own flat parameter). Two kinds of policy are accepted, exactly
-as in ``torch.distributed.fsdp.wrap``:
+as in PyTorch FSDP1's wrap module:
 
 * **Functional policies**: callables ``policy(module=..., recurse=..., nonwrapped_numel=...)``
   returning a bool. The driver walks the module tree depth-first. For every module it first asks

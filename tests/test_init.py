@@ -329,7 +329,7 @@ def tied_manual_error() -> None:
 
     model = make_toy(tie=True)
     model.embed = FSDP(model.embed)  # flattens the shared weight into its own unit by hand
-    with pytest.raises(ValueError, match=r"'weight' of FSDP unit 'embed' is the same Parameter as 'head.weight' of FSDP unit '<root ToyLM>'.*Wrap with auto_wrap_policy instead"):
+    with pytest.raises(ValueError, match=r"'head.weight' of FSDP unit '<root ToyLM>' is the same Parameter as 'weight' of FSDP unit 'embed'.*Wrap with auto_wrap_policy instead"):
         FSDP(model)
 
 

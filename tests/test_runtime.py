@@ -6,6 +6,7 @@ steps, structured (dict / namedtuple) inputs, and the wrapper's module plumbing.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, NamedTuple
 
 import pytest
@@ -129,3 +130,59 @@ def plumbing() -> None:
 
 def test_plumbing(pool2: RankPool) -> None:
     pool2.run(plumbing)
+
+
+class _Boom(Exception):
+    pass
+
+
+def interrupted_backward(strategy: str) -> None:
+    """An exception escaping backward: the next step warns, resets and trains correctly."""
+    from fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
+    from fsdp.wrap import ModuleWrapPolicy
+
+    from tests._models import make_toy
+
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    ref = make_toy()
+    ours = FSDP(make_toy(), auto_wrap_policy=ModuleWrapPolicy({Block}), sharding_strategy=ShardingStrategy[strategy])
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, ours)]
+    tokens, targets = global_batch(0, ws)
+    logits = ours(local_rows(tokens, rank, ws))
+
+    def explode(grad: torch.Tensor) -> torch.Tensor:
+        raise _Boom("user hook failed")
+
+    logits.register_hook(explode)  # fails before any unit's backward ran
+    with pytest.raises(_Boom):
+        lm_loss(logits, local_rows(targets, rank, ws)).backward()
+    # Mid-backward failure: a hook deep inside (after the root's pre-backward and some units).
+    inner = ours.module.blocks[1].module
+    def arm(module: nn.Module, inputs: Any, out: torch.Tensor) -> None:
+        out.register_hook(explode)  # returns None: the output is unchanged
+
+    handle = inner.register_forward_hook(arm)
+    logits = ours(local_rows(tokens, rank, ws))
+    handle.remove()
+    with pytest.raises(_Boom):  # after the root's and blocks[2]'s backward already ran
+        lm_loss(logits, local_rows(targets, rank, ws)).backward()
+    for step in range(1, 3):
+        tokens, targets = global_batch(step, ws)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loss = lm_loss(ours(local_rows(tokens, rank, ws)), local_rows(targets, rank, ws))
+        if step == 1:
+            assert any("previous backward did not finish" in str(w.message) for w in caught)
+        loss.backward()
+        lm_loss(ref(tokens), targets).backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    mine = _full_params(ours, FSDP)
+    for name, value in ref.named_parameters():
+        torch.testing.assert_close(mine[name], value.detach(), rtol=5e-5, atol=5e-6, msg=name)
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
+def test_recovers_from_interrupted_backward(pool2: RankPool, strategy: str) -> None:
+    pool2.run(interrupted_backward, strategy)

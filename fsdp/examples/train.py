@@ -69,7 +69,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     parser.add_argument("--seed", type=int, default=0, help="seed for init and data")
-    parser.add_argument("--log-every", type=int, default=10, help="log every N steps")
+    parser.add_argument("--log-every", type=int, default=1, help="log every N steps")
     args = parser.parse_args(argv)
     if args.steps < 2:
         parser.error("--steps must be at least 2 (the loss must be able to fall)")

@@ -25,6 +25,9 @@ from fsdp.runtime import _collectives as comm
 
 __all__ = ["FlatParameter", "FlatParamHandle", "HandleState", "ParamInfo", "SharedParamInfo"]
 
+# Set on an original Parameter once a handle has flattened it: (weakref to the handle, its name).
+FLATTENED_ATTR = "_fsdp_flattened_into"
+
 
 class FlatParameter(nn.Parameter):
     """The one ``nn.Parameter`` a unit registers: its original parameters, flattened and padded.
@@ -221,8 +224,11 @@ class FlatParamHandle:
                 ParamInfo(param_name, module, module_name, param.shape, param.numel())
             )
         p_assert(len(unique_params) > 0, "a FlatParamHandle needs at least one parameter")
-        # Weak references only: holding the originals would keep their memory alive.
-        self._original_param_refs = [weakref.ref(p) for p in unique_params]
+        # Mark each original Parameter as flattened here, so that another unit that meets the
+        # same Parameter (tied weights, wrapped by hand) fails with a clear error, whether or
+        # not the original is still alive elsewhere (see check_not_flattened_elsewhere).
+        for param, info in zip(unique_params, self.param_infos):
+            setattr(param, FLATTENED_ATTR, (weakref.ref(self), info.fqn))
         self.dtype = unique_params[0].dtype
         self.unpadded_unsharded_numel = sum(info.numel for info in self.param_infos)
         if self.uses_sharding:
@@ -291,10 +297,6 @@ class FlatParamHandle:
         else:
             with torch.no_grad():
                 self.use_unsharded_views()
-
-    def original_params(self) -> list[Optional[nn.Parameter]]:
-        """The original Parameter objects still alive elsewhere (None where collected)."""
-        return [ref() for ref in self._original_param_refs]
 
     # ------------------------------------------------------------------ storage
     @staticmethod
@@ -640,6 +642,23 @@ class FlatParamHandle:
         if self.uses_sharding and self.state is HandleState.UNSHARDED:
             self.reshard()  # the gathered copy is stale; the next unshard gathers the new values
         self.use_sharded_views()
+
+    def abandon_backward(self) -> None:
+        """Drops what an interrupted backward left behind; restores the gradient from before it.
+
+        Postcondition: sharded (if the handle shards), no pending reduction, ``.grad`` as it
+        was before that backward.
+        """
+        self._pending_sharded_grad = None
+        grad = self.flat_param.grad
+        if grad is not None and grad.shape != self._local_shard.shape:
+            self.flat_param.grad = None  # an unreduced unsharded gradient
+        if self.uses_sharding:
+            self.reshard()
+        stash, self._sharded_grad_stash = self._sharded_grad_stash, None
+        if stash is not None:
+            self.flat_param.grad = stash
+        self.use_sharded_grad_views()
 
     def has_unsynced_grad(self) -> bool:
         """Whether a ``no_sync`` gradient is waiting to be synchronized."""

@@ -165,24 +165,36 @@ def validate_unit_params(unit_name: str, params: Iterable[UnitParam], use_orig_p
         )
 
 
-def check_no_param_in_two_units(units: dict[str, list[UnitParam]]) -> None:
-    """Raises if one Parameter would be flattened into two units (tied weights across units).
+def check_not_flattened_elsewhere(
+    unit_name: str, params: Iterable[UnitParam], unit_names: dict[object, str]
+) -> None:
+    """Raises if a Parameter of this unit was already flattened by another unit.
+
+    That happens for tied weights when one of the modules was wrapped by hand first: the
+    parameter can no longer move to a common ancestor unit.
+
+    Args:
+        unit_name: This unit's name, for the message.
+        params: The parameters this unit would flatten.
+        unit_names: Qualified names of known FSDP units by handle, for the message.
 
     Raises:
         ValueError: Naming both parameters, both units and the fix.
     """
-    owner: dict[int, tuple[str, str]] = {}
-    for unit_name, params in units.items():
-        for module_name, _, name, param in params:
-            fqn = _fqn(module_name, name)
-            if id(param) in owner and owner[id(param)][0] != unit_name:
-                other_unit, other_fqn = owner[id(param)]
-                raise ValueError(
-                    f"fsdp: parameter '{fqn}' of FSDP unit '{unit_name}' is the same Parameter "
-                    f"as '{other_fqn}' of FSDP unit '{other_unit}' (tied weights across units). "
-                    f"A unit wrapped by hand has already flattened it, so it cannot move to a "
-                    f"common ancestor unit. Wrap with auto_wrap_policy instead (fsdp then "
-                    f"places tied parameters in the lowest common ancestor unit), or do not wrap "
-                    f"either module separately."
-                )
-            owner.setdefault(id(param), (unit_name, fqn))
+    for module_name, _, name, param in params:
+        marker = getattr(param, "_fsdp_flattened_into", None)
+        if marker is None:
+            continue
+        handle_ref, other_fqn = marker
+        handle = handle_ref()
+        if handle is None:
+            continue
+        other_unit = unit_names.get(handle, handle.unit_name)
+        raise ValueError(
+            f"fsdp: parameter '{_fqn(module_name, name)}' of FSDP unit '{unit_name}' is the same "
+            f"Parameter as '{other_fqn}' of FSDP unit '{other_unit}' (tied weights across units). "
+            f"A unit wrapped by hand has already flattened it, so it cannot move to a common "
+            f"ancestor unit. Wrap with auto_wrap_policy instead (fsdp then places tied "
+            f"parameters in the lowest common ancestor unit), or do not wrap either module "
+            f"separately."
+        )

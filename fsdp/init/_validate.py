@@ -22,11 +22,12 @@ from typing import Any, Callable, Iterable, Optional
 
 from torch import nn
 
+from fsdp._common import clean_fqn
 from fsdp.api import BackwardPrefetch, CPUOffload, ShardingStrategy
 from fsdp.init._materialize import check_materializable, validate_param_init_fn
 from fsdp.init._unit_params import (
     UnitParam,
-    check_no_param_in_two_units,
+    check_not_flattened_elsewhere,
     unit_params,
     validate_unit_params,
 )
@@ -265,20 +266,16 @@ def plan_units(
             [p for p in params if owns(unit, p[3])],
             bool(root_kwargs.get("use_orig_params")),
         )
-    # Parameters already flattened by nested FSDP instances (wrapped by hand) cannot move.
-    existing: dict[str, list[UnitParam]] = {
-        unit_name(u): [p for p in ps if owns(u, p[3])] for u, ps in units.items()
-    }
+    # Parameters already flattened by units wrapped by hand cannot move.
+    handle_names: dict[object, str] = {}
     for name, sub in module.named_modules():
-        if not is_fsdp(sub):
-            continue
-        for handle in sub._fsdp_state.handles:  # type: ignore[union-attr]
-            existing.setdefault(name, []).extend(
-                (info.module_name, info.module, info.param_name, param)
-                for info, param in zip(handle.param_infos, handle.original_params())
-                if param is not None
-            )
-    check_no_param_in_two_units(existing)
+        if is_fsdp(sub):
+            for handle in sub._fsdp_state.handles:  # type: ignore[union-attr]
+                handle_names[handle] = clean_fqn(name)
+    for unit, params in units.items():
+        check_not_flattened_elsewhere(
+            unit_name(unit), [p for p in params if owns(unit, p[3])], handle_names
+        )
     # Nested units leave ignored states alone too.
     for target, kwargs in plan.targets.items():
         inner_modules = [m for m in target.modules() if m in closed and m is not target]

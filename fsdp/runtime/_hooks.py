@@ -6,6 +6,7 @@ See docs/hook_order.md, [Note: Hook order], for the sequence in one training ste
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ def unit_forward(wrapper: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     """
     state = _lazy_init_eager(wrapper)
     if state.is_root:
+        _recover_if_backward_interrupted(state)
         args, kwargs = _root_pre_forward(state, args, kwargs)
     _pre_forward(state)
     try:
@@ -39,6 +41,33 @@ def unit_forward(wrapper: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
 @torch.compiler.disable
 def _lazy_init_eager(wrapper: nn.Module) -> UnitState:
     return lazy_init(wrapper)
+
+
+@torch.compiler.disable
+def _recover_if_backward_interrupted(state: UnitState) -> None:
+    """Resets units that a failed backward left mid-flight (an exception escaped it).
+
+    The end-of-backward callback never ran, so units may still be gathered, in a backward
+    state, holding half-reduced gradients. Warn, drop what that backward produced (gradients
+    from before it are kept) and start clean, instead of failing every later step.
+    """
+    ctx = state.ctx
+    assert ctx is not None
+    stuck = [s for s in ctx.states if s.training_state in (TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST) or s.ran_pre_backward]
+    if not stuck and not ctx.final_callback_queued:
+        return
+    warnings.warn(
+        "fsdp: the previous backward did not finish (an exception was raised inside it?); "
+        f"resetting FSDP units {[s.unit_name for s in stuck]} and discarding the gradients "
+        "that backward produced.",
+        stacklevel=4,
+    )
+    for unit in ctx.states:
+        for handle in unit.handles:
+            handle.abandon_backward()
+        unit.ran_pre_backward = False
+        unit.training_state = TrainingState.IDLE
+    ctx.final_callback_queued = False
 
 
 @torch.compiler.disable  # FSDP bookkeeping runs eagerly; the module's own forward compiles

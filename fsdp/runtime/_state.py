@@ -67,6 +67,8 @@ class UnitState:
         ctx: The root's shared context (set at lazy init).
         sync_gradients: False inside ``no_sync``.
         ran_pre_backward: The pre-backward hook already ran in this backward.
+        has_fsdp_parent: Another FSDP instance wraps this one (so it can never be the root
+            for root-only APIs).
     """
 
     handles: list["FlatParamHandle"]
@@ -82,6 +84,7 @@ class UnitState:
     ctx: Optional["RootContext"] = None
     sync_gradients: bool = True
     ran_pre_backward: bool = False
+    has_fsdp_parent: bool = False
 
     @property
     def handle(self) -> Optional["FlatParamHandle"]:
