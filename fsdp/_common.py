@@ -11,6 +11,7 @@ Two error tiers (see docs/design.md, [Note: Error tiers]):
 
 from __future__ import annotations
 
+import functools
 import sys
 import traceback
 from typing import Any, Callable, NoReturn
@@ -62,6 +63,26 @@ def apply_to_tensors(fn: Callable[[torch.Tensor], Any], container: Any) -> Any:
     if isinstance(container, (list, tuple)):
         return type(container)(apply_to_tensors(fn, v) for v in container)
     return container
+
+
+def eager_only(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Marks an FSDP runtime step to run eagerly (graph break) under ``torch.compile``.
+
+    ``torch.compiler.disable`` would import all of dynamo when fsdp is imported, which costs
+    start-up time and has aborted processes at interpreter exit. The marker is applied lazily:
+    only once dynamo is loaded, which ``torch.compile`` does before it traces any of our code.
+    """
+    disabled: list[Callable[..., Any]] = []
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if "torch._dynamo" not in sys.modules:
+            return fn(*args, **kwargs)
+        if not disabled:
+            disabled.append(torch.compiler.disable(fn))
+        return disabled[0](*args, **kwargs)
+
+    return wrapper
 
 
 def clean_fqn(name: str) -> str:

@@ -21,8 +21,8 @@ import argparse
 import math
 import os
 import resource
-import socket
 import sys
+import tempfile
 import time
 from typing import TYPE_CHECKING, List, Optional, Sequence
 
@@ -85,12 +85,6 @@ def _launched_by_torchrun() -> bool:
     return all(v in os.environ for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"))
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _rss_mib() -> float:
     """Current resident set size of this process in MiB (peak RSS where /proc is missing)."""
     try:
@@ -146,7 +140,11 @@ def train_worker(
     backend = "nccl" if use_cuda else "gloo"
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
     try:
-        return _train(rank, world_size, device, backend, args)
+        fell = _train(rank, world_size, device, backend, args)
+        # Leave together: rank 0 hosts the rendezvous store, and tearing gloo down while a
+        # peer is still finishing its last collective can abort the process at exit.
+        dist.barrier()
+        return fell
     finally:
         dist.destroy_process_group()
 
@@ -270,10 +268,10 @@ def _train(
 
 
 def _spawn_entry(
-    rank: int, world_size: int, port: int, args: argparse.Namespace, verdict: Synchronized[int]
+    rank: int, world_size: int, store_path: str, args: argparse.Namespace, verdict: Synchronized[int]
 ) -> None:
     """``mp.spawn`` target: run one local rank; rank 0 stores whether the loss fell."""
-    fell = train_worker(rank, world_size, rank, args, init_method=f"tcp://127.0.0.1:{port}")
+    fell = train_worker(rank, world_size, rank, args, init_method=f"file://{store_path}")
     if rank == 0:
         verdict.value = 1 if fell else 0
 
@@ -289,12 +287,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     start = time.perf_counter()
     verdict = mp.get_context("spawn").Value("i", -1)
-    mp.spawn(
-        _spawn_entry,
-        args=(args.nprocs, _free_port(), args, verdict),
-        nprocs=args.nprocs,
-        join=True,
-    )
+    # A file rendezvous: no store server thread to outlive (a TCP store hosted by rank 0 can
+    # abort rank 0 at interpreter exit when a peer is still disconnecting).
+    with tempfile.TemporaryDirectory(prefix="fsdp-demo-") as rendezvous_dir:
+        mp.spawn(
+            _spawn_entry,
+            args=(args.nprocs, os.path.join(rendezvous_dir, "store"), args, verdict),
+            nprocs=args.nprocs,
+            join=True,
+        )
     elapsed = time.perf_counter() - start
     print(f"total wall time (including process start-up): {elapsed:.1f} s", flush=True)
     return 0 if verdict.value == 1 else 1

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.autograd import Variable
 
-from fsdp._common import apply_to_tensors, p_assert
+from fsdp._common import apply_to_tensors, eager_only, p_assert
 from fsdp.flat_param.flat_param import FlatParameter, FlatParamHandle, HandleState
 from fsdp.runtime._lazy_init import lazy_init
 from fsdp.runtime._state import RootContext, TrainingState, UnitState, transition
@@ -22,7 +22,7 @@ from fsdp.runtime._state import RootContext, TrainingState, UnitState, transitio
 def unit_forward(wrapper: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Runs one unit's forward: lazy init (root), unshard, the wrapped module, post-forward.
 
-    Under ``torch.compile`` the FSDP steps (marked ``torch.compiler.disable``) run eagerly and
+    Under ``torch.compile`` the FSDP steps (marked ``eager_only``) run eagerly and
     graph-break; the wrapped module's own forward in between is compiled.
     """
     state = _lazy_init_eager(wrapper)
@@ -38,12 +38,12 @@ def unit_forward(wrapper: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     return _post_forward(state, output)
 
 
-@torch.compiler.disable
+@eager_only
 def _lazy_init_eager(wrapper: nn.Module) -> UnitState:
     return lazy_init(wrapper)
 
 
-@torch.compiler.disable
+@eager_only
 def _recover_if_backward_interrupted(state: UnitState) -> None:
     """Resets units that a failed backward left mid-flight (an exception escaped it).
 
@@ -70,7 +70,7 @@ def _recover_if_backward_interrupted(state: UnitState) -> None:
     ctx.final_callback_queued = False
 
 
-@torch.compiler.disable  # FSDP bookkeeping runs eagerly; the module's own forward compiles
+@eager_only  # FSDP bookkeeping runs eagerly; the module's own forward compiles
 def _root_pre_forward(
     state: UnitState, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -83,7 +83,7 @@ def _root_pre_forward(
     return apply_to_tensors(to_device, args), apply_to_tensors(to_device, kwargs)
 
 
-@torch.compiler.disable  # FSDP bookkeeping runs eagerly; the module's own forward compiles
+@eager_only  # FSDP bookkeeping runs eagerly; the module's own forward compiles
 def _pre_forward(state: UnitState) -> None:
     """Postcondition: the unit's parameters are unsharded and its names are views into them."""
     for handle in state.handles:
@@ -94,7 +94,7 @@ def _pre_forward(state: UnitState) -> None:
         handle.use_unsharded_views()
 
 
-@torch.compiler.disable  # FSDP bookkeeping runs eagerly; the module's own forward compiles
+@eager_only  # FSDP bookkeeping runs eagerly; the module's own forward compiles
 def _post_forward(state: UnitState, output: Any) -> Any:
     """Reshards per strategy and registers the pre-backward hooks on the outputs.
 
