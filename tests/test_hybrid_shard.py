@@ -132,3 +132,44 @@ def hybrid_errors() -> None:
 
 def test_hybrid_errors(pool4: RankPool) -> None:
     pool4.run(hybrid_errors)
+
+
+def subgroup_sharding(strategy: str) -> None:
+    """A plain subgroup process_group: each pair of ranks trains its own model on its own data."""
+    from fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
+    from fsdp.wrap import ModuleWrapPolicy
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+    from torch.distributed.fsdp import ShardingStrategy as TorchStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchPolicy
+
+    intra, _ = _layouts()["tuple"]["process_group"]
+    rank = dist.get_rank()
+    pair, pair_rank = rank // 2, rank % 2
+    ours = FSDP(make_toy(), auto_wrap_policy=ModuleWrapPolicy({Block}), sharding_strategy=ShardingStrategy[strategy], process_group=intra)
+    theirs = TorchFSDP(make_toy(), auto_wrap_policy=TorchPolicy({Block}), sharding_strategy=TorchStrategy[strategy], process_group=intra, device_id=torch.device("cpu"))
+    ref = make_toy()
+    assert dist.get_world_size(ours._fsdp_state.process_group) == 2 and ours._fsdp_state.replicate_group is None
+    models = (ref, ours, theirs)
+    opts = [torch.optim.AdamW(m.parameters(), lr=0.01) for m in models]
+    for step in range(3):
+        tokens, targets = global_batch(10 * pair + step, 2)  # each pair sees its own data
+        for i, (model, opt) in enumerate(zip(models, opts)):
+            x, y = (tokens, targets) if i == 0 else (local_rows(tokens, pair_rank, 2), local_rows(targets, pair_rank, 2))
+            lm_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    mine, torch_full, ref_full = _full_params(ours, FSDP), _full_params(theirs, TorchFSDP), dict(ref.named_parameters())
+    for name in mine:
+        assert torch.equal(mine[name], torch_full[name]), name
+        torch.testing.assert_close(mine[name], ref_full[name].detach(), rtol=5e-5, atol=5e-6, msg=name)
+    # The two pairs trained on different data: their models differ.
+    head = mine["head.weight"].contiguous()
+    copies = [torch.empty_like(head) for _ in range(4)]
+    dist.all_gather(copies, head)
+    assert torch.equal(copies[0], copies[1]) and torch.equal(copies[2], copies[3])
+    assert not torch.equal(copies[0], copies[2])
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
+def test_subgroup_process_group(pool4: RankPool, strategy: str) -> None:
+    pool4.run(subgroup_sharding, strategy)
