@@ -8,7 +8,7 @@ docs/design.md for the whole picture.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Generator, Iterable, Iterator, Optional, Union
+from typing import Any, Callable, Generator, Iterable, Iterator, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -43,7 +43,7 @@ from fsdp.runtime._hooks import register_flat_param_hooks, unit_forward
 from fsdp.runtime._lazy_init import check_idle, is_fsdp, lazy_init, reset_lazy_init
 from fsdp.runtime._state import TrainingState, UnitState
 from fsdp.runtime._summon import summon_full_params as _summon_full_params
-from fsdp.state_dict import _settings
+from fsdp.state_dict import _model_state_dict, _settings
 
 __all__ = ["FullyShardedDataParallel"]
 
@@ -386,19 +386,33 @@ class FullyShardedDataParallel(nn.Module):
                 previous.optim_state_dict_config,
             )
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
-        """Model state dicts are a planned feature."""
-        raise _not_yet(
-            "model state_dict() (FULL/SHARDED/LOCAL_STATE_DICT); meanwhile read full parameters "
-            "inside FullyShardedDataParallel.summon_full_params(model)"
+    def state_dict(  # type: ignore[override]
+        self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False
+    ) -> dict[str, Any]:
+        """The model state dict of the kind set by ``state_dict_type`` (FULL by default).
+
+        See [Note: Model state dict formats]: FULL has the unwrapped model's keys and full
+        tensors; SHARDED the same keys with DTensor shards (for torch.distributed.checkpoint);
+        LOCAL each unit's flat local shard. A collective: every rank must call it.
+        """
+        if args:  # nn.Module's deprecated positional form: (destination, prefix, keep_vars)
+            destination = args[0]
+            prefix = args[1] if len(args) > 1 else prefix
+            keep_vars = args[2] if len(args) > 2 else keep_vars
+        return _model_state_dict.save_state_dict(
+            self, super().state_dict, destination, prefix, keep_vars
         )
 
-    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
-        """Model state dicts are a planned feature."""
-        raise _not_yet(
-            "model load_state_dict(); meanwhile copy values in place inside "
-            "FullyShardedDataParallel.summon_full_params(model)"
-        )
+    def load_state_dict(  # type: ignore[override]
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        """Loads a state dict of the kind set by ``state_dict_type`` (FULL by default).
+
+        Keys and shapes are checked first (``strict`` as in ``nn.Module``); on error nothing is
+        changed. FULL loads need no communication; SHARDED values may be DTensors of any
+        layout (e.g. from torch.distributed.checkpoint at another world size).
+        """
+        return _model_state_dict.load_state_dict(self, dict(state_dict), strict, assign)
 
     def register_comm_hook(self, state: object, hook: Callable) -> None:
         """Communication hooks are a planned feature."""
@@ -412,15 +426,19 @@ class FullyShardedDataParallel(nn.Module):
         rank0_only: bool = True,
         group: Optional[dist.ProcessGroup] = None,
     ) -> dict[str, Any]:
-        """Optimizer state dicts are a planned feature."""
-        raise _not_yet("full_optim_state_dict")
+        """Full optimizer state keyed by parameter names (legacy API; see :meth:`optim_state_dict`)."""
+        from fsdp.state_dict import _optim_state_dict as _osd
+
+        return _osd.full_optim_state_dict(model, optim, optim_input, rank0_only, group)
 
     @staticmethod
     def sharded_optim_state_dict(
         model: nn.Module, optim: torch.optim.Optimizer, group: Optional[dist.ProcessGroup] = None
     ) -> dict[str, Any]:
-        """Optimizer state dicts are a planned feature."""
-        raise _not_yet("sharded_optim_state_dict")
+        """Optimizer state keyed by parameter names, each state chunked across ranks (legacy API)."""
+        from fsdp.state_dict import _optim_state_dict as _osd
+
+        return _osd.sharded_optim_state_dict(model, optim, group)
 
     @staticmethod
     def shard_full_optim_state_dict(
@@ -429,15 +447,19 @@ class FullyShardedDataParallel(nn.Module):
         optim_input: Optional[Any] = None,
         optim: Optional[torch.optim.Optimizer] = None,
     ) -> dict[str, Any]:
-        """Optimizer state dicts are a planned feature."""
-        raise _not_yet("shard_full_optim_state_dict")
+        """This rank's flattened part of a full optimizer state dict (legacy API)."""
+        from fsdp.state_dict import _optim_state_dict as _osd
+
+        return _osd.shard_full_optim_state_dict(full_optim_state_dict, model, optim_input, optim)
 
     @staticmethod
     def flatten_sharded_optim_state_dict(
         sharded_optim_state_dict: dict[str, Any], model: nn.Module, optim: torch.optim.Optimizer
     ) -> dict[str, Any]:
-        """Optimizer state dicts are a planned feature."""
-        raise _not_yet("flatten_sharded_optim_state_dict")
+        """This rank's flattened part of a sharded optimizer state dict (legacy API)."""
+        from fsdp.state_dict import _optim_state_dict as _osd
+
+        return _osd.flatten_sharded_optim_state_dict(sharded_optim_state_dict, model, optim)
 
     @staticmethod
     def scatter_full_optim_state_dict(
@@ -447,8 +469,10 @@ class FullyShardedDataParallel(nn.Module):
         optim: Optional[torch.optim.Optimizer] = None,
         group: Optional[Any] = None,
     ) -> dict[str, Any]:
-        """Optimizer state dicts are a planned feature."""
-        raise _not_yet("scatter_full_optim_state_dict")
+        """Like :meth:`shard_full_optim_state_dict`, but only rank 0 passes the state dict (legacy API)."""
+        from fsdp.state_dict import _optim_state_dict as _osd
+
+        return _osd.scatter_full_optim_state_dict(full_optim_state_dict, model, optim_input, optim, group)
 
     @staticmethod
     def rekey_optim_state_dict(
@@ -458,8 +482,10 @@ class FullyShardedDataParallel(nn.Module):
         optim_input: Optional[Any] = None,
         optim: Optional[torch.optim.Optimizer] = None,
     ) -> dict[str, Any]:
-        """Optimizer state dicts are a planned feature."""
-        raise _not_yet("rekey_optim_state_dict")
+        """Re-keys an optimizer state dict by parameter names or by parameter IDs."""
+        from fsdp.state_dict import _optim_state_dict as _osd
+
+        return _osd.rekey_optim_state_dict(optim_state_dict, optim_state_key_type, model, optim_input, optim)
 
     @staticmethod
     def optim_state_dict(
@@ -468,8 +494,10 @@ class FullyShardedDataParallel(nn.Module):
         optim_state_dict: Optional[dict[str, Any]] = None,
         group: Optional[dist.ProcessGroup] = None,
     ) -> dict[str, Any]:
-        """Optimizer state dicts are a planned feature."""
-        raise _not_yet("optim_state_dict")
+        """The optimizer state keyed by parameter names, full or sharded per ``state_dict_type``."""
+        from fsdp.state_dict import _optim_state_dict as _osd
+
+        return _osd.optim_state_dict_api(model, optim, optim_state_dict, group)
 
     @staticmethod
     def optim_state_dict_to_load(
@@ -480,5 +508,9 @@ class FullyShardedDataParallel(nn.Module):
         load_directly: bool = False,
         group: Optional[dist.ProcessGroup] = None,
     ) -> dict[str, Any]:
-        """Optimizer state dicts are a planned feature."""
-        raise _not_yet("optim_state_dict_to_load")
+        """Converts a state dict from :meth:`optim_state_dict` into one ``optim`` can load."""
+        from fsdp.state_dict import _optim_state_dict as _osd
+
+        return _osd.optim_state_dict_to_load_api(
+            model, optim, optim_state_dict, is_named_optimizer, load_directly, group
+        )

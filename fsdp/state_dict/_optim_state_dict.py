@@ -1,0 +1,954 @@
+"""Optimizer state dicts: unflatten (save) and flatten (load) the state of sharded parameters.
+
+[Note: Optimizer state dict formats]
+The optimizer holds per-rank state for what it optimizes: with ``use_orig_params=False`` one
+entry per FlatParameter (positive-dimension tensors such as Adam's ``exp_avg`` are 1-D and
+shard-shaped, ``sharded_numel`` elements, padding at the end of the last ranks' shards); with
+``use_orig_params=True`` one entry per original Parameter, whose tensors are this rank's 1-D part
+of the shard (possibly empty, or absent on a rank that holds no part of the parameter).
+
+- Saving (``optim_state_dict``): the state is re-keyed by the original parameters' fully
+  qualified names (their names in the unwrapped model; a tied parameter once, under its first
+  name). Each positive-dimension state of a handle is all-gathered into the padded unsharded
+  layout and split per parameter in its original shape; scalar states (``step``) and
+  non-tensor states are copied. FULL_STATE_DICT returns full tensors (``rank0_only``: every
+  rank takes part in the gathers, the others return ``{}``; ``offload_to_cpu``). Otherwise
+  each full value is chunked along dim 0 like ``torch.chunk`` over the handle's shard group:
+  a ``ShardedTensor`` (torch FSDP1's default) or, with ``_use_dtensor=True``, a ``DTensor``
+  with ``Shard(0)`` on a 1-D mesh of that group. Key and value order follow torch FSDP1.
+- Loading (``optim_state_dict_to_load``): the inverse. Sharded values are gathered back to
+  full tensors, every name and shape is checked against the model before anything changes,
+  then each parameter's state is flattened (missing parameters of a FlatParameter get zeros),
+  padded, and this rank's slice taken; the result is keyed by this optimizer's parameter IDs.
+
+Every collective runs over a handle's own process group, in the same order on every rank.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any, Iterable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp._common import clean_fqn
+from fsdp.api import OptimStateKeyType, ShardedOptimStateDictConfig, StateDictType
+from fsdp.flat_param.flat_param import FlatParameter, FlatParamHandle
+from fsdp.runtime import _collectives as comm
+from fsdp.runtime._lazy_init import check_idle, is_fsdp
+
+__all__ = [
+    "optim_state_dict",
+    "optim_state_dict_to_load",
+    "full_optim_state_dict",
+    "sharded_optim_state_dict",
+    "shard_full_optim_state_dict",
+    "flatten_sharded_optim_state_dict",
+    "scatter_full_optim_state_dict",
+    "rekey_optim_state_dict",
+]
+
+
+# ----------------------------------------------------------------------------- object collectives
+# Object collectives are looked up on ``torch.distributed`` at call time, like _collectives.py.
+def _all_gather_object(obj: Any, group: Optional[dist.ProcessGroup]) -> list[Any]:
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def _broadcast_object(obj: Any, group: Optional[dist.ProcessGroup]) -> Any:
+    box = [obj]
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def _broadcast_tensor(tensor: torch.Tensor, group: Optional[dist.ProcessGroup]) -> None:
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    dist.broadcast(tensor, src=src, group=group)
+
+
+# ----------------------------------------------------------------------------- the model's view
+class _ModelView:
+    """Which parameter of ``model`` is what: FQNs, handles and positions inside them."""
+
+    def __init__(self, model: nn.Module) -> None:
+        units = [m for m in model.modules() if is_fsdp(m)]
+        if not units:
+            raise ValueError(
+                "fsdp: the model contains no FullyShardedDataParallel instance; optimizer state "
+                "dicts of an unwrapped model need no conversion (use optim.state_dict())."
+            )
+        for unit in units:
+            if not unit._fsdp_state.has_fsdp_parent:  # type: ignore[attr-defined]
+                check_idle(unit, "an optimizer state dict API")
+        flags = {u._fsdp_state.handles[0].use_orig_params for u in units if u._fsdp_state.handles}  # type: ignore[attr-defined]
+        self.use_orig_params = flags == {True}
+        prefix: dict[int, str] = {}
+        for name, module in model.named_modules(remove_duplicate=False):
+            prefix.setdefault(id(module), name)
+        self.handles: list[FlatParamHandle] = []
+        self.handle_fqns: list[list[str]] = []
+        # fqn -> (handle position, index in the handle)
+        self.fqn_to_slot: dict[str, tuple[int, int]] = {}
+        # id(param) -> the parameter's FQNs (a FlatParameter: all of its parameters' names)
+        self.param_to_fqns: dict[int, list[str]] = {}
+        self.flat_to_handle: dict[int, int] = {}
+        self.orig_to_slot: dict[int, tuple[int, int]] = {}
+        seen: set[int] = set()
+        for unit in units:
+            for handle in unit._fsdp_state.handles:  # type: ignore[attr-defined]
+                if id(handle) in seen:
+                    continue
+                seen.add(id(handle))
+                h = len(self.handles)
+                fqns = []
+                for index, info in enumerate(handle.param_infos):
+                    base = prefix.get(id(info.module), "")
+                    fqn = clean_fqn(f"{base}.{info.param_name}" if base else info.param_name)
+                    fqns.append(fqn)
+                    self.fqn_to_slot[fqn] = (h, index)
+                self.handles.append(handle)
+                self.handle_fqns.append(fqns)
+                self.flat_to_handle[id(handle.flat_param)] = h
+                self.param_to_fqns[id(handle.flat_param)] = list(fqns)
+                for index, param in enumerate(handle.managed_orig_params()):
+                    self.orig_to_slot[id(param)] = (h, index)
+                    self.param_to_fqns[id(param)] = [fqns[index]]
+        # Parameters FSDP does not manage (ignored modules): their own (cleaned) names.
+        self.unmanaged: dict[str, nn.Parameter] = {}
+        for name, param in model.named_parameters():
+            if id(param) not in self.param_to_fqns:
+                fqn = clean_fqn(name)
+                self.param_to_fqns[id(param)] = [fqn]
+                self.unmanaged[fqn] = param
+        # fqn -> the parameter object an optimizer holds for it
+        self.fqn_to_param: dict[str, nn.Parameter] = dict(self.unmanaged)
+        for h, handle in enumerate(self.handles):
+            origs = handle.managed_orig_params()
+            for index, fqn in enumerate(self.handle_fqns[h]):
+                self.fqn_to_param[fqn] = origs[index] if origs else handle.flat_param
+
+    def fqn_shape(self, fqn: str) -> torch.Size:
+        if fqn in self.fqn_to_slot:
+            h, index = self.fqn_to_slot[fqn]
+            return self.handles[h].param_infos[index].shape
+        return self.unmanaged[fqn].shape
+
+    def describe_fqns(self) -> str:
+        names = list(self.fqn_to_param)
+        shown = ", ".join(f"'{n}' {tuple(self.fqn_shape(n))}" for n in names[:8])
+        more = f", ... ({len(names)} in all)" if len(names) > 8 else ""
+        return shown + more
+
+
+def _param_list(
+    model: nn.Module, optim: Optional[torch.optim.Optimizer], optim_input: Optional[Any]
+) -> list[nn.Parameter]:
+    """The parameters in optimizer-ID order (``optim`` first, else ``optim_input``, else the model)."""
+    if optim_input is None and optim is not None:
+        return [p for group in optim.param_groups for p in group["params"]]
+    if optim_input is None:
+        return list(model.parameters())
+    items = list(optim_input)
+    if items and isinstance(items[0], dict):
+        return [p for group in items for p in group["params"]]
+    return items
+
+
+def _is_pos_dim(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0
+
+
+def _is_zero_dim(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() == 0
+
+
+# ----------------------------------------------------------------------------- sharded values
+_MESHES: dict[tuple[int, str], Any] = {}
+
+
+def _mesh(group: dist.ProcessGroup, device_type: str) -> Any:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    key = (id(group), device_type)
+    if key not in _MESHES:
+        _MESHES[key] = DeviceMesh.from_group(group, device_type)
+    return _MESHES[key]
+
+
+def _chunk(full: torch.Tensor, handle: FlatParamHandle, use_dtensor: bool) -> Any:
+    """``full`` chunked along dim 0 over the handle's group: this rank's chunk, as a sharded type."""
+    ws, rank, group = handle.world_size, handle.rank, handle.process_group
+    chunks = torch.chunk(full, ws, dim=0)
+    rows = math.ceil(full.shape[0] / ws) if full.shape[0] else 0
+    if use_dtensor:
+        from torch.distributed.tensor import DTensor, Shard
+
+        if rank < len(chunks):
+            local = chunks[rank].detach().clone()
+        else:
+            local = full.new_empty((0, *full.shape[1:]))
+        return DTensor.from_local(
+            local, _mesh(group, full.device.type), [Shard(0)], run_check=False,
+            shape=full.shape, stride=full.stride(),
+        )
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import (
+        Shard as STShard,
+        ShardedTensor,
+        ShardedTensorMetadata,
+        TensorProperties,
+    )
+
+    rest = [0] * (full.dim() - 1)
+    local_shards = []
+    if rank < len(chunks):
+        local_shards.append(
+            STShard.from_tensor_and_offsets(chunks[rank].detach().clone(), [rows * rank, *rest], rank)
+        )
+    metas, offset = [], 0
+    for r, chunk in enumerate(chunks):
+        placement = f"rank:{dist.get_global_rank(group, r)}/{full.device.type}"
+        if full.device.type != "cpu":
+            placement += f":{full.device.index or 0}"
+        metas.append(ShardMetadata([offset, *rest], list(chunk.shape), placement))
+        offset += chunk.shape[0]
+    meta = ShardedTensorMetadata(
+        shards_metadata=metas,
+        size=full.shape,
+        tensor_properties=TensorProperties(
+            dtype=full.dtype, layout=full.layout, requires_grad=False,
+            memory_format=torch.contiguous_format, pin_memory=False,
+        ),
+    )
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        local_shards, sharded_tensor_metadata=meta, process_group=group
+    )
+
+
+def _is_sharded_value(value: Any) -> bool:
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(value, (ShardedTensor, DTensor))
+
+
+def _global_shape(value: Any) -> torch.Size:
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    if isinstance(value, ShardedTensor):
+        return value.size()
+    return value.shape
+
+
+def _gather_sharded(value: Any, where: str) -> torch.Tensor:
+    """The full tensor of a DTensor or a dim-0 chunk-sharded ShardedTensor (a collective)."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        return value.full_tensor()
+    assert isinstance(value, ShardedTensor)
+    group = value._process_group
+    ws = dist.get_world_size(group)
+    size = value.size()
+    metas = sorted(value.metadata().shards_metadata, key=lambda m: m.shard_offsets[0])
+    rows = math.ceil(size[0] / ws) if size[0] else 0
+    expected = [list(c.shape) for c in torch.chunk(torch.empty(size[0], 0), ws)] if size[0] else []
+    if [m.shard_sizes[0] for m in metas] != [e[0] for e in expected] or any(
+        any(o != 0 for o in m.shard_offsets[1:]) for m in metas
+    ):
+        raise ValueError(
+            f"fsdp: {where} is a ShardedTensor that is not chunked along dim 0 over its group "
+            f"(shards {[(m.shard_offsets, m.shard_sizes) for m in metas]}); only the layout "
+            f"FSDP's optim_state_dict produces can be loaded."
+        )
+    inner = int(math.prod(size[1:]))
+    shards = value.local_shards()
+    dtype = value.metadata().tensor_properties.dtype
+    device = shards[0].tensor.device if shards else torch.device("cpu")
+    if group is not None and dist.get_backend(group) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    local = torch.zeros(rows * inner, dtype=dtype, device=device)
+    if shards:
+        t = shards[0].tensor.reshape(-1)
+        local[: t.numel()].copy_(t)
+    out = torch.empty(rows * inner * ws, dtype=dtype, device=device)
+    comm.all_gather_flat(out, local, group)
+    return out[: size[0] * inner].view(size)
+
+
+# ----------------------------------------------------------------------------- saving
+def _finish(value: torch.Tensor, handle: FlatParamHandle, shard: bool, use_dtensor: bool, offload: bool, fresh: bool) -> Any:
+    """A full per-parameter value as it goes into the returned state dict.
+
+    ``fresh``: ``value`` views a buffer made for this call (else it views the optimizer's own
+    state and is cloned).
+    """
+    if not fresh:
+        value = value.detach().clone()
+    if offload:
+        value = value.cpu()
+    if shard:
+        return _chunk(value, handle, use_dtensor)
+    return value
+
+
+def _gather_flat_state(handle: FlatParamHandle, name: str, value: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """A FlatParameter's shard-shaped state gathered into the unpadded unsharded layout."""
+    if value.dim() != 1 or value.numel() != handle.sharded_numel:
+        raise ValueError(
+            f"fsdp: optimizer state '{name}' of the FlatParameter of unit '{handle.unit_name}' has "
+            f"shape {tuple(value.shape)}; expected ({handle.sharded_numel},), the parameter's "
+            f"sharded shape. Was this optimizer state dict made by another model?"
+        )
+    if not handle.uses_sharding:
+        return value[: handle.unpadded_unsharded_numel], False
+    value = value.to(handle.device).contiguous()
+    out = value.new_empty(handle.padded_unsharded_numel)
+    comm.all_gather_flat(out, value, handle.process_group)
+    return out[: handle.unpadded_unsharded_numel], True
+
+
+def _split(handle: FlatParamHandle, flat: torch.Tensor) -> list[torch.Tensor]:
+    views, offset = [], 0
+    for info in handle.param_infos:
+        views.append(flat[offset : offset + info.numel].view(info.shape))
+        offset += info.numel
+    return views
+
+
+def _unflatten_flat_param_state(
+    handle: FlatParamHandle, flat_state: dict[str, Any], to_save: bool, shard: bool, use_dtensor: bool, offload: bool
+) -> list[dict[str, Any]]:
+    """Per original parameter, the state of a FlatParameter (gathers on every rank)."""
+    tensors: dict[str, list[torch.Tensor]] = {}
+    fresh: dict[str, bool] = {}
+    for name in sorted(flat_state):
+        value = flat_state[name]
+        if _is_pos_dim(value):
+            flat, fresh[name] = _gather_flat_state(handle, name, value)
+            tensors[name] = _split(handle, flat)
+    if not to_save:
+        return []
+    result = []
+    for index in range(len(handle.param_infos)):
+        entry: dict[str, Any] = {}
+        for name, views in tensors.items():
+            entry[name] = _finish(views[index], handle, shard, use_dtensor, offload, fresh[name])
+        for name in sorted(flat_state):
+            value = flat_state[name]
+            if _is_zero_dim(value):
+                entry[name] = value.detach().clone().cpu() if offload else value.detach().clone()
+        for name in sorted(flat_state):
+            value = flat_state[name]
+            if not isinstance(value, torch.Tensor):
+                entry[name] = value
+        result.append(entry)
+    return result
+
+
+def _gather_orig_param_states(
+    handle: FlatParamHandle,
+    fqns: list[str],
+    local: dict[str, dict[str, Any]],
+    to_save: bool,
+    shard: bool,
+    use_dtensor: bool,
+    offload: bool,
+) -> dict[str, dict[str, Any]]:
+    """use_orig_params: the full state of each of a handle's parameters that has state on any rank."""
+    if not handle.uses_sharding:
+        # As torch FSDP1: nothing to gather, plain tensors even for a sharded state dict.
+        if not to_save:
+            return {}
+        out = {}
+        for fqn in sorted(f for f in fqns if f in local):
+            entry = {}
+            for name, value in local[fqn].items():
+                if isinstance(value, torch.Tensor):
+                    value = value.detach().clone()
+                    if offload:
+                        value = value.cpu()
+                entry[name] = value
+            out[fqn] = entry
+        return out
+    # What each rank holds: tensor (dtype, numel), scalar value, non-tensor value.
+    info: dict[str, dict[str, tuple]] = {}
+    for fqn in fqns:
+        if fqn not in local:
+            continue
+        info[fqn] = {}
+        for name, value in local[fqn].items():
+            if _is_pos_dim(value):
+                info[fqn][name] = ("t", value.dtype, value.numel())
+            elif _is_zero_dim(value):
+                info[fqn][name] = ("s", value.detach().cpu())
+            else:
+                info[fqn][name] = ("o", value)
+    gathered = _all_gather_object(info, handle.process_group)
+    with_state = [fqn for fqn in fqns if any(fqn in g for g in gathered)]
+    tensor_names = sorted({n for g in gathered for st in g.values() for n, v in st.items() if v[0] == "t"})
+    out: dict[str, dict[str, Any]] = {fqn: {} for fqn in sorted(with_state)}
+    for fqn in out:
+        per_rank = [g[fqn] for g in gathered if fqn in g]
+        nonempty = [st for st in per_rank if any(v[0] == "t" and v[2] > 0 for v in st.values())]
+        source = nonempty or per_rank
+        for kind in ("o", "s"):
+            for st in source:
+                for name, v in sorted(st.items()):
+                    if v[0] == kind and name not in out[fqn]:
+                        out[fqn][name] = v[1]
+    for name in tensor_names:
+        dtype = next(v[1] for g in gathered for st in g.values() for n, v in st.items() if n == name and v[0] == "t")
+        local_shard = torch.zeros(handle.sharded_numel, dtype=dtype, device=handle.device)
+        for index, fqn in enumerate(fqns):
+            value = local.get(fqn, {}).get(name)
+            offset, numel = handle._orig_sharded_ranges[index]
+            if value is None or numel == 0:
+                continue
+            if value.numel() != numel:
+                raise ValueError(
+                    f"fsdp: optimizer state '{name}' of parameter '{fqn}' has {value.numel()} "
+                    f"elements on rank {handle.rank}; its part of the shard has {numel}. Was this "
+                    f"optimizer state dict made by another model?"
+                )
+            local_shard[offset : offset + numel].copy_(value.reshape(-1))
+        full = torch.empty(handle.padded_unsharded_numel, dtype=dtype, device=handle.device)
+        comm.all_gather_flat(full, local_shard, handle.process_group)
+        if not to_save:
+            continue
+        views = _split(handle, full[: handle.unpadded_unsharded_numel])
+        for index, fqn in enumerate(fqns):
+            if fqn in out:
+                out[fqn][name] = _finish(views[index], handle, shard, use_dtensor, offload, True)
+    return out if to_save else {}
+
+
+def _check_consistent_keys(keys: list[int], present: list[bool], view: _ModelView, params: list[nn.Parameter], group: Optional[dist.ProcessGroup]) -> None:
+    """use_orig_params=False: every rank must have state for the same FlatParameters."""
+    flags = torch.tensor([1 if p else 0 for p in present] or [0], dtype=torch.int64)
+    total = flags.clone()
+    comm.all_reduce_sum(total, group)
+    ws = dist.get_world_size(group)
+    bad = [k for k, t in zip(keys, total.tolist()) if 0 < t < ws]
+    if bad:
+        names = [view.param_to_fqns[id(params[k])] for k in bad]
+        raise RuntimeError(
+            f"fsdp: some ranks have optimizer state for these FlatParameters and others do not: "
+            f"{names}. Every rank must step the optimizer on the same parameters before saving."
+        )
+
+
+def optim_state_dict(
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    optim_state_dict: Optional[dict[str, Any]] = None,
+    group: Optional[dist.ProcessGroup] = None,
+    *,
+    full: bool = True,
+    rank0_only: bool = False,
+    offload: bool = True,
+    use_dtensor: bool = False,
+    optim_input: Optional[Any] = None,
+) -> dict[str, Any]:
+    """The optimizer state keyed by parameter FQNs (see [Note: Optimizer state dict formats])."""
+    view = _ModelView(model)
+    osd = optim.state_dict() if optim_state_dict is None else optim_state_dict
+    if "state" not in osd:
+        raise ValueError("fsdp: optim_state_dict must have the key 'state' (an optimizer state dict)")
+    state = osd["state"]
+    if any(isinstance(k, str) for k in state):
+        raise NotImplementedError(
+            "fsdp: optimizer state keyed by parameter names (NamedOptimizer / KeyedOptimizer) is "
+            "not supported; pass a torch.optim.Optimizer's state_dict (keyed by parameter IDs)."
+        )
+    params = _param_list(model, optim, optim_input)
+    to_save = not rank0_only or dist.get_rank(group) == 0 or not full
+    shard = not full
+    out_state: dict[str, Any] = {}
+    if not view.use_orig_params:
+        keys = [k for k in range(len(params)) if id(params[k]) in view.flat_to_handle]
+        _check_consistent_keys(keys, [k in state for k in keys], view, params, group)
+        for key, param in enumerate(params):
+            if key not in state:
+                continue
+            fqns = view.param_to_fqns.get(id(param))
+            if fqns is None:
+                raise ValueError(
+                    f"fsdp: the optimizer holds a parameter of shape {tuple(param.shape)} (ID {key}) "
+                    f"that is not a parameter of the model."
+                )
+            h = view.flat_to_handle.get(id(param))
+            if h is None:
+                if to_save:
+                    out_state[fqns[0]] = _copy_unmanaged(state[key], offload)
+                continue
+            handle = view.handles[h]
+            entries = _unflatten_flat_param_state(handle, state[key], to_save, shard, use_dtensor, offload)
+            if to_save:
+                out_state.update(zip(fqns, entries))
+    else:
+        per_handle: list[dict[str, dict[str, Any]]] = [{} for _ in view.handles]
+        unmanaged: dict[str, Any] = {}
+        for key, param in enumerate(params):
+            if key not in state:
+                continue
+            if id(param) in view.orig_to_slot:
+                h, index = view.orig_to_slot[id(param)]
+                per_handle[h][view.handle_fqns[h][index]] = state[key]
+            elif id(param) in view.param_to_fqns:
+                unmanaged[view.param_to_fqns[id(param)][0]] = state[key]
+            else:
+                raise ValueError(
+                    f"fsdp: the optimizer holds a parameter of shape {tuple(param.shape)} (ID {key}) "
+                    f"that is not a parameter of the model."
+                )
+        results = [
+            _gather_orig_param_states(handle, view.handle_fqns[h], per_handle[h], to_save, shard, use_dtensor, offload)
+            for h, handle in enumerate(view.handles)
+        ]
+        # torch FSDP1's order: unmanaged parameters, then each handle's (sorted) names, handles
+        # ordered by their first name in sorted order.
+        for fqn in sorted(unmanaged):
+            if to_save:
+                out_state[fqn] = _copy_unmanaged(unmanaged[fqn], offload)
+        nonempty = [r for r in results if r]
+        for result in sorted(nonempty, key=lambda r: min(r)):
+            out_state.update(result)
+    if not to_save:
+        return {}
+    out: dict[str, Any] = {"state": out_state}
+    if "param_groups" in osd:
+        groups = []
+        for group_sd in osd["param_groups"]:
+            new = copy.deepcopy(group_sd)
+            names: list[str] = []
+            for key in group_sd["params"]:
+                names.extend(view.param_to_fqns[id(params[key])])
+            new["params"] = names
+            groups.append(new)
+        out["param_groups"] = groups
+    return out
+
+
+def _copy_unmanaged(entry: dict[str, Any], offload: bool) -> dict[str, Any]:
+    entry = copy.copy(entry)
+    if offload:
+        for name in sorted(entry):
+            if isinstance(entry[name], torch.Tensor):
+                entry[name] = entry[name].cpu()
+    return entry
+
+
+# ----------------------------------------------------------------------------- loading
+def _strip_tensors(osd: dict[str, Any]) -> dict[str, Any]:
+    """The structure of a state dict with positive-dimension tensors replaced by their metadata."""
+
+    def strip(value: Any) -> Any:
+        if _is_pos_dim(value):
+            return ("__fsdp_tensor__", tuple(value.shape), value.dtype)
+        return value
+
+    return {
+        "state": {k: {n: strip(v) for n, v in st.items()} if isinstance(st, dict) else st for k, st in osd.get("state", {}).items()},
+        **({"param_groups": copy.deepcopy(osd["param_groups"])} if "param_groups" in osd else {}),
+    }
+
+
+def _broadcast_from_rank0(osd: Optional[dict[str, Any]], view: _ModelView, group: Optional[dist.ProcessGroup]) -> dict[str, Any]:
+    """rank0_only loading: rank 0's (validated) state dict on every rank."""
+    rank = dist.get_rank(group)
+    error: Optional[str] = None
+    if rank == 0:
+        try:
+            if osd is None:
+                raise ValueError("fsdp: rank 0 must pass the full optimizer state dict, got None")
+            _validate(osd, view)
+        except ValueError as exc:
+            error = str(exc)
+    structure = _broadcast_object(
+        {"error": error} if rank == 0 and error else (_strip_tensors(osd) if rank == 0 else None), group  # type: ignore[arg-type]
+    )
+    if "error" in structure:
+        raise ValueError(structure["error"])
+    if rank == 0:
+        device = _comm_device(view)
+        for key, st in osd["state"].items():  # type: ignore[index]
+            for name, value in st.items():
+                if _is_pos_dim(value):
+                    _broadcast_tensor(value.detach().to(device).contiguous(), group)
+        return osd  # type: ignore[return-value]
+    device = _comm_device(view)
+    for key, st in structure["state"].items():
+        for name, value in list(st.items()):
+            if isinstance(value, tuple) and len(value) == 3 and value[0] == "__fsdp_tensor__":
+                tensor = torch.empty(value[1], dtype=value[2], device=device)
+                _broadcast_tensor(tensor, group)
+                st[name] = tensor
+    return structure
+
+
+def _comm_device(view: _ModelView) -> torch.device:
+    return view.handles[0].device if view.handles else torch.device("cpu")
+
+
+def _validate(osd: dict[str, Any], view: _ModelView) -> None:
+    """Checks names and shapes of a FQN-keyed state dict against the model (raises ValueError)."""
+    if not isinstance(osd, dict) or "state" not in osd:
+        raise ValueError(
+            "fsdp: the optimizer state dict to load must be a dict with the key 'state' (as "
+            "returned by FullyShardedDataParallel.optim_state_dict)."
+        )
+    for key, entry in osd["state"].items():
+        if not isinstance(key, str):
+            raise ValueError(
+                f"fsdp: optimizer state key {key!r} is not a parameter name. optim_state_dict_to_load "
+                f"takes state keyed by fully qualified parameter names (from "
+                f"FullyShardedDataParallel.optim_state_dict); rekey a plain optimizer state dict with "
+                f"FullyShardedDataParallel.rekey_optim_state_dict(osd, OptimStateKeyType.PARAM_NAME, model)."
+            )
+        if key not in view.fqn_to_param:
+            raise ValueError(
+                f"fsdp: the optimizer state dict has state for '{key}', which is not a parameter of "
+                f"this model. Was it saved from another model? The model's parameters are: "
+                f"{view.describe_fqns()}."
+            )
+        shape = view.fqn_shape(key)
+        for name, value in entry.items():
+            if _is_pos_dim(value) or _is_sharded_value(value):
+                got = _global_shape(value)
+                if got != shape:
+                    raise ValueError(
+                        f"fsdp: optimizer state '{name}' of parameter '{key}' has shape "
+                        f"{tuple(got)}, but the parameter has shape {tuple(shape)}. Was it saved "
+                        f"from another model?"
+                    )
+    for group in osd.get("param_groups", []):
+        for fqn in group.get("params", []):
+            if fqn not in view.fqn_to_param:
+                raise ValueError(
+                    f"fsdp: a parameter group of the optimizer state dict lists '{fqn}', which is not "
+                    f"a parameter of this model. The model's parameters are: {view.describe_fqns()}."
+                )
+    # The parameters of one FlatParameter must agree on their state names, scalars and types.
+    if not view.use_orig_params:
+        for h, fqns in enumerate(view.handle_fqns):
+            present = [f for f in fqns if f in osd["state"]]
+            if not present:
+                continue
+            names = {f: set(osd["state"][f]) for f in present}
+            first = names[present[0]]
+            for f in present[1:]:
+                if names[f] != first:
+                    raise ValueError(
+                        f"fsdp: parameters '{present[0]}' and '{f}' share a FlatParameter but have "
+                        f"different optimizer state names: {sorted(first)} vs {sorted(names[f])}."
+                    )
+            for name in first:
+                values = [osd["state"][f][name] for f in present]
+                if _is_pos_dim(values[0]) or _is_sharded_value(values[0]):
+                    if len({v.dtype for v in values}) != 1:
+                        raise ValueError(
+                            f"fsdp: optimizer state '{name}' has different dtypes "
+                            f"{sorted({str(v.dtype) for v in values})} across the parameters "
+                            f"{present} of one FlatParameter."
+                        )
+                    continue
+                scalars = [v.item() if _is_zero_dim(v) else v for v in values]
+                if len(present) != len(fqns) or any(x != scalars[0] for x in scalars):
+                    raise ValueError(
+                        f"fsdp: the parameters {fqns} share a FlatParameter, so their scalar "
+                        f"optimizer state '{name}' must be present for all of them and equal; got "
+                        f"{dict(zip(present, scalars))}."
+                    )
+
+
+def _flatten_for_handle(handle: FlatParamHandle, fqns: list[str], state: dict[str, Any]) -> dict[str, Any]:
+    """use_orig_params=False: one FlatParameter's state (this rank's shard) from its parameters'."""
+    present = [f for f in fqns if f in state]
+    names = list(state[present[0]])
+    flat_state: dict[str, Any] = {}
+    for name in names:
+        first = state[present[0]][name]
+        if _is_pos_dim(first):
+            pieces = []
+            for index, fqn in enumerate(fqns):
+                info = handle.param_infos[index]
+                value = state[fqn][name] if fqn in state else None
+                if value is None:
+                    pieces.append(torch.zeros(info.numel, dtype=first.dtype, device=handle.device))
+                else:
+                    pieces.append(value.detach().reshape(-1).to(handle.device))
+            flat = torch.cat(pieces)
+            if handle.uses_sharding:
+                padded = torch.zeros(handle.padded_unsharded_numel, dtype=flat.dtype, device=flat.device)
+                padded[: flat.numel()].copy_(flat)
+                flat = handle.local_slice(padded).clone()
+            flat_state[name] = flat
+        elif _is_zero_dim(first):
+            flat_state[name] = first.detach().clone().cpu()
+        else:
+            flat_state[name] = first
+    return flat_state
+
+
+def _shard_orig_state(handle: FlatParamHandle, index: int, entry: dict[str, Any]) -> dict[str, Any]:
+    """use_orig_params: this rank's part of one parameter's state ({} when it holds none)."""
+    offset, numel = handle._orig_sharded_ranges[index]
+    if handle.uses_sharding and numel == 0:
+        return {}
+    out: dict[str, Any] = {}
+    param_start = sum(i.numel for i in handle.param_infos[:index])
+    start = handle.rank * handle.sharded_numel + offset - param_start
+    for name, value in entry.items():
+        if _is_pos_dim(value):
+            value = value.detach().to(handle.device)
+            if handle.uses_sharding:
+                value = value.reshape(-1)[start : start + numel].clone()
+            else:
+                value = value.clone()
+        elif _is_zero_dim(value):
+            value = value.detach().clone()
+        out[name] = value
+    return out
+
+
+def optim_state_dict_to_load(
+    model: nn.Module,
+    optim: Optional[torch.optim.Optimizer],
+    optim_state_dict: Optional[dict[str, Any]],
+    is_named_optimizer: bool = False,
+    load_directly: bool = False,
+    group: Optional[dist.ProcessGroup] = None,
+    *,
+    rank0_only: bool = False,
+    optim_input: Optional[Any] = None,
+) -> dict[str, Any]:
+    """This rank's flattened / sharded optimizer state dict, keyed by ``optim``'s parameter IDs."""
+    if is_named_optimizer:
+        raise NotImplementedError(
+            "fsdp: is_named_optimizer=True (NamedOptimizer / KeyedOptimizer) is not supported; "
+            "use a torch.optim.Optimizer."
+        )
+    view = _ModelView(model)
+    if rank0_only:
+        osd = _broadcast_from_rank0(optim_state_dict, view, group)
+    else:
+        if optim_state_dict is None:
+            raise ValueError("fsdp: optim_state_dict must be an optimizer state dict, got None")
+        osd = optim_state_dict
+        _validate(osd, view)
+    # Gather sharded values (DTensor / ShardedTensor) back to full tensors, in dict order.
+    state: dict[str, dict[str, Any]] = {}
+    for fqn, entry in osd["state"].items():
+        new = {}
+        for name, value in entry.items():
+            new[name] = _gather_sharded(value, f"state '{name}' of '{fqn}'") if _is_sharded_value(value) else value
+        state[fqn] = new
+
+    params = _param_list(model, optim, optim_input)
+    param_to_key = {id(p): k for k, p in enumerate(params)}
+    fqn_to_key: dict[str, int] = {}
+    for fqn, param in view.fqn_to_param.items():
+        if id(param) in param_to_key:
+            fqn_to_key[fqn] = param_to_key[id(param)]
+    out_state: dict[int, Any] = {}
+    if not view.use_orig_params:
+        for h, handle in enumerate(view.handles):
+            fqns = view.handle_fqns[h]
+            key = param_to_key.get(id(handle.flat_param))
+            if key is None or not any(f in state for f in fqns):
+                continue
+            out_state[key] = _flatten_for_handle(handle, fqns, state)
+    else:
+        for fqn, entry in state.items():
+            key = fqn_to_key.get(fqn)
+            if key is None or fqn not in view.fqn_to_slot:
+                continue
+            h, index = view.fqn_to_slot[fqn]
+            sharded = _shard_orig_state(view.handles[h], index, entry)
+            if sharded:
+                out_state[key] = sharded
+    for fqn, entry in state.items():
+        if fqn in view.unmanaged and fqn in fqn_to_key:
+            out_state[fqn_to_key[fqn]] = copy.copy(entry)
+    out: dict[str, Any] = {"state": out_state}
+    if "param_groups" in osd:
+        groups = []
+        for group_sd in osd["param_groups"]:
+            new_group = copy.deepcopy(group_sd)
+            missing = [f for f in group_sd["params"] if f not in fqn_to_key]
+            if missing:
+                raise ValueError(
+                    f"fsdp: a parameter group of the optimizer state dict lists {missing}, which "
+                    f"this optimizer does not hold."
+                )
+            new_group["params"] = sorted({fqn_to_key[f] for f in group_sd["params"]})
+            groups.append(new_group)
+        out["param_groups"] = groups
+    if load_directly:
+        assert optim is not None
+        optim.load_state_dict(out)
+    return out
+
+
+# ----------------------------------------------------------------------------- public entry points
+def _settings_of(model: nn.Module) -> Any:
+    from fsdp.fully_sharded_data_parallel import FullyShardedDataParallel
+
+    return FullyShardedDataParallel.get_state_dict_type(model)
+
+
+def _use_dtensor(model: nn.Module) -> bool:
+    config = _settings_of(model).optim_state_dict_config
+    return isinstance(config, ShardedOptimStateDictConfig) and bool(config._use_dtensor)
+
+
+def optim_state_dict_api(
+    model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: Optional[dict[str, Any]], group: Optional[dist.ProcessGroup]
+) -> dict[str, Any]:
+    """``FullyShardedDataParallel.optim_state_dict``: the format follows ``state_dict_type``."""
+    settings = _settings_of(model)
+    full = settings.state_dict_type is StateDictType.FULL_STATE_DICT
+    config = settings.optim_state_dict_config
+    return optim_state_dict(
+        model, optim, optim_state_dict, group,
+        full=full,
+        rank0_only=bool(getattr(config, "rank0_only", False)) if full else False,
+        offload=bool(getattr(config, "offload_to_cpu", True)),
+        use_dtensor=_use_dtensor(model),
+    )
+
+
+def optim_state_dict_to_load_api(
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    optim_state_dict: dict[str, Any],
+    is_named_optimizer: bool,
+    load_directly: bool,
+    group: Optional[dist.ProcessGroup],
+) -> dict[str, Any]:
+    """``FullyShardedDataParallel.optim_state_dict_to_load``."""
+    settings = _settings_of(model)
+    full = settings.state_dict_type is StateDictType.FULL_STATE_DICT
+    rank0_only = full and bool(getattr(settings.optim_state_dict_config, "rank0_only", False))
+    return optim_state_dict_to_load(
+        model, optim, optim_state_dict, is_named_optimizer, load_directly, group, rank0_only=rank0_only
+    )
+
+
+def full_optim_state_dict(
+    model: nn.Module, optim: torch.optim.Optimizer, optim_input: Optional[Any], rank0_only: bool, group: Optional[dist.ProcessGroup]
+) -> dict[str, Any]:
+    """Legacy ``full_optim_state_dict``: full state keyed by FQNs, offloaded to CPU."""
+    return optim_state_dict(
+        model, optim, optim.state_dict(), group, full=True, rank0_only=rank0_only, offload=True,
+        optim_input=optim_input,
+    )
+
+
+def sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, group: Optional[dist.ProcessGroup]) -> dict[str, Any]:
+    """Legacy ``sharded_optim_state_dict``: per-parameter states chunked across ranks."""
+    return optim_state_dict(
+        model, optim, optim.state_dict(), group, full=False, offload=True, use_dtensor=_use_dtensor(model)
+    )
+
+
+def shard_full_optim_state_dict(
+    full_osd: dict[str, Any], model: nn.Module, optim_input: Optional[Any], optim: Optional[torch.optim.Optimizer]
+) -> dict[str, Any]:
+    """Legacy ``shard_full_optim_state_dict``: every rank passes the full state dict."""
+    return optim_state_dict_to_load(model, optim, full_osd, optim_input=optim_input)
+
+
+def flatten_sharded_optim_state_dict(
+    sharded_osd: dict[str, Any], model: nn.Module, optim: torch.optim.Optimizer
+) -> dict[str, Any]:
+    """Legacy ``flatten_sharded_optim_state_dict``."""
+    return optim_state_dict_to_load(model, optim, sharded_osd)
+
+
+def scatter_full_optim_state_dict(
+    full_osd: Optional[dict[str, Any]],
+    model: nn.Module,
+    optim_input: Optional[Any],
+    optim: Optional[torch.optim.Optimizer],
+    group: Optional[dist.ProcessGroup],
+) -> dict[str, Any]:
+    """Legacy ``scatter_full_optim_state_dict``: only rank 0 needs the full state dict."""
+    return optim_state_dict_to_load(model, optim, full_osd, group=group, rank0_only=True, optim_input=optim_input)
+
+
+def rekey_optim_state_dict(
+    osd: dict[str, Any],
+    key_type: Any,
+    model: nn.Module,
+    optim_input: Optional[Any],
+    optim: Optional[torch.optim.Optimizer],
+) -> dict[str, Any]:
+    """Re-keys ``osd`` by parameter names (PARAM_NAME) or by optimizer parameter IDs (PARAM_ID)."""
+    name = getattr(key_type, "name", None)
+    if name not in (OptimStateKeyType.PARAM_NAME.name, OptimStateKeyType.PARAM_ID.name):
+        raise ValueError(
+            f"fsdp: optim_state_key_type must be OptimStateKeyType.PARAM_NAME or PARAM_ID, got {key_type!r}"
+        )
+    keys = list(osd.get("state", {}))
+    by_name = [type(k) is str for k in keys]
+    by_id = [type(k) is int for k in keys]
+    if (any(by_name) and not all(by_name)) or (any(by_id) and not all(by_id)):
+        raise ValueError(f"fsdp: invalid parameter keys (mixed names and IDs): {keys}")
+    if (name == "PARAM_NAME" and all(by_name)) or (name == "PARAM_ID" and all(by_id)):
+        return osd
+    params = _param_list(model, optim, optim_input)
+    fqn_of = _param_names(model)
+    if name == "PARAM_NAME":
+        id_to_name = []
+        for p in params:
+            if id(p) not in fqn_of:
+                raise ValueError(
+                    f"fsdp: the optimizer holds a parameter of shape {tuple(p.shape)} that is not "
+                    f"a parameter of the model."
+                )
+            id_to_name.append(fqn_of[id(p)])
+
+        def rekey(k: Any) -> Any:
+            if not isinstance(k, int) or not 0 <= k < len(id_to_name):
+                raise ValueError(
+                    f"fsdp: parameter ID {k!r} is out of range: the optimizer has {len(id_to_name)} parameters."
+                )
+            return id_to_name[k]
+    else:
+        name_to_id = {fqn_of[id(p)]: k for k, p in enumerate(params) if id(p) in fqn_of}
+
+        def rekey(k: Any) -> Any:
+            if k not in name_to_id:
+                raise ValueError(
+                    f"fsdp: parameter name '{k}' is not a parameter the optimizer holds; known names: "
+                    f"{sorted(name_to_id)[:8]}."
+                )
+            return name_to_id[k]
+
+    new: dict[str, Any] = {"state": {rekey(k): v for k, v in osd["state"].items()}}
+    new["param_groups"] = copy.deepcopy(osd["param_groups"])
+    for group in new["param_groups"]:
+        group["params"] = sorted(rekey(k) for k in group["params"])
+    return new
+
+
+def _param_names(model: nn.Module) -> dict[int, str]:
+    """id(param) -> its (first, cleaned) name, for wrapped and unwrapped models alike."""
+    names: dict[int, str] = {}
+    if any(is_fsdp(m) for m in model.modules()):
+        view = _ModelView(model)
+        for pid, fqns in view.param_to_fqns.items():
+            names[pid] = fqns[0]
+        return names
+    for name, param in model.named_parameters():
+        names.setdefault(id(param), name)
+    return names

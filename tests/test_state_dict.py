@@ -1,0 +1,328 @@
+"""Model state dicts: FULL, SHARDED (with torch.distributed.checkpoint) and LOCAL.
+
+Compared with torch FSDP1 (keys and values) and the unwrapped model; checkpoints move between
+world sizes (through DCP pools of different sizes sharing a directory) and between torch FSDP1
+and fsdp.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tests._harness import RankPool
+from tests._models import Block, global_batch, lm_loss, local_rows, make_toy
+from tests.test_parity import _full_params
+
+STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]
+
+
+def _ours(strategy: str = "FULL_SHARD", seed: int = 0, orig: bool = False, **kw: Any) -> nn.Module:
+    from fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
+    from fsdp.wrap import ModuleWrapPolicy
+
+    return FSDP(make_toy(seed=seed, **kw), auto_wrap_policy=ModuleWrapPolicy({Block}), sharding_strategy=ShardingStrategy[strategy], use_orig_params=orig)
+
+
+def _theirs(strategy: str = "FULL_SHARD", seed: int = 0, orig: bool = False) -> nn.Module:
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP, ShardingStrategy as TS
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TP
+
+    return TorchFSDP(make_toy(seed=seed), auto_wrap_policy=TP({Block}), sharding_strategy=TS[strategy], use_orig_params=orig, device_id=torch.device("cpu"))
+
+
+def _train(models: list[nn.Module], steps: range, data_ws: int = 0) -> None:
+    """SGD steps; the plain model sees the global batch of ``data_ws`` ranks (default: this run's)."""
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    for model in models:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)  # stateless: resume needs no optimizer state
+        for step in steps:
+            tokens, targets = global_batch(step, data_ws or ws)
+            if isinstance(model, type(make_toy())):
+                lm_loss(model(tokens), targets).backward()
+            else:
+                lm_loss(model(local_rows(tokens, rank, ws)), local_rows(targets, rank, ws)).backward()
+            opt.step()
+            opt.zero_grad()
+
+
+# ------------------------------------------------------------------ FULL_STATE_DICT
+def full_parity(strategy: str, orig: bool) -> None:
+    from fsdp import FullStateDictConfig, FullyShardedDataParallel as FSDP, StateDictType
+    from torch.distributed.fsdp import FullStateDictConfig as TorchCfg
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+    from torch.distributed.fsdp import StateDictType as TorchType
+
+    ref, ours, theirs = make_toy(), _ours(strategy, orig=orig), _theirs(strategy, orig=orig)
+    _train([ref, ours, theirs], range(2))
+    mine, torchs, plain = ours.state_dict(), theirs.state_dict(), ref.state_dict()
+    assert list(mine) == list(torchs) == list(plain)  # keys (and order) of the unwrapped model
+    for key in mine:
+        assert torch.equal(mine[key], torchs[key]), key
+        torch.testing.assert_close(mine[key], plain[key], rtol=5e-5, atol=5e-6, msg=key)
+    before = {k: v.clone() for k, v in mine.items()}
+    _train([ours], range(2, 3))
+    assert all(torch.equal(before[k], mine[k]) for k in mine), "state dict values are owned copies"
+    rank = dist.get_rank()
+    with FSDP.state_dict_type(ours, StateDictType.FULL_STATE_DICT, FullStateDictConfig(offload_to_cpu=True, rank0_only=True)):
+        r0 = ours.state_dict()
+    with TorchFSDP.state_dict_type(theirs, TorchType.FULL_STATE_DICT, TorchCfg(offload_to_cpu=False, rank0_only=True)):
+        t0 = theirs.state_dict()
+    if rank == 0:
+        assert list(r0) == list(plain) and all(v.device.type == "cpu" for v in r0.values())
+    else:
+        assert r0 == {}
+        # torch FSDP1 ignores rank0_only for NO_SHARD (it warns and returns everything).
+        assert t0 == {} or strategy == "NO_SHARD"
+    assert FSDP.get_state_dict_type(ours).state_dict_type is StateDictType.FULL_STATE_DICT  # restored
+    # Load into another strategy, into the plain model, and across torch <-> fsdp.
+    target = _ours("SHARD_GRAD_OP" if strategy != "SHARD_GRAD_OP" else "NO_SHARD", seed=5, orig=not orig)
+    result = target.load_state_dict(mine)
+    assert list(result.missing_keys) == [] and list(result.unexpected_keys) == []
+    loaded = target.state_dict()
+    assert all(torch.equal(loaded[k], mine[k]) for k in mine)
+    plain_model = make_toy(seed=9)
+    plain_model.load_state_dict(mine)
+    assert all(torch.equal(v, mine[k]) for k, v in plain_model.state_dict().items())
+    from_torch = _ours(strategy, seed=7, orig=orig)
+    from_torch.load_state_dict(torchs)
+    to_torch = _theirs(strategy, seed=7)
+    to_torch.load_state_dict(mine)
+    a, b = from_torch.state_dict(), to_torch.state_dict()
+    assert all(torch.equal(a[k], b[k]) and torch.equal(a[k], mine[k]) for k in a)
+
+
+@pytest.mark.parametrize("orig", [False, True])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("dist_pool", [1, 2, 4], indirect=True)
+def test_full_state_dict(dist_pool: RankPool, strategy: str, orig: bool) -> None:
+    dist_pool.run(full_parity, strategy, orig)
+
+
+def rank0_only_memory() -> list[int]:
+    """Ranks other than 0 never hold more than one unit unsharded during a rank0_only save."""
+    from fsdp import FullStateDictConfig, FullyShardedDataParallel as FSDP, StateDictType
+    from fsdp.flat_param.flat_param import FlatParamHandle
+
+    model = _ours("FULL_SHARD")
+    handles = [h for m in FSDP.fsdp_modules(model) for h in m._fsdp_state.handles]
+    peaks: list[int] = []
+    original = FlatParamHandle.unshard
+
+    def spy(self: FlatParamHandle) -> None:
+        original(self)
+        peaks.append(sum(h.unsharded_storage_nbytes() > 0 for h in handles))
+
+    FlatParamHandle.unshard = spy  # type: ignore[method-assign]
+    try:
+        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=True, offload_to_cpu=True)):
+            model.state_dict()
+    finally:
+        FlatParamHandle.unshard = original  # type: ignore[method-assign]
+    assert all(h.unsharded_storage_nbytes() == 0 for h in handles)
+    return peaks
+
+
+def test_rank0_only_holds_one_unit_at_a_time(pool2: RankPool) -> None:
+    peaks = pool2.run(rank0_only_memory)
+    assert max(peaks[1]) == 1 and len(peaks[1]) == 4
+
+
+def resume(strategy: str, kind: str, directory: str, phase: str, save_ws: int = 0) -> None:
+    """Train 2 steps, save; later (fresh model, possibly another world size) load, train 2 more."""
+    import torch.distributed.checkpoint as dcp
+
+    from fsdp import FullyShardedDataParallel as FSDP, StateDictType
+
+    sd_type = StateDictType[kind]
+    if phase == "save":
+        model = _ours(strategy)
+        _train([model], range(2))
+        with FSDP.state_dict_type(model, sd_type):
+            state = model.state_dict()
+            if sd_type is StateDictType.SHARDED_STATE_DICT:
+                dcp.save(state, checkpoint_id=directory)
+            elif dist.get_rank() == 0:
+                torch.save(state, os.path.join(directory, "full.pt"))
+        dist.barrier()
+        return
+    model = _ours(strategy, seed=123)  # a fresh, differently initialized model
+    with FSDP.state_dict_type(model, sd_type):
+        if sd_type is StateDictType.SHARDED_STATE_DICT:
+            template = model.state_dict()
+            dcp.load(template, checkpoint_id=directory)
+            model.load_state_dict(template)
+        else:
+            model.load_state_dict(torch.load(os.path.join(directory, "full.pt")))
+    _train([model], range(2, 4))
+    straight = make_toy()  # the first two steps on the saving run's global batches
+    _train([straight], range(2), data_ws=save_ws)
+    _train([straight], range(2, 4))
+    mine = _full_params(model, FSDP)
+    for name, value in straight.named_parameters():
+        torch.testing.assert_close(mine[name], value.detach(), rtol=5e-5, atol=5e-6, msg=name)
+
+
+@pytest.mark.parametrize("kind", ["FULL_STATE_DICT", "SHARDED_STATE_DICT"])
+@pytest.mark.parametrize("save_ws,load_ws", [(2, 2), (2, 4), (4, 3), (3, 1), (1, 2)])
+def test_resume_across_world_sizes(tmp_path: Any, kind: str, save_ws: int, load_ws: int) -> None:
+    from tests._harness import get_pool
+
+    get_pool(save_ws).run(resume, "FULL_SHARD", kind, str(tmp_path), "save")
+    get_pool(load_ws).run(resume, "SHARD_GRAD_OP", kind, str(tmp_path), "load", save_ws)
+
+
+def resume_exact(kind: str, directory: str) -> None:
+    """At the same world size, resuming is bit-exact."""
+    import torch.distributed.checkpoint as dcp
+
+    from fsdp import FullyShardedDataParallel as FSDP, StateDictType
+
+    straight, first = _ours(), _ours()
+    _train([straight], range(4))
+    _train([first], range(2))
+    with FSDP.state_dict_type(first, StateDictType[kind]):
+        state = first.state_dict()
+        if kind == "SHARDED_STATE_DICT":
+            dcp.save(state, checkpoint_id=directory)
+    second = _ours(seed=42)
+    with FSDP.state_dict_type(second, StateDictType[kind]):
+        if kind == "SHARDED_STATE_DICT":
+            template = second.state_dict()
+            dcp.load(template, checkpoint_id=directory)
+            second.load_state_dict(template)
+        else:
+            second.load_state_dict(state)
+    _train([second], range(2, 4))
+    a, b = _full_params(straight, FSDP), _full_params(second, FSDP)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("kind", ["FULL_STATE_DICT", "SHARDED_STATE_DICT", "LOCAL_STATE_DICT"])
+def test_resume_bit_exact(pool2: RankPool, tmp_path: Any, kind: str) -> None:
+    pool2.run(resume_exact, kind, str(tmp_path))
+
+
+# ------------------------------------------------------------------ SHARDED <-> torch via DCP
+def dcp_interop(directory: str, writer: str) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from fsdp import FullyShardedDataParallel as FSDP, StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+    from torch.distributed.fsdp import StateDictType as TorchType
+
+    ours, theirs = _ours(seed=1), _theirs(seed=2)
+    source = ours if writer == "ours" else theirs
+    _train([source], range(2))
+    expected = source.state_dict()  # FULL, for comparison
+    if writer == "ours":
+        with FSDP.state_dict_type(ours, StateDictType.SHARDED_STATE_DICT):
+            dcp.save(ours.state_dict(), checkpoint_id=directory)
+        with TorchFSDP.state_dict_type(theirs, TorchType.SHARDED_STATE_DICT):
+            template = theirs.state_dict()
+            dcp.load(template, checkpoint_id=directory)
+            theirs.load_state_dict(template)
+        loaded = theirs.state_dict()
+    else:
+        with TorchFSDP.state_dict_type(theirs, TorchType.SHARDED_STATE_DICT):
+            dcp.save(theirs.state_dict(), checkpoint_id=directory)
+        with FSDP.state_dict_type(ours, StateDictType.SHARDED_STATE_DICT):
+            template = ours.state_dict()
+            dcp.load(template, checkpoint_id=directory)
+            ours.load_state_dict(template)
+        loaded = ours.state_dict()
+    assert list(loaded) == list(expected)
+    for key in expected:
+        assert torch.equal(loaded[key], expected[key]), key
+
+
+@pytest.mark.parametrize("writer", ["ours", "torch"])
+@pytest.mark.parametrize("dist_pool", [2, 4], indirect=True)
+def test_sharded_dcp_interop_with_torch(dist_pool: RankPool, tmp_path: Any, writer: str) -> None:
+    dist_pool.run(dcp_interop, str(tmp_path), writer)
+
+
+def sharded_values() -> None:
+    from torch.distributed.tensor import DTensor, Shard
+
+    from fsdp import FullyShardedDataParallel as FSDP, StateDictType
+
+    model = _ours()
+    full = model.state_dict()
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        sharded = model.state_dict()
+    assert list(sharded) == list(full)
+    for key, value in sharded.items():
+        assert isinstance(value, DTensor) and value.placements == (Shard(0),), key
+        assert value.shape == full[key].shape
+        assert torch.equal(value.full_tensor(), full[key]), key
+
+
+def test_sharded_values_are_dtensors(pool2: RankPool) -> None:
+    pool2.run(sharded_values)
+
+
+# ------------------------------------------------------------------ LOCAL_STATE_DICT
+def local_roundtrip(directory: str, phase: str) -> None:
+    from fsdp import FullyShardedDataParallel as FSDP, StateDictType
+
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    path = os.path.join(directory, f"local_{ws}_{rank}.pt")
+    model = _ours()
+    if phase == "save":
+        _train([model], range(2))
+        with FSDP.state_dict_type(model, StateDictType.LOCAL_STATE_DICT):
+            torch.save(model.state_dict(), path)
+        fresh = _ours(seed=3)
+        with FSDP.state_dict_type(fresh, StateDictType.LOCAL_STATE_DICT):
+            fresh.load_state_dict(torch.load(path))
+        a, b = _full_params(model, FSDP), _full_params(fresh, FSDP)
+        assert all(torch.equal(a[k], b[k]) for k in a)
+        return
+    saved = torch.load(os.path.join(directory, f"local_2_{rank % 2}.pt"))
+    before = _full_params(model, FSDP)
+    with FSDP.state_dict_type(model, StateDictType.LOCAL_STATE_DICT):
+        with pytest.raises(ValueError, match=r"was saved with a different layout \(world size 2, .*\) than this model's \(4 ranks.*Use StateDictType.SHARDED_STATE_DICT to change world size or wrapping"):
+            model.load_state_dict(saved)
+    after = _full_params(model, FSDP)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_local_state_dict(tmp_path: Any) -> None:
+    from tests._harness import get_pool
+
+    get_pool(2).run(local_roundtrip, str(tmp_path), "save")
+    get_pool(4).run(local_roundtrip, str(tmp_path), "load")
+
+
+# ------------------------------------------------------------------ bad input
+def bad_input() -> None:
+    from fsdp import FullyShardedDataParallel as FSDP
+
+    model = _ours()
+    good = model.state_dict()
+    before = _full_params(model, FSDP)
+    missing = {k: v for k, v in good.items() if k != "head.weight"}
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "head.weight"'):
+        model.load_state_dict(missing)
+    extra = dict(good, **{"blocks.9.fc1.weight": torch.zeros(1)})
+    with pytest.raises(RuntimeError, match=r'Unexpected key\(s\) in state_dict: "blocks.9.fc1.weight"'):
+        model.load_state_dict(extra)
+    wrong = dict(good, **{"blocks.1.fc2.weight": torch.zeros(3, 3)})
+    with pytest.raises(RuntimeError, match=r"size mismatch for blocks.1.fc2.weight: copying a param with shape \(3, 3\) from checkpoint, the shape in current model is \(7, 11\)"):
+        model.load_state_dict(wrong, strict=False)
+    after = _full_params(model, FSDP)
+    assert all(torch.equal(before[k], after[k]) for k in before), "nothing changed"
+    result = model.load_state_dict(missing, strict=False)
+    assert list(result.missing_keys) == ["head.weight"] and list(result.unexpected_keys) == []
+    with pytest.raises(RuntimeError, match="must be called on the root FSDP instance"):
+        model.module.blocks[0].load_state_dict({})
+
+
+def test_bad_input(pool2: RankPool) -> None:
+    pool2.run(bad_input)
