@@ -18,115 +18,45 @@ Rank functions are module-level (workers import them by name) and start with ``_
 from __future__ import annotations
 
 import math
-import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
-from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
-from torch.distributed.fsdp import ShardingStrategy as TorchShardingStrategy
-from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchModuleWrapPolicy
 
 from fsdp import FullyShardedDataParallel as FSDP
-from fsdp.api import ShardingStrategy
-from fsdp.wrap import ModuleWrapPolicy
 from tests._harness import RankPool
+from tests._net import (
+    ATOL,
+    LR,
+    RTOL,
+    STRATEGIES,
+    Batch,
+    NetBuilders,
+    compare_flat,
+    flat_params,
+    global_batch,
+    local_batch,
+)
 
-STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
 NORM_TYPES = (1.0, 2.0, math.inf)
-D_IN, D, D_HID, D_OUT = 5, 6, 7, 3
-BATCH = 4
-LR = 0.1
 STEPS = 2
-CPU = torch.device("cpu")
-RTOL, ATOL = 1e-4, 1e-5  # vs the plain model: a different reduction order changes the last bits
 
 # ---------------------------------------------------------------------------------------------
-# Model, data and builders
+# Builders and data (model, builders, batches and comparisons are shared: tests/_net.py)
 # ---------------------------------------------------------------------------------------------
 
-
-class Block(nn.Module):
-    """Residual MLP block: 97 parameters."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(D, D_HID)
-        self.fc2 = nn.Linear(D_HID, D)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(torch.tanh(self.fc1(x)))
+_NET = NetBuilders(seed=4321)
+_plain, _ours, _theirs = _NET.plain, _NET.ours, _NET.theirs
 
 
-class Net(nn.Module):
-    """Root unit: ``inp`` and ``out`` (57 parameters); two nested Block units."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(D_IN, D)
-        self.blocks = nn.Sequential(Block(), Block())
-        self.out = nn.Linear(D, D_OUT)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(self.blocks(torch.relu(self.inp(x))))
-
-
-def _plain() -> Net:
-    torch.manual_seed(4321)
-    return Net()
-
-
-def _ours(strategy: str) -> FSDP:
-    return FSDP(_plain(), sharding_strategy=ShardingStrategy[strategy], auto_wrap_policy=ModuleWrapPolicy({Block}))
-
-
-def _theirs(strategy: str) -> TorchFSDP:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # world size 1 -> NO_SHARD warning
-        return TorchFSDP(
-            _plain(),
-            sharding_strategy=TorchShardingStrategy[strategy],
-            auto_wrap_policy=TorchModuleWrapPolicy({Block}),
-            device_id=CPU,
-        )
-
-
-def _local_batch(step: int, rank: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    rank = dist.get_rank() if rank is None else rank
-    g = torch.Generator().manual_seed(7000 + 100 * step + rank)
+def _local_batch(step: int) -> Batch:
     # Scaled targets give gradients with norms well above the smaller max_norm.
-    return torch.randn(BATCH, D_IN, generator=g), 3 * torch.randn(BATCH, D_OUT, generator=g)
+    return local_batch(7000 + 100 * step, target_scale=3)
 
 
-def _global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    parts = [_local_batch(step, r) for r in range(dist.get_world_size())]
-    return torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])
-
-
-def _flat_params(model: nn.Module, grads: bool = False) -> list[torch.Tensor]:
-    """Each unit's local (sharded) FlatParameter, or its gradient, in pre-order.
-
-    Both FSDP implementations order units the same way and lay out / pad / shard flat parameters
-    the same way, so these lists are directly comparable.
-    """
-    out = []
-    for unit in type(model).fsdp_modules(model):
-        flat = unit._fsdp_state.handle.flat_param if isinstance(unit, FSDP) else unit._handle.flat_param
-        t = flat.grad if grads else flat
-        out.append(t.detach().clone())
-    return out
-
-
-def _compare(actual: list[torch.Tensor], expected: list[torch.Tensor], exact: bool, what: str) -> None:
-    assert len(actual) == len(expected), what
-    for i, (a, b) in enumerate(zip(actual, expected)):
-        assert a.shape == b.shape, f"{what}: unit {i}"
-        if exact:
-            assert torch.equal(a, b), f"{what}: unit {i} differs from torch FSDP1"
-        else:
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{what}: unit {i}: {m}")
+def _global_batch(step: int) -> Batch:
+    return global_batch(7000 + 100 * step, target_scale=3)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -155,8 +85,8 @@ def _check_clip(strategies: tuple[str, ...], max_norms: tuple[float, ...]) -> li
                         opts[id(m)].zero_grad(set_to_none=True)
                         x, y = _global_batch(step) if m is plain else _local_batch(step)
                         F.mse_loss(m(x), y).backward()
-                    grads_before = _flat_params(ours, grads=True)
-                    _compare(grads_before, _flat_params(theirs, grads=True), exact, f"{what}: step {step}: grads")
+                    grads_before = flat_params(ours, grads=True)
+                    compare_flat(grads_before, flat_params(theirs, grads=True), exact, f"{what}: step {step}: grads")
 
                     ref_norm = torch.nn.utils.clip_grad_norm_(plain.parameters(), max_norm, norm_type)
                     our_norm = ours.clip_grad_norm_(max_norm, norm_type)
@@ -175,17 +105,17 @@ def _check_clip(strategies: tuple[str, ...], max_norms: tuple[float, ...]) -> li
                     clipped_any |= clips
                     exact = exact and not clips
                     # Gradients are scaled by max_norm / (norm + 1e-6) when clipping, else unchanged.
-                    grads_after = _flat_params(ours, grads=True)
+                    grads_after = flat_params(ours, grads=True)
                     for before, after in zip(grads_before, grads_after):
                         if clips:
                             coef = max_norm / (our_norm + 1e-6)
                             torch.testing.assert_close(after, before * coef, msg=lambda m: f"{what}: clip coef: {m}")
                         else:
                             assert torch.equal(after, before), f"{what}: gradients changed without clipping"
-                    _compare(grads_after, _flat_params(theirs, grads=True), exact, f"{what}: step {step}: clipped grads")
+                    compare_flat(grads_after, flat_params(theirs, grads=True), exact, f"{what}: step {step}: clipped grads")
                     for m in (plain, ours, theirs):
                         opts[id(m)].step()
-                    _compare(_flat_params(ours), _flat_params(theirs), exact, f"{what}: step {step}: params")
+                    compare_flat(flat_params(ours), flat_params(theirs), exact, f"{what}: step {step}: params")
 
                 # The full parameters match the plain model clipped by torch.nn.utils.clip_grad_norm_.
                 with FSDP.summon_full_params(ours, writeback=False):

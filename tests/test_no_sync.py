@@ -20,123 +20,45 @@ Rank functions are module-level (workers import them by name) and start with ``_
 from __future__ import annotations
 
 import contextlib
-import warnings
 from typing import Iterator
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
-from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
-from torch.distributed.fsdp import ShardingStrategy as TorchShardingStrategy
-from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchModuleWrapPolicy
 
 from fsdp import FullyShardedDataParallel as FSDP
-from fsdp.api import ShardingStrategy
-from fsdp.wrap import ModuleWrapPolicy
 from tests._harness import RankPool
+from tests._net import (
+    LR,
+    SHARDED,
+    STRATEGIES,
+    Batch,
+    NetBuilders,
+    assert_same,
+    compare_flat,
+    flat_params,
+    global_batch,
+    local_batch,
+)
 
-STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
-SHARDED = ("FULL_SHARD", "SHARD_GRAD_OP")
-D_IN, D, D_HID, D_OUT = 5, 6, 7, 3
-BATCH = 4
-LR = 0.1
 OPT_STEPS = 2
-CPU = torch.device("cpu")
-RTOL, ATOL = 1e-4, 1e-5  # vs the plain model: a different reduction order changes the last bits
+N_UNITS = 3  # the root and two nested Block units
 
 # ---------------------------------------------------------------------------------------------
-# Model, data and builders
+# Builders, data and helpers (model, builders, batches and comparisons: tests/_net.py)
 # ---------------------------------------------------------------------------------------------
 
-
-class Block(nn.Module):
-    """Residual MLP block: 97 parameters."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(D, D_HID)
-        self.fc2 = nn.Linear(D_HID, D)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(torch.tanh(self.fc1(x)))
+_NET = NetBuilders(seed=2468)
+_plain, _ours, _theirs = _NET.plain, _NET.ours, _NET.theirs
 
 
-class Net(nn.Module):
-    """Root unit: ``inp`` and ``out`` (57 parameters); two nested Block units."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(D_IN, D)
-        self.blocks = nn.Sequential(Block(), Block())
-        self.out = nn.Linear(D, D_OUT)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(self.blocks(torch.relu(self.inp(x))))
+def _local_batch(step: int, micro: int) -> Batch:
+    return local_batch(10_000 * step + 100 * micro)
 
 
-def _plain() -> Net:
-    torch.manual_seed(2468)
-    return Net()
-
-
-def _ours(strategy: str) -> FSDP:
-    return FSDP(_plain(), sharding_strategy=ShardingStrategy[strategy], auto_wrap_policy=ModuleWrapPolicy({Block}))
-
-
-def _theirs(strategy: str) -> TorchFSDP:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # world size 1 -> NO_SHARD warning
-        return TorchFSDP(
-            _plain(),
-            sharding_strategy=TorchShardingStrategy[strategy],
-            auto_wrap_policy=TorchModuleWrapPolicy({Block}),
-            device_id=CPU,
-        )
-
-
-def _local_batch(step: int, micro: int, rank: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    rank = dist.get_rank() if rank is None else rank
-    g = torch.Generator().manual_seed(10_000 * step + 100 * micro + rank)
-    return torch.randn(BATCH, D_IN, generator=g), torch.randn(BATCH, D_OUT, generator=g)
-
-
-def _global_batch(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
-    parts = [_local_batch(step, micro, r) for r in range(dist.get_world_size())]
-    return torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])
-
-
-def _flat_params(model: nn.Module, grads: bool = False) -> list[torch.Tensor | None]:
-    """Each unit's local (sharded) FlatParameter, or its ``.grad``, in pre-order.
-
-    Both FSDP implementations order units and lay out / pad / shard flat parameters the same way.
-    """
-    out: list[torch.Tensor | None] = []
-    for unit in type(model).fsdp_modules(model):
-        flat = unit._fsdp_state.handle.flat_param if isinstance(unit, FSDP) else unit._handle.flat_param
-        t = flat.grad if grads else flat
-        out.append(None if t is None else t.detach().clone())
-    return out
-
-
-def _compare_flat(actual: list, expected: list, exact: bool, what: str) -> None:
-    assert len(actual) == len(expected) == 3, what
-    for i, (a, b) in enumerate(zip(actual, expected)):
-        assert a is not None and b is not None, f"{what}: unit {i}: missing tensor"
-        assert a.shape == b.shape, f"{what}: unit {i}: {tuple(a.shape)} vs torch {tuple(b.shape)}"
-        if exact:
-            assert torch.equal(a, b), f"{what}: unit {i} differs from torch FSDP1"
-        else:
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{what}: unit {i}: {m}")
-
-
-def _compare_named(actual: dict, expected: dict, what: str) -> None:
-    assert sorted(actual) == sorted(expected), what
-    for name in expected:
-        torch.testing.assert_close(
-            actual[name], expected[name], rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: {name}: {m}"
-        )
+def _global_batch(step: int, micro: int) -> Batch:
+    return global_batch(10_000 * step + 100 * micro)
 
 
 def _unsharded_units(model: FSDP) -> list[str]:
@@ -201,7 +123,7 @@ def _check_accumulation(configs: tuple[tuple[str, bool], ...]) -> int:
                 for m in (plain, ours, theirs):
                     opts[id(m)].zero_grad(set_to_none=set_to_none)
                 if not set_to_none and step > 0:
-                    assert all(g is not None and not g.any() for g in _flat_params(ours, grads=True)), what
+                    assert all(g is not None and not g.any() for g in flat_params(ours, grads=True)), what
                 for micro, kind in enumerate(pattern):
                     x, y = _global_batch(step, micro)
                     F.mse_loss(plain(x), y).backward()
@@ -226,21 +148,24 @@ def _check_accumulation(configs: tuple[tuple[str, bool], ...]) -> int:
                         assert unit.training_state.name == "IDLE", what
 
                 # The accumulated (sharded) gradients equal torch FSDP1's ...
-                _compare_flat(_flat_params(ours, grads=True), _flat_params(theirs, grads=True), exact, f"{what}: step {step}: grads")
+                compare_flat(
+                    flat_params(ours, grads=True), flat_params(theirs, grads=True), exact, f"{what}: step {step}: grads",
+                    n_units=N_UNITS,
+                )
                 # ... and, unsharded, the plain model's accumulated gradients.
                 with FSDP.summon_full_params(ours, writeback=False, with_grads=True):
                     got = {n: p.grad.clone() for n, p in ours.named_parameters()}
-                _compare_named(got, {n: p.grad for n, p in plain.named_parameters()}, f"{what}: step {step}: grads vs plain")
+                assert_same(got, {n: p.grad for n, p in plain.named_parameters()}, False, f"{what}: step {step}: grads vs plain")
 
                 for m in (plain, ours, theirs):
                     opts[id(m)].step()
-                _compare_flat(_flat_params(ours), _flat_params(theirs), exact, f"{what}: step {step}: params")
+                compare_flat(flat_params(ours), flat_params(theirs), exact, f"{what}: step {step}: params", n_units=N_UNITS)
                 if sharded:
                     assert _unsharded_units(ours) == [], what
 
             with FSDP.summon_full_params(ours, writeback=False):
                 got = {n: p.detach().clone() for n, p in ours.named_parameters()}
-            _compare_named(got, {n: p.detach() for n, p in plain.named_parameters()}, f"{what}: final params vs plain")
+            assert_same(got, {n: p.detach() for n, p in plain.named_parameters()}, False, f"{what}: final params vs plain")
             checks += 1
     return checks
 

@@ -16,7 +16,6 @@ Rank functions are module-level (workers import them by name) and start with ``_
 
 from __future__ import annotations
 
-import warnings
 from typing import Callable
 
 import pytest
@@ -25,94 +24,44 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
-from torch.distributed.fsdp import ShardingStrategy as TorchShardingStrategy
-from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchModuleWrapPolicy
 
 from fsdp import FullyShardedDataParallel as FSDP
-from fsdp.api import ShardingStrategy
-from fsdp.wrap import ModuleWrapPolicy
 from tests._harness import RankPool
-
-STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
-SHARDED = ("FULL_SHARD", "SHARD_GRAD_OP")
-D_IN, D, D_HID, D_OUT = 5, 6, 7, 3
-BATCH = 4
-LR = 0.1
-CPU = torch.device("cpu")
-# Tolerance against the plain single-process model: the global batch is reduced in a different
-# order than the per-rank batches plus the gradient all-reduce, so results differ in the last bits.
-RTOL, ATOL = 1e-4, 1e-5
+from tests._net import (
+    ATOL,
+    D_HID,
+    D_OUT,
+    LR,
+    RTOL,
+    SHARDED,
+    STRATEGIES,
+    Batch,
+    D,
+    NetBuilders,
+    assert_same,
+    global_batch,
+    local_batch,
+)
 
 # ---------------------------------------------------------------------------------------------
-# Model, data and builders
+# Builders, data and helpers (model, builders, batches and comparisons: tests/_net.py)
 # ---------------------------------------------------------------------------------------------
-
-
-class Block(nn.Module):
-    """Residual MLP block: 97 parameters (prime, so never divisible by the world size)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(D, D_HID)
-        self.fc2 = nn.Linear(D_HID, D)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(torch.tanh(self.fc1(x)))
-
-
-class Net(nn.Module):
-    """Root unit holds ``inp`` and ``out`` (36 + 21 = 57 parameters); two nested Block units."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(D_IN, D)
-        self.blocks = nn.Sequential(Block(), Block())
-        self.out = nn.Linear(D, D_OUT)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(self.blocks(torch.relu(self.inp(x))))
-
 
 ROOT_NAMES = {"inp.weight", "inp.bias", "out.weight", "out.bias"}
 ALL_NAMES = ROOT_NAMES | {
     f"blocks.{i}.{layer}.{kind}" for i in range(2) for layer in ("fc1", "fc2") for kind in ("weight", "bias")
 }
 
-
-def _plain() -> Net:
-    torch.manual_seed(1234)
-    return Net()
+_NET = NetBuilders(seed=1234)
+_plain, _ours, _theirs = _NET.plain, _NET.ours, _NET.theirs
 
 
-def _ours(strategy: str, nested: bool = True) -> FSDP:
-    return FSDP(
-        _plain(),
-        sharding_strategy=ShardingStrategy[strategy],
-        auto_wrap_policy=ModuleWrapPolicy({Block}) if nested else None,
-    )
+def _local_batch(step: int) -> Batch:
+    return local_batch(1000 * step)
 
 
-def _theirs(strategy: str, nested: bool = True, use_orig_params: bool = False) -> TorchFSDP:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # world size 1 -> NO_SHARD warning
-        return TorchFSDP(
-            _plain(),
-            sharding_strategy=TorchShardingStrategy[strategy],
-            auto_wrap_policy=TorchModuleWrapPolicy({Block}) if nested else None,
-            device_id=CPU,
-            use_orig_params=use_orig_params,
-        )
-
-
-def _local_batch(step: int, rank: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    rank = dist.get_rank() if rank is None else rank
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(BATCH, D_IN, generator=g), torch.randn(BATCH, D_OUT, generator=g)
-
-
-def _global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    parts = [_local_batch(step, r) for r in range(dist.get_world_size())]
-    return torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])
+def _global_batch(step: int) -> Batch:
+    return global_batch(1000 * step)
 
 
 def _backward(model: nn.Module, step: int, is_plain: bool) -> None:
@@ -140,18 +89,6 @@ def _full(model: nn.Module, **kwargs) -> dict[str, torch.Tensor]:
         with type(model).summon_full_params(model, writeback=False, **kwargs):
             return {n: p.detach().clone() for n, p in model.named_parameters()}
     return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def _assert_same(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], exact: bool, what: str) -> None:
-    assert sorted(actual) == sorted(expected), what
-    for name in expected:
-        assert actual[name].shape == expected[name].shape, f"{what}: {name}"
-        if exact:
-            assert torch.equal(actual[name], expected[name]), f"{what}: {name} differs"
-        else:
-            torch.testing.assert_close(
-                actual[name], expected[name], rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: {name}: {m}"
-            )
 
 
 def _equal_torch(ours: torch.Tensor, theirs: torch.Tensor) -> bool:
@@ -225,7 +162,7 @@ def _check_values_names_and_training() -> int:
                 block = block.module if isinstance(block, FSDP) else block
                 assert torch.equal(block.fc2.bias, named["blocks.1.fc2.bias"])
                 _assert_matches_torch({n: p.detach() for n, p in named.items()}, torch_full, f"{what}: vs torch")
-                _assert_same({n: p.detach() for n, p in named.items()}, expected, False, f"{what}: vs plain")
+                assert_same({n: p.detach() for n, p in named.items()}, expected, False, f"{what}: vs plain")
                 assert dict(ours.named_buffers()) == {}  # the model has no buffers
             _assert_resharded(ours, strategy, f"{what}: after summon")
             # Outside the context the names are the FSDP ones again.
@@ -237,7 +174,7 @@ def _check_values_names_and_training() -> int:
             # Training continues with the same results as torch and the plain model.
             _train(models, optims, range(1, 3))
             _assert_matches_torch(_full(ours), _full(theirs), f"{what}: after 2 more steps vs torch")
-            _assert_same(_full(ours), _full(plain), False, f"{what}: after 2 more steps vs plain")
+            assert_same(_full(ours), _full(plain), False, f"{what}: after 2 more steps vs plain")
             _assert_outputs_agree(models, f"{what}: after training")
             _assert_resharded(ours, strategy, f"{what}: end")
             checks += 1
@@ -252,11 +189,11 @@ def _check_values_names_and_training() -> int:
         assert sorted(got) == ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight"]
         for name, value in got.items():
             assert torch.equal(value, init[f"blocks.1.{name}"]), name
-        _assert_same(_full(ours), init, True, f"{strategy}: fresh model")
+        assert_same(_full(ours), init, True, f"{strategy}: fresh model")
         _assert_resharded(ours, strategy, f"{strategy}: fresh summon")
         _train(models, optims, range(1))
         _assert_matches_torch(_full(ours), _full(models["theirs"]), f"{strategy}: training after fresh summon vs torch")
-        _assert_same(_full(ours), _full(plain), False, f"{strategy}: training after fresh summon vs plain")
+        assert_same(_full(ours), _full(plain), False, f"{strategy}: training after fresh summon vs plain")
     return checks
 
 
@@ -299,7 +236,7 @@ def _check_writeback() -> int:
         assert not torch.equal(after["inp.weight"], before["inp.weight"])
         torch.testing.assert_close(after["inp.weight"], before["inp.weight"] * 0.5, rtol=0, atol=0)
         _assert_matches_torch(after, _full(theirs), f"{strategy}: in-place writeback vs torch")
-        _assert_same(after, _full(plain), False, f"{strategy}: in-place writeback vs plain")
+        assert_same(after, _full(plain), False, f"{strategy}: in-place writeback vs plain")
         _assert_outputs_agree(models, f"{strategy}: forward after in-place writeback")
 
         # writeback=True, ``p.data = new tensor``: ours copies it in (compare with plain only;
@@ -310,7 +247,7 @@ def _check_writeback() -> int:
         _assert_resharded(ours, strategy, f"{strategy}: after .data writeback")
         after = _full(ours)
         assert torch.equal(after["blocks.1.fc2.weight"], torch.full((D, D_HID), 0.0625))
-        _assert_same(after, _full(plain), False, f"{strategy}: .data writeback vs plain")
+        assert_same(after, _full(plain), False, f"{strategy}: .data writeback vs plain")
         _assert_outputs_agree({"ours": ours, "plain": plain}, f"{strategy}: forward after .data writeback")
 
         # offload_to_cpu=True with writeback=True: edits persist the same way.
@@ -320,7 +257,7 @@ def _check_writeback() -> int:
         with torch.no_grad():
             plain.out.bias.mul_(-1.0)
         _assert_resharded(ours, strategy, f"{strategy}: after offload writeback")
-        _assert_same(_full(ours), _full(plain), False, f"{strategy}: offload_to_cpu writeback vs plain")
+        assert_same(_full(ours), _full(plain), False, f"{strategy}: offload_to_cpu writeback vs plain")
 
         # writeback=False: edits are discarded when FSDP shards; for NO_SHARD (and world size 1)
         # the full parameters *are* the storage, so edits persist, as documented for torch FSDP1.
@@ -331,16 +268,16 @@ def _check_writeback() -> int:
             _edit_in_place(dict(ours.named_parameters()))
         _assert_resharded(ours, strategy, f"{strategy}: after writeback=False")
         if strategy in SHARDED and ws > 1:
-            _assert_same(_full(ours), ref, True, f"{strategy}: writeback=False must discard")
+            assert_same(_full(ours), ref, True, f"{strategy}: writeback=False must discard")
         else:
             _edit_in_place(dict(plain.named_parameters()))
-        _assert_same(_full(ours), _full(plain), False, f"{strategy}: after writeback=False vs plain")
+        assert_same(_full(ours), _full(plain), False, f"{strategy}: after writeback=False vs plain")
         _assert_outputs_agree({"ours": ours, "plain": plain}, f"{strategy}: forward after writeback=False")
 
         # Training after the edits still agrees with the plain model.
         del models["theirs"]
         _train(models, optims, range(1, 3))
-        _assert_same(_full(ours), _full(plain), False, f"{strategy}: training after writeback")
+        assert_same(_full(ours), _full(plain), False, f"{strategy}: training after writeback")
         _assert_resharded(ours, strategy, f"{strategy}: end")
         checks += 1
     return checks
@@ -364,7 +301,7 @@ def _check_rank0_only_and_recurse() -> int:
             got = {n: p.detach().clone() for n, p in ours.named_parameters()}
             if rank == 0:
                 _assert_matches_torch(got, torch_full, f"{strategy}: rank0_only rank 0 vs torch")
-                _assert_same(got, expected, False, f"{strategy}: rank0_only rank 0 vs plain")
+                assert_same(got, expected, False, f"{strategy}: rank0_only rank 0 vs plain")
             else:
                 # Same (FSDP-internal) names as torch on this rank; no full parameters.
                 assert sorted(got) == sorted(torch_r0), f"{strategy}: rank {rank}"
@@ -446,7 +383,7 @@ def _check_rank0_only_and_recurse() -> int:
         torch.testing.assert_close(outer_named["blocks.1.fc1.weight"], torch_full["blocks.1.fc1.weight"] + 3.0)
         with torch.no_grad():
             plain.blocks[1].fc1.weight.add_(3.0)
-        _assert_same(_full(ours), _full(plain), False, f"{strategy}: after nested summon with edit")
+        assert_same(_full(ours), _full(plain), False, f"{strategy}: after nested summon with edit")
         # recurse=False outside, a nested unit summoned inside.
         with FSDP.summon_full_params(ours, recurse=False, writeback=False):
             with FSDP.summon_full_params(ours.module.blocks[0], writeback=False):
@@ -461,7 +398,7 @@ def _check_rank0_only_and_recurse() -> int:
         # Training still works and matches the plain model.
         del models["theirs"]
         _train(models, optims, range(1, 3))
-        _assert_same(_full(ours), _full(plain), False, f"{strategy}: training after summons")
+        assert_same(_full(ours), _full(plain), False, f"{strategy}: training after summons")
         _assert_outputs_agree(models, f"{strategy}: forward after summons")
         _assert_resharded(ours, strategy, f"{strategy}: end")
         checks += 1
@@ -491,8 +428,8 @@ def _check_with_grads() -> int:
                         assert p.grad is not None, f"{what}: {n} has no grad"
                         assert p.grad.shape == p.shape, n
                         got[n] = p.grad.clone()
-                _assert_same(got, expected, False, f"{what}: grads vs plain")
-                _assert_same(got, torch_grads, ws <= 2, f"{what}: grads vs torch(use_orig_params)")
+                assert_same(got, expected, False, f"{what}: grads vs plain")
+                assert_same(got, torch_grads, ws <= 2, f"{what}: grads vs torch(use_orig_params)")
                 _assert_resharded(ours, strategy, f"{what}: after with_grads")
                 # The sharded gradient is untouched and the optimizer step still works.
                 for m in (plain, ours, theirs):
@@ -502,7 +439,7 @@ def _check_with_grads() -> int:
                                 assert m is theirs and p.numel() == 0
                                 continue
                             p -= LR * p.grad
-                _assert_same(_full(ours), _full(plain), False, f"{what}: step after with_grads")
+                assert_same(_full(ours), _full(plain), False, f"{what}: step after with_grads")
         with pytest.raises(NotImplementedError):
             with FSDP.summon_full_params(ours, with_grads=True, offload_to_cpu=True):
                 pass
@@ -556,7 +493,7 @@ def _check_with_grads_writeback() -> list[str]:
         expected = {n: p.grad for n, p in plain.named_parameters()}
         with TorchFSDP.summon_full_params(theirs, with_grads=True):
             torch_grads = {n: p.grad.clone() for n, p in theirs.named_parameters()}
-        _assert_same(torch_grads, expected, False, f"{strategy}: torch grad writeback")
+        assert_same(torch_grads, expected, False, f"{strategy}: torch grad writeback")
         with FSDP.summon_full_params(ours, with_grads=True):
             got = {n: p.grad.clone() for n, p in ours.named_parameters()}
         ok = all(torch.allclose(got[n], expected[n], rtol=RTOL, atol=ATOL) for n in expected)
@@ -594,14 +531,14 @@ def _check_apply(nested: bool) -> int | str:
                 models["plain"].apply(fn)
                 _assert_resharded(models["ours"], strategy, f"{what}: after apply")
                 _assert_matches_torch(_full(models["ours"]), _full(models["theirs"]), f"{what}: vs torch")
-                _assert_same(_full(models["ours"]), _full(models["plain"]), False, f"{what}: vs plain")
+                assert_same(_full(models["ours"]), _full(models["plain"]), False, f"{what}: vs plain")
                 _assert_outputs_agree(models, f"{what}: forward after apply")
             if fn is _init_linear_const:
                 full = _full(models["ours"])
                 assert torch.equal(full["out.weight"], torch.full((D_OUT, D), 0.125))
             _train(models, optims, range(1, 3))
             _assert_matches_torch(_full(models["ours"]), _full(models["theirs"]), f"{strategy}: train after apply")
-            _assert_same(_full(models["ours"]), _full(models["plain"]), False, f"{strategy}: train after apply")
+            assert_same(_full(models["ours"]), _full(models["plain"]), False, f"{strategy}: train after apply")
             checks += 1
     return checks
 
