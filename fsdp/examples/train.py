@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from fsdp import FullyShardedDataParallel as FSDP
 from fsdp import ShardingStrategy
+from fsdp.examples.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from fsdp.examples.data import CharTokenizer, load_corpus, sample_batch
 from fsdp.examples.model import GPT, PRESETS, Block, GPTConfig
 from fsdp.wrap import ModuleWrapPolicy
@@ -70,6 +71,19 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     parser.add_argument("--seed", type=int, default=0, help="seed for init and data")
     parser.add_argument("--log-every", type=int, default=1, help="log every N steps")
+    parser.add_argument(
+        "--checkpoint-dir",
+        default="checkpoints/fsdp-demo",
+        help="where sharded checkpoints go ('' disables saving)",
+    )
+    parser.add_argument(
+        "--checkpoint-every", type=int, default=250, help="save every N steps (and at the end)"
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the latest complete checkpoint in --checkpoint-dir (any world size)",
+    )
     args = parser.parse_args(argv)
     if args.steps < 2:
         parser.error("--steps must be at least 2 (the loss must be able to fall)")
@@ -191,9 +205,26 @@ def _train(
         )
 
     losses: List[float] = []  # per step, averaged over ranks
+    start_step, first_losses = 0, []
+    if args.resume and args.checkpoint_dir:
+        path = latest_checkpoint(args.checkpoint_dir)
+        if path is None:
+            if rank == 0:
+                print(f"no checkpoint in {args.checkpoint_dir}: starting from step 0", flush=True)
+        else:
+            extra = load_checkpoint(
+                path,
+                model,
+                optimizer,
+                {"step": 0, "first_losses": [], "scheduler": scheduler.state_dict()},
+            )
+            start_step, first_losses = int(extra["step"]), list(extra["first_losses"])
+            scheduler.load_state_dict(extra["scheduler"])
+            if rank == 0:
+                print(f"resumed from {path} at step {start_step}", flush=True)
     model.train()
     train_start = time.perf_counter()
-    for step in range(args.steps):
+    for step in range(start_step, args.steps):
         t0 = time.perf_counter()
         inputs, targets = sample_batch(
             data, args.batch_size, args.seq_len, seed=args.seed, rank=rank, step=step
@@ -226,6 +257,20 @@ def _train(
             if device.type == "cuda":
                 line += f" | cuda max MiB {_fmt_mib(per_rank[:, 2].tolist())}"
             print(line, flush=True)
+        window_size = max(1, min(10, args.steps // 10))
+        if len(first_losses) < window_size:
+            first_losses.append(losses[-1])  # kept in checkpoints for the resumed loss check
+        done = step + 1
+        if args.checkpoint_dir and (done % args.checkpoint_every == 0 or done == args.steps):
+            path = save_checkpoint(
+                args.checkpoint_dir,
+                done,
+                model,
+                optimizer,
+                {"step": done, "first_losses": first_losses, "scheduler": scheduler.state_dict()},
+            )
+            if rank == 0:
+                print(f"saved checkpoint {path}", flush=True)
 
     train_seconds = time.perf_counter() - train_start
     # Peak memory of every rank (gathered on all ranks; printed by rank 0).
@@ -235,17 +280,18 @@ def _train(
     peaks = _all_gather_rows(local, world_size)
 
     window = max(1, min(10, args.steps // 10))
-    first = sum(losses[:window]) / window
-    last = sum(losses[-window:]) / window
+    first = sum(first_losses) / max(1, len(first_losses))
+    last = sum(losses[-window:]) / max(1, len(losses[-window:]))
     fell = math.isfinite(last) and last < first * REQUIRED_LOSS_RATIO
     if rank == 0:
-        total_tokens = tokens_per_step * args.steps
+        steps_run = max(1, args.steps - start_step)
+        total_tokens = tokens_per_step * steps_run
         print(
             f"summary ({strategy.name}, {world_size} ranks, {args.model} model):\n"
             f"  loss           {first:.4f} (mean of first {window} steps) -> {last:.4f} "
             f"(mean of last {window} steps)\n"
             f"  throughput     {total_tokens / train_seconds:,.0f} tok/s mean (global), "
-            f"{train_seconds / args.steps * 1e3:.0f} ms/step\n"
+            f"{train_seconds / steps_run * 1e3:.0f} ms/step\n"
             f"  time           {train_seconds:.1f} s training, "
             f"{time.perf_counter() - start:.1f} s in rank 0\n"
             f"  peak rss MiB   {_fmt_mib(peaks[:, 0].tolist())} (per rank)",
