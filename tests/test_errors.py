@@ -1019,32 +1019,8 @@ def _planned_features() -> None:
             r"fsdp: register_comm_hook \(argument 'hook'\)" + readme,
             lambda: root.register_comm_hook(None, lambda *a: None),
         ),
-        (r"fsdp: full_optim_state_dict" + readme, lambda: FSDP.full_optim_state_dict(root, optim)),
-        (
-            r"fsdp: sharded_optim_state_dict" + readme,
-            lambda: FSDP.sharded_optim_state_dict(root, optim),
-        ),
-        (
-            r"fsdp: shard_full_optim_state_dict" + readme,
-            lambda: FSDP.shard_full_optim_state_dict({}, root),
-        ),
-        (
-            r"fsdp: flatten_sharded_optim_state_dict" + readme,
-            lambda: FSDP.flatten_sharded_optim_state_dict({}, root, optim),
-        ),
-        (
-            r"fsdp: scatter_full_optim_state_dict" + readme,
-            lambda: FSDP.scatter_full_optim_state_dict({}, root),
-        ),
-        (
-            r"fsdp: rekey_optim_state_dict" + readme,
-            lambda: FSDP.rekey_optim_state_dict({}, OptimStateKeyType.PARAM_NAME, root),
-        ),
-        (r"fsdp: optim_state_dict" + readme, lambda: FSDP.optim_state_dict(root, optim)),
-        (
-            r"fsdp: optim_state_dict_to_load" + readme,
-            lambda: FSDP.optim_state_dict_to_load(root, optim, {}),
-        ),
+        # Optimizer state dicts are implemented: their bad input is pinned below and in
+        # tests/test_optim_state_dict.py.
     ]
     for match, call in cases:
         expect_raises(NotImplementedError, match, call)
@@ -1052,5 +1028,47 @@ def _planned_features() -> None:
     group_in_step()
 
 
-def test_state_dict_optim_state_dict_and_comm_hook_are_not_implemented_yet(pool2: RankPool) -> None:
+def test_comm_hook_is_not_implemented_yet(pool2: RankPool) -> None:
     pool2.run(_planned_features)
+
+
+def _optim_state_dict_bad_input() -> None:
+    root = wrapped_deep()
+    optim = torch.optim.Adam(root.parameters(), lr=0.1)
+    root(torch.randn(2, D)).sum().backward()
+    optim.step()
+    osd = FSDP.optim_state_dict(root, optim)
+    before = snapshot(root)
+    optim_before = {k: {n: v.clone() for n, v in st.items()} for k, st in optim.state_dict()["state"].items()}
+    unknown = {"state": {**osd["state"], "blocks.7.fc1.weight": osd["state"]["stem.weight"]}, "param_groups": osd["param_groups"]}
+    wrong_shape = {"state": {**osd["state"], "stem.bias": {**osd["state"]["stem.bias"], "exp_avg": torch.zeros(D + 1)}}, "param_groups": osd["param_groups"]}
+    cases: list[tuple[str, Callable[[], Any]]] = [
+        (
+            r"fsdp: the optimizer state dict has state for 'blocks\.7\.fc1\.weight', which is not a "
+            r"parameter of this model\. Was it saved from another model\? The model's parameters are: "
+            r"'stem\.weight' \(4, 4\), 'stem\.bias' \(4,\), 'head\.weight' \(4, 4\)",
+            lambda: FSDP.optim_state_dict_to_load(root, optim, unknown, load_directly=True),
+        ),
+        (
+            r"fsdp: optimizer state 'exp_avg' of parameter 'stem\.bias' has shape \(5,\), but the "
+            r"parameter has shape \(4,\)\. Was it saved from another model\?",
+            lambda: FSDP.optim_state_dict_to_load(root, optim, wrong_shape, load_directly=True),
+        ),
+        (
+            r"fsdp: optimizer state key 0 is not a parameter name\.",
+            lambda: FSDP.shard_full_optim_state_dict(optim.state_dict(), root, optim=optim),
+        ),
+    ]
+    for match, call in cases:
+        expect_raises(ValueError, match, call)
+    assert_unchanged(root, before, allowed_fsdp=4)
+    after = optim.state_dict()["state"]
+    assert list(after) == list(optim_before)
+    for key, st in after.items():
+        for name, value in st.items():
+            assert torch.equal(value, optim_before[key][name]), f"optimizer state {key}/{name} changed"
+    group_in_step()
+
+
+def test_optim_state_dict_bad_input(pool2: RankPool) -> None:
+    pool2.run(_optim_state_dict_bad_input)

@@ -13,13 +13,14 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp.init._process_group import ShardingGroups
+from fsdp.runtime import _collectives as comm
 
 
 def broadcast_from_group_rank0(tensor: torch.Tensor, groups: ShardingGroups) -> None:
     """Overwrites ``tensor`` with the value of group-rank 0 of the shard (then replicate) group."""
     for group in (groups.shard, groups.replicate):
         if group is not None and dist.get_world_size(group) > 1:
-            dist.broadcast(tensor, src=dist.get_global_rank(group, 0), group=group)
+            comm.broadcast_from_rank0(tensor, group)
 
 
 def sync_buffers(modules: list[nn.Module], groups: ShardingGroups) -> None:

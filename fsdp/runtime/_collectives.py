@@ -6,7 +6,7 @@ call time, so tests that patch ``torch.distributed.<collective>`` see every call
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -40,3 +40,26 @@ def all_reduce_sum(tensor: torch.Tensor, group: Optional[dist.ProcessGroup]) -> 
 def all_reduce_max(tensor: torch.Tensor, group: Optional[dist.ProcessGroup]) -> None:
     """Max-reduces ``tensor`` in place across ranks."""
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+
+
+def _group_rank0(group: Optional[dist.ProcessGroup]) -> int:
+    return dist.get_global_rank(group, 0) if group is not None else 0
+
+
+def broadcast_from_rank0(tensor: torch.Tensor, group: Optional[dist.ProcessGroup]) -> None:
+    """Overwrites ``tensor`` with the value of group-rank 0."""
+    dist.broadcast(tensor, src=_group_rank0(group), group=group)
+
+
+def all_gather_object(obj: Any, group: Optional[dist.ProcessGroup]) -> list[Any]:
+    """Every rank's picklable ``obj``, in rank order."""
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def broadcast_object_from_rank0(obj: Any, group: Optional[dist.ProcessGroup]) -> Any:
+    """Group-rank 0's picklable ``obj`` on every rank."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=_group_rank0(group), group=group)
+    return box[0]

@@ -41,8 +41,10 @@ from fsdp.runtime import _collectives as comm
 from fsdp.runtime._lazy_init import check_idle, is_fsdp
 
 __all__ = [
-    "optim_state_dict",
-    "optim_state_dict_to_load",
+    "save",
+    "to_load",
+    "optim_state_dict_api",
+    "optim_state_dict_to_load_api",
     "full_optim_state_dict",
     "sharded_optim_state_dict",
     "shard_full_optim_state_dict",
@@ -50,26 +52,6 @@ __all__ = [
     "scatter_full_optim_state_dict",
     "rekey_optim_state_dict",
 ]
-
-
-# ----------------------------------------------------------------------------- object collectives
-# Object collectives are looked up on ``torch.distributed`` at call time, like _collectives.py.
-def _all_gather_object(obj: Any, group: Optional[dist.ProcessGroup]) -> list[Any]:
-    out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
-
-
-def _broadcast_object(obj: Any, group: Optional[dist.ProcessGroup]) -> Any:
-    box = [obj]
-    src = dist.get_global_rank(group, 0) if group is not None else 0
-    dist.broadcast_object_list(box, src=src, group=group)
-    return box[0]
-
-
-def _broadcast_tensor(tensor: torch.Tensor, group: Optional[dist.ProcessGroup]) -> None:
-    src = dist.get_global_rank(group, 0) if group is not None else 0
-    dist.broadcast(tensor, src=src, group=group)
 
 
 # ----------------------------------------------------------------------------- the model's view
@@ -391,7 +373,7 @@ def _gather_orig_param_states(
                 info[fqn][name] = ("s", value.detach().cpu())
             else:
                 info[fqn][name] = ("o", value)
-    gathered = _all_gather_object(info, handle.process_group)
+    gathered = comm.all_gather_object(info, handle.process_group)
     with_state = [fqn for fqn in fqns if any(fqn in g for g in gathered)]
     tensor_names = sorted({n for g in gathered for st in g.values() for n, v in st.items() if v[0] == "t"})
     out: dict[str, dict[str, Any]] = {fqn: {} for fqn in sorted(with_state)}
@@ -445,7 +427,7 @@ def _check_consistent_keys(keys: list[int], present: list[bool], view: _ModelVie
         )
 
 
-def optim_state_dict(
+def save(
     model: nn.Module,
     optim: torch.optim.Optimizer,
     optim_state_dict: Optional[dict[str, Any]] = None,
@@ -572,7 +554,7 @@ def _broadcast_from_rank0(osd: Optional[dict[str, Any]], view: _ModelView, group
             _validate(osd, view)
         except ValueError as exc:
             error = str(exc)
-    structure = _broadcast_object(
+    structure = comm.broadcast_object_from_rank0(
         {"error": error} if rank == 0 and error else (_strip_tensors(osd) if rank == 0 else None), group  # type: ignore[arg-type]
     )
     if "error" in structure:
@@ -582,14 +564,14 @@ def _broadcast_from_rank0(osd: Optional[dict[str, Any]], view: _ModelView, group
         for key, st in osd["state"].items():  # type: ignore[index]
             for name, value in st.items():
                 if _is_pos_dim(value):
-                    _broadcast_tensor(value.detach().to(device).contiguous(), group)
+                    comm.broadcast_from_rank0(value.detach().to(device).contiguous(), group)
         return osd  # type: ignore[return-value]
     device = _comm_device(view)
     for key, st in structure["state"].items():
         for name, value in list(st.items()):
             if isinstance(value, tuple) and len(value) == 3 and value[0] == "__fsdp_tensor__":
                 tensor = torch.empty(value[1], dtype=value[2], device=device)
-                _broadcast_tensor(tensor, group)
+                comm.broadcast_from_rank0(tensor, group)
                 st[name] = tensor
     return structure
 
@@ -699,10 +681,14 @@ def _flatten_for_handle(handle: FlatParamHandle, fqns: list[str], state: dict[st
 
 
 def _shard_orig_state(handle: FlatParamHandle, index: int, entry: dict[str, Any]) -> dict[str, Any]:
-    """use_orig_params: this rank's part of one parameter's state ({} when it holds none)."""
+    """use_orig_params: this rank's part of one parameter's state.
+
+    A rank that holds no part of the parameter gets empty tensors (and the scalars): between
+    steps its Parameter is an empty 1-D view with an empty gradient, so the optimizer keeps
+    (empty) state for it, and resuming then matches training straight on exactly. torch FSDP1
+    gives such a rank no state at all (its gradient there is None).
+    """
     offset, numel = handle._orig_sharded_ranges[index]
-    if handle.uses_sharding and numel == 0:
-        return {}
     out: dict[str, Any] = {}
     param_start = sum(i.numel for i in handle.param_infos[:index])
     start = handle.rank * handle.sharded_numel + offset - param_start
@@ -719,7 +705,7 @@ def _shard_orig_state(handle: FlatParamHandle, index: int, entry: dict[str, Any]
     return out
 
 
-def optim_state_dict_to_load(
+def to_load(
     model: nn.Module,
     optim: Optional[torch.optim.Optimizer],
     optim_state_dict: Optional[dict[str, Any]],
@@ -802,6 +788,8 @@ def optim_state_dict_to_load(
 def _settings_of(model: nn.Module) -> Any:
     from fsdp.fully_sharded_data_parallel import FullyShardedDataParallel
 
+    if not any(is_fsdp(m) for m in model.modules()):
+        _ModelView(model)  # raises the error for a model without FSDP units
     return FullyShardedDataParallel.get_state_dict_type(model)
 
 
@@ -817,7 +805,7 @@ def optim_state_dict_api(
     settings = _settings_of(model)
     full = settings.state_dict_type is StateDictType.FULL_STATE_DICT
     config = settings.optim_state_dict_config
-    return optim_state_dict(
+    return save(
         model, optim, optim_state_dict, group,
         full=full,
         rank0_only=bool(getattr(config, "rank0_only", False)) if full else False,
@@ -838,7 +826,7 @@ def optim_state_dict_to_load_api(
     settings = _settings_of(model)
     full = settings.state_dict_type is StateDictType.FULL_STATE_DICT
     rank0_only = full and bool(getattr(settings.optim_state_dict_config, "rank0_only", False))
-    return optim_state_dict_to_load(
+    return to_load(
         model, optim, optim_state_dict, is_named_optimizer, load_directly, group, rank0_only=rank0_only
     )
 
@@ -847,7 +835,7 @@ def full_optim_state_dict(
     model: nn.Module, optim: torch.optim.Optimizer, optim_input: Optional[Any], rank0_only: bool, group: Optional[dist.ProcessGroup]
 ) -> dict[str, Any]:
     """Legacy ``full_optim_state_dict``: full state keyed by FQNs, offloaded to CPU."""
-    return optim_state_dict(
+    return save(
         model, optim, optim.state_dict(), group, full=True, rank0_only=rank0_only, offload=True,
         optim_input=optim_input,
     )
@@ -855,7 +843,7 @@ def full_optim_state_dict(
 
 def sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, group: Optional[dist.ProcessGroup]) -> dict[str, Any]:
     """Legacy ``sharded_optim_state_dict``: per-parameter states chunked across ranks."""
-    return optim_state_dict(
+    return save(
         model, optim, optim.state_dict(), group, full=False, offload=True, use_dtensor=_use_dtensor(model)
     )
 
@@ -864,14 +852,14 @@ def shard_full_optim_state_dict(
     full_osd: dict[str, Any], model: nn.Module, optim_input: Optional[Any], optim: Optional[torch.optim.Optimizer]
 ) -> dict[str, Any]:
     """Legacy ``shard_full_optim_state_dict``: every rank passes the full state dict."""
-    return optim_state_dict_to_load(model, optim, full_osd, optim_input=optim_input)
+    return to_load(model, optim, full_osd, optim_input=optim_input)
 
 
 def flatten_sharded_optim_state_dict(
     sharded_osd: dict[str, Any], model: nn.Module, optim: torch.optim.Optimizer
 ) -> dict[str, Any]:
     """Legacy ``flatten_sharded_optim_state_dict``."""
-    return optim_state_dict_to_load(model, optim, sharded_osd)
+    return to_load(model, optim, sharded_osd)
 
 
 def scatter_full_optim_state_dict(
@@ -882,7 +870,7 @@ def scatter_full_optim_state_dict(
     group: Optional[dist.ProcessGroup],
 ) -> dict[str, Any]:
     """Legacy ``scatter_full_optim_state_dict``: only rank 0 needs the full state dict."""
-    return optim_state_dict_to_load(model, optim, full_osd, group=group, rank0_only=True, optim_input=optim_input)
+    return to_load(model, optim, full_osd, group=group, rank0_only=True, optim_input=optim_input)
 
 
 def rekey_optim_state_dict(

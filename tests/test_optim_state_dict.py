@@ -1,0 +1,552 @@
+"""Optimizer state dicts: every API against torch FSDP1, round trips, interop, errors.
+
+Each scenario trains the same model with the same optimizer for a few steps through fsdp and
+through torch FSDP1 (the oracle), then compares what both return: keys (in order), parameter
+groups and every value bit for bit (ShardedTensor / DTensor: metadata and local shards).
+Round trips save a full optimizer state dict, load it into a fresh model and optimizer and
+check that training on gives exactly what training straight on gives.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Optional
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tests._harness import RankPool
+from tests._models import Block, global_batch, lm_loss, local_rows, make_toy
+
+warnings.filterwarnings("ignore", category=FutureWarning)
+warnings.filterwarnings("ignore", category=UserWarning)
+
+
+# ----------------------------------------------------------------------------- scenario helpers
+def _lib(lib: str) -> Any:
+    if lib == "ours":
+        import fsdp as m
+        import fsdp.wrap as w
+    else:
+        import torch.distributed.fsdp as m  # type: ignore[no-redef]
+        import torch.distributed.fsdp.wrap as w  # type: ignore[no-redef]
+    return m, w
+
+
+def _wrap(lib: str, strategy: str, uop: bool, mesh: bool = False, ignored: bool = False, seed: int = 0, full: Optional[dict] = None) -> nn.Module:
+    m, w = _lib(lib)
+    model = make_toy(seed)
+    if full is not None:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(full[name])
+    kwargs: dict[str, Any] = dict(
+        auto_wrap_policy=w.ModuleWrapPolicy({Block}),
+        sharding_strategy=m.ShardingStrategy[strategy],
+        use_orig_params=uop,
+    )
+    if lib == "torch":
+        kwargs["device_id"] = torch.device("cpu")
+    if mesh:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        kwargs["device_mesh"] = init_device_mesh("cpu", (dist.get_world_size(),))
+    if ignored:
+        kwargs["ignored_modules"] = [model.head]
+    return m.FullyShardedDataParallel(model, **kwargs)
+
+
+def _optim(name: str, model: nn.Module, uop: bool, missing: bool = False) -> torch.optim.Optimizer:
+    """Two parameter groups; ``missing`` leaves blocks.2 out of the optimizer."""
+    g0, g1 = [], []
+    for pname, p in model.named_parameters():
+        if missing and "blocks.2." in pname:
+            continue
+        second = ("bias" in pname) if uop else ("blocks.1." in pname or "blocks.2." in pname)
+        (g1 if second else g0).append(p)
+    groups = [{"params": g0}, {"params": g1, "lr": 0.02}]
+    if name == "sgd":
+        return torch.optim.SGD(groups, lr=0.05, momentum=0.9)
+    if name == "adam":
+        return torch.optim.Adam(groups, lr=0.01)
+    return torch.optim.AdamW(groups, lr=0.01, weight_decay=0.1)
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    for step in steps:
+        tokens, targets = global_batch(step, ws)
+        lm_loss(model(local_rows(tokens, rank, ws)), local_rows(targets, rank, ws)).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _pair(strategy: str, uop: bool, optim: str, steps: int = 2, **kw: Any) -> tuple[Any, Any]:
+    """(ours model, ours optim), (torch model, torch optim), trained alike."""
+    missing = kw.pop("missing", False)
+    out = []
+    for lib in ("ours", "torch"):
+        model = _wrap(lib, strategy, uop, **kw)
+        opt = _optim(optim, model, uop, missing)
+        _train(model, opt, range(steps))
+        out.append((model, opt))
+    return out[0], out[1]
+
+
+def _full_params(model: nn.Module, fsdp_cls: Any) -> dict[str, torch.Tensor]:
+    with fsdp_cls.summon_full_params(model, writeback=False):
+        return {n.replace("_fsdp_wrapped_module.", ""): p.detach().clone() for n, p in model.named_parameters()}
+
+
+# ----------------------------------------------------------------------------- comparisons
+def _assert_value_equal(a: Any, b: Any, where: str, exact: bool = True) -> None:
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed.tensor import DTensor
+
+    assert type(a) is type(b), f"{where}: {type(a).__name__} vs torch {type(b).__name__}"
+    if isinstance(a, ShardedTensor):
+        assert a.size() == b.size(), where
+        ma, mb = a.metadata(), b.metadata()
+        assert ma.shards_metadata == mb.shards_metadata, (where, ma.shards_metadata, mb.shards_metadata)
+        assert ma.tensor_properties.dtype == mb.tensor_properties.dtype, where
+        la, lb = a.local_shards(), b.local_shards()
+        assert len(la) == len(lb), where
+        for sa, sb in zip(la, lb):
+            assert sa.metadata == sb.metadata, where
+            _assert_value_equal(sa.tensor, sb.tensor, where, exact)
+    elif isinstance(a, DTensor):
+        assert a.shape == b.shape and a.placements == b.placements, (where, a.placements, b.placements)
+        assert a.device_mesh.mesh.tolist() == b.device_mesh.mesh.tolist(), where
+        _assert_value_equal(a.to_local(), b.to_local(), where, exact)
+    elif isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.device == b.device, (where, a.shape, b.shape)
+        if exact:
+            assert torch.equal(a, b), f"{where}: values differ from torch FSDP1"
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=where)
+    else:
+        assert a == b, (where, a, b)
+
+
+def _assert_osd_equal(a: dict, b: dict, where: str, ordered: bool = True, exact: bool = True) -> None:
+    """Same keys (in order if ``ordered``), parameter groups and values (bit for bit if ``exact``).
+
+    ``exact=False`` is for use_orig_params against torch FSDP1: torch pads each original
+    parameter to a 16-byte boundary inside the FlatParameter (we do not), so shards split at
+    other places, the optimizer's foreach kernels see other tensor lengths and a few elements
+    differ in the last bit (the parameters themselves agree).
+    """
+    assert list(a) == list(b), (where, list(a), list(b))
+    if not a:
+        return
+    if ordered:
+        assert list(a["state"]) == list(b["state"]), (where, list(a["state"]), list(b["state"]))
+    else:
+        assert sorted(a["state"], key=str) == sorted(b["state"], key=str), where
+    for key in a["state"]:
+        sa, sb = a["state"][key], b["state"][key]
+        assert sorted(sa) == sorted(sb), (where, key, list(sa), list(sb))
+        if ordered:
+            assert list(sa) == list(sb), (where, key, list(sa), list(sb))
+        for name in sa:
+            _assert_value_equal(sa[name], sb[name], f"{where} [{key}][{name}]", exact)
+    assert a["param_groups"] == b["param_groups"], (where, a["param_groups"], b["param_groups"])
+
+
+def _optim_states_equal(a: torch.optim.Optimizer, b: torch.optim.Optimizer, where: str) -> None:
+    _assert_osd_equal(a.state_dict(), b.state_dict(), where)
+
+
+def _snapshot(optim: torch.optim.Optimizer) -> dict:
+    import copy
+
+    return copy.deepcopy(optim.state_dict())
+
+
+def _torch_full(model: nn.Module, optim: torch.optim.Optimizer, uop: bool, legacy: bool = False, rank0_only: bool = False) -> dict:
+    """torch FSDP1's full optimizer state dict, avoiding one of its CPU-only bugs.
+
+    With use_orig_params=True and offload_to_cpu=True (the default, and always for the legacy
+    full_optim_state_dict) torch returns views of one all-gather buffer that it reuses for
+    every state name, because ``.cpu()`` does not copy on CPU: every state but the last one
+    ends up holding the last one's values. offload_to_cpu=False makes it clone, and on CPU
+    the result is the same as offloading.
+    """
+    from torch.distributed.fsdp import FullOptimStateDictConfig as TFOC, FullyShardedDataParallel as TorchFSDP
+    from torch.distributed.fsdp import StateDictType as TSDT
+
+    if legacy and not uop:
+        return TorchFSDP.full_optim_state_dict(model, optim, rank0_only=rank0_only)
+    with TorchFSDP.state_dict_type(model, TSDT.FULL_STATE_DICT, None, TFOC(offload_to_cpu=not uop, rank0_only=rank0_only)):
+        return TorchFSDP.optim_state_dict(model, optim)
+
+
+# ----------------------------------------------------------------------------- optim_state_dict vs torch
+CASES = [
+    # (strategy, use_orig_params, optimizer, extra)
+    ("FULL_SHARD", False, "adam", {}),
+    ("FULL_SHARD", True, "adamw", {}),
+    ("SHARD_GRAD_OP", False, "sgd", {}),
+    ("SHARD_GRAD_OP", True, "adam", {}),
+    ("NO_SHARD", False, "adamw", {}),
+    ("NO_SHARD", True, "sgd", {}),
+    ("FULL_SHARD", False, "sgd", {"missing": True}),
+    ("FULL_SHARD", True, "adam", {"missing": True}),
+    ("FULL_SHARD", False, "adam", {"ignored": True}),
+]
+
+
+def _full_and_sharded_match_torch() -> int:
+    from fsdp import FullyShardedDataParallel as FSDP, ShardedOptimStateDictConfig, StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+    from torch.distributed.fsdp import ShardedOptimStateDictConfig as TSOC, StateDictType as TSDT
+
+    checked = 0
+    for strategy, uop, optim, extra in CASES:
+        where = f"{strategy} uop={uop} {optim} {extra}"
+        (m1, o1), (m2, o2) = _pair(strategy, uop, optim, **dict(extra))
+        before = _snapshot(o1)
+        _assert_osd_equal(FSDP.optim_state_dict(m1, o1), _torch_full(m2, o2, uop), "full " + where, exact=not uop)
+        with FSDP.state_dict_type(m1, StateDictType.SHARDED_STATE_DICT), TorchFSDP.state_dict_type(m2, TSDT.SHARDED_STATE_DICT):
+            _assert_osd_equal(FSDP.optim_state_dict(m1, o1), TorchFSDP.optim_state_dict(m2, o2), "sharded " + where, exact=not uop)
+        # The legacy APIs.
+        _assert_osd_equal(FSDP.full_optim_state_dict(m1, o1), _torch_full(m2, o2, uop, legacy=True, rank0_only=True), "legacy full " + where, exact=not uop)
+        _assert_osd_equal(
+            FSDP.full_optim_state_dict(m1, o1, rank0_only=False),
+            _torch_full(m2, o2, uop, legacy=True, rank0_only=False),
+            "legacy full all ranks " + where, exact=not uop,
+        )
+        _assert_osd_equal(FSDP.sharded_optim_state_dict(m1, o1), TorchFSDP.sharded_optim_state_dict(m2, o2), "legacy sharded " + where, exact=not uop)
+        checked += 1
+        _assert_osd_equal(o1.state_dict(), before, "optimizer after saving " + where)
+    # DTensor: torch FSDP1 uses DTensor when built with a device_mesh.
+    for uop in (False, True):
+        (m1, o1), (m2, o2) = _pair("FULL_SHARD", uop, "adam", mesh=True)
+        with FSDP.state_dict_type(m1, StateDictType.SHARDED_STATE_DICT, None, ShardedOptimStateDictConfig(_use_dtensor=True)):
+            ours = FSDP.optim_state_dict(m1, o1)
+        with TorchFSDP.state_dict_type(m2, TSDT.SHARDED_STATE_DICT):
+            theirs = TorchFSDP.optim_state_dict(m2, o2)
+        _assert_osd_equal(ours, theirs, f"dtensor uop={uop}", exact=not uop)
+        checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("dist_pool", [1, 2, 4], indirect=True)
+def test_optim_state_dict_full_and_sharded_match_torch(dist_pool: RankPool) -> None:
+    assert dist_pool.run(_full_and_sharded_match_torch) == [len(CASES) + 2] * dist_pool.world_size
+
+
+def _rank0_only_and_offload() -> None:
+    from fsdp import FullOptimStateDictConfig, FullyShardedDataParallel as FSDP, ShardedOptimStateDictConfig, StateDictType
+    from torch.distributed.fsdp import FullOptimStateDictConfig as TFOC, FullyShardedDataParallel as TorchFSDP
+    from torch.distributed.fsdp import ShardedOptimStateDictConfig as TSOC, StateDictType as TSDT
+
+    for uop in (False, True):
+        (m1, o1), (m2, o2) = _pair("FULL_SHARD", uop, "adamw")
+        for rank0_only in (False, True):
+            for offload in (False, True):
+                with FSDP.state_dict_type(m1, StateDictType.FULL_STATE_DICT, None, FullOptimStateDictConfig(offload_to_cpu=offload, rank0_only=rank0_only)):
+                    ours = FSDP.optim_state_dict(m1, o1)
+                # torch with use_orig_params must not offload on CPU (see _torch_full).
+                torch_offload = offload and not uop
+                with TorchFSDP.state_dict_type(m2, TSDT.FULL_STATE_DICT, None, TFOC(offload_to_cpu=torch_offload, rank0_only=rank0_only)):
+                    theirs = TorchFSDP.optim_state_dict(m2, o2)
+                _assert_osd_equal(ours, theirs, f"uop={uop} rank0_only={rank0_only} offload={offload}", exact=not uop)
+                if rank0_only and dist.get_rank() != 0:
+                    assert ours == {}
+        with FSDP.state_dict_type(m1, StateDictType.SHARDED_STATE_DICT, None, ShardedOptimStateDictConfig(offload_to_cpu=False)):
+            ours = FSDP.optim_state_dict(m1, o1)
+        with TorchFSDP.state_dict_type(m2, TSDT.SHARDED_STATE_DICT, None, TSOC(offload_to_cpu=False)):
+            theirs = TorchFSDP.optim_state_dict(m2, o2)
+        _assert_osd_equal(ours, theirs, f"sharded no offload uop={uop}", exact=not uop)
+        # The state dict does not alias the optimizer's state.
+        before = _snapshot(o1)
+        full = FSDP.optim_state_dict(m1, o1)
+        for entry in full["state"].values():
+            for value in entry.values():
+                if isinstance(value, torch.Tensor):
+                    value.add_(1000.0)
+        _assert_osd_equal(o1.state_dict(), before, "optimizer after mutating the saved copy")
+
+
+def test_rank0_only_and_offload_configs_match_torch(pool2: RankPool) -> None:
+    pool2.run(_rank0_only_and_offload)
+
+
+# ----------------------------------------------------------------------------- loading
+def _assert_loads_back(out: dict, optim: torch.optim.Optimizer, where: str) -> None:
+    """``out`` (from optim_state_dict_to_load) is the optimizer's own state dict."""
+    _assert_osd_equal(out, optim.state_dict(), where, ordered=False)
+
+
+def _load_matches_torch() -> int:
+    """optim_state_dict_to_load and the legacy loaders give what torch's give, from either side.
+
+    use_orig_params=False: the flattened results must equal torch's bit for bit. With
+    use_orig_params=True torch's FlatParameter layout has alignment padding (see
+    _assert_osd_equal), so its per-rank results are shaped differently; there we check that
+    each library's full state dict, loaded through ours, gives back our optimizer's state.
+    """
+    from fsdp import FullyShardedDataParallel as FSDP, OptimStateKeyType, StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+    from torch.distributed.fsdp import OptimStateKeyType as TKey, StateDictType as TSDT
+
+    checked = 0
+    for strategy, uop, optim, extra in CASES[:6] + [CASES[7]]:
+        where = f"{strategy} uop={uop} {optim} {extra}"
+        (m1, o1), (m2, o2) = _pair(strategy, uop, optim, **dict(extra))
+        full1, full2 = FSDP.optim_state_dict(m1, o1), _torch_full(m2, o2, uop)
+        rank0_src = full1 if dist.get_rank() == 0 else None
+        loaded = [
+            ("to_load", FSDP.optim_state_dict_to_load(m1, o1, full1)),
+            ("shard_full", FSDP.shard_full_optim_state_dict(full1, m1, optim=o1)),
+            ("scatter_full", FSDP.scatter_full_optim_state_dict(rank0_src, m1, optim=o1)),
+        ]
+        for name, out in loaded:
+            _assert_loads_back(out, o1, f"{name} {where}")
+        with FSDP.state_dict_type(m1, StateDictType.SHARDED_STATE_DICT), TorchFSDP.state_dict_type(m2, TSDT.SHARDED_STATE_DICT):
+            sh1, sh2 = FSDP.optim_state_dict(m1, o1), TorchFSDP.optim_state_dict(m2, o2)
+            _assert_loads_back(FSDP.optim_state_dict_to_load(m1, o1, sh1), o1, "sharded to_load " + where)
+        _assert_loads_back(FSDP.flatten_sharded_optim_state_dict(sh1, m1, o1), o1, "flatten_sharded " + where)
+        if not uop:
+            for src in (full1, full2):
+                _assert_osd_equal(
+                    FSDP.optim_state_dict_to_load(m1, o1, src),
+                    TorchFSDP.optim_state_dict_to_load(m2, o2, src),
+                    "to_load vs torch " + where, ordered=False,
+                )
+                _assert_osd_equal(
+                    FSDP.shard_full_optim_state_dict(src, m1, optim=o1),
+                    TorchFSDP.shard_full_optim_state_dict(src, m2, optim=o2),
+                    "shard_full vs torch " + where, ordered=False,
+                )
+                rank0_src = src if dist.get_rank() == 0 else None
+                _assert_osd_equal(
+                    FSDP.scatter_full_optim_state_dict(rank0_src, m1, optim=o1),
+                    TorchFSDP.scatter_full_optim_state_dict(rank0_src, m2, optim=o2),
+                    "scatter_full vs torch " + where, ordered=False,
+                )
+            _assert_osd_equal(
+                FSDP.flatten_sharded_optim_state_dict(sh1, m1, o1),
+                TorchFSDP.flatten_sharded_optim_state_dict(sh2, m2, o2),
+                "flatten_sharded vs torch " + where, ordered=False,
+            )
+        else:
+            # torch's full state dict loads through ours to (nearly) our own state.
+            _assert_osd_equal(
+                FSDP.optim_state_dict_to_load(m1, o1, full2),
+                FSDP.optim_state_dict_to_load(m1, o1, full1),
+                "torch's state through ours " + where, ordered=False, exact=False,
+            )
+        # rekey: names <-> IDs, for the wrapped model (the optimizer's IDs) and an unwrapped one.
+        if uop:
+            ids1 = FSDP.rekey_optim_state_dict(full1, OptimStateKeyType.PARAM_ID, m1, optim=o1)
+            ids2 = TorchFSDP.rekey_optim_state_dict(full2, TKey.PARAM_ID, m2, optim=o2)
+            _assert_osd_equal(ids1, ids2, "rekey to IDs " + where, exact=False)
+            names1 = FSDP.rekey_optim_state_dict(ids1, OptimStateKeyType.PARAM_NAME, m1, optim=o1)
+            names2 = TorchFSDP.rekey_optim_state_dict(ids2, TKey.PARAM_NAME, m2, optim=o2)
+            _assert_osd_equal(names1, names2, "rekey to names " + where, exact=False)
+        plain = make_toy()
+        ids1 = FSDP.rekey_optim_state_dict(full1, OptimStateKeyType.PARAM_ID, plain)
+        ids2 = TorchFSDP.rekey_optim_state_dict(full2, TKey.PARAM_ID, plain)
+        _assert_osd_equal(ids1, ids2, "rekey unwrapped " + where, exact=not uop)
+        assert FSDP.rekey_optim_state_dict(full1, OptimStateKeyType.PARAM_NAME, m1) is full1
+        checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("dist_pool", [2, 4], indirect=True)
+def test_loading_matches_torch(dist_pool: RankPool) -> None:
+    assert dist_pool.run(_load_matches_torch) == [7] * dist_pool.world_size
+
+
+def _round_trip(strategy: str, uop: bool, optim: str, lib_save: str, lib_load: str, rank0_only: bool) -> None:
+    """Save after 2 steps, load into a fresh model and optimizer, 2 more steps == 4 steps straight."""
+    m_ours, _ = _lib("ours")
+    m_torch, _ = _lib("torch")
+    cls = {"ours": m_ours.FullyShardedDataParallel, "torch": m_torch.FullyShardedDataParallel}
+    mod = {"ours": m_ours, "torch": m_torch}
+    straight = _wrap(lib_load, strategy, uop)
+    so = _optim(optim, straight, uop)
+    _train(straight, so, range(4))
+
+    saver = _wrap(lib_save, strategy, uop)
+    sopt = _optim(optim, saver, uop)
+    _train(saver, sopt, range(2))
+    S = mod[lib_save]
+    # torch with use_orig_params must not offload on CPU (see _torch_full).
+    offload = not (lib_save == "torch" and uop)
+    with S.FullyShardedDataParallel.state_dict_type(
+        saver, S.StateDictType.FULL_STATE_DICT, None, S.FullOptimStateDictConfig(offload_to_cpu=offload, rank0_only=rank0_only)
+    ):
+        osd = S.FullyShardedDataParallel.optim_state_dict(saver, sopt)
+    params = _full_params(saver, cls[lib_save])
+
+    fresh = _wrap(lib_load, strategy, uop, seed=123, full=params)
+    fopt = _optim(optim, fresh, uop)
+    L = mod[lib_load]
+    with L.FullyShardedDataParallel.state_dict_type(
+        fresh, L.StateDictType.FULL_STATE_DICT, None, L.FullOptimStateDictConfig(rank0_only=rank0_only)
+    ):
+        L.FullyShardedDataParallel.optim_state_dict_to_load(fresh, fopt, osd, load_directly=True)
+    _train(fresh, fopt, range(2, 4))
+    a, b = _full_params(fresh, cls[lib_load]), _full_params(straight, cls[lib_load])
+    # Bit for bit, except use_orig_params between libraries (see _assert_osd_equal).
+    exact = lib_save == lib_load or not uop
+    for name in a:
+        _assert_value_equal(a[name], b[name], f"{name}: resumed training vs training straight", exact)
+    _assert_osd_equal(fopt.state_dict(), so.state_dict(), "resumed optimizer", ordered=False, exact=exact)
+
+
+@pytest.mark.parametrize(
+    "strategy,uop,optim",
+    [("FULL_SHARD", False, "adam"), ("FULL_SHARD", True, "adamw"), ("SHARD_GRAD_OP", False, "sgd"), ("NO_SHARD", True, "adam")],
+)
+def test_round_trip_resumes_bit_for_bit(pool2: RankPool, strategy: str, uop: bool, optim: str) -> None:
+    pool2.run(_round_trip, strategy, uop, optim, "ours", "ours", False)
+    pool2.run(_round_trip, strategy, uop, optim, "ours", "ours", True)
+
+
+@pytest.mark.parametrize("uop", [False, True])
+def test_round_trip_between_fsdp_and_torch(pool2: RankPool, uop: bool) -> None:
+    pool2.run(_round_trip, "FULL_SHARD", uop, "adam", "ours", "torch", False)
+    pool2.run(_round_trip, "FULL_SHARD", uop, "adam", "torch", "ours", False)
+
+
+def test_round_trip_world_sizes_1_and_4(pool1: RankPool, pool4: RankPool) -> None:
+    pool1.run(_round_trip, "FULL_SHARD", False, "adam", "ours", "ours", False)
+    pool4.run(_round_trip, "FULL_SHARD", True, "adam", "ours", "ours", True)
+
+
+def _save_full(uop: bool) -> dict:
+    from fsdp import FullyShardedDataParallel as FSDP
+
+    model = _wrap("ours", "FULL_SHARD", uop)
+    opt = _optim("adam", model, uop)
+    _train(model, opt, range(2))
+    return FSDP.optim_state_dict(model, opt)
+
+
+def _load_full(osd: dict, uop: bool) -> None:
+    """A state dict saved at another world size loads to the same full state."""
+    from fsdp import FullyShardedDataParallel as FSDP
+
+    model = _wrap("ours", "FULL_SHARD", uop)
+    opt = _optim("adam", model, uop)
+    FSDP.optim_state_dict_to_load(model, opt, osd, load_directly=True)
+    _assert_osd_equal(FSDP.optim_state_dict(model, opt), osd, "reloaded at another world size")
+
+
+def test_full_state_dict_moves_between_world_sizes(pool2: RankPool, pool4: RankPool) -> None:
+    for uop in (False, True):
+        osd = pool4.run(_save_full, uop)[0]
+        pool2.run(_load_full, osd, uop)
+
+
+# ----------------------------------------------------------------------------- errors
+def _expect(exc: type, match: str, fn: Callable[[], Any]) -> None:
+    with pytest.raises(exc, match=match):
+        fn()
+
+
+def _errors() -> None:
+    from fsdp import FullyShardedDataParallel as FSDP, FullOptimStateDictConfig, OptimStateKeyType, StateDictType
+
+    for uop in (False, True):
+        model = _wrap("ours", "FULL_SHARD", uop)
+        opt = _optim("adam", model, uop)
+        _train(model, opt, range(1))
+        full = FSDP.optim_state_dict(model, opt)
+        before = {k: {n: v.clone() if isinstance(v, torch.Tensor) else v for n, v in s.items()} for k, s in opt.state_dict()["state"].items()}
+
+        def check_unchanged() -> None:
+            now = opt.state_dict()["state"]
+            assert list(now) == list(before)
+            for k in now:
+                for n in now[k]:
+                    assert torch.equal(torch.as_tensor(now[k][n]), torch.as_tensor(before[k][n]))
+
+        wrong_name = {"state": {**full["state"], "blocks.9.fc1.weight": full["state"]["blocks.0.fc1.weight"]}, "param_groups": full["param_groups"]}
+        _expect(
+            ValueError,
+            r"fsdp: the optimizer state dict has state for 'blocks\.9\.fc1\.weight', which is not a "
+            r"parameter of this model\. Was it saved from another model\? The model's parameters "
+            r"are: 'embed\.weight' \(13, 7\), ",
+            lambda: FSDP.optim_state_dict_to_load(model, opt, wrong_name, load_directly=True),
+        )
+        bad_state = dict(full["state"])
+        bad_state["blocks.1.fc1.weight"] = {**bad_state["blocks.1.fc1.weight"], "exp_avg": torch.zeros(7, 11)}
+        wrong_shape = {"state": bad_state, "param_groups": full["param_groups"]}
+        _expect(
+            ValueError,
+            r"fsdp: optimizer state 'exp_avg' of parameter 'blocks\.1\.fc1\.weight' has shape \(7, 11\), "
+            r"but the parameter has shape \(11, 7\)\. Was it saved from another model\?",
+            lambda: FSDP.optim_state_dict_to_load(model, opt, wrong_shape, load_directly=True),
+        )
+        _expect(
+            ValueError,
+            r"fsdp: optimizer state key 0 is not a parameter name\. .*rekey_optim_state_dict\(osd, "
+            r"OptimStateKeyType\.PARAM_NAME, model\)",
+            lambda: FSDP.optim_state_dict_to_load(model, opt, opt.state_dict()),
+        )
+        bad_group = {"state": full["state"], "param_groups": [{**full["param_groups"][0], "params": ["nope.weight"]}]}
+        _expect(
+            ValueError,
+            r"fsdp: a parameter group of the optimizer state dict lists 'nope\.weight', which is not a parameter",
+            lambda: FSDP.optim_state_dict_to_load(model, opt, bad_group, load_directly=True),
+        )
+        _expect(
+            ValueError,
+            r"fsdp: the optimizer state dict to load must be a dict with the key 'state'",
+            lambda: FSDP.optim_state_dict_to_load(model, opt, {"param_groups": []}),
+        )
+        # rank0_only: rank 0's error reaches every rank (no hang), nothing changes.
+        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, None, FullOptimStateDictConfig(rank0_only=True)):
+            src = wrong_shape if dist.get_rank() == 0 else {}
+            _expect(
+                ValueError,
+                r"fsdp: optimizer state 'exp_avg' of parameter 'blocks\.1\.fc1\.weight' has shape \(7, 11\)",
+                lambda: FSDP.optim_state_dict_to_load(model, opt, src, load_directly=True),
+            )
+        _expect(
+            ValueError,
+            r"fsdp: parameter ID 99 is out of range: the optimizer has",
+            lambda: FSDP.rekey_optim_state_dict({"state": {99: {}}, "param_groups": []}, OptimStateKeyType.PARAM_NAME, model, optim=opt),
+        )
+        _expect(
+            ValueError,
+            r"fsdp: optim_state_key_type must be OptimStateKeyType\.PARAM_NAME or PARAM_ID",
+            lambda: FSDP.rekey_optim_state_dict(full, "names", model),
+        )
+        _expect(
+            NotImplementedError,
+            r"fsdp: is_named_optimizer=True",
+            lambda: FSDP.optim_state_dict_to_load(model, opt, full, is_named_optimizer=True),
+        )
+        check_unchanged()
+    # Flat parameters share scalar state: differing 'step's cannot be flattened.
+    model = _wrap("ours", "FULL_SHARD", False)
+    opt = _optim("adam", model, False)
+    _train(model, opt, range(1))
+    full = FSDP.optim_state_dict(model, opt)
+    full["state"]["blocks.0.fc1.bias"]["step"] = torch.tensor(7.0)
+    _expect(
+        ValueError,
+        r"fsdp: the parameters \['blocks\.0\.norm\.weight', .*\] share a FlatParameter, so their "
+        r"scalar optimizer state 'step' must be present for all of them and equal",
+        lambda: FSDP.optim_state_dict_to_load(model, opt, full),
+    )
+    _expect(
+        ValueError,
+        r"fsdp: the model contains no FullyShardedDataParallel instance",
+        lambda: FSDP.optim_state_dict(make_toy(), opt),
+    )
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == dist.get_world_size()
+
+
+def test_errors_are_clear_and_change_nothing(pool2: RankPool) -> None:
+    pool2.run(_errors)
