@@ -21,6 +21,10 @@ import torch
 FSDP_WRAPPED_MODULE = "_fsdp_wrapped_module"
 FSDP_PREFIX = FSDP_WRAPPED_MODULE + "."
 FLAT_PARAM = "_flat_param"
+# torch's checkpoint_wrapper nests the module under this name; like FSDP's own wrapper name it
+# is not part of the model's parameter names (torch strips both too).
+CHECKPOINT_WRAPPED_MODULE = "_checkpoint_wrapped_module"
+_WRAPPER_SEGMENTS = frozenset({FSDP_WRAPPED_MODULE, CHECKPOINT_WRAPPED_MODULE})
 
 
 class FSDPInternalError(AssertionError):
@@ -85,12 +89,19 @@ def eager_only(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def strip_fsdp_segments(name: str) -> str:
+    """Removes only FSDP's wrapper segments (what torch FSDP1's ``named_parameters`` strips)."""
+    if FSDP_WRAPPED_MODULE not in name:
+        return name
+    return ".".join(part for part in name.split(".") if part != FSDP_WRAPPED_MODULE)
+
+
 def clean_fqn(name: str) -> str:
-    """Removes FSDP's wrapper segments from a fully qualified name.
+    """Removes wrapper segments (FSDP's, activation checkpointing's) from a qualified name.
 
     ``"blocks.0._fsdp_wrapped_module.fc1.weight"`` becomes ``"blocks.0.fc1.weight"`` and
     ``"embed._fsdp_wrapped_module"`` becomes ``"embed"``.
     """
-    if FSDP_WRAPPED_MODULE not in name:
+    if FSDP_WRAPPED_MODULE not in name and CHECKPOINT_WRAPPED_MODULE not in name:
         return name
-    return ".".join(part for part in name.split(".") if part != FSDP_WRAPPED_MODULE)
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_SEGMENTS)

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp._common import FSDP_PREFIX, FSDP_WRAPPED_MODULE, clean_fqn
+from fsdp._common import FSDP_PREFIX, FSDP_WRAPPED_MODULE, strip_fsdp_segments
 from fsdp.api import (
     BackwardPrefetch,
     CPUOffload,
@@ -237,13 +237,13 @@ class FullyShardedDataParallel(nn.Module):
         """As ``nn.Module.named_parameters``; inside ``summon_full_params`` names carry no FSDP prefix."""
         clean = self._in_summon()
         for name, param in super().named_parameters(*args, **kwargs):
-            yield (clean_fqn(name) if clean else name), param
+            yield (strip_fsdp_segments(name) if clean else name), param
 
     def named_buffers(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.Tensor]]:
         """As ``nn.Module.named_buffers``; inside ``summon_full_params`` names carry no FSDP prefix."""
         clean = self._in_summon()
         for name, buf in super().named_buffers(*args, **kwargs):
-            yield (clean_fqn(name) if clean else name), buf
+            yield (strip_fsdp_segments(name) if clean else name), buf
 
     # ------------------------------------------------------------------ queries
     def check_is_root(self) -> bool:

@@ -29,6 +29,11 @@ def unit_forward(wrapper: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     if state.is_root:
         _recover_if_backward_interrupted(state)
         args, kwargs = _root_pre_forward(state, args, kwargs)
+    elif _in_backward(state):
+        # Activation checkpointing re-runs this unit's forward inside backward (see
+        # [Note: Activation checkpointing] in docs/hook_order.md).
+        _unshard_for_recompute(state)
+        return wrapper._fsdp_wrapped_module(*args, **kwargs)  # type: ignore[operator]
     _pre_forward(state)
     try:
         output = wrapper._fsdp_wrapped_module(*args, **kwargs)  # type: ignore[operator]
@@ -41,6 +46,19 @@ def unit_forward(wrapper: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
 @eager_only
 def _lazy_init_eager(wrapper: nn.Module) -> UnitState:
     return lazy_init(wrapper)
+
+
+def _in_backward(state: UnitState) -> bool:
+    """Whether a backward of this unit's tree is running (the unit is being recomputed)."""
+    return state.ctx is not None and state.ctx.final_callback_queued
+
+
+@eager_only
+def _unshard_for_recompute(state: UnitState) -> None:
+    """Gathers the unit for a recomputed forward; its post-backward hook frees it afterwards."""
+    for handle in state.handles:
+        handle.unshard()
+        handle.use_unsharded_views()
 
 
 @eager_only
@@ -143,6 +161,9 @@ def _pre_backward_hook(state: UnitState, grad: torch.Tensor) -> torch.Tensor:
     transition(state, TrainingState.BACKWARD_PRE)
     for handle in state.handles:
         handle.unshard()
+        # Names become views again (not placeholders): a checkpointed submodule of this unit
+        # re-runs its forward during backward and reads them.
+        handle.use_unsharded_views()
     return grad
 
 

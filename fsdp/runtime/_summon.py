@@ -109,7 +109,9 @@ def _summon_handle(
             source = source.cpu()
             if was_sharded:
                 handle.reshard()
-        wrapped = wrapper._fsdp_wrapped_module  # type: ignore[attr-defined]
+        # The module the FlatParameter is registered on (a checkpoint wrapper may since have
+        # been put between the FSDP wrapper and it).
+        wrapped = handle.wrapped_module
         registered = wrapped._parameters.pop(FLAT_PARAM, None) is not None
         views = handle.unsharded_views(source)
         if handle.use_orig_params:

@@ -1,0 +1,79 @@
+"""Counting collectives by patching ``torch.distributed`` (the approach of tests/_comm_count.py).
+
+Every implementation issues its collectives through the ``torch.distributed`` module functions
+(fsdp and torch FSDP1/FSDP2 directly; DDP through the default ``allreduce_hook`` comm hook that
+the benchmark registers, since DDP's built-in reducer calls the process group from C++), so
+replacing those functions for one step counts the calls and the bytes of each kind. The bytes
+counted are those of the output (or in-place) tensor: the full gathered tensor of an
+all-gather, the shard of a reduce-scatter, the whole buffer of an all-reduce.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import threading
+from typing import Any, Iterator
+
+import torch.distributed as dist
+
+__all__ = ["CommCounts", "count_collectives"]
+
+_KINDS = {
+    "all_gather_single": "all_gather",
+    "all_gather_into_tensor": "all_gather",
+    "_all_gather_base": "all_gather",
+    "reduce_scatter_single": "reduce_scatter",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "_reduce_scatter_base": "reduce_scatter",
+    "reduce_scatter": "reduce_scatter",  # list form
+    "all_reduce": "all_reduce",
+    "broadcast": "broadcast",
+    "all_gather": "all_gather",  # list form (torch FSDP1 uses it on gloo)
+    "all_gather_object": "all_gather_object",
+}
+
+
+class CommCounts:
+    """Number of calls and bytes moved (size of the output/in-place tensor) per collective kind."""
+
+    def __init__(self) -> None:
+        self.calls: collections.Counter[str] = collections.Counter()
+        self.bytes: collections.Counter[str] = collections.Counter()
+
+    def total_bytes(self) -> int:
+        """Bytes of every collective kind together."""
+        return int(sum(self.bytes.values()))
+
+
+@contextlib.contextmanager
+def count_collectives() -> Iterator[CommCounts]:
+    """Counts the outermost collective calls made inside the context (aliases not double counted)."""
+    counts = CommCounts()
+    depth = threading.local()
+    originals: dict[str, Any] = {}
+    for name, kind in _KINDS.items():
+        if not hasattr(dist, name):
+            continue
+        original = getattr(dist, name)
+        originals[name] = original
+
+        def patched(*args: Any, _original: Any = original, _kind: str = kind, **kwargs: Any) -> Any:
+            level = getattr(depth, "level", 0)
+            if level == 0:
+                counts.calls[_kind] += 1
+                first = args[0] if args else next(iter(kwargs.values()))
+                tensors = first if isinstance(first, (list, tuple)) else [first]
+                counts.bytes[_kind] += sum(t.numel() * t.element_size() for t in tensors if hasattr(t, "numel"))
+            depth.level = level + 1
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                depth.level = level
+
+        setattr(dist, name, patched)
+    try:
+        yield counts
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)

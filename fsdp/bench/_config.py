@@ -1,0 +1,115 @@
+"""Benchmark configuration: the command-line flags and the implementation names."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Optional, Sequence
+
+__all__ = ["IMPLEMENTATIONS", "STRATEGIES", "BenchConfig", "parse_args"]
+
+#: Every implementation, in report order. ``fsdp`` is ours; the ratios are against ``torch_fsdp1``.
+IMPLEMENTATIONS = ("fsdp", "torch_fsdp1", "torch_fsdp2", "ddp", "local")
+#: Sharding strategies the benchmark knows the minimum communication of.
+STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
+
+
+@dataclasses.dataclass
+class BenchConfig:
+    """What to run. The defaults are the project's target configuration."""
+
+    world_size: int = 2
+    layers: int = 6
+    d_model: int = 512
+    nhead: int = 8
+    dim_feedforward: int = 0  # 0: 4 * d_model
+    batch: int = 8  # per rank
+    seq: int = 64
+    rounds: int = 5
+    steps_per_round: int = 3
+    warmup_steps: int = 2
+    checkpoint_reps: int = 3
+    strategy: str = "FULL_SHARD"
+    only: tuple[str, ...] = IMPLEMENTATIONS
+    threads: int = 1
+    checkpoint: bool = True
+    memory: bool = True
+    profile: bool = False
+    profile_steps: int = 3
+    json_out: Optional[str] = None
+    timeout_s: float = 1800.0
+
+    def __post_init__(self) -> None:
+        if self.dim_feedforward <= 0:
+            self.dim_feedforward = 4 * self.d_model
+        unknown = [name for name in self.only if name not in IMPLEMENTATIONS]
+        if unknown:
+            raise ValueError(f"unknown implementation(s) {unknown}; choose from {list(IMPLEMENTATIONS)}")
+        self.only = tuple(name for name in IMPLEMENTATIONS if name in self.only)
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"--strategy must be one of {list(STRATEGIES)}, not {self.strategy!r}")
+        if self.d_model % self.nhead:
+            raise ValueError(f"--d-model {self.d_model} is not divisible by nhead {self.nhead}")
+        if self.world_size < 1 or self.rounds < 1 or self.steps_per_round < 1 or self.warmup_steps < 1:
+            raise ValueError("--world-size, --rounds, --steps-per-round and warm-up steps must be >= 1")
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> BenchConfig:
+    """The :class:`BenchConfig` that the command line ``argv`` asks for."""
+    d = BenchConfig()
+    p = argparse.ArgumentParser(
+        prog="python -m fsdp.bench",
+        description="Step time, peak memory, bytes communicated and checkpoint time of fsdp "
+        "against torch FSDP1, torch FSDP2, DDP and a no-communication local baseline.",
+    )
+    p.add_argument("--world-size", type=int, default=d.world_size, help="local CPU ranks (gloo)")
+    p.add_argument("--layers", type=int, default=d.layers, help="TransformerEncoderLayers")
+    p.add_argument("--d-model", type=int, default=d.d_model)
+    p.add_argument("--nhead", type=int, default=d.nhead)
+    p.add_argument("--dim-feedforward", type=int, default=0, help="default 4 * d_model")
+    p.add_argument("--batch", type=int, default=d.batch, help="sequences per rank per step")
+    p.add_argument("--seq", type=int, default=d.seq, help="sequence length")
+    p.add_argument("--rounds", type=int, default=d.rounds, help="alternating rounds (median reported)")
+    p.add_argument("--steps-per-round", type=int, default=d.steps_per_round)
+    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
+    p.add_argument("--checkpoint-reps", type=int, default=d.checkpoint_reps)
+    p.add_argument("--strategy", default=d.strategy, choices=STRATEGIES)
+    p.add_argument(
+        "--only",
+        default=",".join(IMPLEMENTATIONS),
+        help=f"comma-separated subset of {','.join(IMPLEMENTATIONS)}",
+    )
+    p.add_argument("--threads", type=int, default=d.threads, help="torch.set_num_threads per rank")
+    p.add_argument("--no-checkpoint", action="store_true", help="skip the checkpoint section")
+    p.add_argument("--no-memory", action="store_true", help="skip the peak-memory phase")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="instead of the benchmark: run fsdp under torch.profiler and print the top ops",
+    )
+    p.add_argument("--profile-steps", type=int, default=d.profile_steps)
+    p.add_argument("--json", dest="json_out", default=None, help="also write the results as JSON here")
+    p.add_argument("--timeout", type=float, default=d.timeout_s, help="seconds before the ranks are killed")
+    a = p.parse_args(argv)
+    return BenchConfig(
+        world_size=a.world_size,
+        layers=a.layers,
+        d_model=a.d_model,
+        nhead=a.nhead,
+        dim_feedforward=a.dim_feedforward,
+        batch=a.batch,
+        seq=a.seq,
+        rounds=a.rounds,
+        steps_per_round=a.steps_per_round,
+        warmup_steps=a.warmup_steps,
+        checkpoint_reps=a.checkpoint_reps,
+        strategy=a.strategy,
+        only=tuple(s.strip() for s in a.only.split(",") if s.strip()),
+        threads=a.threads,
+        checkpoint=not a.no_checkpoint,
+        memory=not a.no_memory,
+        profile=a.profile,
+        profile_steps=a.profile_steps,
+        json_out=a.json_out,
+        timeout_s=a.timeout,
+    )

@@ -1,0 +1,218 @@
+"""What each rank runs: the memory phase, the alternating timing rounds, the communication
+count and the checkpoint timings (or, with ``--profile``, a profile of fsdp's steps).
+
+Every rank returns a JSON-serializable dict of its own measurements; the parent process
+(:mod:`fsdp.bench.__main__`) combines them (the slowest rank's time, the largest rank's peak).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import time
+import traceback
+import warnings
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp.bench._comm import count_collectives
+from fsdp.bench._config import BenchConfig
+from fsdp.bench._memory import MemoryTrace
+from fsdp.bench._model import loss_fn, make_batches, make_optimizer, torch_fsdp, wrap
+
+__all__ = ["rank_entry", "CHECKPOINTED"]
+
+#: Implementations with an FSDP1-style full state dict / optim_state_dict API.
+CHECKPOINTED = ("fsdp", "torch_fsdp1")
+
+
+def _step(model: nn.Module, opt: torch.optim.Optimizer, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+    loss_fn(model, batch).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def _fsdp_api(name: str) -> tuple[Any, bool]:
+    """(the FSDP1 API module of ``name``, offload_to_cpu for its full state dicts).
+
+    torch FSDP1's full state dict with ``offload_to_cpu=True`` fails on a CPU-only setup, so
+    torch runs with ``offload_to_cpu=False`` (its values are still cloned); ours runs with the
+    usual ``offload_to_cpu=True``.
+    """
+    if name == "fsdp":
+        import fsdp
+
+        return fsdp, True
+    return torch_fsdp(), False
+
+
+@contextlib.contextmanager
+def _full_state_dict(name: str, model: nn.Module) -> Iterator[Any]:
+    api, offload = _fsdp_api(name)
+    with api.FullyShardedDataParallel.state_dict_type(
+        model,
+        api.StateDictType.FULL_STATE_DICT,
+        api.FullStateDictConfig(offload_to_cpu=offload, rank0_only=True),
+        api.FullOptimStateDictConfig(offload_to_cpu=offload, rank0_only=True),
+    ):
+        yield api.FullyShardedDataParallel
+
+
+def _save_model(name: str, model: nn.Module) -> None:
+    with _full_state_dict(name, model):
+        sd = model.state_dict()
+    del sd
+
+
+def _save_optim(name: str, model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    with _full_state_dict(name, model) as fsdp_cls:
+        osd = fsdp_cls.optim_state_dict(model, opt)
+    del osd
+
+
+def _memory_phase(cfg: BenchConfig, name: str) -> dict[str, Any]:
+    """Peak live bytes of one training step (and of full saves) with a freshly built ``name``."""
+    gc.collect()
+    dist.barrier()
+    with MemoryTrace() as trace:
+        model = wrap(name, cfg)
+        opt = make_optimizer(model)
+        batches = make_batches(cfg, dist.get_rank())
+        for i in range(cfg.warmup_steps):
+            _step(model, opt, batches[i % len(batches)])
+        with trace.window("step"):
+            _step(model, opt, batches[0])
+        if cfg.checkpoint and name in CHECKPOINTED:
+            dist.barrier()
+            with trace.window("save_model"):
+                _save_model(name, model)
+            with trace.window("save_optim"):
+                _save_optim(name, model, opt)
+        del model, opt, batches
+        gc.collect()
+        dist.barrier()
+    result = {"step_start_bytes": trace.starts["step"], "step_peak_bytes": trace.peaks["step"]}
+    for key in ("save_model", "save_optim"):
+        if key in trace.peaks:
+            result[f"{key}_peak_bytes"] = trace.peaks[key]
+    result["leftover_bytes"] = trace.final
+    return result
+
+
+def _timed_steps(model: nn.Module, opt: torch.optim.Optimizer, batches: list, n: int, offset: int) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    for i in range(n):
+        _step(model, opt, batches[(offset + i) % len(batches)])
+    return (time.perf_counter() - start) / n
+
+
+def _timed(fn: Callable[[], None]) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def run_bench(cfg: BenchConfig) -> dict[str, Any]:
+    rank = dist.get_rank()
+    names = list(cfg.only)
+    out: dict[str, Any] = {"rank": rank, "memory": {}, "step_s": {n: [] for n in names}, "comm": {}, "checkpoint": {}}
+    if cfg.memory:
+        for name in names:
+            out["memory"][name] = _memory_phase(cfg, name)
+    # Timing: every implementation lives side by side; rounds alternate between them, and the
+    # order rotates each round so none is always first after another's cache footprint.
+    models = {name: wrap(name, cfg) for name in names}
+    opts = {name: make_optimizer(models[name]) for name in names}
+    batches = make_batches(cfg, rank)
+    for name in names:
+        for i in range(cfg.warmup_steps):
+            _step(models[name], opts[name], batches[i % len(batches)])
+    for r in range(cfg.rounds):
+        order = names[r % len(names):] + names[: r % len(names)]
+        for name in order:
+            t = _timed_steps(models[name], opts[name], batches, cfg.steps_per_round, r)
+            out["step_s"][name].append(t)
+    for name in names:
+        dist.barrier()
+        with count_collectives() as counts:
+            _step(models[name], opts[name], batches[0])
+        out["comm"][name] = {"calls": dict(counts.calls), "bytes": dict(counts.bytes)}
+    ckpt_names = [n for n in names if n in CHECKPOINTED] if cfg.checkpoint else []
+    for name in ckpt_names:
+        out["checkpoint"][name] = {"model_s": [], "optim_s": []}
+        # One untimed save of each kind first (lazy imports, first-call caches).
+        _save_model(name, models[name])
+        _save_optim(name, models[name], opts[name])
+    for _ in range(cfg.checkpoint_reps if ckpt_names else 0):
+        for name in ckpt_names:
+            out["checkpoint"][name]["model_s"].append(_timed(lambda: _save_model(name, models[name])))
+            out["checkpoint"][name]["optim_s"].append(_timed(lambda: _save_optim(name, models[name], opts[name])))
+    dist.barrier()
+    return out
+
+
+def run_profile(cfg: BenchConfig) -> dict[str, Any]:
+    """fsdp's steps under torch.profiler; rank 0 returns the top ops by self CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = wrap("fsdp", cfg)
+    opt = make_optimizer(model)
+    batches = make_batches(cfg, dist.get_rank())
+    for i in range(cfg.warmup_steps):
+        _step(model, opt, batches[i % len(batches)])
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        for i in range(cfg.profile_steps):
+            _step(model, opt, batches[i % len(batches)])
+        wall = (time.perf_counter() - start) / cfg.profile_steps
+    averages = prof.key_averages()
+    rows = sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)
+    total_self = sum(e.self_cpu_time_total for e in averages)
+    top = [
+        {
+            "name": e.key,
+            "calls": e.count // cfg.profile_steps,
+            "self_ms_per_step": e.self_cpu_time_total / 1000 / cfg.profile_steps,
+            "self_pct": 100.0 * e.self_cpu_time_total / max(total_self, 1),
+        }
+        for e in rows[:25]
+    ]
+    return {
+        "rank": dist.get_rank(),
+        "profile": {"top": top, "wall_ms_per_step": wall * 1000, "self_ms_per_step": total_self / 1000 / cfg.profile_steps},
+    }
+
+
+def rank_entry(rank: int, cfg_dict: dict[str, Any], workdir: str) -> None:
+    """Process entry point of rank ``rank``: joins the gloo group and writes ``rank<N>.json``."""
+    # torch's FSDP1 optimizer-state code warns on every call about gloo's default device;
+    # the benchmark's output should be its table.
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.distributed\..*")
+    cfg = BenchConfig(**{**cfg_dict, "only": tuple(cfg_dict["only"])})
+    torch.set_num_threads(cfg.threads)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{os.path.join(workdir, 'rendezvous')}",
+        rank=rank,
+        world_size=cfg.world_size,
+    )
+    try:
+        result = run_profile(cfg) if cfg.profile else run_bench(cfg)
+        path = os.path.join(workdir, f"rank{rank}.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump(result, f)
+        os.replace(path + ".tmp", path)
+    except BaseException:
+        traceback.print_exc()
+        raise
+    finally:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
