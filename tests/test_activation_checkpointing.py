@@ -80,7 +80,7 @@ def run(mode: str, strategy: str) -> list[int]:
             x, y = (tokens, targets) if i == 0 else (local_rows(tokens, rank, ws), local_rows(targets, rank, ws))
             with count_collectives() as counts:
                 lm_loss(model(x), y).backward()
-            if i == 1:
+            if i == 1 and step > 0:  # the first iteration also runs the execution-order check
                 gathers.append(counts.calls.get("all_gather", 0))
                 if strategy != "NO_SHARD":
                     assert all(u._fsdp_state.handle.unsharded_storage_nbytes() == 0 for u in units if u._fsdp_state.handle)
@@ -101,4 +101,4 @@ def test_activation_checkpointing(pool2: RankPool, mode: str, strategy: str) -> 
     gathers = pool2.run(run, mode, strategy)[0]
     units = 4  # root + 3 blocks
     expected = {"FULL_SHARD": 2 * (units - 1) + 1, "SHARD_GRAD_OP": units, "NO_SHARD": 0}[strategy]
-    assert gathers == [expected] * 3  # recomputation gathers nothing extra
+    assert gathers == [expected] * 2  # recomputation gathers nothing extra

@@ -186,3 +186,57 @@ def interrupted_backward(strategy: str) -> None:
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
 def test_recovers_from_interrupted_backward(pool2: RankPool, strategy: str) -> None:
     pool2.run(interrupted_backward, strategy)
+
+
+class Branchy(nn.Module):
+    """Blocks run in order; ``skip`` leaves one out (a data-dependent branch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
+        self.aux = Block()
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, tokens: torch.Tensor, skip: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.embed(tokens)
+        for i in range(3):
+            if i != skip:
+                x = self.blocks[i](x)
+        return self.head(x), self.aux(x)
+
+
+def diverging_ranks() -> None:
+    """A rank that takes another path raises on every rank within seconds; nothing hangs."""
+    import time
+
+    from fsdp import FullyShardedDataParallel as FSDP
+    from fsdp.wrap import ModuleWrapPolicy
+
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = FSDP(Branchy(), auto_wrap_policy=ModuleWrapPolicy({Block}))
+    tokens, targets = global_batch(0, ws)
+    x, y = local_rows(tokens, rank, ws), local_rows(targets, rank, ws)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"ranks took different paths through the model in the first iteration \(step 3 of the execution order\): rank 0: forward of unit 'blocks.1'; rank 1: forward of unit 'blocks.2'"):
+        model(x, skip=1 if rank == 1 else -1)
+    # Backward divergence: rank 1's loss ignores the aux unit's output.
+    logits, aux = model(x)
+    loss = lm_loss(logits, y) + (aux.sum() * 0.0 if rank == 0 else 0.0)
+    with pytest.raises(RuntimeError, match=r"ranks took different paths.*rank 0: backward of unit 'aux'; rank 1: backward of unit '[^']+'"):
+        loss.backward()
+    assert time.monotonic() - start < 20
+    # The group is still in step: a consistent step works, and the check runs until a backward completes.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the interrupted backward is reset with a warning
+        logits, aux = model(x)
+    lm_loss(logits, y).backward()
+    assert model._fsdp_state.ctx.order_checked
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == ws
+
+
+def test_diverging_ranks_raise_instead_of_hanging(pool2: RankPool) -> None:
+    pool2.run(diverging_ranks, _timeout=60)

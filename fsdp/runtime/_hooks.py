@@ -15,6 +15,7 @@ from torch.autograd import Variable
 
 from fsdp._common import apply_to_tensors, eager_only, p_assert
 from fsdp.flat_param.flat_param import FlatParameter, FlatParamHandle, HandleState
+from fsdp.runtime._exec_order import check_execution_order, finish_first_iteration
 from fsdp.runtime._lazy_init import lazy_init
 from fsdp.runtime._state import RootContext, TrainingState, UnitState, transition
 
@@ -106,6 +107,7 @@ def _pre_forward(state: UnitState) -> None:
     """Postcondition: the unit's parameters are unsharded and its names are views into them."""
     for handle in state.handles:
         handle.writeback_orig_params()  # may raise a user error: before any state change
+    check_execution_order(state, "forward")  # first iteration: raises instead of hanging
     transition(state, TrainingState.FORWARD)
     for handle in state.handles:
         handle.unshard()
@@ -158,6 +160,7 @@ def _pre_backward_hook(state: UnitState, grad: torch.Tensor) -> torch.Tensor:
     if state.ran_pre_backward:
         return grad
     state.ran_pre_backward = True
+    check_execution_order(state, "backward")
     transition(state, TrainingState.BACKWARD_PRE)
     for handle in state.handles:
         handle.unshard()
@@ -218,3 +221,4 @@ def _final_callback(ctx: RootContext) -> None:
         state.ran_pre_backward = False
         state.training_state = TrainingState.IDLE
     ctx.final_callback_queued = False
+    finish_first_iteration(ctx)

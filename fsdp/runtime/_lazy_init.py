@@ -45,6 +45,7 @@ def lazy_init(module: nn.Module) -> UnitState:
         unit.unit_name = name or "<root>"
         for handle in unit.handles:
             handle.unit_name = unit.unit_name
+        ctx.unit_index[id(unit)] = len(ctx.states)
         ctx.states.append(unit)
     return state
 

@@ -113,11 +113,22 @@ class RootContext:
         root: The root unit's state.
         states: Every unit's state in the tree, root first (pre-order).
         final_callback_queued: The end-of-backward callback is queued for the running backward.
+        unit_index: Position of each unit's state in ``states``, by ``id``.
+        order_checked: The first iteration's execution-order check is done
+            ([Note: Execution order check]).
+        exec_order: The first iteration's order of gathers (unit index x phase).
+        state_dict_active: A ``state_dict()`` call of this tree is in progress.
+        state_dict_done: Ids of state-dict values already finished by nested units.
     """
 
     root: UnitState
     states: list[UnitState] = field(default_factory=list)
     final_callback_queued: bool = False
+    unit_index: dict[int, int] = field(default_factory=dict)
+    order_checked: bool = False
+    exec_order: list[int] = field(default_factory=list)
+    state_dict_active: bool = False
+    state_dict_done: set[int] = field(default_factory=set)
 
 
 def transition(state: UnitState, new: TrainingState) -> None:

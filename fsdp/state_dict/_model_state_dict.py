@@ -67,18 +67,18 @@ def _top_level(module: nn.Module) -> Iterator[bool]:
     """Yields whether this call is the outermost state_dict call of the tree."""
     state = lazy_init(module) if not module._fsdp_state.has_fsdp_parent else module._fsdp_state  # type: ignore[attr-defined]
     ctx = state.ctx
-    outermost = ctx is None or not getattr(ctx, "state_dict_active", False)
+    outermost = ctx is None or not ctx.state_dict_active
     if outermost:
         check_idle(module, "state_dict()")
         if ctx is not None:
-            ctx.state_dict_active = True  # type: ignore[attr-defined]
-            ctx.state_dict_done = set()  # type: ignore[attr-defined]  # ids of finished values
+            ctx.state_dict_active = True
+            ctx.state_dict_done = set()  # ids of finished values
     try:
         yield outermost
     finally:
         if outermost and ctx is not None:
-            ctx.state_dict_active = False  # type: ignore[attr-defined]
-            ctx.state_dict_done = set()  # type: ignore[attr-defined]
+            ctx.state_dict_active = False
+            ctx.state_dict_done = set()
 
 
 def save_state_dict(
@@ -125,7 +125,7 @@ def _materialize_entries(
     offload: bool,
 ) -> None:
     """Turns entries that view this unit's flat storage into owned tensors (or DTensors)."""
-    done: set[int] = getattr(state.ctx, "state_dict_done", set())
+    done: set[int] = state.ctx.state_dict_done if state.ctx is not None else set()
     for key in list(destination.keys())[start:]:
         value = destination[key]
         if not isinstance(value, torch.Tensor) or id(value) in done:
