@@ -415,8 +415,34 @@ class FullyShardedDataParallel(nn.Module):
         return _model_state_dict.load_state_dict(self, dict(state_dict), strict, assign)
 
     def register_comm_hook(self, state: object, hook: Callable) -> None:
-        """Communication hooks are a planned feature."""
-        raise _not_yet("register_comm_hook (argument 'hook')")
+        """Replaces the gradient reduction of every unit with ``hook`` (root only, once).
+
+        Sharded strategies call ``hook(state, padded_unsharded_grad, sharded_grad_output)``,
+        NO_SHARD calls ``hook(state, grad)``; the hook averages. Torch's default hooks work, and
+        so do :mod:`fsdp.comm_hooks` (also for bf16 on gloo). Hybrid strategies take no hook.
+
+        Raises:
+            RuntimeError: Not the root, a hook already registered, or a hybrid strategy.
+            TypeError: ``hook`` is not callable.
+        """
+        root = self._require_root("register_comm_hook()")
+        if not callable(hook):
+            raise TypeError(f"fsdp: register_comm_hook needs a callable hook, got {type(hook).__name__}")
+        assert root.ctx is not None
+        for unit in root.ctx.states:
+            if unit.sharding_strategy in HYBRID_STRATEGIES:
+                raise RuntimeError(
+                    f"fsdp: communication hooks are not supported with {unit.sharding_strategy.name} "
+                    f"(unit '{unit.unit_name}'), as in torch FSDP1; use FULL_SHARD, SHARD_GRAD_OP "
+                    f"or NO_SHARD."
+                )
+            if unit.comm_hook is not None:
+                raise RuntimeError(
+                    f"fsdp: a communication hook is already registered (unit '{unit.unit_name}'); "
+                    f"register_comm_hook may be called once."
+                )
+        for unit in root.ctx.states:
+            unit.comm_hook, unit.comm_hook_state = hook, state
 
     @staticmethod
     def full_optim_state_dict(

@@ -1008,30 +1008,6 @@ def test_state_dict_type_with_a_config_of_the_wrong_type(pool2: RankPool) -> Non
     pool2.run(_state_dict_type_wrong_config)
 
 
-def _planned_features() -> None:
-    root = wrapped_deep()
-    optim = torch.optim.SGD(root.parameters(), lr=0.1)
-    before = snapshot(root)
-    readme = r" is not implemented yet in fsdp; see the feature table in README\.md\."
-    cases: list[tuple[str, Callable[[], Any]]] = [
-        # Model state dicts are implemented: their bad input is pinned in tests/test_state_dict.py.
-        (
-            r"fsdp: register_comm_hook \(argument 'hook'\)" + readme,
-            lambda: root.register_comm_hook(None, lambda *a: None),
-        ),
-        # Optimizer state dicts are implemented: their bad input is pinned below and in
-        # tests/test_optim_state_dict.py.
-    ]
-    for match, call in cases:
-        expect_raises(NotImplementedError, match, call)
-    assert_unchanged(root, before, allowed_fsdp=4)
-    group_in_step()
-
-
-def test_comm_hook_is_not_implemented_yet(pool2: RankPool) -> None:
-    pool2.run(_planned_features)
-
-
 def _optim_state_dict_bad_input() -> None:
     root = wrapped_deep()
     optim = torch.optim.Adam(root.parameters(), lr=0.1)

@@ -482,7 +482,9 @@ class FlatParamHandle:
             self._sharded_grad_stash = grad
             self.flat_param.grad = None
 
-    def reduce_grad(self, sync: bool) -> None:
+    def reduce_grad(
+        self, sync: bool, comm_hook: Optional[Callable[..., Any]] = None, comm_hook_state: Any = None
+    ) -> None:
         """Reduces the unsharded gradient autograd just accumulated.
 
         With ``sync`` False (inside ``no_sync``) the unsharded gradient is kept locally and
@@ -508,6 +510,28 @@ class FlatParamHandle:
         if not sync:
             self._unsynced_unsharded_grad = unsharded_grad
             return
+        if comm_hook is not None:
+            sharded_grad = self._reduce_with_hook(unsharded_grad, comm_hook, comm_hook_state)
+        else:
+            sharded_grad = self._reduce_default(unsharded_grad)
+        if self._pending_sharded_grad is not None:
+            self._pending_sharded_grad.add_(sharded_grad)
+        else:
+            self._pending_sharded_grad = sharded_grad
+
+    def _reduce_with_hook(
+        self, unsharded_grad: torch.Tensor, comm_hook: Callable[..., Any], comm_hook_state: Any
+    ) -> torch.Tensor:
+        """torch FSDP1's hook convention: ``hook(state, grad, output)`` sharded, else ``hook(state, grad)``."""
+        if not self.uses_sharding:
+            comm_hook(comm_hook_state, unsharded_grad)
+            return unsharded_grad
+        output = torch.empty(self.sharded_numel, dtype=unsharded_grad.dtype, device=unsharded_grad.device)
+        comm_hook(comm_hook_state, unsharded_grad, output)
+        return output
+
+    def _reduce_default(self, unsharded_grad: torch.Tensor) -> torch.Tensor:
+        """Pre-divide, reduce-scatter (all-reduce for NO_SHARD), all-reduce across replicas, post-divide."""
         sharded_grad = unsharded_grad
         if self.pre_divide > 1:
             unsharded_grad.div_(self.pre_divide)
@@ -522,10 +546,7 @@ class FlatParamHandle:
             comm.all_reduce_sum(sharded_grad, self.replicate_group)
         if self.post_divide > 1:
             sharded_grad.div_(self.post_divide)
-        if self._pending_sharded_grad is not None:
-            self._pending_sharded_grad.add_(sharded_grad)
-        else:
-            self._pending_sharded_grad = sharded_grad
+        return sharded_grad
 
     def finalize_grad(self) -> None:
         """At the end of backward: sets ``.grad`` to the sharded gradient (plus any stash).

@@ -12,6 +12,11 @@ import torch
 import torch.distributed as dist
 
 
+def _needs_fp32(tensor: torch.Tensor, group: Optional[dist.ProcessGroup]) -> bool:
+    """gloo cannot reduce bfloat16: such reductions run on fp32 copies of the bf16 values."""
+    return tensor.dtype == torch.bfloat16 and dist.get_backend(group) == "gloo"
+
+
 def all_gather_flat(
     output: torch.Tensor, input: torch.Tensor, group: Optional[dist.ProcessGroup]
 ) -> None:
@@ -29,11 +34,21 @@ def reduce_scatter_flat(
     rank 0 receives ``[6, 8]`` and rank 1 ``[10, 12]``.
     """
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    if _needs_fp32(input, group):
+        output_fp32 = torch.empty_like(output, dtype=torch.float32)
+        fn(output_fp32, input.float(), group=group)
+        output.copy_(output_fp32)
+        return
     fn(output, input, group=group)
 
 
 def all_reduce_sum(tensor: torch.Tensor, group: Optional[dist.ProcessGroup]) -> None:
     """Sum-reduces ``tensor`` in place across ranks."""
+    if _needs_fp32(tensor, group):
+        tensor_fp32 = tensor.float()
+        dist.all_reduce(tensor_fp32, group=group)
+        tensor.copy_(tensor_fp32)
+        return
     dist.all_reduce(tensor, group=group)
 
 

@@ -186,7 +186,7 @@ def _post_backward_hook(state: UnitState, handle: FlatParamHandle, flat_param: F
         f"(the pre-backward hook did not run)",
     )
     transition(state, TrainingState.BACKWARD_POST)
-    handle.reduce_grad(sync=state.sync_gradients)
+    handle.reduce_grad(state.sync_gradients, state.comm_hook, state.comm_hook_state)
     if state.reshards_after_backward():
         # A frozen handle of the same unit was needed for this unit's backward only; it is
         # done now too (its gradient-less parameters fire no hook of their own).

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum, auto
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -69,6 +69,8 @@ class UnitState:
         ran_pre_backward: The pre-backward hook already ran in this backward.
         has_fsdp_parent: Another FSDP instance wraps this one (so it can never be the root
             for root-only APIs).
+        comm_hook: A registered communication hook replacing the gradient reduction, and
+        comm_hook_state: the state passed to it.
     """
 
     handles: list["FlatParamHandle"]
@@ -85,6 +87,8 @@ class UnitState:
     sync_gradients: bool = True
     ran_pre_backward: bool = False
     has_fsdp_parent: bool = False
+    comm_hook: Optional[Callable[..., Any]] = None
+    comm_hook_state: Any = None
 
     @property
     def handle(self) -> Optional["FlatParamHandle"]:

@@ -1,0 +1,162 @@
+"""register_comm_hook: torch's default hooks and fsdp.comm_hooks, against torch FSDP1."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests._comm_count import count_collectives
+from tests._harness import RankPool
+from tests._models import Block, global_batch, lm_loss, local_rows, make_toy
+from tests.test_parity import _full_params, _wrap
+
+
+def _hook(lib: str, name: str) -> tuple[Any, Any]:
+    if lib == "torch":
+        import torch.distributed.algorithms._comm_hooks.default_hooks as h
+    else:
+        import fsdp.comm_hooks as h  # type: ignore[no-redef]
+    group = dist.group.WORLD
+    if name in ("fp16", "bf16"):
+        return h.LowPrecisionState(group), getattr(h, f"{name}_compress_hook")
+    return h.DefaultState(group), getattr(h, f"{name}_hook")
+
+
+def _train(models: list[Any], steps: int = 3) -> None:
+    """models[0] is the single-process reference (global batch); the others see local rows."""
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    opts = [torch.optim.AdamW(m.parameters(), lr=0.01) for m in models]
+    for step in range(steps):
+        tokens, targets = global_batch(step, ws)
+        for i, (model, opt) in enumerate(zip(models, opts)):
+            x, y = (tokens, targets) if i == 0 else (local_rows(tokens, rank, ws), local_rows(targets, rank, ws))
+            lm_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+
+
+def hook_parity(strategy: str, name: str, hook_lib: str) -> None:
+    from fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+
+    ref = make_toy()
+    ours, theirs = _wrap("ours", make_toy(), strategy, "module"), _wrap("torch", make_toy(), strategy, "module")
+    ours.register_comm_hook(*_hook(hook_lib, name))
+    # torch's compression hooks call record_stream on the CPU "stream" and fail on CPU, under
+    # torch FSDP1 too: there torch FSDP1 runs fsdp's hook (same calling convention).
+    theirs.register_comm_hook(*_hook("ours" if name == "fp16" else "torch", name))
+    _train([ref, ours, theirs])
+    mine, torch_full, ref_full = _full_params(ours, FSDP), _full_params(theirs, TorchFSDP), dict(ref.named_parameters())
+    for key in mine:
+        assert torch.equal(mine[key], torch_full[key]), key
+        tol = dict(rtol=2e-2, atol=2e-3) if name == "fp16" else dict(rtol=5e-5, atol=5e-6)
+        torch.testing.assert_close(mine[key], ref_full[key].detach(), msg=key, **tol)
+
+
+@pytest.mark.parametrize("hook_lib", ["torch", "ours"])
+@pytest.mark.parametrize(
+    "strategy,name",
+    [("NO_SHARD", "allreduce"), ("FULL_SHARD", "reduce_scatter"), ("SHARD_GRAD_OP", "reduce_scatter")],
+)
+def test_hooks_match_torch(pool2: RankPool, strategy: str, name: str, hook_lib: str) -> None:
+    pool2.run(hook_parity, strategy, name, hook_lib)
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
+def test_fp16_hook_matches_torch(pool2: RankPool, strategy: str) -> None:
+    pool2.run(hook_parity, strategy, "fp16", "ours")
+
+
+def torch_fp16_hook_fails_on_cpu() -> None:
+    model = _wrap("ours", make_toy(), "FULL_SHARD", "module")
+    model.register_comm_hook(*_hook("torch", "fp16"))
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    tokens, targets = global_batch(0, ws)
+    with pytest.raises(Exception):
+        lm_loss(model(local_rows(tokens, rank, ws)), local_rows(targets, rank, ws)).backward()
+
+
+def test_torch_fp16_hook_fails_on_cpu(pool2: RankPool) -> None:
+    pool2.run(torch_fp16_hook_fails_on_cpu)
+
+
+def bf16_on_gloo(strategy: str) -> None:
+    """torch's bf16 hook fails on gloo; fsdp's works and trains like the reference."""
+    from fsdp import FullyShardedDataParallel as FSDP
+
+    theirs = _wrap("torch", make_toy(), strategy, "module")
+    theirs.register_comm_hook(*_hook("torch", "bf16"))
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    tokens, targets = global_batch(0, ws)
+    with pytest.raises(Exception):
+        lm_loss(theirs(local_rows(tokens, rank, ws)), local_rows(targets, rank, ws)).backward()
+    ref, ours = make_toy(), _wrap("ours", make_toy(), strategy, "module")
+    ours.register_comm_hook(*_hook("ours", "bf16"))
+    _train([ref, ours])
+    mine = _full_params(ours, FSDP)
+    for key, value in ref.named_parameters():
+        torch.testing.assert_close(mine[key], value.detach(), rtol=5e-2, atol=5e-3, msg=key)
+    # Gradients are rounded to bf16 before they travel: they equal their bf16 rounding.
+    model = _wrap("ours", make_toy(), strategy, "module")
+    model.register_comm_hook(*_hook("ours", "bf16"))
+    lm_loss(model(local_rows(tokens, rank, ws)), local_rows(targets, rank, ws)).backward()
+    for unit in FSDP.fsdp_modules(model):
+        grad = unit._fsdp_state.handle.flat_param.grad
+        assert grad.dtype == torch.float32
+        assert torch.equal(grad, grad.to(torch.bfloat16).float())
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])
+def test_bf16_hook_on_gloo(pool2: RankPool, strategy: str) -> None:
+    pool2.run(bf16_on_gloo, strategy)
+
+
+def fp16_travels_in_fp16() -> None:
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    model = _wrap("ours", make_toy(), "FULL_SHARD", "module")
+    model.register_comm_hook(*_hook("ours", "fp16"))
+    tokens, targets = global_batch(0, ws)
+    dtypes: list[torch.dtype] = []
+    fn = dist.reduce_scatter_single
+
+    def spy(output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        dtypes.append(input.dtype)
+        return fn(output, input, *args, **kwargs)
+
+    dist.reduce_scatter_single = spy  # type: ignore[assignment]
+    try:
+        lm_loss(model(local_rows(tokens, rank, ws)), local_rows(targets, rank, ws)).backward()
+    finally:
+        dist.reduce_scatter_single = fn  # type: ignore[assignment]
+    assert dtypes == [torch.float16] * 4
+
+
+def test_fp16_hook_communicates_fp16(pool2: RankPool) -> None:
+    pool2.run(fp16_travels_in_fp16)
+
+
+def hook_errors() -> None:
+    import fsdp.comm_hooks as h
+    from fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
+
+    model = _wrap("ours", make_toy(), "FULL_SHARD", "module")
+    state = h.DefaultState(dist.group.WORLD)
+    with pytest.raises(RuntimeError, match=r"register_comm_hook\(\) must be called on the root FSDP instance"):
+        model.module.blocks[0].register_comm_hook(state, h.reduce_scatter_hook)
+    with pytest.raises(TypeError, match="register_comm_hook needs a callable hook, got str"):
+        model.register_comm_hook(state, "reduce_scatter")
+    model.register_comm_hook(state, h.reduce_scatter_hook)
+    with pytest.raises(RuntimeError, match="a communication hook is already registered"):
+        model.register_comm_hook(state, h.reduce_scatter_hook)
+    intra, _ = dist.new_subgroups_by_enumeration([[0], [1]])
+    hybrid = FSDP(make_toy(), sharding_strategy=ShardingStrategy.HYBRID_SHARD, process_group=(dist.group.WORLD, intra))
+    with pytest.raises(RuntimeError, match="communication hooks are not supported with HYBRID_SHARD"):
+        hybrid.register_comm_hook(state, h.reduce_scatter_hook)
+
+
+def test_hook_errors(pool2: RankPool) -> None:
+    pool2.run(hook_errors)
