@@ -68,7 +68,8 @@ class FullyShardedDataParallel(nn.Module):
             strategies an ``(intra_node_group, inter_node_group)`` tuple.
         sharding_strategy: FULL_SHARD (default), SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD or
             _HYBRID_SHARD_ZERO2 (see [Note: Hybrid sharding layout]).
-        cpu_offload: ``CPUOffload(offload_params=False)`` only, for now.
+        cpu_offload: ``CPUOffload(offload_params=True)`` keeps sharded parameters and their
+            gradients on CPU between uses; the optimizer steps on CPU ([Note: CPU offload]).
         auto_wrap_policy: A policy from :mod:`fsdp.wrap` (or a callable with the functional
             policy signature) that picks nested units.
         backward_prefetch: Accepted; prefetching is a scheduling choice that does not change
@@ -178,6 +179,7 @@ class FullyShardedDataParallel(nn.Module):
                     replicate_group=groups.replicate,
                     sync_module_states=sync_module_states,
                     use_orig_params=use_orig_params,
+                    offload_params=bool(cpu_offload and cpu_offload.offload_params),
                 )
                 for handle_params in split_by_requires_grad(params, use_orig_params)
             ]

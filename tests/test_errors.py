@@ -455,8 +455,6 @@ def test_tied_weights_in_two_units_wrapped_by_hand(pool2: RankPool) -> None:
 def _not_yet_kwargs(case: str) -> dict[str, Any]:
     if case == "mixed_precision":
         return {"mixed_precision": MixedPrecision(param_dtype=torch.float16)}
-    if case == "cpu_offload":
-        return {"cpu_offload": CPUOffload(offload_params=True)}
     raise AssertionError(case)
 
 
@@ -464,9 +462,6 @@ NOT_YET: dict[str, str] = {
     "mixed_precision": r"fsdp: mixed_precision=MixedPrecision\(param_dtype=torch\.float16, .*\) is "
     r"not supported yet \(mixed precision is a planned feature; see the feature table in "
     r"README\.md\)\. Remove the argument to train without it\.",
-    "cpu_offload": r"fsdp: cpu_offload=CPUOffload\(offload_params=True\) is not supported yet "
-    r"\(CPU offload is a planned feature; see the feature table in README\.md\)\. Remove the "
-    r"argument to train without it\.",
 }
 
 

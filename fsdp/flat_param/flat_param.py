@@ -184,6 +184,8 @@ class FlatParamHandle:
         sync_module_states: Broadcast the flat parameter from rank 0 before sharding it.
         use_orig_params: Keep the original Parameters registered (see
             [Note: Original parameters] in docs/flat_param_lifecycle.md).
+        offload_params: Keep the local shard and its gradient on CPU (pinned when the compute
+            device is CUDA) between uses; see [Note: CPU offload].
     """
 
     def __init__(
@@ -197,6 +199,7 @@ class FlatParamHandle:
         replicate_group: Optional[dist.ProcessGroup] = None,
         sync_module_states: bool = False,
         use_orig_params: bool = False,
+        offload_params: bool = False,
     ) -> None:
         self.device = device
         self.process_group = process_group
@@ -260,6 +263,18 @@ class FlatParamHandle:
                 del flat
             else:
                 local_shard = flat
+        # [Note: CPU offload] The local shard (what the optimizer updates) and its gradient
+        # live on CPU; unshard copies the shard to the compute device (non-blocking, from
+        # pinned memory) before gathering, and the reduced gradient is copied back. With a CPU
+        # compute device this is the ordinary layout (torch FSDP1 refuses CPU offload on CPU).
+        self.offload_params = offload_params and device.type != "cpu"
+        if self.offload_params:
+            if not self.uses_sharding:
+                raise NotImplementedError(
+                    "fsdp: CPUOffload(offload_params=True) with NO_SHARD (or world size 1) on an "
+                    "accelerator is not supported yet; use FULL_SHARD or SHARD_GRAD_OP."
+                )
+            local_shard = local_shard.cpu().pin_memory()
         requires_grad = unique_params[0].requires_grad
         self.flat_param = FlatParameter(local_shard, requires_grad=requires_grad)
         self._local_shard: torch.Tensor = self.flat_param.data
@@ -333,7 +348,10 @@ class FlatParamHandle:
             return
         padded_unsharded = self.padded_unsharded
         self._alloc_storage(padded_unsharded)
-        comm.all_gather_flat(padded_unsharded, self._local_shard, self.process_group)
+        shard = self._local_shard
+        if self.offload_params:
+            shard = shard.to(self.device, non_blocking=True)
+        comm.all_gather_flat(padded_unsharded, shard, self.process_group)
         self.flat_param.data = padded_unsharded
         self.state = HandleState.UNSHARDED
 
@@ -514,6 +532,11 @@ class FlatParamHandle:
             sharded_grad = self._reduce_with_hook(unsharded_grad, comm_hook, comm_hook_state)
         else:
             sharded_grad = self._reduce_default(unsharded_grad)
+        if self.offload_params:
+            # Copied back to pinned CPU memory; finalize_grad waits for it (end of backward).
+            offloaded = torch.empty(sharded_grad.shape, dtype=sharded_grad.dtype, pin_memory=True)
+            offloaded.copy_(sharded_grad, non_blocking=True)
+            sharded_grad = offloaded
         if self._pending_sharded_grad is not None:
             self._pending_sharded_grad.add_(sharded_grad)
         else:
@@ -553,6 +576,8 @@ class FlatParamHandle:
 
         Precondition: the FlatParameter holds its sharded data (or never shards).
         """
+        if self.offload_params and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # offloaded gradient copies
         pending, stash = self._pending_sharded_grad, self._sharded_grad_stash
         self._pending_sharded_grad = None
         self._sharded_grad_stash = None

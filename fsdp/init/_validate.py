@@ -65,11 +65,8 @@ def validate_init_args(
         raise TypeError(
             f"fsdp: sharding_strategy must be a ShardingStrategy or None, got {sharding_strategy!r}"
         )
-    if cpu_offload is not None:
-        if not isinstance(cpu_offload, CPUOffload):
-            raise TypeError(f"fsdp: cpu_offload must be a CPUOffload or None, got {cpu_offload!r}")
-        if cpu_offload.offload_params:
-            raise _not_yet("cpu_offload", cpu_offload, "CPU offload")
+    if cpu_offload is not None and not isinstance(cpu_offload, CPUOffload):
+        raise TypeError(f"fsdp: cpu_offload must be a CPUOffload or None, got {cpu_offload!r}")
     if auto_wrap_policy is not None:
         from fsdp.wrap import _validate_auto_wrap_policy
 

@@ -72,14 +72,14 @@ def _promoted_dtype(grads: list[torch.Tensor]) -> torch.dtype:
 def _max_abs(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     result = torch.zeros((), dtype=torch.float32, device=device)
     for grad in grads:
-        if grad.numel():
-            result = torch.maximum(result, grad.detach().abs().max().float())
+        if grad.numel():  # gradients may live on CPU (CPU offload)
+            result = torch.maximum(result, grad.detach().abs().max().float().to(device))
     return result
 
 
 def _sum_pow(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
     result = torch.zeros((), dtype=torch.float32, device=device)
     for grad in grads:
-        norm = torch.linalg.vector_norm(grad.detach(), norm_type, dtype=torch.float32)
+        norm = torch.linalg.vector_norm(grad.detach(), norm_type, dtype=torch.float32).to(device)
         result = result + (norm if norm_type == 0 else norm**norm_type)
     return result
