@@ -40,7 +40,7 @@ from fsdp.init._unit_params import (
 from fsdp.init._validate import plan_units, validate_init_args
 from fsdp.runtime._clip_grad import clip_grad_norm_ as _clip_grad_norm
 from fsdp.runtime._hooks import register_flat_param_hooks, unit_forward
-from fsdp.runtime._lazy_init import check_idle, is_fsdp, lazy_init, reset_lazy_init
+from fsdp.runtime._lazy_init import check_idle, is_fsdp, lazy_init, reset_lazy_init, unit_state
 from fsdp.runtime._state import TrainingState, UnitState
 from fsdp.runtime._summon import summon_full_params as _summon_full_params
 from fsdp.state_dict import _model_state_dict, _settings
@@ -195,7 +195,7 @@ class FullyShardedDataParallel(nn.Module):
         )
         for sub in module.modules():
             if is_fsdp(sub):
-                sub._fsdp_state.has_fsdp_parent = True
+                unit_state(sub).has_fsdp_parent = True
         register_flat_param_hooks(self._fsdp_state)
         self._state_dict_settings = _settings.default_settings()
 

@@ -27,7 +27,7 @@ def resolve_compute_device(
     """
     devices = {p.device for p in module.parameters() if not p.is_meta}
     if len(devices) > 1:
-        names = {}
+        names: dict[torch.device, str] = {}
         for name, p in module.named_parameters():
             if not p.is_meta:
                 names.setdefault(p.device, name)

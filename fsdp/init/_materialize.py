@@ -12,7 +12,7 @@ current root-to-leaf path hold unsharded parameters, never the whole model.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -20,11 +20,11 @@ from torch import nn
 
 def has_meta_states(module: nn.Module, recurse: bool = True) -> bool:
     """Whether ``module`` (or, with ``recurse``, its subtree) has parameters or buffers on meta."""
-    tensors: Iterable[torch.Tensor]
+    tensors: list[Optional[torch.Tensor]]
     if recurse:
-        tensors = list(module.parameters()) + list(module.buffers())
+        tensors = [*module.parameters(), *module.buffers()]
     else:
-        tensors = list(module._parameters.values()) + list(module._buffers.values())  # type: ignore[arg-type]
+        tensors = [*module._parameters.values(), *module._buffers.values()]
     return any(t is not None and t.is_meta for t in tensors)
 
 

@@ -31,7 +31,7 @@ from fsdp.init._unit_params import (
     unit_params,
     validate_unit_params,
 )
-from fsdp.runtime._lazy_init import is_fsdp
+from fsdp.runtime._lazy_init import is_fsdp, unit_state
 
 
 def _not_yet(argument: str, value: Any, feature: str) -> NotImplementedError:
@@ -267,7 +267,7 @@ def plan_units(
     handle_names: dict[object, str] = {}
     for name, sub in module.named_modules():
         if is_fsdp(sub):
-            for handle in sub._fsdp_state.handles:  # type: ignore[union-attr]
+            for handle in unit_state(sub).handles:
                 handle_names[handle] = clean_fqn(name)
     for unit, params in units.items():
         check_not_flattened_elsewhere(

@@ -20,11 +20,19 @@ def is_fsdp(module: nn.Module) -> bool:
     return getattr(type(module), "_is_fsdp_wrapper", False)
 
 
+def unit_state(module: nn.Module) -> UnitState:
+    """The runtime state of an FSDP wrapper (typed access to ``unit_state(module)``)."""
+    state = module.__dict__.get("_fsdp_state")
+    if not isinstance(state, UnitState):
+        raise TypeError(f"fsdp: {type(module).__name__} is not a FullyShardedDataParallel instance")
+    return state
+
+
 def named_fsdp_states(module: nn.Module) -> Iterator[tuple[str, nn.Module, UnitState]]:
     """Yields ``(qualified name, wrapper, state)`` for every FSDP unit in ``module``, pre-order."""
     for name, sub in module.named_modules():
         if is_fsdp(sub):
-            yield clean_fqn(name), sub, sub._fsdp_state  # type: ignore[attr-defined]
+            yield clean_fqn(name), sub, unit_state(sub)
 
 
 def lazy_init(module: nn.Module) -> UnitState:
@@ -33,7 +41,7 @@ def lazy_init(module: nn.Module) -> UnitState:
     Returns:
         The unit's state, with ``is_root`` and ``ctx`` set.
     """
-    state: UnitState = module._fsdp_state  # type: ignore[attr-defined]
+    state: UnitState = unit_state(module)
     if state.is_root is not None:
         return state
     state.is_root = True
@@ -66,7 +74,7 @@ def check_idle(module: nn.Module, what: str, allow_summon: bool = False) -> None
         allow_summon: Accept units inside ``summon_full_params`` (it may nest, and ``apply``
             runs inside it).
     """
-    state: UnitState = module._fsdp_state  # type: ignore[attr-defined]
+    state: UnitState = unit_state(module)
     states = state.ctx.states if state.ctx is not None else [s for _, _, s in named_fsdp_states(module)]
     allowed = {TrainingState.IDLE}
     if allow_summon:

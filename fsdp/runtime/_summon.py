@@ -17,7 +17,7 @@ from torch import nn
 from fsdp._common import FLAT_PARAM
 from fsdp.flat_param.flat_param import FlatParamHandle, HandleState
 from fsdp.runtime import _collectives as comm
-from fsdp.runtime._lazy_init import check_idle, is_fsdp, lazy_init, named_fsdp_states
+from fsdp.runtime._lazy_init import check_idle, is_fsdp, lazy_init, named_fsdp_states, unit_state
 from fsdp.runtime._state import TrainingState, UnitState, transition
 
 
@@ -231,7 +231,7 @@ def summon_full_params(
         check_idle(top, "summon_full_params()", allow_summon=True)
     with contextlib.ExitStack() as stack:
         for wrapper in wrappers:
-            state: UnitState = wrapper._fsdp_state  # type: ignore[attr-defined]
+            state: UnitState = unit_state(wrapper)
             stack.enter_context(
                 _summon_unit(wrapper, state, writeback, rank0_only, offload_to_cpu, with_grads)
             )

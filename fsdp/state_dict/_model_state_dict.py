@@ -33,7 +33,7 @@ from fsdp._common import FLAT_PARAM, FSDP_WRAPPED_MODULE, clean_fqn
 from fsdp.api import FullStateDictConfig, StateDictType
 from fsdp.flat_param._sharding import param_slices_in_shard
 from fsdp.flat_param.flat_param import FlatParamHandle
-from fsdp.runtime._lazy_init import check_idle, is_fsdp, lazy_init, named_fsdp_states
+from fsdp.runtime._lazy_init import check_idle, is_fsdp, lazy_init, named_fsdp_states, unit_state
 from fsdp.runtime._state import UnitState
 from fsdp.runtime._summon import _summon_unit
 
@@ -65,7 +65,7 @@ def _handle_storages(state: UnitState) -> set[int]:
 @contextlib.contextmanager
 def _top_level(module: nn.Module) -> Iterator[bool]:
     """Yields whether this call is the outermost state_dict call of the tree."""
-    state = lazy_init(module) if not module._fsdp_state.has_fsdp_parent else module._fsdp_state  # type: ignore[attr-defined]
+    state = lazy_init(module) if not unit_state(module).has_fsdp_parent else unit_state(module)
     ctx = state.ctx
     outermost = ctx is None or not ctx.state_dict_active
     if outermost:
@@ -90,7 +90,7 @@ def save_state_dict(
     with _top_level(module) as outermost:
         if destination is None:
             destination = OrderedDict()
-        state: UnitState = module._fsdp_state  # type: ignore[attr-defined]
+        state: UnitState = unit_state(module)
         if kind is StateDictType.LOCAL_STATE_DICT:
             _save_local(module, state, super_state_dict, destination, prefix, keep_vars)
         else:
@@ -264,7 +264,7 @@ def _shape_of(value: Any) -> torch.Size:
 
 def load_state_dict(module: nn.Module, state_dict: dict[str, Any], strict: bool, assign: bool) -> Any:
     """Loads a FULL, SHARDED or LOCAL state dict into ``module`` (the root)."""
-    if module._fsdp_state.has_fsdp_parent:  # type: ignore[attr-defined]
+    if unit_state(module).has_fsdp_parent:
         raise RuntimeError(
             "fsdp: load_state_dict() must be called on the root FSDP instance (the outermost "
             "FullyShardedDataParallel), not on a nested unit."
@@ -333,7 +333,7 @@ def _load_local(module: nn.Module, state_dict: dict[str, Any], strict: bool) -> 
     for mod_name, sub in module.named_modules():
         if is_fsdp(sub):
             prefix = mod_name + "." if mod_name else ""
-            for index, handle in enumerate(sub._fsdp_state.handles):  # type: ignore[union-attr]
+            for index, handle in enumerate(unit_state(sub).handles):
                 handles[_local_key(prefix, index)] = handle
     others: OrderedDict[str, torch.Tensor] = OrderedDict()
     managed_ids = {id(h.flat_param) for h in handles.values()}

@@ -38,7 +38,7 @@ from fsdp._common import clean_fqn
 from fsdp.api import OptimStateKeyType, ShardedOptimStateDictConfig, StateDictType
 from fsdp.flat_param.flat_param import FlatParameter, FlatParamHandle
 from fsdp.runtime import _collectives as comm
-from fsdp.runtime._lazy_init import check_idle, is_fsdp
+from fsdp.runtime._lazy_init import check_idle, is_fsdp, unit_state
 
 __all__ = [
     "save",
@@ -66,9 +66,9 @@ class _ModelView:
                 "dicts of an unwrapped model need no conversion (use optim.state_dict())."
             )
         for unit in units:
-            if not unit._fsdp_state.has_fsdp_parent:  # type: ignore[attr-defined]
+            if not unit_state(unit).has_fsdp_parent:
                 check_idle(unit, "an optimizer state dict API")
-        flags = {u._fsdp_state.handles[0].use_orig_params for u in units if u._fsdp_state.handles}  # type: ignore[attr-defined]
+        flags = {unit_state(u).handles[0].use_orig_params for u in units if unit_state(u).handles}
         self.use_orig_params = flags == {True}
         prefix: dict[int, str] = {}
         for name, module in model.named_modules(remove_duplicate=False):
@@ -83,7 +83,7 @@ class _ModelView:
         self.orig_to_slot: dict[int, tuple[int, int]] = {}
         seen: set[int] = set()
         for unit in units:
-            for handle in unit._fsdp_state.handles:  # type: ignore[attr-defined]
+            for handle in unit_state(unit).handles:
                 if id(handle) in seen:
                     continue
                 seen.add(id(handle))
@@ -376,16 +376,16 @@ def _gather_orig_param_states(
     gathered = comm.all_gather_object(info, handle.process_group)
     with_state = [fqn for fqn in fqns if any(fqn in g for g in gathered)]
     tensor_names = sorted({n for g in gathered for st in g.values() for n, v in st.items() if v[0] == "t"})
-    out: dict[str, dict[str, Any]] = {fqn: {} for fqn in sorted(with_state)}
-    for fqn in out:
+    result: dict[str, dict[str, Any]] = {fqn: {} for fqn in sorted(with_state)}
+    for fqn in result:
         per_rank = [g[fqn] for g in gathered if fqn in g]
         nonempty = [st for st in per_rank if any(v[0] == "t" and v[2] > 0 for v in st.values())]
         source = nonempty or per_rank
         for kind in ("o", "s"):
             for st in source:
                 for name, v in sorted(st.items()):
-                    if v[0] == kind and name not in out[fqn]:
-                        out[fqn][name] = v[1]
+                    if v[0] == kind and name not in result[fqn]:
+                        result[fqn][name] = v[1]
     for name in tensor_names:
         dtype = next(v[1] for g in gathered for st in g.values() for n, v in st.items() if n == name and v[0] == "t")
         local_shard = torch.zeros(handle.sharded_numel, dtype=dtype, device=handle.device)
@@ -407,9 +407,9 @@ def _gather_orig_param_states(
             continue
         views = _split(handle, full[: handle.unpadded_unsharded_numel])
         for index, fqn in enumerate(fqns):
-            if fqn in out:
-                out[fqn][name] = _finish(views[index], handle, shard, use_dtensor, offload, True)
-    return out if to_save else {}
+            if fqn in result:
+                result[fqn][name] = _finish(views[index], handle, shard, use_dtensor, offload, True)
+    return result if to_save else {}
 
 
 def _check_consistent_keys(keys: list[int], present: list[bool], view: _ModelView, params: list[nn.Parameter], group: Optional[dist.ProcessGroup]) -> None:

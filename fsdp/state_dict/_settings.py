@@ -70,7 +70,7 @@ def get_state_dict_type(modules: Sequence[nn.Module]) -> StateDictSettings:
     """Returns the settings shared by every unit in ``modules``."""
     if not modules:
         raise ValueError("fsdp: the module contains no FullyShardedDataParallel instance")
-    settings = [m._state_dict_settings for m in modules]  # type: ignore[attr-defined]
+    settings: list[StateDictSettings] = [m._state_dict_settings for m in modules]  # type: ignore[misc]
     first = settings[0]
     for other in settings[1:]:
         if other != first:
