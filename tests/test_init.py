@@ -355,3 +355,29 @@ def devices() -> None:
 
 def test_devices(pool2: RankPool) -> None:
     pool2.run(devices)
+
+
+class _FakeParam:
+    """Stands in for a parameter on some device (no second device type exists on CPU machines)."""
+
+    def __init__(self, device: str) -> None:
+        self.device = torch.device(device)
+        self.is_meta = False
+
+
+class _TwoDevices(nn.Module):
+    def parameters(self, recurse: bool = True) -> Any:  # type: ignore[override]
+        return iter([_FakeParam("cpu"), _FakeParam("cuda:0")])
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        return iter([("encoder.weight", _FakeParam("cpu")), ("decoder.weight", _FakeParam("cuda:0"))])
+
+
+def test_mixed_devices_are_a_clear_error() -> None:
+    from fsdp.init._device import resolve_compute_device
+
+    with pytest.raises(ValueError, match=r"_TwoDevices has parameters on several devices \('encoder.weight' on cpu, 'decoder.weight' on cuda:0\); move the whole module to one device first, or pass device_id"):
+        resolve_compute_device(_TwoDevices(), None)
+    assert resolve_compute_device(nn.Linear(2, 2), None) == torch.device("cpu")
+    assert resolve_compute_device(nn.Linear(2, 2), 3) == torch.device("cuda", 3)  # int = CUDA index
+    assert resolve_compute_device(nn.Linear(2, 2), torch.device("cpu")) == torch.device("cpu")
