@@ -103,3 +103,31 @@ def memory_lifecycle(strategy: str) -> None:
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
 def test_memory_lifecycle(pool2: RankPool, strategy: str) -> None:
     pool2.run(memory_lifecycle, strategy)
+
+
+def deleted_model_is_freed(train: bool, orig: bool) -> int:
+    """``del model`` frees every FlatParameter (hooks in C++ must not keep them alive)."""
+    import gc
+    import weakref
+
+    from fsdp import FullyShardedDataParallel as FSDP
+    from fsdp.wrap import ModuleWrapPolicy
+
+    from tests._models import Block
+
+    model = FSDP(make_toy(), auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=orig)
+    refs = [weakref.ref(h.flat_param) for u in FSDP.fsdp_modules(model) for h in u._fsdp_state.handles]
+    if train:
+        opt = torch.optim.AdamW(model.parameters())
+        _one_step(model)
+        opt.step()
+        del opt
+    del model
+    gc.collect()
+    return sum(ref() is not None for ref in refs)
+
+
+@pytest.mark.parametrize("orig", [False, True])
+@pytest.mark.parametrize("train", [False, True])
+def test_deleted_model_is_freed(pool2: RankPool, train: bool, orig: bool) -> None:
+    assert pool2.run(deleted_model_is_freed, train, orig) == [0, 0]

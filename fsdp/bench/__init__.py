@@ -15,7 +15,7 @@ Modules:
     _report: the table, the ratios and the targets.
 
 Torch's FSDP is imported only inside the functions that build the torch competitors, so
-``import fsdp`` (and ``import fsdp.bench``) never loads ``torch.distributed.fsdp``.
+``import fsdp`` (and ``import fsdp.bench``) never loads torch's FSDP package.
 """
 
 from fsdp.bench._config import IMPLEMENTATIONS, BenchConfig

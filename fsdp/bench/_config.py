@@ -23,11 +23,12 @@ class BenchConfig:
     d_model: int = 512
     nhead: int = 8
     dim_feedforward: int = 0  # 0: 4 * d_model
-    batch: int = 8  # per rank
+    batch: int = 4  # per rank
     seq: int = 64
-    rounds: int = 5
+    rounds: int = 7
     steps_per_round: int = 3
     warmup_steps: int = 2
+    memory_steps: int = 3
     checkpoint_reps: int = 3
     strategy: str = "FULL_SHARD"
     only: tuple[str, ...] = IMPLEMENTATIONS
@@ -36,6 +37,7 @@ class BenchConfig:
     memory: bool = True
     profile: bool = False
     profile_steps: int = 3
+    profile_impl: str = "fsdp"
     json_out: Optional[str] = None
     timeout_s: float = 1800.0
 
@@ -46,8 +48,12 @@ class BenchConfig:
         if unknown:
             raise ValueError(f"unknown implementation(s) {unknown}; choose from {list(IMPLEMENTATIONS)}")
         self.only = tuple(name for name in IMPLEMENTATIONS if name in self.only)
+        if self.strategy == "NO_SHARD":  # FSDP2 has no unsharded mode (that is DDP / replicate)
+            self.only = tuple(name for name in self.only if name != "torch_fsdp2")
         if self.strategy not in STRATEGIES:
             raise ValueError(f"--strategy must be one of {list(STRATEGIES)}, not {self.strategy!r}")
+        if self.profile_impl not in IMPLEMENTATIONS:
+            raise ValueError(f"--profile-impl must be one of {list(IMPLEMENTATIONS)}")
         if self.d_model % self.nhead:
             raise ValueError(f"--d-model {self.d_model} is not divisible by nhead {self.nhead}")
         if self.world_size < 1 or self.rounds < 1 or self.steps_per_round < 1 or self.warmup_steps < 1:
@@ -72,6 +78,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> BenchConfig:
     p.add_argument("--rounds", type=int, default=d.rounds, help="alternating rounds (median reported)")
     p.add_argument("--steps-per-round", type=int, default=d.steps_per_round)
     p.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
+    p.add_argument("--memory-steps", type=int, default=d.memory_steps, help="steps whose peak memory is taken (max)")
     p.add_argument("--checkpoint-reps", type=int, default=d.checkpoint_reps)
     p.add_argument("--strategy", default=d.strategy, choices=STRATEGIES)
     p.add_argument(
@@ -87,6 +94,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> BenchConfig:
         action="store_true",
         help="instead of the benchmark: run fsdp under torch.profiler and print the top ops",
     )
+    p.add_argument("--profile-impl", default=d.profile_impl, choices=IMPLEMENTATIONS, help="what --profile runs (default fsdp)")
     p.add_argument("--profile-steps", type=int, default=d.profile_steps)
     p.add_argument("--json", dest="json_out", default=None, help="also write the results as JSON here")
     p.add_argument("--timeout", type=float, default=d.timeout_s, help="seconds before the ranks are killed")
@@ -102,6 +110,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> BenchConfig:
         rounds=a.rounds,
         steps_per_round=a.steps_per_round,
         warmup_steps=a.warmup_steps,
+        memory_steps=a.memory_steps,
         checkpoint_reps=a.checkpoint_reps,
         strategy=a.strategy,
         only=tuple(s.strip() for s in a.only.split(",") if s.strip()),
@@ -110,6 +119,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> BenchConfig:
         memory=not a.no_memory,
         profile=a.profile,
         profile_steps=a.profile_steps,
+        profile_impl=a.profile_impl,
         json_out=a.json_out,
         timeout_s=a.timeout,
     )

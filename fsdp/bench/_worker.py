@@ -38,11 +38,12 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer, batch: tuple[torch.Tenso
 
 
 def _fsdp_api(name: str) -> tuple[Any, bool]:
-    """(the FSDP1 API module of ``name``, offload_to_cpu for its full state dicts).
+    """(the FSDP1 API module of ``name``, ``offload_to_cpu`` for its full model state dict).
 
-    torch FSDP1's full state dict with ``offload_to_cpu=True`` fails on a CPU-only setup, so
-    torch runs with ``offload_to_cpu=False`` (its values are still cloned); ours runs with the
-    usual ``offload_to_cpu=True``.
+    torch FSDP1's full model state dict with ``offload_to_cpu=True`` fails on a CPU-only setup
+    (``setStorage: ... out of bounds for storage of size 0``), so torch saves its model with
+    ``offload_to_cpu=False`` (its values are still cloned); ours uses the usual
+    ``offload_to_cpu=True``. The optimizer state dict uses ``offload_to_cpu=True`` for both.
     """
     if name == "fsdp":
         import fsdp
@@ -58,7 +59,7 @@ def _full_state_dict(name: str, model: nn.Module) -> Iterator[Any]:
         model,
         api.StateDictType.FULL_STATE_DICT,
         api.FullStateDictConfig(offload_to_cpu=offload, rank0_only=True),
-        api.FullOptimStateDictConfig(offload_to_cpu=offload, rank0_only=True),
+        api.FullOptimStateDictConfig(offload_to_cpu=True, rank0_only=True),
     ):
         yield api.FullyShardedDataParallel
 
@@ -85,8 +86,11 @@ def _memory_phase(cfg: BenchConfig, name: str) -> dict[str, Any]:
         batches = make_batches(cfg, dist.get_rank())
         for i in range(cfg.warmup_steps):
             _step(model, opt, batches[i % len(batches)])
+        # The peak moves a little from step to step (when gloo's threads finish a collective
+        # decides when its buffers die), so the window spans several steps.
         with trace.window("step"):
-            _step(model, opt, batches[0])
+            for i in range(cfg.memory_steps):
+                _step(model, opt, batches[i % len(batches)])
         if cfg.checkpoint and name in CHECKPOINTED:
             dist.barrier()
             with trace.window("save_model"):
@@ -152,17 +156,23 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         _save_optim(name, models[name], opts[name])
     for _ in range(cfg.checkpoint_reps if ckpt_names else 0):
         for name in ckpt_names:
-            out["checkpoint"][name]["model_s"].append(_timed(lambda: _save_model(name, models[name])))
-            out["checkpoint"][name]["optim_s"].append(_timed(lambda: _save_optim(name, models[name], opts[name])))
+            model, opt = models[name], opts[name]
+            out["checkpoint"][name]["model_s"].append(_timed(lambda n=name, m=model: _save_model(n, m)))
+            out["checkpoint"][name]["optim_s"].append(_timed(lambda n=name, m=model, o=opt: _save_optim(n, m, o)))
     dist.barrier()
     return out
 
 
 def run_profile(cfg: BenchConfig) -> dict[str, Any]:
-    """fsdp's steps under torch.profiler; rank 0 returns the top ops by self CPU time."""
+    """``cfg.profile_impl``'s (default fsdp) steps under torch.profiler; the top ops by self CPU time.
+
+    Waiting for a gloo collective is not an op of its own: it shows up as self time of the op
+    or autograd node that waits (e.g. ``AccumulateGrad``, whose post-accumulate hook
+    reduce-scatters, or the backward node whose pre-hook all-gathers).
+    """
     from torch.profiler import ProfilerActivity, profile
 
-    model = wrap("fsdp", cfg)
+    model = wrap(cfg.profile_impl, cfg)
     opt = make_optimizer(model)
     batches = make_batches(cfg, dist.get_rank())
     for i in range(cfg.warmup_steps):
@@ -193,9 +203,9 @@ def run_profile(cfg: BenchConfig) -> dict[str, Any]:
 
 def rank_entry(rank: int, cfg_dict: dict[str, Any], workdir: str) -> None:
     """Process entry point of rank ``rank``: joins the gloo group and writes ``rank<N>.json``."""
-    # torch's FSDP1 optimizer-state code warns on every call about gloo's default device;
-    # the benchmark's output should be its table.
-    warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.distributed\..*")
+    # torch's FSDP1 warns on every state-dict call (gloo's default device, the deprecation of
+    # state_dict_type); the benchmark's output should be its table.
+    warnings.filterwarnings("ignore", module=r"torch\.distributed\..*")
     cfg = BenchConfig(**{**cfg_dict, "only": tuple(cfg_dict["only"])})
     torch.set_num_threads(cfg.threads)
     dist.init_process_group(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -170,14 +171,23 @@ def _pre_backward_hook(state: UnitState, grad: torch.Tensor) -> torch.Tensor:
     return grad
 
 
-def _pre_accumulate_hook(handle: FlatParamHandle, grad: torch.Tensor) -> torch.Tensor:
+def _pre_accumulate_hook(handle_ref: "weakref.ref[FlatParamHandle]", grad: torch.Tensor) -> torch.Tensor:
     """Runs just before autograd accumulates into the FlatParameter: stash the old gradient."""
-    handle.stash_sharded_grad()
+    handle = handle_ref()
+    if handle is not None:
+        handle.stash_sharded_grad()
     return grad
 
 
-def _post_backward_hook(state: UnitState, handle: FlatParamHandle, flat_param: FlatParameter) -> None:
+def _post_backward_hook(
+    state_ref: "weakref.ref[UnitState]",
+    handle_ref: "weakref.ref[FlatParamHandle]",
+    flat_param: FlatParameter,
+) -> None:
     """Runs once a handle's unsharded gradient is accumulated: reduce it, then reshard."""
+    state, handle = state_ref(), handle_ref()
+    if state is None or handle is None:
+        return  # the model is being destroyed
     assert state.ctx is not None
     _queue_final_callback(state.ctx)
     p_assert(
@@ -196,13 +206,18 @@ def _post_backward_hook(state: UnitState, handle: FlatParamHandle, flat_param: F
 
 
 def register_flat_param_hooks(state: UnitState) -> None:
-    """Registers the gradient hooks on the unit's trainable FlatParameters (once)."""
+    """Registers the gradient hooks on the unit's trainable FlatParameters (once).
+
+    The hooks live in the FlatParameter's C++ autograd metadata, where Python's garbage
+    collector cannot see them: they hold only weak references to the handle and the state, so
+    ``del model`` frees the parameters (a strong reference would form an uncollectable cycle).
+    """
     for handle in state.handles:
         if not handle.flat_param.requires_grad:
             continue
-        handle.flat_param.register_hook(functools.partial(_pre_accumulate_hook, handle))
+        handle.flat_param.register_hook(functools.partial(_pre_accumulate_hook, weakref.ref(handle)))
         handle.flat_param.register_post_accumulate_grad_hook(
-            functools.partial(_post_backward_hook, state, handle)
+            functools.partial(_post_backward_hook, weakref.ref(state), weakref.ref(handle))
         )
 
 

@@ -1,0 +1,101 @@
+"""Smoke test of ``python -m fsdp.bench``: a tiny configuration runs end to end and reports
+every implementation, every ratio, finite positive numbers, and the minimum communication."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from torch import nn
+
+IMPLS = ("fsdp", "torch_fsdp1", "torch_fsdp2", "ddp", "local")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _minimum_full_shard_bytes(layers: int, d_model: int, world_size: int) -> int:
+    """FULL_SHARD minimum, computed here from the model itself (not from fsdp.bench)."""
+    layer = nn.TransformerEncoderLayer(d_model, 8, dim_feedforward=4 * d_model, batch_first=True)
+    layer_numel = sum(p.numel() for p in layer.parameters())
+    root_numel = 2 * d_model  # the final LayerNorm
+
+    def padded(n: int) -> int:
+        return -(-n // world_size) * world_size
+
+    all_gather = 2 * layers * padded(layer_numel) + padded(root_numel)  # layers twice, root once
+    reduce_scatter = (layers * padded(layer_numel) + padded(root_numel)) // world_size
+    return 4 * (all_gather + reduce_scatter)
+
+
+def _number(text: str) -> float:
+    return float(text.rstrip("x"))
+
+
+def test_bench_tiny_config(tmp_path: Path) -> None:
+    json_path = tmp_path / "bench.json"
+    cmd = [
+        sys.executable, "-m", "fsdp.bench",
+        "--world-size", "2", "--layers", "2", "--d-model", "32", "--batch", "2", "--seq", "8",
+        "--rounds", "1", "--steps-per-round", "2", "--checkpoint-reps", "1", "--timeout", "120",
+        "--json", str(json_path),
+    ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    start = time.monotonic()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180, check=False)
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert elapsed < 60, f"tiny benchmark took {elapsed:.0f} s"
+    out = proc.stdout
+
+    # The main table: one row per implementation, every number finite and positive (the local
+    # baseline communicates nothing, so its bytes and their ratio are 0).
+    table = out.split("\nimplementation ", 1)[1].split("\n\n", 1)[0]
+    rows = {}
+    for line in table.splitlines()[1:]:
+        fields = line.split()
+        assert len(fields) == 8, line
+        rows[fields[0]] = fields[1:]
+    assert set(rows) == set(IMPLS), out
+    for name, fields in rows.items():
+        values = [_number(f) for f in fields]  # "n/a" would fail here: every ratio is present
+        assert all(math.isfinite(v) for v in values), (name, fields)
+        positive = values if name != "local" else values[:5]
+        assert all(v > 0 for v in positive), (name, fields)
+    assert rows["torch_fsdp1"][1] == "1.00x" and rows["local"][2] == "1.00x"
+
+    # Checkpoint section: ours and torch FSDP1, times and ratios.
+    ckpt = {}
+    for line in out.split("checkpoint:", 1)[1].splitlines():
+        fields = line.split()
+        if fields and fields[0] in ("fsdp", "torch_fsdp1"):
+            ckpt[fields[0]] = fields
+    assert set(ckpt) == {"fsdp", "torch_fsdp1"}, out
+    for fields in ckpt.values():
+        nums = [_number(f) for f in fields[1:5]]
+        assert all(math.isfinite(v) and v > 0 for v in nums), fields
+        save = re.match(r"([\d.]+)x/([\d.]+)x", fields[5])
+        assert save and float(save.group(1)) > 0 and float(save.group(2)) > 0, fields
+
+    # Targets: every one reported, met or not.
+    for target in ("step time <= 0.80x torch FSDP1", "step time <= 1.15x local", "peak memory <= 0.75x",
+                   "full model state dict time <= 0.5x", "optim_state_dict time <= 0.5x", "bytes == the FULL_SHARD minimum"):
+        assert re.search(r"\[(met    |NOT MET)\] [^\n]*" + re.escape(target), out), target
+
+    # Ours communicates exactly the strategy's minimum.
+    minimum = _minimum_full_shard_bytes(layers=2, d_model=32, world_size=2)
+    m = re.search(r"comm fsdp\s+(\d+) bytes", out)
+    assert m and int(m.group(1)) == minimum, (m and m.group(1), minimum)
+    assert f"[met    ] bytes == the FULL_SHARD minimum: {minimum} vs minimum {minimum}" in out
+
+    summary = json.loads(json_path.read_text())["summary"]
+    assert summary["minimum_total_bytes"] == minimum
+    for name in IMPLS:
+        entry = summary["implementations"][name]
+        assert entry["step_s"] > 0 and math.isfinite(entry["step_s"])
+        assert all(b > 0 for b in entry["peak_bytes_per_rank"])
+    assert summary["implementations"]["fsdp"]["comm_bytes_per_rank"] == [minimum, minimum]
