@@ -375,8 +375,13 @@ class FlatParamHandle:
 
     # ------------------------------------------------------------------ views
     def _unsharded_views(self, source: torch.Tensor) -> list[torch.Tensor]:
-        unpadded = source[: self.unpadded_unsharded_numel] if self.uses_sharding else source
-        splits = torch.split(unpadded, [info.numel for info in self.param_infos])
+        # Split the whole (padded) tensor, the padding as a last chunk, rather than slicing off
+        # the padding first: the backward of a slice zero-fills a padded-size gradient and
+        # copies into it, while split's backward writes each gradient straight into place and
+        # zero-fills the padding only.
+        numels = [info.numel for info in self.param_infos]
+        padding = source.numel() - self.unpadded_unsharded_numel
+        splits = torch.split(source, numels + [padding] if padding else numels)
         return [split.view(info.shape) for split, info in zip(splits, self.param_infos)]
 
     def use_unsharded_views(self, as_params: bool = False) -> None:
