@@ -292,6 +292,8 @@ class FlatParamHandle:
         self._sharded_grad_stash: Optional[torch.Tensor] = None
         self._unsynced_unsharded_grad: Optional[torch.Tensor] = None
         self._pending_sharded_grad: Optional[torch.Tensor] = None
+        # (work, sharded output, unsharded input) of a reduce-scatter still in flight.
+        self._inflight: Optional[tuple[Any, torch.Tensor, torch.Tensor]] = None
 
         self._placeholders: Optional[list[_ShardedParamPlaceholder]] = None
         self.wrapped_module = wrapped_module
@@ -506,7 +508,11 @@ class FlatParamHandle:
             self.flat_param.grad = None
 
     def reduce_grad(
-        self, sync: bool, comm_hook: Optional[Callable[..., Any]] = None, comm_hook_state: Any = None
+        self,
+        sync: bool,
+        comm_hook: Optional[Callable[..., Any]] = None,
+        comm_hook_state: Any = None,
+        async_op: bool = False,
     ) -> None:
         """Reduces the unsharded gradient autograd just accumulated.
 
@@ -515,8 +521,12 @@ class FlatParamHandle:
         (all-reduced for NO_SHARD) and divided by the post-divide factor, which averages over
         ranks exactly as torch FSDP1 does.
 
+        With ``async_op`` (default reduction of a sharded handle) the reduce-scatter is only
+        launched: it overlaps the backward of the next units, and :meth:`wait_reduction`
+        completes it (see [Note: Overlapped gradient reduction] in docs/hook_order.md).
+
         Postcondition: ``.grad`` is None; the reduced sharded gradient waits in
-        ``_pending_sharded_grad`` until :meth:`finalize_grad`.
+        ``_pending_sharded_grad`` (or in flight) until :meth:`finalize_grad`.
         """
         unsharded_grad = self.flat_param.grad
         self.flat_param.grad = None
@@ -533,10 +543,38 @@ class FlatParamHandle:
         if not sync:
             self._unsynced_unsharded_grad = unsharded_grad
             return
+        if async_op and comm_hook is None and self.uses_sharding and self.replicate_world_size == 1:
+            p_assert(self._inflight is None, f"unit '{self.unit_name}': two reductions in flight")
+            if self.pre_divide > 1:
+                unsharded_grad.div_(self.pre_divide)
+            sharded_grad = torch.empty(
+                self.sharded_numel, dtype=unsharded_grad.dtype, device=unsharded_grad.device
+            )
+            work = comm.reduce_scatter_flat(
+                sharded_grad, unsharded_grad, self.process_group, async_op=True
+            )
+            # The unsharded gradient must stay alive until the collective has read it.
+            self._inflight = (work, sharded_grad, unsharded_grad)
+            return
         if comm_hook is not None:
             sharded_grad = self._reduce_with_hook(unsharded_grad, comm_hook, comm_hook_state)
         else:
             sharded_grad = self._reduce_default(unsharded_grad)
+        self._accumulate_reduced(sharded_grad)
+
+    def wait_reduction(self) -> None:
+        """Completes an in-flight reduce-scatter: wait, post-divide, accumulate. Else a no-op."""
+        if self._inflight is None:
+            return
+        work, sharded_grad, _unsharded_grad = self._inflight
+        self._inflight = None
+        if work is not None:
+            work.wait()
+        if self.post_divide > 1:
+            sharded_grad.div_(self.post_divide)
+        self._accumulate_reduced(sharded_grad)
+
+    def _accumulate_reduced(self, sharded_grad: torch.Tensor) -> None:
         if self.offload_params:
             # Copied back to pinned CPU memory; finalize_grad waits for it (end of backward).
             offloaded = torch.empty(sharded_grad.shape, dtype=sharded_grad.dtype, pin_memory=True)
@@ -581,6 +619,7 @@ class FlatParamHandle:
 
         Precondition: the FlatParameter holds its sharded data (or never shards).
         """
+        self.wait_reduction()
         if self.offload_params and self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # offloaded gradient copies
         pending, stash = self._pending_sharded_grad, self._sharded_grad_stash
@@ -700,6 +739,7 @@ class FlatParamHandle:
         Postcondition: sharded (if the handle shards), no pending reduction, ``.grad`` as it
         was before that backward.
         """
+        self.wait_reduction()  # never leave a collective in flight
         self._pending_sharded_grad = None
         grad = self.flat_param.grad
         if grad is not None and grad.shape != self._local_shard.shape:

@@ -26,20 +26,24 @@ def all_gather_flat(
 
 
 def reduce_scatter_flat(
-    output: torch.Tensor, input: torch.Tensor, group: Optional[dist.ProcessGroup]
-) -> None:
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: Optional[dist.ProcessGroup],
+    async_op: bool = False,
+) -> Optional[dist.Work]:
     """Sum-reduces ``input`` across ranks and leaves chunk ``rank`` of the result in ``output``.
 
     Example with world size 2: rank 0 passes ``[1, 2, 3, 4]`` and rank 1 ``[5, 6, 7, 8]``;
-    rank 0 receives ``[6, 8]`` and rank 1 ``[10, 12]``.
+    rank 0 receives ``[6, 8]`` and rank 1 ``[10, 12]``. With ``async_op`` it returns the
+    work handle to wait on (gloo runs it on its own thread, overlapping compute).
     """
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     if _needs_fp32(input, group):
         output_fp32 = torch.empty_like(output, dtype=torch.float32)
         fn(output_fp32, input.float(), group=group)
         output.copy_(output_fp32)
-        return
-    fn(output, input, group=group)
+        return None
+    return fn(output, input, group=group, async_op=async_op)
 
 
 def all_reduce_sum(tensor: torch.Tensor, group: Optional[dist.ProcessGroup]) -> None:

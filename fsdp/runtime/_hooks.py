@@ -82,6 +82,7 @@ def _recover_if_backward_interrupted(state: UnitState) -> None:
         "that backward produced.",
         stacklevel=4,
     )
+    ctx.inflight_reduction = None
     for unit in ctx.states:
         for handle in unit.handles:
             handle.abandon_backward()
@@ -196,7 +197,13 @@ def _post_backward_hook(
         f"(the pre-backward hook did not run)",
     )
     transition(state, TrainingState.BACKWARD_POST)
-    handle.reduce_grad(state.sync_gradients, state.comm_hook, state.comm_hook_state)
+    ctx = state.ctx
+    if ctx.inflight_reduction is not None:  # finish the previous unit's reduction first
+        ctx.inflight_reduction.wait_reduction()
+        ctx.inflight_reduction = None
+    handle.reduce_grad(state.sync_gradients, state.comm_hook, state.comm_hook_state, async_op=True)
+    if handle._inflight is not None:
+        ctx.inflight_reduction = handle
     if state.reshards_after_backward():
         # A frozen handle of the same unit was needed for this unit's backward only; it is
         # done now too (its gradient-less parameters fire no hook of their own).
@@ -227,6 +234,9 @@ def _final_callback(ctx: RootContext) -> None:
     Units whose gradient never arrived (unused outputs, frozen parameters) are resharded here,
     and keep ``.grad`` as it was.
     """
+    if ctx.inflight_reduction is not None:
+        ctx.inflight_reduction.wait_reduction()
+        ctx.inflight_reduction = None
     for state in ctx.states:
         for handle in state.handles:
             if handle.state is HandleState.UNSHARDED and state.reshards_after_backward():

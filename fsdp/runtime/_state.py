@@ -121,6 +121,7 @@ class RootContext:
         order_checked: The first iteration's execution-order check is done
             ([Note: Execution order check]).
         exec_order: The first iteration's order of gathers (unit index x phase).
+        inflight_reduction: The handle whose reduce-scatter is still running (at most one).
         state_dict_active: A ``state_dict()`` call of this tree is in progress.
         state_dict_done: Ids of state-dict values already finished by nested units.
     """
@@ -131,6 +132,7 @@ class RootContext:
     unit_index: dict[int, int] = field(default_factory=dict)
     order_checked: bool = False
     exec_order: list[int] = field(default_factory=list)
+    inflight_reduction: Optional["FlatParamHandle"] = None
     state_dict_active: bool = False
     state_dict_done: set[int] = field(default_factory=set)
 
