@@ -6,7 +6,7 @@ defaults so that a training script switches to ``fsdp`` by changing its imports 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum, auto
 from typing import Optional, Sequence, Type
 

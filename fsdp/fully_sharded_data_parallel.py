@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp._common import FSDP_PREFIX, FSDP_WRAPPED_MODULE, strip_fsdp_segments
+from fsdp._common import FSDP_WRAPPED_MODULE, strip_fsdp_segments
 from fsdp.api import (
     BackwardPrefetch,
     CPUOffload,

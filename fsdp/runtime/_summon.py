@@ -227,7 +227,7 @@ def summon_full_params(
     _validate_args(writeback, rank0_only, offload_to_cpu, with_grads)
     wrappers = _modules_to_summon(module, recurse)
     for top in _top_level_fsdp(module):
-        root = lazy_init(top)
+        lazy_init(top)
         check_idle(top, "summon_full_params()", allow_summon=True)
     with contextlib.ExitStack() as stack:
         for wrapper in wrappers:

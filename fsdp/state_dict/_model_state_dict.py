@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist

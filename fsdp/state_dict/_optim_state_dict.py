@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -36,7 +36,7 @@ from torch import nn
 
 from fsdp._common import clean_fqn
 from fsdp.api import OptimStateKeyType, ShardedOptimStateDictConfig, StateDictType
-from fsdp.flat_param.flat_param import FlatParameter, FlatParamHandle
+from fsdp.flat_param.flat_param import FlatParamHandle
 from fsdp.runtime import _collectives as comm
 from fsdp.runtime._lazy_init import check_idle, is_fsdp, unit_state
 
