@@ -18,6 +18,9 @@ setup(
     python_requires=">=3.10",
     # torch is pinned by the README / CI commands (``pip install torch==2.13.0`` first); the
     # range here is one that 2.13.0 satisfies (and the one we test) so that installing fsdp never pulls another build.
-    install_requires=["torch>=2.13", "typing-extensions>=4.0", "packaging>=21.0"],
+    # numpy: torch.distributed's object collectives and torch.distributed.checkpoint (used by
+    # the optimizer/sharded state dicts and the demo's checkpoints) need it at run time, and
+    # torch's wheel does not declare it.
+    install_requires=["torch>=2.13", "typing-extensions>=4.0", "packaging>=21.0", "numpy"],
     extras_require={"test": ["pytest>=7"]},
 )
