@@ -63,3 +63,19 @@ def local_rows(t: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def train_against_reference(models: list[nn.Module], steps: int = 3, lr: float = 0.01) -> None:
+    """AdamW steps: ``models[0]`` (single-process reference) on the global batch, the others
+    (FSDP-wrapped) on this rank's rows; same data per step for all."""
+    import torch.distributed as dist
+
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    opts = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=lr) for m in models]
+    for step in range(steps):
+        tokens, targets = global_batch(step, ws)
+        for i, (model, opt) in enumerate(zip(models, opts)):
+            x, y = (tokens, targets) if i == 0 else (local_rows(tokens, rank, ws), local_rows(targets, rank, ws))
+            lm_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()

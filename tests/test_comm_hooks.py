@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from tests._comm_count import count_collectives
 from tests._harness import RankPool
-from tests._models import Block, global_batch, lm_loss, local_rows, make_toy
+from tests._models import train_against_reference, global_batch, lm_loss, local_rows, make_toy
 from tests.test_parity import _full_params, _wrap
 
 
@@ -28,15 +26,7 @@ def _hook(lib: str, name: str) -> tuple[Any, Any]:
 
 def _train(models: list[Any], steps: int = 3) -> None:
     """models[0] is the single-process reference (global batch); the others see local rows."""
-    rank, ws = dist.get_rank(), dist.get_world_size()
-    opts = [torch.optim.AdamW(m.parameters(), lr=0.01) for m in models]
-    for step in range(steps):
-        tokens, targets = global_batch(step, ws)
-        for i, (model, opt) in enumerate(zip(models, opts)):
-            x, y = (tokens, targets) if i == 0 else (local_rows(tokens, rank, ws), local_rows(targets, rank, ws))
-            lm_loss(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
+    train_against_reference(models, steps, lr=0.01)
 
 
 def hook_parity(strategy: str, name: str, hook_lib: str) -> None:

@@ -5,7 +5,6 @@ run the case on CPU, with torch FSDP1.
 
 from __future__ import annotations
 
-import functools
 import zlib
 from typing import Any
 
@@ -15,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tests._harness import RankPool
-from tests._models import Block, ToyLM, global_batch, lm_loss, local_rows, make_toy
+from tests._models import train_against_reference, Block, ToyLM, make_toy
 from tests.test_parity import _full_params
 
 STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]
@@ -23,15 +22,7 @@ STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]
 
 def _train(models: list[nn.Module], steps: int = 3, lr: float = 0.05) -> None:
     """Trains models[0] on the global batch and the others on this rank's rows."""
-    rank, ws = dist.get_rank(), dist.get_world_size()
-    opts = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=lr) for m in models]
-    for step in range(steps):
-        tokens, targets = global_batch(step, ws)
-        for i, (model, opt) in enumerate(zip(models, opts)):
-            x, y = (tokens, targets) if i == 0 else (local_rows(tokens, rank, ws), local_rows(targets, rank, ws))
-            lm_loss(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
+    train_against_reference(models, steps, lr)
 
 
 def _assert_params(ours: nn.Module, expected: dict[str, torch.Tensor], exact: bool = False) -> None:
