@@ -41,17 +41,13 @@ from fsdp.init._validate import plan_units, validate_init_args
 from fsdp.runtime._clip_grad import clip_grad_norm_ as _clip_grad_norm
 from fsdp.runtime._hooks import register_flat_param_hooks, unit_forward
 from fsdp.runtime._lazy_init import check_idle, is_fsdp, lazy_init, reset_lazy_init, unit_state
+from fsdp.runtime._mixed_precision import cast_unit_buffers, refresh_cast_buffers
 from fsdp.runtime._state import TrainingState, UnitState
 from fsdp.runtime._summon import summon_full_params as _summon_full_params
 from fsdp.state_dict import _model_state_dict, _settings
+from fsdp.wrap import _apply_mixed_precision_overrides, _mixed_precision_classes
 
 __all__ = ["FullyShardedDataParallel"]
-
-
-def _not_yet(feature: str) -> NotImplementedError:
-    return NotImplementedError(
-        f"fsdp: {feature} is not implemented yet in fsdp; see the feature table in README.md."
-    )
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -72,9 +68,14 @@ class FullyShardedDataParallel(nn.Module):
             gradients on CPU between uses; the optimizer steps on CPU ([Note: CPU offload]).
         auto_wrap_policy: A policy from :mod:`fsdp.wrap` (or a callable with the functional
             policy signature) that picks nested units.
-        backward_prefetch: Accepted; prefetching is a scheduling choice that does not change
-            results (overlap is a planned feature).
-        mixed_precision: Not implemented yet (must be None).
+        backward_prefetch: When to launch the next unit's all-gather in backward:
+            BACKWARD_PRE (default; overlaps it with this unit's backward), BACKWARD_POST (after
+            this unit's gradient), or None. Results are the same; see [Note: Prefetch].
+        mixed_precision: ``MixedPrecision``: parameters gathered and used in ``param_dtype``,
+            gradients reduced in ``reduce_dtype``, buffers in ``buffer_dtype``; sharded
+            parameters, gradients and optimizer state stay in full precision (see
+            [Note: Mixed precision dtypes]). With an auto-wrap policy, modules of
+            ``_module_classes_to_ignore`` (BatchNorm) become full-precision units.
         ignored_modules: Modules whose parameters and buffers FSDP leaves alone (not sharded,
             not moved, not communicated).
         param_init_fn: Called on each module with meta-device states to materialize it (see
@@ -82,8 +83,8 @@ class FullyShardedDataParallel(nn.Module):
         device_id: The compute device (int = CUDA index, or a torch.device).
         sync_module_states: Broadcast parameters and buffers from rank 0 at construction
             (unit by unit; works on CPU too).
-        forward_prefetch: Accepted; see backward_prefetch.
-        limit_all_gathers: Accepted; see backward_prefetch.
+        forward_prefetch: Launch the next unit's forward all-gather before this unit computes.
+        limit_all_gathers: At most two prefetched all-gathers in flight.
         use_orig_params: Keep the original parameters registered (``named_parameters()``
             yields them, optimizer parameter groups work, frozen and trainable parameters may
             share a unit, and frozen ones cost no gradient memory).
@@ -147,6 +148,8 @@ class FullyShardedDataParallel(nn.Module):
             device_mesh=device_mesh,
         )
         plan = plan_units(module, auto_wrap_policy, root_kwargs, ignored_modules, ignored_states)
+        if auto_wrap_policy is not None and mixed_precision is not None:
+            _apply_mixed_precision_overrides(module, _mixed_precision_classes(root_kwargs))
 
         # 2. Materialize (meta) in pre-order and wrap nested units bottom-up, then this unit.
         super().__init__()
@@ -180,6 +183,7 @@ class FullyShardedDataParallel(nn.Module):
                     sync_module_states=sync_module_states,
                     use_orig_params=use_orig_params,
                     offload_params=bool(cpu_offload and cpu_offload.offload_params),
+                    mixed_precision=mixed_precision,
                 )
                 for handle_params in split_by_requires_grad(params, use_orig_params)
             ]
@@ -192,6 +196,13 @@ class FullyShardedDataParallel(nn.Module):
             sharding_strategy=strategy,
             compute_device=device,
             unit_name=type(module).__name__,
+            backward_prefetch=backward_prefetch,
+            forward_prefetch=forward_prefetch,
+            limit_all_gathers=limit_all_gathers,
+            mixed_precision=mixed_precision,
+            cast_buffers=cast_unit_buffers(
+                own_modules, mixed_precision.buffer_dtype if mixed_precision is not None else None
+            ),
         )
         for sub in module.modules():
             if is_fsdp(sub):
@@ -414,7 +425,9 @@ class FullyShardedDataParallel(nn.Module):
         changed. FULL loads need no communication; SHARDED values may be DTensors of any
         layout (e.g. from torch.distributed.checkpoint at another world size).
         """
-        return _model_state_dict.load_state_dict(self, dict(state_dict), strict, assign)
+        result = _model_state_dict.load_state_dict(self, dict(state_dict), strict, assign)
+        refresh_cast_buffers(self, [unit_state(m) for m in self.fsdp_modules(self)], state_dict)
+        return result
 
     def register_comm_hook(self, state: object, hook: Callable) -> None:
         """Replaces the gradient reduction of every unit with ``hook`` (root only, once).

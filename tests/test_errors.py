@@ -452,37 +452,45 @@ def test_tied_weights_in_two_units_wrapped_by_hand(pool2: RankPool) -> None:
     assert pool2.run(_tied_two_hand_wrapped_units) == [[], []]
 
 
-def _not_yet_kwargs(case: str) -> dict[str, Any]:
-    if case == "mixed_precision":
-        return {"mixed_precision": MixedPrecision(param_dtype=torch.float16)}
-    raise AssertionError(case)
-
-
-NOT_YET: dict[str, str] = {
-    "mixed_precision": r"fsdp: mixed_precision=MixedPrecision\(param_dtype=torch\.float16, .*\) is "
-    r"not supported yet \(mixed precision is a planned feature; see the feature table in "
-    r"README\.md\)\. Remove the argument to train without it\.",
+BAD_MIXED_PRECISION: dict[str, tuple[Any, type, str]] = {
+    "not_a_config": (
+        "bf16",
+        TypeError,
+        r"fsdp: mixed_precision must be a fsdp\.MixedPrecision \(or None\), got str without "
+        r"\['param_dtype', 'reduce_dtype', 'buffer_dtype', 'keep_low_precision_grads', "
+        r"'_module_classes_to_ignore'\]\.",
+    ),
+    "integer_param_dtype": (
+        MixedPrecision(param_dtype=torch.int64),
+        ValueError,
+        r"fsdp: MixedPrecision\.param_dtype must be a floating-point torch\.dtype or None, got "
+        r"torch\.int64\.",
+    ),
+    "string_reduce_dtype": (
+        MixedPrecision(reduce_dtype="bf16"),  # type: ignore[arg-type]
+        ValueError,
+        r"fsdp: MixedPrecision\.reduce_dtype must be a floating-point torch\.dtype or None, got "
+        r"'bf16'\.",
+    ),
 }
 
 
-def _not_yet_implemented(case: str) -> None:
+def _bad_mixed_precision(case: str) -> None:
     model = make_deep()
-    kwargs = _not_yet_kwargs(case)
+    value, error, message = BAD_MIXED_PRECISION[case]
     before = snapshot(model)
     expect_raises(
-        NotImplementedError,
-        NOT_YET[case],
-        lambda: FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}), **kwargs),
+        error, message, lambda: FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}), mixed_precision=value)
     )
     assert_unchanged(model, before)
-    expect_raises(NotImplementedError, NOT_YET[case], lambda: FSDP(model, **kwargs))
+    expect_raises(error, message, lambda: FSDP(model, mixed_precision=value))
     assert_unchanged(model, before)
     group_in_step()
 
 
-@pytest.mark.parametrize("case", list(NOT_YET))
-def test_not_yet_implemented_arguments(pool2: RankPool, case: str) -> None:
-    pool2.run(_not_yet_implemented, case)
+@pytest.mark.parametrize("case", list(BAD_MIXED_PRECISION))
+def test_bad_mixed_precision(pool2: RankPool, case: str) -> None:
+    pool2.run(_bad_mixed_precision, case)
 
 
 def _wrong_argument_types() -> None:

@@ -35,11 +35,13 @@ _KINDS = {
 
 
 class CommCounts:
-    """Number of calls and bytes moved (size of the output/in-place tensor) per collective kind."""
+    """Number of calls, bytes moved (size of the output/in-place tensor) and the dtypes that
+    travelled, per collective kind."""
 
     def __init__(self) -> None:
         self.calls: collections.Counter[str] = collections.Counter()
         self.bytes: collections.Counter[str] = collections.Counter()
+        self.dtypes: collections.defaultdict[str, set[Any]] = collections.defaultdict(set)
 
     def total_bytes(self) -> int:
         """Bytes of every collective kind together."""
@@ -65,6 +67,7 @@ def count_collectives() -> Iterator[CommCounts]:
                 first = args[0] if args else next(iter(kwargs.values()))
                 tensors = first if isinstance(first, (list, tuple)) else [first]
                 counts.bytes[_kind] += sum(t.numel() * t.element_size() for t in tensors if hasattr(t, "numel"))
+                counts.dtypes[_kind].update(t.dtype for t in tensors if hasattr(t, "dtype"))
             depth.level = level + 1
             try:
                 return _original(*args, **kwargs)

@@ -6,6 +6,7 @@ handle moves through and what memory each one holds.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from enum import Enum, auto
 from typing import Any, Callable, NamedTuple, Optional, Sequence
@@ -15,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp._common import FLAT_PARAM, p_assert
+from fsdp.flat_param._precision import HandlePrecision
 from fsdp.flat_param._sharding import (
     gradient_divide_factors,
     padded_unsharded_numel,
@@ -23,7 +25,14 @@ from fsdp.flat_param._sharding import (
 )
 from fsdp.runtime import _collectives as comm
 
-__all__ = ["FlatParameter", "FlatParamHandle", "HandleState", "ParamInfo", "SharedParamInfo"]
+__all__ = [
+    "FlatParameter",
+    "FlatParamHandle",
+    "HandleState",
+    "ParamInfo",
+    "SharedParamInfo",
+    "assign_grad",
+]
 
 # Set on an original Parameter once a handle has flattened it: (weakref to the handle, its name).
 FLATTENED_ATTR = "_fsdp_flattened_into"
@@ -80,14 +89,22 @@ class SharedParamInfo(NamedTuple):
 class HandleState(Enum):
     """What the FlatParameter's ``.data`` is, and so what memory the unit holds.
 
-    - ``SHARDED``: ``.data`` is the local shard; the padded unsharded storage has size 0; the
-      original parameter names on the modules hold placeholders that raise a clear error.
-    - ``UNSHARDED``: ``.data`` is the padded unsharded tensor (allocated, gathered); the names
-      are views into it.
+    - ``SHARDED``: ``.data`` is the local shard; every unsharded buffer's storage has size 0;
+      the original parameter names on the modules hold placeholders that raise a clear error
+      (NO_SHARD: full-precision views of the local shard, which is the whole parameter).
+    - ``UNSHARDED``: ``.data`` is the padded unsharded tensor in the compute dtype
+      (``param_dtype``; allocated, gathered); forward and backward use it.
+    - ``UNSHARDED_FULL_PRECISION``: ``.data`` is the padded unsharded tensor in full precision,
+      for summon_full_params and state dicts. Only a handle with low-precision parameters is
+      ever in this state; for the others full precision *is* the compute dtype (UNSHARDED).
+
+    A handle that never frees anything (NO_SHARD or world size 1, without mixed precision)
+    stays UNSHARDED: its local shard is the whole parameter in its only dtype.
     """
 
     SHARDED = auto()
     UNSHARDED = auto()
+    UNSHARDED_FULL_PRECISION = auto()
 
 
 class _ShardedParamPlaceholder(torch.Tensor):
@@ -151,6 +168,45 @@ _PLACEHOLDER_SAFE_FUNCS = {
 }
 
 
+class _PendingUnshard(NamedTuple):
+    """A launched all-gather: its work handle (CPU) or its completion event (CUDA), and the
+    input shard, kept alive until the collective has read it."""
+
+    work: Any
+    event: Any
+    shard: torch.Tensor
+
+
+def _on_stream(stream: Any, device: torch.device) -> Any:
+    """``torch.cuda.stream(stream)``, ordered after the current stream's work; else a no-op."""
+    if stream is None:
+        return contextlib.nullcontext()
+    stream.wait_stream(torch.cuda.current_stream(device))
+    return torch.cuda.stream(stream)
+
+
+def _record_event(stream: Any) -> Any:
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
+
+
+def assign_grad(param: nn.Parameter, grad: Optional[torch.Tensor]) -> None:
+    """``param.grad = grad``, also when ``grad`` is in a lower precision than ``param``.
+
+    autograd refuses a ``.grad`` of another dtype, so a low-precision gradient
+    (keep_low_precision_grads) goes in through ``.grad.data`` on a stand-in of the right dtype;
+    the stand-in has zero strides, so it costs one element.
+    """
+    if grad is None or grad.dtype == param.dtype:
+        param.grad = grad
+        return
+    param.grad = torch.empty_strided(
+        grad.shape, [0] * grad.dim(), dtype=param.dtype, device=grad.device
+    )
+    param.grad.data = grad
+
+
 def _set_module_tensor(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
     """Sets ``module.name`` to a plain tensor attribute (not a registered parameter)."""
     module._parameters.pop(name, None)
@@ -186,6 +242,8 @@ class FlatParamHandle:
             [Note: Original parameters] in docs/flat_param_lifecycle.md).
         offload_params: Keep the local shard and its gradient on CPU (pinned when the compute
             device is CUDA) between uses; see [Note: CPU offload].
+        mixed_precision: A ``MixedPrecision`` config or None (see [Note: Mixed precision
+            dtypes] in ``_precision.py``).
     """
 
     def __init__(
@@ -200,6 +258,7 @@ class FlatParamHandle:
         sync_module_states: bool = False,
         use_orig_params: bool = False,
         offload_params: bool = False,
+        mixed_precision: Optional[Any] = None,
     ) -> None:
         self.device = device
         self.process_group = process_group
@@ -233,6 +292,7 @@ class FlatParamHandle:
         for param, info in zip(unique_params, self.param_infos):
             setattr(param, FLATTENED_ATTR, (weakref.ref(self), info.fqn))
         self.dtype = unique_params[0].dtype
+        self.precision = HandlePrecision.resolve(mixed_precision, self.dtype)
         self.unpadded_unsharded_numel = sum(info.numel for info in self.param_infos)
         if self.uses_sharding:
             self.padded_unsharded_numel = padded_unsharded_numel(
@@ -278,22 +338,34 @@ class FlatParamHandle:
         requires_grad = unique_params[0].requires_grad
         self.flat_param = FlatParameter(local_shard, requires_grad=requires_grad)
         self._local_shard: torch.Tensor = self.flat_param.data
-        # Padded unsharded buffer: allocated once, its storage resized to 0 when freed so that
-        # views saved by autograd stay valid once it is refilled (see the design note).
-        self._padded_unsharded: Optional[torch.Tensor] = None
+        # Padded unsharded buffers: allocated once, their storage resized to 0 when freed so
+        # that views saved by autograd stay valid once refilled (see the design note). The
+        # full-precision one exists when the handle shards; the low-precision one (the compute
+        # copy for forward and backward) when parameters run in another dtype.
+        self._padded_unsharded_full: Optional[torch.Tensor] = None
+        self._padded_unsharded_low: Optional[torch.Tensor] = None
         if self.uses_sharding:
-            self._padded_unsharded = torch.empty(
-                self.padded_unsharded_numel, dtype=self.dtype, device=device
-            )
-            self._free_storage(self._padded_unsharded)
-        self.state = HandleState.UNSHARDED if not self.uses_sharding else HandleState.SHARDED
+            self._padded_unsharded_full = self._new_freed_buffer(self.dtype)
+        if self.precision.low_precision_params:
+            self._padded_unsharded_low = self._new_freed_buffer(self.precision.param_dtype)
+        # Whether the handle ever frees an unsharded copy (else it stays UNSHARDED for good).
+        self.has_unsharded_buffer = (
+            self._padded_unsharded_full is not None or self._padded_unsharded_low is not None
+        )
+        self.state = HandleState.SHARDED if self.has_unsharded_buffer else HandleState.UNSHARDED
 
         # Gradient bookkeeping (see [Note: Gradient flow] in docs/flat_param_lifecycle.md).
         self._sharded_grad_stash: Optional[torch.Tensor] = None
+        # NO_SHARD: an existing gradient the new one is added to *before* the reduction.
+        self._prior_grad_to_reduce: Optional[torch.Tensor] = None
         self._unsynced_unsharded_grad: Optional[torch.Tensor] = None
         self._pending_sharded_grad: Optional[torch.Tensor] = None
         # (work, sharded output, unsharded input) of a reduce-scatter still in flight.
         self._inflight: Optional[tuple[Any, torch.Tensor, torch.Tensor]] = None
+        # A prefetched all-gather not yet waited for (see [Note: Prefetch]).
+        self._pending_unshard: Optional[_PendingUnshard] = None
+        # CUDA: the side stream prefetched all-gathers run on (set at lazy init); None on CPU.
+        self.unshard_stream: Optional[Any] = None
 
         self._placeholders: Optional[list[_ShardedParamPlaceholder]] = None
         self.wrapped_module = wrapped_module
@@ -309,13 +381,18 @@ class FlatParamHandle:
         for shared in self.shared_param_infos:
             shared.module._parameters.pop(shared.param_name, None)
         wrapped_module.register_parameter(FLAT_PARAM, self.flat_param)
-        if self.uses_sharding:
+        if self.uses_sharding or self.has_unsharded_buffer:
             self.use_sharded_views()
         else:
             with torch.no_grad():
                 self.use_unsharded_views()
 
     # ------------------------------------------------------------------ storage
+    def _new_freed_buffer(self, dtype: torch.dtype) -> torch.Tensor:
+        buffer = torch.empty(self.padded_unsharded_numel, dtype=dtype, device=self.device)
+        self._free_storage(buffer)
+        return buffer
+
     @staticmethod
     def _free_storage(tensor: torch.Tensor) -> None:
         storage = tensor.untyped_storage()
@@ -329,49 +406,118 @@ class FlatParamHandle:
         if storage.size() != nbytes:
             storage.resize_(nbytes)
 
+    def _padded_unsharded_for(self, full_precision: bool) -> torch.Tensor:
+        """The padded unsharded tensor of the requested precision (its storage may be freed)."""
+        if not full_precision and self._padded_unsharded_low is not None:
+            return self._padded_unsharded_low
+        if self._padded_unsharded_full is not None:
+            return self._padded_unsharded_full
+        return self._local_shard  # never sharded: the local shard is the whole parameter
+
     @property
     def padded_unsharded(self) -> torch.Tensor:
-        """The padded unsharded flat tensor (its storage may be freed)."""
-        if self._padded_unsharded is None:
-            return self._local_shard
-        return self._padded_unsharded
+        """The padded unsharded flat tensor forward and backward use (storage may be freed)."""
+        return self._padded_unsharded_for(full_precision=False)
 
     def unsharded_storage_nbytes(self) -> int:
-        """Bytes the padded unsharded buffer holds right now (0 when freed)."""
-        return self.padded_unsharded.untyped_storage().nbytes()
+        """Bytes the padded unsharded buffers hold right now (0 when freed)."""
+        buffers = [self._padded_unsharded_full, self._padded_unsharded_low]
+        if not self.has_unsharded_buffer:
+            buffers = [self._local_shard]
+        return sum(b.untyped_storage().nbytes() for b in buffers if b is not None)
 
-    def unshard(self) -> None:
-        """All-gathers the shards into the padded unsharded tensor.
+    @property
+    def is_unsharded(self) -> bool:
+        """Whether ``.data`` is a padded unsharded tensor (of either precision)."""
+        return self.state is not HandleState.SHARDED
 
-        Postcondition: state is UNSHARDED and the FlatParameter's ``.data`` is the padded
-        unsharded tensor on the compute device. A no-op if already unsharded.
+    def unshard(self, full_precision: bool = False, async_op: bool = False) -> None:
+        """Makes the padded unsharded parameter the FlatParameter's ``.data``.
+
+        Args:
+            full_precision: Gather the full-precision values (summon_full_params, state dicts)
+                instead of the ``param_dtype`` copy forward and backward use.
+            async_op: Prefetch: only launch the all-gather (on CPU an asynchronous collective,
+                on CUDA on the unshard stream); the next plain ``unshard()`` waits for it.
+
+        Postcondition: state is UNSHARDED (UNSHARDED_FULL_PRECISION when ``full_precision`` and
+        the parameters run in low precision) with ``.data`` on the compute device, its values
+        valid unless ``async_op``. If already in that state only a pending prefetch is waited
+        for; a handle unsharded in the other precision is resharded first.
         """
-        if self.state is HandleState.UNSHARDED:
+        low = self.precision.low_precision_params and not full_precision
+        target = (
+            HandleState.UNSHARDED_FULL_PRECISION
+            if self.precision.low_precision_params and full_precision
+            else HandleState.UNSHARDED
+        )
+        if self.state is target:
+            if not async_op:
+                self.wait_unshard()
             return
-        padded_unsharded = self.padded_unsharded
-        self._alloc_storage(padded_unsharded)
-        shard = self._local_shard
-        if self.offload_params:
-            shard = shard.to(self.device, non_blocking=True)
-        comm.all_gather_flat(padded_unsharded, shard, self.process_group)
+        if self.state is not HandleState.SHARDED:
+            self.reshard()
+        padded_unsharded = self._padded_unsharded_for(full_precision)
+        if padded_unsharded is not self._local_shard:
+            stream = self.unshard_stream if async_op and self.uses_sharding else None
+            with _on_stream(stream, self.device):
+                self._alloc_storage(padded_unsharded)
+                shard = self._local_shard
+                if self.offload_params:
+                    shard = shard.to(self.device, non_blocking=True)
+                if low:
+                    # Cast the shard first so the gather moves param_dtype bytes (as torch FSDP1).
+                    shard = shard.to(self.precision.param_dtype)
+                if not self.uses_sharding:
+                    padded_unsharded.copy_(shard)
+                elif stream is not None:  # CUDA prefetch: ordered by an event
+                    comm.all_gather_flat(padded_unsharded, shard, self.process_group)
+                    self._pending_unshard = _PendingUnshard(None, _record_event(stream), shard)
+                elif async_op:
+                    work = comm.all_gather_flat(padded_unsharded, shard, self.process_group, async_op=True)
+                    self._pending_unshard = _PendingUnshard(work, None, shard)
+                else:
+                    comm.all_gather_flat(padded_unsharded, shard, self.process_group)
         self.flat_param.data = padded_unsharded
-        self.state = HandleState.UNSHARDED
+        self.state = target
+
+    @property
+    def unshard_pending(self) -> bool:
+        """A prefetched all-gather has been launched and not yet waited for."""
+        return self._pending_unshard is not None
+
+    def wait_unshard(self) -> None:
+        """Completes a prefetched all-gather (a no-op without one)."""
+        pending, self._pending_unshard = self._pending_unshard, None
+        if pending is None:
+            return
+        if pending.work is not None:
+            pending.work.wait()
+        if pending.event is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(pending.event)
+            # Allocated on the unshard stream, used on this one: keep it from being reused early.
+            self.flat_param.data.record_stream(current)
 
     def reshard(self) -> None:
-        """Frees the padded unsharded tensor and points every name at a placeholder.
+        """Frees the padded unsharded tensors and points every name at a placeholder.
 
-        Postcondition: state is SHARDED, ``.data`` is the local shard and the unsharded storage
-        has size 0. For a handle that never shards (NO_SHARD, world size 1) only the original
-        Parameters are registered back (use_orig_params).
+        Postcondition: state is SHARDED, ``.data`` is the local shard (full precision) and the
+        unsharded storages have size 0. For a handle that never frees anything (NO_SHARD or
+        world size 1 without mixed precision) only the original Parameters are registered back
+        (use_orig_params).
         """
-        if not self.uses_sharding:
+        if not self.has_unsharded_buffer:
             if self.use_orig_params:
                 self.use_sharded_views()  # registers the original Parameters back
             return
         if self.state is HandleState.SHARDED:
             return
+        self.wait_unshard()  # never free memory a collective is still writing
         self.flat_param.data = self._local_shard
-        self._free_storage(self.padded_unsharded)
+        for buffer in (self._padded_unsharded_full, self._padded_unsharded_low):
+            if buffer is not None:
+                self._free_storage(buffer)
         self.state = HandleState.SHARDED
         self.use_sharded_views()
 
@@ -397,7 +543,7 @@ class FlatParamHandle:
                 than as plain tensors (for forward).
         """
         p_assert(
-            self.state is HandleState.UNSHARDED,
+            self.is_unsharded,
             f"unit '{self.unit_name}': use_unsharded_views needs UNSHARDED, state is {self.state}",
         )
         views = self._unsharded_views(self.flat_param)
@@ -459,6 +605,16 @@ class FlatParamHandle:
             for shared in self.shared_param_infos:
                 _set_module_param(shared.module, shared.param_name, self._orig_params[shared.prim_index])
             return
+        if not self.uses_sharding:
+            # NO_SHARD with low-precision parameters at rest: the local shard is the whole
+            # parameter, so the names view it in full precision.
+            with torch.no_grad():
+                views = self._unsharded_views(self.flat_param)
+            for info, view in zip(self.param_infos, views):
+                _set_module_tensor(info.module, info.param_name, view)
+            for shared in self.shared_param_infos:
+                _set_module_tensor(shared.module, shared.param_name, views[shared.prim_index])
+            return
         if self._placeholders is None:  # made once: they hold no data and never change
             self._placeholders = [
                 _ShardedParamPlaceholder.make(self, info.fqn, info.module_name, self.dtype)
@@ -499,12 +655,19 @@ class FlatParamHandle:
         after the reduction (gradient accumulation without ``no_sync``).
         """
         grad = self.sync_flat_grad_from_orig()
+        if grad is not None and not self.uses_sharding:
+            # The existing gradient is already the whole (averaged) gradient: like torch FSDP1,
+            # add the new one to it and reduce the sum, in the existing gradient's dtype.
+            self._prior_grad_to_reduce = grad
+            self.flat_param.grad = None
+            return
         if grad is not None:
             p_assert(
                 self._sharded_grad_stash is None,
                 f"unit '{self.unit_name}': gradient stashed twice in one backward",
             )
-            self._sharded_grad_stash = grad
+            # keep_low_precision_grads: accumulate in full precision (as torch FSDP1 does).
+            self._sharded_grad_stash = grad.to(self.dtype)
             self.flat_param.grad = None
 
     def reduce_grad(
@@ -537,12 +700,17 @@ class FlatParamHandle:
             f"unit '{self.unit_name}': expected an unsharded gradient of "
             f"{self.padded_unsharded_numel} elements, got {unsharded_grad.numel()}",
         )
+        if self._prior_grad_to_reduce is not None:
+            unsharded_grad = self._prior_grad_to_reduce.add(unsharded_grad.to(self._prior_grad_to_reduce.dtype))
+            self._prior_grad_to_reduce = None
         if self._unsynced_unsharded_grad is not None:
             unsharded_grad = unsharded_grad + self._unsynced_unsharded_grad
             self._unsynced_unsharded_grad = None
         if not sync:
             self._unsynced_unsharded_grad = unsharded_grad
             return
+        if unsharded_grad.dtype != self.precision.reduce_dtype:
+            unsharded_grad = unsharded_grad.to(self.precision.reduce_dtype)
         if async_op and comm_hook is None and self.uses_sharding and self.replicate_world_size == 1:
             p_assert(self._inflight is None, f"unit '{self.unit_name}': two reductions in flight")
             if self.pre_divide > 1:
@@ -575,6 +743,13 @@ class FlatParamHandle:
         self._accumulate_reduced(sharded_grad)
 
     def _accumulate_reduced(self, sharded_grad: torch.Tensor) -> None:
+        """Adds a reduced (post-divided) gradient to this backward's pending sharded gradient.
+
+        The gradient is cast back to full precision first: accumulation, the stash and the
+        optimizer work on full-precision gradients (see [Note: Mixed precision dtypes]).
+        """
+        if sharded_grad.dtype != self.dtype:
+            sharded_grad = sharded_grad.to(self.dtype)
         if self.offload_params:
             # Copied back to pinned CPU memory; finalize_grad waits for it (end of backward).
             offloaded = torch.empty(sharded_grad.shape, dtype=sharded_grad.dtype, pin_memory=True)
@@ -627,16 +802,23 @@ class FlatParamHandle:
         self._sharded_grad_stash = None
         if pending is None and stash is None:
             return
-        if self.uses_sharding:
+        if self.has_unsharded_buffer:
             p_assert(
                 self.flat_param.data.data_ptr() == self._local_shard.data_ptr(),
                 f"unit '{self.unit_name}': finalize_grad while the FlatParameter is unsharded",
             )
         if pending is not None and stash is not None:
             stash.add_(pending)
-            self.flat_param.grad = stash
+            grad = stash
         else:
-            self.flat_param.grad = pending if pending is not None else stash
+            grad = pending if pending is not None else stash
+        self._set_sharded_grad(grad)
+
+    def _set_sharded_grad(self, grad: Optional[torch.Tensor]) -> None:
+        """Sets the FlatParameter's ``.grad`` (in ``grad_dtype``) and the original params' views."""
+        if grad is not None and grad.dtype != self.precision.grad_dtype:
+            grad = grad.to(self.precision.grad_dtype)
+        assign_grad(self.flat_param, grad)
         self.use_sharded_grad_views()
 
     def use_sharded_grad_views(self) -> None:
@@ -648,7 +830,7 @@ class FlatParamHandle:
             if grad is None or grad.shape != self._local_shard.shape or not param.requires_grad:
                 param.grad = None
             else:
-                param.grad = self._orig_sharded_view(grad, index)
+                assign_grad(param, self._orig_sharded_view(grad, index))
 
     def sync_flat_grad_from_orig(self) -> Optional[torch.Tensor]:
         """Makes the sharded flat gradient agree with the original Parameters' ``.grad``.
@@ -672,12 +854,11 @@ class FlatParamHandle:
             if self._orig_sharded_ranges[i][1] > 0
         ):
             return flat_grad
-        rebuilt = torch.zeros_like(self._local_shard)
+        rebuilt = torch.zeros_like(self._local_shard, dtype=self.precision.grad_dtype)
         for index, grad in enumerate(grads):
             if grad is not None and self._orig_sharded_ranges[index][1] > 0:
                 self._orig_sharded_view(rebuilt, index).copy_(grad.reshape(self._orig_sharded_view(rebuilt, index).shape))
-        self.flat_param.grad = rebuilt
-        self.use_sharded_grad_views()
+        self._set_sharded_grad(rebuilt)
         return rebuilt
 
     def writeback_orig_params(self) -> None:
@@ -729,7 +910,7 @@ class FlatParamHandle:
                 self._orig_params[index] = current
         if not changed:
             return
-        if self.uses_sharding and self.state is HandleState.UNSHARDED:
+        if self.has_unsharded_buffer and self.is_unsharded:
             self.reshard()  # the gathered copy is stale; the next unshard gathers the new values
         self.use_sharded_views()
 
@@ -744,11 +925,13 @@ class FlatParamHandle:
         grad = self.flat_param.grad
         if grad is not None and grad.shape != self._local_shard.shape:
             self.flat_param.grad = None  # an unreduced unsharded gradient
-        if self.uses_sharding:
+        if self.has_unsharded_buffer:
             self.reshard()
         stash, self._sharded_grad_stash = self._sharded_grad_stash, None
+        if self._prior_grad_to_reduce is not None:
+            stash, self._prior_grad_to_reduce = self._prior_grad_to_reduce, None
         if stash is not None:
-            self.flat_param.grad = stash
+            assign_grad(self.flat_param, stash.to(self.precision.grad_dtype))
         self.use_sharded_grad_views()
 
     def has_unsynced_grad(self) -> bool:

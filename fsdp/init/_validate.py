@@ -17,9 +17,11 @@ already flattened the parameter, construction fails with an error naming both pl
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional
 
+import torch
 from torch import nn
 
 from fsdp._common import clean_fqn
@@ -32,13 +34,6 @@ from fsdp.init._unit_params import (
     validate_unit_params,
 )
 from fsdp.runtime._lazy_init import is_fsdp, unit_state
-
-
-def _not_yet(argument: str, value: Any, feature: str) -> NotImplementedError:
-    return NotImplementedError(
-        f"fsdp: {argument}={value!r} is not supported yet ({feature} is a planned feature; see "
-        f"the feature table in README.md). Remove the argument to train without it."
-    )
 
 
 def validate_init_args(
@@ -75,9 +70,34 @@ def validate_init_args(
         raise TypeError(
             f"fsdp: backward_prefetch must be a BackwardPrefetch or None, got {backward_prefetch!r}"
         )
-    if mixed_precision is not None:
-        raise _not_yet("mixed_precision", mixed_precision, "mixed precision")
+    validate_mixed_precision(mixed_precision)
     validate_param_init_fn(param_init_fn)
+
+
+_MIXED_PRECISION_DTYPES = ("param_dtype", "reduce_dtype", "buffer_dtype")
+
+
+def validate_mixed_precision(mixed_precision: Any) -> None:
+    """``MixedPrecision`` (ours or torch's, duck-typed) with floating-point dtypes or None."""
+    if mixed_precision is None:
+        return
+    missing = [
+        name
+        for name in _MIXED_PRECISION_DTYPES + ("keep_low_precision_grads", "_module_classes_to_ignore")
+        if not hasattr(mixed_precision, name)
+    ]
+    if missing:
+        raise TypeError(
+            f"fsdp: mixed_precision must be a fsdp.MixedPrecision (or None), got "
+            f"{type(mixed_precision).__name__} without {missing}."
+        )
+    for name in _MIXED_PRECISION_DTYPES:
+        dtype = getattr(mixed_precision, name)
+        if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+            raise ValueError(
+                f"fsdp: MixedPrecision.{name} must be a floating-point torch.dtype or None, got "
+                f"{dtype!r}."
+            )
 
 
 def resolve_ignored(
@@ -162,20 +182,40 @@ def _policy_targets(
     if policy is None:
         return {}
     from fsdp.fully_sharded_data_parallel import FullyShardedDataParallel
-    from fsdp.wrap import _check_no_existing_wrappers, _Policy, _recursive_wrap
+    from fsdp.wrap import (
+        _check_no_existing_wrappers,
+        _mixed_precision_classes,
+        _or_class_policy,
+        _Policy,
+        _recursive_wrap,
+    )
 
     _check_no_existing_wrappers(module, FullyShardedDataParallel)
     child_kwargs = {**root_kwargs, "auto_wrap_policy": None}
+    # Modules mixed precision skips (BatchNorm by default) become units of their own with
+    # mixed_precision=None, as in torch FSDP1 (only under an auto-wrap policy).
+    full_precision_classes = _mixed_precision_classes(root_kwargs)
+
+    def kwargs_for(m: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
+        if full_precision_classes and isinstance(m, full_precision_classes):
+            return {**kwargs, "mixed_precision": None}
+        return kwargs
+
     if isinstance(policy, _Policy):
         picked = policy._run_policy(module, ignored_modules, dict(child_kwargs))
+        for m in module.modules():
+            if full_precision_classes and isinstance(m, full_precision_classes) and m not in ignored_modules:
+                picked.setdefault(m, dict(child_kwargs))
         order = [m for m in module.modules() if m in picked and m is not module][::-1]
-        return {m: {**picked[m], "auto_wrap_policy": None} for m in order}
+        return {m: kwargs_for(m, {**picked[m], "auto_wrap_policy": None}) for m in order}
     planned: dict[nn.Module, dict[str, Any]] = {}
 
     def record(m: nn.Module) -> nn.Module:
-        planned[m] = dict(child_kwargs)
+        planned[m] = kwargs_for(m, dict(child_kwargs))
         return m  # returning the module itself leaves the tree unchanged
 
+    if full_precision_classes:
+        policy = functools.partial(_or_class_policy, policy=policy, classes=full_precision_classes)
     _recursive_wrap(module, policy, record, ignored_modules, ignored_params, {}, is_root=True)
     return planned
 

@@ -12,17 +12,18 @@ import torch
 import torch.distributed as dist
 
 
-def _needs_fp32(tensor: torch.Tensor, group: Optional[dist.ProcessGroup]) -> bool:
-    """gloo cannot reduce bfloat16: such reductions run on fp32 copies of the bf16 values."""
-    return tensor.dtype == torch.bfloat16 and dist.get_backend(group) == "gloo"
-
-
 def all_gather_flat(
-    output: torch.Tensor, input: torch.Tensor, group: Optional[dist.ProcessGroup]
-) -> None:
-    """All-gathers equal-sized 1-D ``input`` shards into ``output`` (rank order)."""
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: Optional[dist.ProcessGroup],
+    async_op: bool = False,
+) -> Optional[dist.Work]:
+    """All-gathers equal-sized 1-D ``input`` shards into ``output`` (rank order).
+
+    With ``async_op`` it returns the work handle to wait on before ``output`` is read.
+    """
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(output, input, group=group)
+    return fn(output, input, group=group, async_op=async_op)
 
 
 def reduce_scatter_flat(
@@ -38,21 +39,11 @@ def reduce_scatter_flat(
     work handle to wait on (gloo runs it on its own thread, overlapping compute).
     """
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    if _needs_fp32(input, group):
-        output_fp32 = torch.empty_like(output, dtype=torch.float32)
-        fn(output_fp32, input.float(), group=group)
-        output.copy_(output_fp32)
-        return None
     return fn(output, input, group=group, async_op=async_op)
 
 
 def all_reduce_sum(tensor: torch.Tensor, group: Optional[dist.ProcessGroup]) -> None:
     """Sum-reduces ``tensor`` in place across ranks."""
-    if _needs_fp32(tensor, group):
-        tensor_fp32 = tensor.float()
-        dist.all_reduce(tensor_fp32, group=group)
-        tensor.copy_(tensor_fp32)
-        return
     dist.all_reduce(tensor, group=group)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from fsdp.runtime._prefetch import record_phase_orders
 from fsdp.runtime._state import RootContext, UnitState
 
 _PHASES = ("forward", "backward")
@@ -65,4 +66,7 @@ def _groups(ctx: RootContext) -> list[dist.ProcessGroup]:
 
 def finish_first_iteration(ctx: RootContext) -> None:
     """Called at the end of the first backward: the order is known; stop checking."""
+    if ctx.order_checked:
+        return
     ctx.order_checked = True
+    record_phase_orders(ctx)

@@ -15,9 +15,11 @@ from torch import nn
 from torch.autograd import Variable
 
 from fsdp._common import apply_to_tensors, eager_only, p_assert
-from fsdp.flat_param.flat_param import FlatParameter, FlatParamHandle, HandleState
+from fsdp.flat_param.flat_param import FlatParameter, FlatParamHandle
 from fsdp.runtime._exec_order import check_execution_order, finish_first_iteration
 from fsdp.runtime._lazy_init import lazy_init
+from fsdp.runtime._mixed_precision import cast_forward_inputs
+from fsdp.runtime._prefetch import prefetch_after, record_free_event
 from fsdp.runtime._state import RootContext, TrainingState, UnitState, transition
 
 
@@ -31,7 +33,8 @@ def unit_forward(wrapper: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     if state.is_root:
         _recover_if_backward_interrupted(state)
         args, kwargs = _root_pre_forward(state, args, kwargs)
-    elif _in_backward(state):
+    args, kwargs = cast_forward_inputs(state, args, kwargs)
+    if not state.is_root and _in_backward(state):
         # Activation checkpointing re-runs this unit's forward inside backward (see
         # [Note: Activation checkpointing] in docs/hook_order.md).
         _unshard_for_recompute(state)
@@ -114,6 +117,7 @@ def _pre_forward(state: UnitState) -> None:
     for handle in state.handles:
         handle.unshard()
         handle.use_unsharded_views()
+    prefetch_after(state, "forward")
 
 
 @eager_only  # FSDP bookkeeping runs eagerly; the module's own forward compiles
@@ -137,6 +141,7 @@ def _post_forward(state: UnitState, output: Any) -> Any:
     if not expects_backward or (state.reshards_after_forward and not state.is_root):
         for handle in state.handles:
             handle.reshard()
+        record_free_event(state)
     hook = functools.partial(_pre_backward_hook, state)
     for t in grad_outputs:
         t.register_hook(hook)
@@ -169,6 +174,7 @@ def _pre_backward_hook(state: UnitState, grad: torch.Tensor) -> torch.Tensor:
         # Names become views again (not placeholders): a checkpointed submodule of this unit
         # re-runs its forward during backward and reads them.
         handle.use_unsharded_views()
+    prefetch_after(state, "backward_pre")
     return grad
 
 
@@ -192,7 +198,7 @@ def _post_backward_hook(
     assert state.ctx is not None
     _queue_final_callback(state.ctx)
     p_assert(
-        handle.state is HandleState.UNSHARDED,
+        handle.is_unsharded,
         f"unit '{state.unit_name}': gradient arrived while the parameters are sharded "
         f"(the pre-backward hook did not run)",
     )
@@ -210,6 +216,8 @@ def _post_backward_hook(
         for unit_handle in state.handles:
             if unit_handle is handle or not unit_handle.flat_param.requires_grad:
                 unit_handle.reshard()
+        record_free_event(state)
+    prefetch_after(state, "backward_post")
 
 
 def register_flat_param_hooks(state: UnitState) -> None:
@@ -239,9 +247,9 @@ def _final_callback(ctx: RootContext) -> None:
         ctx.inflight_reduction = None
     for state in ctx.states:
         for handle in state.handles:
-            if handle.state is HandleState.UNSHARDED and state.reshards_after_backward():
+            if handle.is_unsharded and state.reshards_after_backward():
                 handle.reshard()
-            if handle.state is HandleState.SHARDED or not handle.uses_sharding:
+            if not handle.is_unsharded or not handle.has_unsharded_buffer:
                 handle.finalize_grad()
         state.ran_pre_backward = False
         state.training_state = TrainingState.IDLE

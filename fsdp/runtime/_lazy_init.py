@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Iterator
 
+import torch
 from torch import nn
 
 from fsdp._common import clean_fqn
@@ -55,6 +56,12 @@ def lazy_init(module: nn.Module) -> UnitState:
             handle.unit_name = unit.unit_name
         ctx.unit_index[id(unit)] = len(ctx.states)
         ctx.states.append(unit)
+    if state.compute_device.type == "cuda":
+        # Prefetched all-gathers run on one side stream ([Note: Prefetch]).
+        unshard_stream = torch.cuda.Stream(device=state.compute_device)
+        for unit in ctx.states:
+            for handle in unit.handles:
+                handle.unshard_stream = unshard_stream
     return state
 
 

@@ -14,10 +14,11 @@ import torch
 import torch.distributed as dist
 
 from fsdp._common import p_assert
-from fsdp.api import ShardingStrategy
+from fsdp.api import BackwardPrefetch, MixedPrecision, ShardingStrategy
 
 if TYPE_CHECKING:
     from fsdp.flat_param.flat_param import FlatParamHandle
+    from fsdp.runtime._mixed_precision import CastBuffer
 
 
 class TrainingState(Enum):
@@ -71,6 +72,12 @@ class UnitState:
             for root-only APIs).
         comm_hook: A registered communication hook replacing the gradient reduction, and
         comm_hook_state: the state passed to it.
+        backward_prefetch: When this unit launches the next unit's backward gather
+            ([Note: Prefetch]); None: never.
+        forward_prefetch: Whether it launches the next unit's forward gather.
+        limit_all_gathers: Cap prefetched gathers in flight at two.
+        mixed_precision: The unit's ``MixedPrecision`` config (None: full precision).
+        cast_buffers: The buffers mixed precision cast, with their full-precision values.
     """
 
     handles: list["FlatParamHandle"]
@@ -89,6 +96,11 @@ class UnitState:
     has_fsdp_parent: bool = False
     comm_hook: Optional[Callable[..., Any]] = None
     comm_hook_state: Any = None
+    backward_prefetch: Optional[BackwardPrefetch] = BackwardPrefetch.BACKWARD_PRE
+    forward_prefetch: bool = False
+    limit_all_gathers: bool = True
+    mixed_precision: Optional[MixedPrecision] = None
+    cast_buffers: list["CastBuffer"] = field(default_factory=list)
 
     @property
     def handle(self) -> Optional["FlatParamHandle"]:
@@ -124,6 +136,11 @@ class RootContext:
         inflight_reduction: The handle whose reduce-scatter is still running (at most one).
         state_dict_active: A ``state_dict()`` call of this tree is in progress.
         state_dict_done: Ids of state-dict values already finished by nested units.
+        forward_order, backward_order: The units in the order they first gathered in each
+            phase of the first iteration ([Note: Prefetch]).
+        free_events: CUDA, limit_all_gathers: events recorded where units were resharded,
+            oldest first ([Note: Prefetch]).
+        prefetches_issued: Prefetched all-gathers launched so far (for tests and profiling).
     """
 
     root: UnitState
@@ -135,6 +152,10 @@ class RootContext:
     inflight_reduction: Optional["FlatParamHandle"] = None
     state_dict_active: bool = False
     state_dict_done: set[int] = field(default_factory=set)
+    forward_order: list[UnitState] = field(default_factory=list)
+    backward_order: list[UnitState] = field(default_factory=list)
+    free_events: list[Any] = field(default_factory=list)
+    prefetches_issued: int = 0
 
 
 def transition(state: UnitState, new: TrainingState) -> None:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from fsdp._common import FLAT_PARAM
-from fsdp.flat_param.flat_param import FlatParamHandle, HandleState
+from fsdp.flat_param.flat_param import FlatParamHandle, HandleState, assign_grad
 from fsdp.runtime import _collectives as comm
 from fsdp.runtime._lazy_init import check_idle, is_fsdp, lazy_init, named_fsdp_states, unit_state
 from fsdp.runtime._state import TrainingState, UnitState, transition
@@ -91,11 +91,12 @@ def _summon_handle(
     offload_to_cpu: bool,
     with_grads: bool,
 ) -> Iterator[None]:
-    was_sharded = handle.state is HandleState.SHARDED
+    handle.writeback_orig_params()
+    state_before = handle.state
+    was_sharded = state_before is HandleState.SHARDED
     try:
-        handle.writeback_orig_params()
         handle.sync_flat_grad_from_orig()
-        handle.unshard()
+        handle.unshard(full_precision=True)  # the parameters' own dtype, not param_dtype
         full_grad = _gather_grad(handle) if with_grads else None
         if rank0_only and rank != 0:
             # Other ranks took part in the collectives but keep only their shards.
@@ -121,7 +122,7 @@ def _summon_handle(
         else:
             params = [nn.Parameter(v, requires_grad=flat.requires_grad) for v in views]
         for param, grad_view in zip(params, handle.unsharded_views(full_grad) if full_grad is not None else []):
-            param.grad = grad_view
+            assign_grad(param, grad_view)
         if full_grad is None:
             for param in params:
                 param.grad = None
@@ -140,11 +141,21 @@ def _summon_handle(
     finally:
         if was_sharded:
             handle.reshard()
-        elif handle.use_orig_params:
-            handle.use_sharded_views()
-        elif handle.state is HandleState.UNSHARDED:
-            handle.use_unsharded_views()
+        else:
+            if handle.state is not state_before:
+                # Unsharded in param_dtype before (the root between forward and backward):
+                # gather that copy again; autograd's saved views see the same storage refilled.
+                handle.unshard(full_precision=state_before is HandleState.UNSHARDED_FULL_PRECISION)
+            _restore_names(handle)
         handle.use_sharded_grad_views()  # use_orig_params: grads were replaced inside
+
+
+def _restore_names(handle: FlatParamHandle) -> None:
+    """Points the names of a handle that stays unsharded back at what forward expects."""
+    if handle.use_orig_params:
+        handle.use_sharded_views()
+    elif handle.is_unsharded:
+        handle.use_unsharded_views()
 
 
 def _gather_grad(handle: FlatParamHandle) -> Optional[torch.Tensor]:

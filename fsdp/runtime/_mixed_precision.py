@@ -1,0 +1,137 @@
+"""Mixed precision outside the flat parameter: forward inputs and buffers.
+
+Parameters and gradients change dtype inside :class:`~fsdp.flat_param.FlatParamHandle` (see
+[Note: Mixed precision dtypes] in ``fsdp/flat_param/_precision.py``). This file does the rest:
+
+- **Forward inputs**: the root casts floating-point inputs to ``param_dtype``
+  (``cast_root_forward_inputs``, on by default); with ``cast_forward_inputs`` every unit that
+  owns parameters casts its own inputs too. Integer tensors (token ids) are left alone.
+- **Buffers**: with ``buffer_dtype``, each unit's buffers are cast once, at construction.
+
+[Note: Full-precision buffers in state dicts]
+Casting a buffer to bf16 rounds it. torch FSDP1 saves that rounded value, upcast, so a model
+saved after wrapping no longer holds the values it was built with (a positional table, a
+constant scale). fsdp keeps the full-precision value of every buffer it casts and state dicts
+return it as long as the buffer still holds its cast (``full.to(low) == buffer``); a buffer
+that forward updated since (running statistics kept in low precision) is saved upcast, like
+torch. Loading a state dict refreshes the kept values from it, so save -> load -> save gives
+back the same full-precision numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Mapping, Optional
+
+import torch
+from torch import nn
+
+from fsdp._common import apply_to_tensors, clean_fqn
+
+if TYPE_CHECKING:
+    from fsdp.runtime._state import UnitState
+
+__all__ = [
+    "CastBuffer",
+    "cast_forward_inputs",
+    "cast_unit_buffers",
+    "refresh_cast_buffers",
+]
+
+
+def cast_forward_inputs(
+    state: "UnitState", args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Casts floating-point forward inputs to the unit's ``param_dtype`` where configured."""
+    mixed_precision = state.mixed_precision
+    if mixed_precision is None or mixed_precision.param_dtype is None:
+        return args, kwargs
+    by_root = bool(state.is_root) and mixed_precision.cast_root_forward_inputs
+    by_unit = mixed_precision.cast_forward_inputs and bool(state.handles)
+    if not (by_root or by_unit):
+        return args, kwargs
+    dtype: torch.dtype = mixed_precision.param_dtype
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype) if torch.is_floating_point(t) and t.dtype != dtype else t
+
+    return apply_to_tensors(cast, args), apply_to_tensors(cast, kwargs)
+
+
+@dataclass
+class CastBuffer:
+    """A buffer mixed precision cast: where it lives and its full-precision value.
+
+    Attributes:
+        module: The module the buffer is registered on.
+        name: Its name there.
+        full_value: The value in the original dtype (see [Note: Full-precision buffers in
+            state dicts]).
+    """
+
+    module: nn.Module
+    name: str
+    full_value: torch.Tensor
+
+    def state_dict_value(self) -> torch.Tensor:
+        """The value a state dict holds: the kept full-precision value while still current."""
+        current = self.module._buffers[self.name]
+        assert current is not None
+        if torch.equal(self.full_value.to(current.dtype), current):
+            return self.full_value.clone()
+        return current.detach().to(self.full_value.dtype)
+
+
+def cast_unit_buffers(modules: list[nn.Module], buffer_dtype: Optional[torch.dtype]) -> list[CastBuffer]:
+    """Casts the floating-point buffers of ``modules`` to ``buffer_dtype``; returns the records.
+
+    Each module with a cast buffer gets a state-dict post-hook that puts the full-precision
+    value back in its state dicts.
+    """
+    if buffer_dtype is None:
+        return []
+    records: list[CastBuffer] = []
+    for module in modules:
+        own: list[CastBuffer] = []
+        for name, buffer in module._buffers.items():
+            if buffer is None or not torch.is_floating_point(buffer) or buffer.dtype == buffer_dtype:
+                continue
+            own.append(CastBuffer(module, name, buffer.detach().clone()))
+            buffer.data = buffer.data.to(buffer_dtype)
+        if own:
+            module.register_state_dict_post_hook(_restore_hook(own))
+            records.extend(own)
+    return records
+
+
+def _restore_hook(records: list[CastBuffer]) -> Any:
+    def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        for record in records:
+            key = prefix + record.name
+            if key in state_dict:
+                state_dict[key] = record.state_dict_value()
+
+    return hook
+
+
+def refresh_cast_buffers(
+    root: nn.Module, states: list["UnitState"], state_dict: Mapping[str, Any]
+) -> None:
+    """After a successful load: the loaded values become the kept full-precision values."""
+    records = [record for state in states for record in state.cast_buffers]
+    if not records:
+        return
+    names = {id(module): name for name, module in root.named_modules()}
+    by_clean_key = {clean_fqn(key): value for key, value in state_dict.items()}
+    for record in records:
+        module_name = names.get(id(record.module))
+        if module_name is None:
+            continue
+        key = clean_fqn(f"{module_name}.{record.name}" if module_name else record.name)
+        value = by_clean_key.get(key)
+        if isinstance(value, torch.Tensor) and value.shape == record.full_value.shape:
+            full = getattr(value, "full_tensor", None)
+            value = full() if callable(full) else value
+            record.full_value = value.detach().to(
+                device=record.full_value.device, dtype=record.full_value.dtype
+            ).clone()

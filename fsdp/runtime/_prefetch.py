@@ -1,0 +1,117 @@
+"""Prefetching: launch the next unit's all-gather while this unit computes.
+
+[Note: Prefetch]
+The first iteration records the order in which units gather, in forward and in backward (the
+execution-order check, [Note: Execution order check]). From the second iteration on, a unit
+may launch the *next* unit's all-gather before it computes, so the gather overlaps its
+computation instead of running between the two:
+
+- ``backward_prefetch=BACKWARD_PRE`` (default): in a unit's pre-backward hook, right after its
+  own gather, launch the gather of the unit whose backward comes next. Two units are unsharded
+  at once during backward.
+- ``BACKWARD_POST``: launch it in the post-backward hook, once this unit's gradient is computed
+  and its parameters freed (lower peak memory, less overlap).
+- ``forward_prefetch=True``: in a unit's pre-forward, launch the next unit's forward gather.
+
+On CPU the launch is an asynchronous collective (``async_op=True``): gloo runs it on its own
+thread while this rank computes. On CUDA it runs on a separate unshard stream, and the compute
+stream waits on an event only when the prefetched unit starts (torch FSDP1's design). Either
+way the prefetched unit's ``unshard()`` waits for it, and resharding never frees memory a
+collective is still writing.
+
+``limit_all_gathers=True`` (CUDA): the CPU thread runs ahead of the GPU, and a buffer that a
+prefetched (side-stream) gather filled can only be reused once the compute stream is past its
+last use, so without a limit a fast CPU could keep allocating fresh buffers for gathers of
+units far ahead. Each reshard of such a buffer records an event; before launching a prefetch
+the CPU waits for the oldest event while two or more are outstanding, so at most two freed
+buffers are still pending reuse. On CPU execution is eager (each free happens when the thread
+gets there) and a prefetch is always consumed by the very next unit, so nothing needs limiting.
+
+Prefetching only changes *when* collectives run, never which ones or their order on a rank (all
+ranks follow the same recorded order), so results are bit-identical with and without it.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from fsdp.api import BackwardPrefetch
+from fsdp.runtime._state import RootContext, UnitState
+
+__all__ = ["MAX_INFLIGHT_UNSHARDS", "prefetch_after", "record_free_event", "record_phase_orders"]
+
+# limit_all_gathers: freed side-stream buffers that may await reuse at once (CUDA).
+MAX_INFLIGHT_UNSHARDS = 2
+
+_FORWARD, _BACKWARD = 0, 1
+
+
+def record_phase_orders(ctx: RootContext) -> None:
+    """Splits the first iteration's recorded order into the forward and backward unit orders."""
+    ctx.forward_order = _first_occurrences(ctx, _FORWARD)
+    ctx.backward_order = _first_occurrences(ctx, _BACKWARD)
+
+
+def _first_occurrences(ctx: RootContext, phase: int) -> list[UnitState]:
+    seen: set[int] = set()
+    order: list[UnitState] = []
+    for code in ctx.exec_order:
+        index, code_phase = divmod(code, 2)
+        if code_phase == phase and index not in seen:
+            seen.add(index)
+            order.append(ctx.states[index])
+    return order
+
+
+def _next_unit(ctx: RootContext, state: UnitState, order: list[UnitState]) -> Optional[UnitState]:
+    for position, unit in enumerate(order):
+        if unit is state:
+            return order[position + 1] if position + 1 < len(order) else None
+    return None
+
+
+def prefetch_after(state: UnitState, moment: str) -> None:
+    """Launches the gather of the unit that follows ``state``, if its settings ask for it now.
+
+    Args:
+        state: The unit that is about to compute (``"forward"``, ``"backward_pre"``) or has just
+            finished its backward (``"backward_post"``).
+        moment: Which hook calls.
+    """
+    ctx = state.ctx
+    if ctx is None or not ctx.order_checked:
+        return  # the order is known from the second iteration on
+    if moment == "forward":
+        if not state.forward_prefetch:
+            return
+        order = ctx.forward_order
+    else:
+        wanted = BackwardPrefetch.BACKWARD_PRE if moment == "backward_pre" else BackwardPrefetch.BACKWARD_POST
+        if state.backward_prefetch is not wanted:
+            return
+        order = ctx.backward_order
+    target = _next_unit(ctx, state, order)
+    if target is None or (moment != "forward" and target.ran_pre_backward):
+        return  # (a unit whose backward already ran is done, whatever the recorded order says)
+    for handle in target.handles:
+        if handle.is_unsharded or not handle.has_unsharded_buffer:
+            continue
+        if state.limit_all_gathers:
+            while len(ctx.free_events) >= MAX_INFLIGHT_UNSHARDS:
+                ctx.free_events.pop(0).synchronize()  # the oldest first
+        handle.unshard(async_op=True)
+        ctx.prefetches_issued += 1
+
+
+def record_free_event(state: UnitState) -> None:
+    """CUDA: marks where the compute stream is done with a unit's prefetched buffers."""
+    ctx = state.ctx
+    if ctx is None or state.compute_device.type != "cuda" or not state.limit_all_gathers:
+        return
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(state.compute_device))
+    ctx.free_events.append(event)
+    # Events on one stream complete in order: waiting for a newer one covers the older ones.
+    del ctx.free_events[:-MAX_INFLIGHT_UNSHARDS]
