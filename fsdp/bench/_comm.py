@@ -48,6 +48,26 @@ class CommCounts:
         return int(sum(self.bytes.values()))
 
 
+def _counting(original: Any, kind: str, counts: CommCounts, depth: threading.local) -> Any:
+    """``original``, counting its outermost calls (nested collectives are not counted again)."""
+
+    def patched(*args: Any, **kwargs: Any) -> Any:
+        level = getattr(depth, "level", 0)
+        if level == 0:
+            counts.calls[kind] += 1
+            first = args[0] if args else next(iter(kwargs.values()))
+            tensors = first if isinstance(first, (list, tuple)) else [first]
+            counts.bytes[kind] += sum(t.numel() * t.element_size() for t in tensors if hasattr(t, "numel"))
+            counts.dtypes[kind].update(t.dtype for t in tensors if hasattr(t, "dtype"))
+        depth.level = level + 1
+        try:
+            return original(*args, **kwargs)
+        finally:
+            depth.level = level
+
+    return patched
+
+
 @contextlib.contextmanager
 def count_collectives() -> Iterator[CommCounts]:
     """Counts the outermost collective calls made inside the context (aliases not double counted)."""
@@ -60,23 +80,20 @@ def count_collectives() -> Iterator[CommCounts]:
         original = getattr(dist, name)
         originals[name] = original
 
-        def patched(*args: Any, _original: Any = original, _kind: str = kind, **kwargs: Any) -> Any:
-            level = getattr(depth, "level", 0)
-            if level == 0:
-                counts.calls[_kind] += 1
-                first = args[0] if args else next(iter(kwargs.values()))
-                tensors = first if isinstance(first, (list, tuple)) else [first]
-                counts.bytes[_kind] += sum(t.numel() * t.element_size() for t in tensors if hasattr(t, "numel"))
-                counts.dtypes[_kind].update(t.dtype for t in tensors if hasattr(t, "dtype"))
-            depth.level = level + 1
-            try:
-                return _original(*args, **kwargs)
-            finally:
-                depth.level = level
+        setattr(dist, name, _counting(original, kind, counts, depth))
+    # fsdp's own flat collectives may run as point-to-point exchanges on gloo: count them as
+    # the collectives they are (the torch.distributed calls inside are then not counted).
+    from fsdp.runtime import _collectives as fsdp_comm
 
-        setattr(dist, name, patched)
+    fsdp_originals: dict[str, Any] = {}
+    for name, kind in (("all_gather_flat", "all_gather"), ("reduce_scatter_flat", "reduce_scatter")):
+        original = getattr(fsdp_comm, name)
+        fsdp_originals[name] = original
+        setattr(fsdp_comm, name, _counting(original, kind, counts, depth))
     try:
         yield counts
     finally:
         for name, original in originals.items():
             setattr(dist, name, original)
+        for name, original in fsdp_originals.items():
+            setattr(fsdp_comm, name, original)

@@ -1,7 +1,9 @@
 """Every collective ``fsdp`` issues goes through this file.
 
 One place to count, trace, or swap communication. Functions look ``torch.distributed`` up at
-call time, so tests that patch ``torch.distributed.<collective>`` see every call.
+call time, so tests that patch ``torch.distributed.<collective>`` see every call. On gloo
+(CPU) the flat all-gather and the two-rank reduce-scatter run as point-to-point exchanges
+([Note: Point-to-point collectives on gloo] in ``_p2p.py``); counters count these functions.
 """
 
 from __future__ import annotations
@@ -11,17 +13,21 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from fsdp.runtime._p2p import P2PWork, all_gather_p2p, reduce_scatter_p2p, uses_p2p
+
 
 def all_gather_flat(
     output: torch.Tensor,
     input: torch.Tensor,
     group: Optional[dist.ProcessGroup],
     async_op: bool = False,
-) -> Optional[dist.Work]:
+) -> Optional[Any]:
     """All-gathers equal-sized 1-D ``input`` shards into ``output`` (rank order).
 
     With ``async_op`` it returns the work handle to wait on before ``output`` is read.
     """
+    if uses_p2p(input, group) and dist.get_world_size(group) > 1:
+        return _complete_unless_async(all_gather_p2p(output, input, group), async_op)
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return fn(output, input, group=group, async_op=async_op)
 
@@ -31,15 +37,24 @@ def reduce_scatter_flat(
     input: torch.Tensor,
     group: Optional[dist.ProcessGroup],
     async_op: bool = False,
-) -> Optional[dist.Work]:
+) -> Optional[Any]:
     """Sum-reduces ``input`` across ranks and leaves chunk ``rank`` of the result in ``output``.
 
     Example with world size 2: rank 0 passes ``[1, 2, 3, 4]`` and rank 1 ``[5, 6, 7, 8]``;
     rank 0 receives ``[6, 8]`` and rank 1 ``[10, 12]``. With ``async_op`` it returns the
     work handle to wait on (gloo runs it on its own thread, overlapping compute).
     """
+    if uses_p2p(input, group) and dist.get_world_size(group) == 2:
+        return _complete_unless_async(reduce_scatter_p2p(output, input, group), async_op)
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return fn(output, input, group=group, async_op=async_op)
+
+
+def _complete_unless_async(work: P2PWork, async_op: bool) -> Optional[Any]:
+    if async_op:
+        return work
+    work.wait()
+    return None
 
 
 def all_reduce_sum(tensor: torch.Tensor, group: Optional[dist.ProcessGroup]) -> None:

@@ -1,0 +1,105 @@
+"""All-gather and reduce-scatter from ``torch.distributed`` point-to-point ops, for gloo.
+
+[Note: Point-to-point collectives on gloo]
+On CPU ranks gloo's ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` are slow for
+FSDP's message sizes: measured on the 2-core benchmark machine with a 12.6 MB unit at world
+size 2, the all-gather takes 13.8 ms and the reduce-scatter 20 ms (more than a whole
+all-reduce, 17 ms), while the same exchange written as ``isend``/``irecv`` pairs takes 6.3 ms
+and 8.3 ms. The point-to-point form moves exactly the strategy's minimum (each rank sends its
+shard, resp. each other rank's chunk, once), receives straight into place (no staging copy),
+and runs asynchronously like any other collective. It is built from ``torch.distributed``'s
+own ``isend``/``irecv`` over the same process group: no other transport.
+
+Numerics: an all-gather only moves bytes, so it is exact at every world size. A reduce-scatter
+adds, and at world size 2 the single addition ``a + b`` is the same whatever the order, so the
+result is bit-identical to gloo's (and to torch FSDP1's). Beyond two ranks gloo's summation
+order depends on its internal segmentation; to keep results bit-identical to torch, larger
+groups use gloo's reduce-scatter.
+
+Matching: each kind uses its own tag, and every rank issues its collectives in the same
+program order, so the k-th message from rank a to rank b of a kind always pairs with the k-th
+receive b posts for it, even with several collectives in flight.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["P2PWork", "all_gather_p2p", "reduce_scatter_p2p", "uses_p2p"]
+
+_ALL_GATHER_TAG = 7301
+_REDUCE_SCATTER_TAG = 7302
+
+
+def uses_p2p(tensor: torch.Tensor, group: Optional[dist.ProcessGroup]) -> bool:
+    """Whether collectives on ``tensor`` over ``group`` take the point-to-point form (gloo, CPU)."""
+    return tensor.device.type == "cpu" and dist.get_backend(group) == "gloo"
+
+
+class P2PWork:
+    """A work handle over point-to-point requests; ``finish`` runs once they all completed."""
+
+    def __init__(self, requests: list[Any], finish: Optional[Callable[[], None]] = None) -> None:
+        self._requests = requests
+        self._finish = finish
+
+    def wait(self) -> bool:
+        for request in self._requests:
+            request.wait()
+        self._requests = []
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            finish()
+        return True
+
+
+def _global_rank(group: Optional[dist.ProcessGroup], group_rank: int) -> int:
+    return dist.get_global_rank(group if group is not None else dist.group.WORLD, group_rank)
+
+
+def all_gather_p2p(
+    output: torch.Tensor, input: torch.Tensor, group: Optional[dist.ProcessGroup]
+) -> P2PWork:
+    """Launches an all-gather of equal 1-D shards into ``output``; returns its work handle."""
+    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+    numel = input.numel()
+    requests: list[Any] = []
+    for peer in range(world_size):
+        if peer == rank:
+            continue
+        peer_global = _global_rank(group, peer)
+        requests.append(dist.isend(input, peer_global, group=group, tag=_ALL_GATHER_TAG))
+        requests.append(
+            dist.irecv(output[peer * numel : (peer + 1) * numel], peer_global, group=group, tag=_ALL_GATHER_TAG)
+        )
+    output[rank * numel : (rank + 1) * numel].copy_(input)
+    return P2PWork(requests)
+
+
+def reduce_scatter_p2p(
+    output: torch.Tensor, input: torch.Tensor, group: Optional[dist.ProcessGroup]
+) -> P2PWork:
+    """Launches a two-rank sum reduce-scatter of ``input`` into ``output``; returns its handle.
+
+    Each rank sends the other its chunk of ``input`` and adds the chunk it receives to its own
+    when the handle is waited for.
+    """
+    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+    assert world_size == 2, "point-to-point reduce-scatter is bit-identical to gloo's only for 2 ranks"
+    numel = output.numel()
+    peer = 1 - rank
+    peer_global = _global_rank(group, peer)
+    received = torch.empty_like(output)
+    requests = [
+        dist.isend(input[peer * numel : (peer + 1) * numel], peer_global, group=group, tag=_REDUCE_SCATTER_TAG),
+        dist.irecv(received, peer_global, group=group, tag=_REDUCE_SCATTER_TAG),
+    ]
+    own = input[rank * numel : (rank + 1) * numel]
+
+    def finish() -> None:
+        torch.add(own, received, out=output)
+
+    return P2PWork(requests, finish)
