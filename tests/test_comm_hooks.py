@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests._comm_count import count_collectives
 from tests._harness import RankPool
 from tests._models import train_against_reference, global_batch, lm_loss, local_rows, make_toy
 from tests.test_parity import _full_params, _wrap
@@ -110,19 +111,10 @@ def fp16_travels_in_fp16() -> None:
     model = _wrap("ours", make_toy(), "FULL_SHARD", "module")
     model.register_comm_hook(*_hook("ours", "fp16"))
     tokens, targets = global_batch(0, ws)
-    dtypes: list[torch.dtype] = []
-    fn = dist.reduce_scatter_single
-
-    def spy(output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        dtypes.append(input.dtype)
-        return fn(output, input, *args, **kwargs)
-
-    dist.reduce_scatter_single = spy  # type: ignore[assignment]
-    try:
+    with count_collectives() as counts:
         lm_loss(model(local_rows(tokens, rank, ws)), local_rows(targets, rank, ws)).backward()
-    finally:
-        dist.reduce_scatter_single = fn  # type: ignore[assignment]
-    assert dtypes == [torch.float16] * 4
+    assert counts.calls["reduce_scatter"] == 4
+    assert counts.dtypes["reduce_scatter"] == {torch.float16}
 
 
 def test_fp16_hook_communicates_fp16(pool2: RankPool) -> None:

@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from fsdp import FullyShardedDataParallel as FSDP
+from tests._comm_count import count_collectives
 from tests._harness import RankPool
 from tests._net import (
     LR,
@@ -73,23 +74,9 @@ def _unsharded_units(model: FSDP) -> list[str]:
 def _count_grad_collectives() -> Iterator[dict[str, int]]:
     """Counts reduce-scatter and all-reduce calls (the gradient collectives) while active."""
     counts = {"reduce": 0}
-    names = [n for n in ("reduce_scatter_single", "reduce_scatter_tensor", "all_reduce") if hasattr(dist, n)]
-    originals = {n: getattr(dist, n) for n in names}
-
-    def wrap(fn):
-        def counted(*args, **kwargs):
-            counts["reduce"] += 1
-            return fn(*args, **kwargs)
-
-        return counted
-
-    for n in names:
-        setattr(dist, n, wrap(originals[n]))
-    try:
+    with count_collectives() as collectives:
         yield counts
-    finally:
-        for n, fn in originals.items():
-            setattr(dist, n, fn)
+    counts["reduce"] = collectives.calls["reduce_scatter"] + collectives.calls["all_reduce"]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -271,8 +271,45 @@ def _rank0_only_and_offload() -> None:
         _assert_osd_equal(o1.state_dict(), before, "optimizer after mutating the saved copy")
 
 
-def test_rank0_only_and_offload_configs_match_torch(pool2: RankPool) -> None:
-    pool2.run(_rank0_only_and_offload)
+@pytest.mark.parametrize("dist_pool", [2, 4], indirect=True)
+def test_rank0_only_and_offload_configs_match_torch(dist_pool: RankPool) -> None:
+    dist_pool.run(_rank0_only_and_offload)
+
+
+def _hybrid_rank0_only() -> None:
+    """HYBRID_SHARD (shard in pairs): rank0_only gathers only within rank 0's pair."""
+    from fsdp import FullOptimStateDictConfig, FullyShardedDataParallel as FSDP, ShardingStrategy, StateDictType
+    from torch.distributed.fsdp import FullOptimStateDictConfig as TFOC, FullyShardedDataParallel as TorchFSDP
+    from torch.distributed.fsdp import StateDictType as TSDT
+
+    from tests.test_hybrid_shard import _layouts
+
+    mesh = _layouts()["mesh"]
+    for uop in (False, True):
+        pairs = []
+        for lib in ("ours", "torch"):
+            m, w = _lib(lib)
+            kwargs: dict[str, Any] = {"device_id": torch.device("cpu")} if lib == "torch" else {}
+            model = m.FullyShardedDataParallel(
+                make_toy(), auto_wrap_policy=w.ModuleWrapPolicy({Block}), use_orig_params=uop,
+                sharding_strategy=m.ShardingStrategy.HYBRID_SHARD, **mesh, **kwargs,
+            )
+            opt = _optim("adam", model, uop)
+            _train(model, opt, range(2))
+            pairs.append((model, opt))
+        (m1, o1), (m2, o2) = pairs
+        assert m1._fsdp_state.sharding_strategy is ShardingStrategy.HYBRID_SHARD
+        for rank0_only in (False, True):
+            with FSDP.state_dict_type(m1, StateDictType.FULL_STATE_DICT, None, FullOptimStateDictConfig(rank0_only=rank0_only)):
+                ours = FSDP.optim_state_dict(m1, o1)
+            with TorchFSDP.state_dict_type(m2, TSDT.FULL_STATE_DICT, None, TFOC(offload_to_cpu=not uop, rank0_only=rank0_only)):
+                theirs = TorchFSDP.optim_state_dict(m2, o2)
+            _assert_osd_equal(ours, theirs, f"hybrid uop={uop} rank0_only={rank0_only}", exact=not uop)
+            assert (ours == {}) == (rank0_only and dist.get_rank() != 0)
+
+
+def test_hybrid_rank0_only_matches_torch(pool4: RankPool) -> None:
+    pool4.run(_hybrid_rank0_only)
 
 
 # ----------------------------------------------------------------------------- loading

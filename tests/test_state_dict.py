@@ -66,16 +66,21 @@ def full_parity(strategy: str, orig: bool) -> None:
         assert torch.equal(mine[key], torchs[key]), key
         torch.testing.assert_close(mine[key], plain[key], rtol=5e-5, atol=5e-6, msg=key)
     before = {k: v.clone() for k, v in mine.items()}
-    _train([ours], range(2, 3))
+    _train([ours, theirs], range(2, 3))
     assert all(torch.equal(before[k], mine[k]) for k in mine), "state dict values are owned copies"
     rank = dist.get_rank()
     with FSDP.state_dict_type(ours, StateDictType.FULL_STATE_DICT, FullStateDictConfig(offload_to_cpu=True, rank0_only=True)):
         r0 = ours.state_dict()
     with TorchFSDP.state_dict_type(theirs, TorchType.FULL_STATE_DICT, TorchCfg(offload_to_cpu=False, rank0_only=True)):
         t0 = theirs.state_dict()
+    now = ours.state_dict()  # every rank (a collective)
     if rank == 0:
         assert list(r0) == list(plain) and all(v.device.type == "cpu" for v in r0.values())
-    else:
+        assert all(torch.equal(r0[k], t0[k]) and torch.equal(r0[k], now[k]) for k in r0)
+        for value in r0.values():  # owned: changing what was returned changes nothing else
+            value.add_(1000.0)
+    assert all(torch.equal(v, now[k]) for k, v in ours.state_dict().items())
+    if rank != 0:
         assert r0 == {}
         # torch FSDP1 ignores rank0_only for NO_SHARD (it warns and returns everything).
         assert t0 == {} or strategy == "NO_SHARD"
@@ -104,33 +109,121 @@ def test_full_state_dict(dist_pool: RankPool, strategy: str, orig: bool) -> None
     dist_pool.run(full_parity, strategy, orig)
 
 
-def rank0_only_memory() -> list[int]:
-    """Ranks other than 0 never hold more than one unit unsharded during a rank0_only save."""
+def rank0_only_memory() -> dict[str, Any]:
+    """What a rank0_only save gathers where, and rank 1's extra memory while saving.
+
+    Each unit is gathered once, straight into a tensor of the result on rank 0; the other
+    ranks send their shards and never hold an unsharded unit (the bound that matters: at most
+    one, see [Note: State dict gathers]).
+    """
+    import fsdp.state_dict._model_state_dict as model_sd
     from fsdp import FullStateDictConfig, FullyShardedDataParallel as FSDP, StateDictType
+    from fsdp.bench._memory import MemoryTrace
     from fsdp.flat_param.flat_param import FlatParamHandle
 
     model = _ours("FULL_SHARD")
+    _train([model], range(1))
     handles = [h for m in FSDP.fsdp_modules(model) for h in m._fsdp_state.handles]
-    peaks: list[int] = []
-    original = FlatParamHandle.unshard
+    unsharded: list[int] = []  # handles holding unsharded storage, at every unshard and gather
+    received: list[bool] = []  # per gather: whether this rank got the full tensor
+    original_unshard, original_gather = FlatParamHandle.unshard, model_sd.gather
 
-    def spy(self: FlatParamHandle) -> None:
-        original(self)
-        peaks.append(sum(h.unsharded_storage_nbytes() > 0 for h in handles))
+    def unshard_spy(self: FlatParamHandle) -> None:
+        original_unshard(self)
+        unsharded.append(sum(h.unsharded_storage_nbytes() > 0 for h in handles))
 
-    FlatParamHandle.unshard = spy  # type: ignore[method-assign]
+    def gather_spy(*args: Any, **kwargs: Any) -> Any:
+        out = original_gather(*args, **kwargs)
+        received.append(out is not None)
+        unsharded.append(sum(h.unsharded_storage_nbytes() > 0 for h in handles))
+        return out
+
+    FlatParamHandle.unshard = unshard_spy  # type: ignore[method-assign]
+    model_sd.gather = gather_spy  # type: ignore[assignment]
     try:
-        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=True, offload_to_cpu=True)):
-            model.state_dict()
+        with MemoryTrace() as trace, trace.window("save"):
+            with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=True, offload_to_cpu=True)):
+                sd = model.state_dict()
+            del sd
     finally:
-        FlatParamHandle.unshard = original  # type: ignore[method-assign]
+        FlatParamHandle.unshard = original_unshard  # type: ignore[method-assign]
+        model_sd.gather = original_gather  # type: ignore[assignment]
     assert all(h.unsharded_storage_nbytes() == 0 for h in handles)
-    return peaks
+    return {
+        "unsharded": unsharded,
+        "received": received,
+        "save_extra_bytes": trace.peaks["save"] - trace.starts["save"],
+        "unit_bytes": max(h.padded_unsharded_numel * h.flat_param.element_size() for h in handles),
+    }
 
 
 def test_rank0_only_holds_one_unit_at_a_time(pool2: RankPool) -> None:
-    peaks = pool2.run(rank0_only_memory)
-    assert max(peaks[1]) == 1 and len(peaks[1]) == 4
+    rank0, rank1 = pool2.run(rank0_only_memory)
+    assert max(rank1["unsharded"], default=0) <= 1
+    assert rank0["received"] == [True] * 4 and rank1["received"] == [False] * 4  # each unit once
+    assert rank1["save_extra_bytes"] <= rank1["unit_bytes"], rank1
+
+
+def tied_and_keep_vars(rank0_only: bool) -> None:
+    """Tied weights (one unit holds both names) and keep_vars, against torch FSDP1."""
+    from fsdp import FullStateDictConfig, FullyShardedDataParallel as FSDP, StateDictType
+    from torch.distributed.fsdp import FullStateDictConfig as TorchCfg
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+    from torch.distributed.fsdp import StateDictType as TorchType
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchPolicy
+
+    ours = _ours(tie=True)
+    theirs = TorchFSDP(make_toy(tie=True), auto_wrap_policy=TorchPolicy({Block}), device_id=torch.device("cpu"))
+    ref = make_toy(tie=True)
+    _train([ref, ours, theirs], range(2))
+    with FSDP.state_dict_type(ours, StateDictType.FULL_STATE_DICT, FullStateDictConfig(offload_to_cpu=True, rank0_only=rank0_only)):
+        mine, mine_vars = ours.state_dict(), ours.state_dict(keep_vars=True)
+    with TorchFSDP.state_dict_type(theirs, TorchType.FULL_STATE_DICT, TorchCfg(offload_to_cpu=False, rank0_only=rank0_only)):
+        torchs = theirs.state_dict()
+    if rank0_only and dist.get_rank() != 0:
+        assert mine == {} and mine_vars == {} and torchs == {}
+        return
+    assert list(mine) == list(torchs) == list(ref.state_dict()) == list(mine_vars)
+    assert torch.equal(mine["head.weight"], mine["embed.weight"])
+    for key in mine:
+        assert torch.equal(mine[key], torchs[key]) and torch.equal(mine_vars[key], mine[key]), key
+        assert not isinstance(mine_vars[key], nn.Parameter), key
+
+
+@pytest.mark.parametrize("rank0_only", [False, True])
+@pytest.mark.parametrize("dist_pool", [2, 4], indirect=True)
+def test_tied_weights_and_keep_vars(dist_pool: RankPool, rank0_only: bool) -> None:
+    dist_pool.run(tied_and_keep_vars, rank0_only)
+
+
+def hybrid_full_state_dict(rank0_only: bool) -> None:
+    """HYBRID_SHARD (shard in pairs): the same full state dict as torch FSDP1 on every rank."""
+    from fsdp import FullStateDictConfig, FullyShardedDataParallel as FSDP, ShardingStrategy, StateDictType
+    from fsdp.wrap import ModuleWrapPolicy
+    from torch.distributed.fsdp import FullStateDictConfig as TorchCfg
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+    from torch.distributed.fsdp import ShardingStrategy as TS
+    from torch.distributed.fsdp import StateDictType as TorchType
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchPolicy
+
+    from tests.test_hybrid_shard import _layouts
+
+    mesh = _layouts()["mesh"]
+    ours = FSDP(make_toy(), auto_wrap_policy=ModuleWrapPolicy({Block}), sharding_strategy=ShardingStrategy.HYBRID_SHARD, **mesh)
+    theirs = TorchFSDP(make_toy(), auto_wrap_policy=TorchPolicy({Block}), sharding_strategy=TS.HYBRID_SHARD, device_id=torch.device("cpu"), **mesh)
+    _train([ours, theirs], range(2))
+    with FSDP.state_dict_type(ours, StateDictType.FULL_STATE_DICT, FullStateDictConfig(offload_to_cpu=True, rank0_only=rank0_only)):
+        mine = ours.state_dict()
+    with TorchFSDP.state_dict_type(theirs, TorchType.FULL_STATE_DICT, TorchCfg(offload_to_cpu=False, rank0_only=rank0_only)):
+        torchs = theirs.state_dict()
+    assert list(mine) == list(torchs)
+    assert all(torch.equal(mine[k], torchs[k]) for k in mine)
+    assert (mine != {}) == (not rank0_only or dist.get_rank() == 0 or dist.get_rank(ours._fsdp_state.process_group) == 0)
+
+
+@pytest.mark.parametrize("rank0_only", [False, True])
+def test_hybrid_full_state_dict(pool4: RankPool, rank0_only: bool) -> None:
+    pool4.run(hybrid_full_state_dict, rank0_only)
 
 
 def resume(strategy: str, kind: str, directory: str, phase: str, save_ws: int = 0) -> None:

@@ -6,10 +6,12 @@ import argparse
 import dataclasses
 from typing import Optional, Sequence
 
-__all__ = ["IMPLEMENTATIONS", "STRATEGIES", "BenchConfig", "parse_args"]
+__all__ = ["IMPLEMENTATIONS", "STRATEGIES", "CHECKPOINTED", "BenchConfig", "parse_args"]
 
 #: Every implementation, in report order. ``fsdp`` is ours; the ratios are against ``torch_fsdp1``.
 IMPLEMENTATIONS = ("fsdp", "torch_fsdp1", "torch_fsdp2", "ddp", "local")
+#: Implementations with an FSDP1-style full state dict / optim_state_dict API.
+CHECKPOINTED = ("fsdp", "torch_fsdp1")
 #: Sharding strategies the benchmark knows the minimum communication of.
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
 
@@ -34,6 +36,7 @@ class BenchConfig:
     only: tuple[str, ...] = IMPLEMENTATIONS
     threads: int = 1
     checkpoint: bool = True
+    checkpoint_only: bool = False
     memory: bool = True
     profile: bool = False
     profile_steps: int = 3
@@ -48,6 +51,12 @@ class BenchConfig:
         if unknown:
             raise ValueError(f"unknown implementation(s) {unknown}; choose from {list(IMPLEMENTATIONS)}")
         self.only = tuple(name for name in IMPLEMENTATIONS if name in self.only)
+        if self.checkpoint_only:
+            if not self.checkpoint:
+                raise ValueError("--checkpoint-only and --no-checkpoint contradict each other")
+            self.only = tuple(name for name in self.only if name in CHECKPOINTED)
+            if not self.only:
+                raise ValueError(f"--checkpoint-only needs one of {list(CHECKPOINTED)} in --only")
         if self.strategy == "NO_SHARD":  # FSDP2 has no unsharded mode (that is DDP / replicate)
             self.only = tuple(name for name in self.only if name != "torch_fsdp2")
         if self.strategy not in STRATEGIES:
@@ -88,6 +97,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> BenchConfig:
     )
     p.add_argument("--threads", type=int, default=d.threads, help="torch.set_num_threads per rank")
     p.add_argument("--no-checkpoint", action="store_true", help="skip the checkpoint section")
+    p.add_argument(
+        "--checkpoint-only",
+        action="store_true",
+        help="only the checkpoint section (fsdp and torch_fsdp1, after the warm-up steps): no "
+        "step-time rounds, no communication count; with the memory phase unless --no-memory",
+    )
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory phase")
     p.add_argument(
         "--profile",
@@ -116,6 +131,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> BenchConfig:
         only=tuple(s.strip() for s in a.only.split(",") if s.strip()),
         threads=a.threads,
         checkpoint=not a.no_checkpoint,
+        checkpoint_only=a.checkpoint_only,
         memory=not a.no_memory,
         profile=a.profile,
         profile_steps=a.profile_steps,

@@ -21,6 +21,9 @@ TARGETS = (
     ("optim_sd_vs_fsdp1", "optim_state_dict time <= 0.5x torch FSDP1", 0.50),
 )
 
+#: The targets ``--checkpoint-only`` measures.
+CHECKPOINT_TARGETS = ("model_sd_vs_fsdp1", "optim_sd_vs_fsdp1")
+
 
 def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
     if a is None or b is None or b == 0:
@@ -39,7 +42,7 @@ def summarize(cfg: BenchConfig, ranks: list[dict[str, Any]]) -> dict[str, Any]:
     root, layers = unit_numels(cfg)
     minimum = minimum_bytes(cfg)
     impls: dict[str, dict[str, Any]] = {}
-    for name in cfg.only:
+    for name in () if cfg.checkpoint_only else cfg.only:
         per_round = [max(r["step_s"][name][i] for r in ranks) for i in range(cfg.rounds)]
         entry: dict[str, Any] = {"step_s": statistics.median(per_round), "step_s_rounds": per_round}
         if cfg.memory:
@@ -96,6 +99,7 @@ def summarize(cfg: BenchConfig, ranks: list[dict[str, Any]]) -> dict[str, Any]:
         {"key": key, "description": desc, "threshold": thr, "value": values[key],
          "met": None if values[key] is None else values[key] <= thr}
         for key, desc, thr in TARGETS
+        if not cfg.checkpoint_only or key in CHECKPOINT_TARGETS
     ]
     if "fsdp" in impls:
         comm_ok = impls["fsdp"]["comm_bytes_by_kind"] == minimum
@@ -117,12 +121,18 @@ def _x(value: Optional[float]) -> str:
     return "n/a" if value is None or not math.isfinite(value) else f"{value:.2f}x"
 
 
-def format_report(cfg: BenchConfig, s: dict[str, Any]) -> str:
-    lines = [
+def _header(cfg: BenchConfig, s: dict[str, Any]) -> str:
+    return (
         f"fsdp.bench: world size {cfg.world_size} (local CPU ranks, gloo, {cfg.threads} thread/rank), "
         f"{cfg.layers} x TransformerEncoderLayer(d_model={cfg.d_model}, nhead={cfg.nhead}, "
         f"ff={cfg.dim_feedforward}) + LayerNorm, {s['params'] / 1e6:.2f}M params, "
-        f"per-rank batch {cfg.batch} x seq {cfg.seq}, AdamW, {cfg.strategy}",
+        f"per-rank batch {cfg.batch} x seq {cfg.seq}, AdamW, {cfg.strategy}"
+    )
+
+
+def _step_lines(cfg: BenchConfig, s: dict[str, Any]) -> list[str]:
+    """The step time / peak memory / bytes table and the communication breakdown."""
+    lines = [
         f"step time: median over {cfg.rounds} alternating rounds of {cfg.steps_per_round} steps "
         f"(after {cfg.warmup_steps} warm-up steps), slowest rank; step ratios: median of per-round ratios; "
         f"peak: largest rank's peak live CPU tensor bytes over {cfg.memory_steps} steps (profiler allocator "
@@ -152,26 +162,40 @@ def format_report(cfg: BenchConfig, s: dict[str, Any]) -> str:
             continue
         kinds = ", ".join(f"{k} {e['comm_calls'].get(k, 0)} calls / {v} B" for k, v in sorted(e["comm_bytes_by_kind"].items()))
         lines.append(f"  comm {name:<12} {e['comm_bytes']} bytes: {kinds or 'none'}")
+    return lines
+
+
+def _checkpoint_lines(cfg: BenchConfig, s: dict[str, Any]) -> list[str]:
+    lines = [
+        "",
+        "checkpoint: FULL_STATE_DICT, rank0_only=True; model: fsdp offload_to_cpu=True, torch FSDP1 "
+        "offload_to_cpu=False (its offload fails on CPU-only); optim: offload_to_cpu=True for both; median of "
+        f"{cfg.checkpoint_reps}, slowest rank",
+        f"{'implementation':<14} {'model_sd_s':>10} {'vs_fsdp1':>9} {'optim_sd_s':>10} {'vs_fsdp1':>9} "
+        f"{'save_peak/train_peak':>21}",
+    ]
+    for name, c in s["checkpoint"].items():
+        save = (
+            f"{c['save_model_peak_vs_train']:.2f}x/{c['save_optim_peak_vs_train']:.2f}x (rank {c['save_rank']})"
+            if "save_model_peak_vs_train" in c
+            else "n/a"
+        )
+        lines.append(
+            f"{name:<14} {c['model_s']:>10.4f} {_x(c.get('model_vs_fsdp1')):>9} {c['optim_s']:>10.4f} "
+            f"{_x(c.get('optim_vs_fsdp1')):>9} {save:>21}"
+        )
+    lines.append("  save_peak/train_peak: peak live bytes while saving the model / the optimizer state, over the training-step peak")
+    return lines
+
+
+def format_report(cfg: BenchConfig, s: dict[str, Any]) -> str:
+    lines = [_header(cfg, s)]
+    if cfg.checkpoint_only:
+        lines.append("--checkpoint-only: no step-time rounds, no communication count")
+    else:
+        lines += _step_lines(cfg, s)
     if s["checkpoint"]:
-        lines += [
-            "",
-            "checkpoint: FULL_STATE_DICT, rank0_only=True; model: fsdp offload_to_cpu=True, torch FSDP1 "
-            "offload_to_cpu=False (its offload fails on CPU-only); optim: offload_to_cpu=True for both; median of "
-            f"{cfg.checkpoint_reps}, slowest rank",
-            f"{'implementation':<14} {'model_sd_s':>10} {'vs_fsdp1':>9} {'optim_sd_s':>10} {'vs_fsdp1':>9} "
-            f"{'save_peak/train_peak':>21}",
-        ]
-        for name, c in s["checkpoint"].items():
-            save = (
-                f"{c['save_model_peak_vs_train']:.2f}x/{c['save_optim_peak_vs_train']:.2f}x (rank {c['save_rank']})"
-                if "save_model_peak_vs_train" in c
-                else "n/a"
-            )
-            lines.append(
-                f"{name:<14} {c['model_s']:>10.4f} {_x(c.get('model_vs_fsdp1')):>9} {c['optim_s']:>10.4f} "
-                f"{_x(c.get('optim_vs_fsdp1')):>9} {save:>21}"
-            )
-        lines.append("  save_peak/train_peak: peak live bytes while saving the model / the optimizer state, over the training-step peak")
+        lines += _checkpoint_lines(cfg, s)
     lines += ["", "targets (fsdp):"]
     for t in s["targets"]:
         status = "n/a    " if t["met"] is None else ("met    " if t["met"] else "NOT MET")

@@ -21,14 +21,11 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp.bench._comm import count_collectives
-from fsdp.bench._config import BenchConfig
+from fsdp.bench._config import CHECKPOINTED, BenchConfig
 from fsdp.bench._memory import MemoryTrace
 from fsdp.bench._model import loss_fn, make_batches, make_optimizer, torch_fsdp, wrap
 
 __all__ = ["rank_entry", "CHECKPOINTED"]
-
-#: Implementations with an FSDP1-style full state dict / optim_state_dict API.
-CHECKPOINTED = ("fsdp", "torch_fsdp1")
 
 
 def _step(model: nn.Module, opt: torch.optim.Optimizer, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
@@ -123,6 +120,27 @@ def _timed(fn: Callable[[], None]) -> float:
     return time.perf_counter() - start
 
 
+def _timing_rounds(
+    cfg: BenchConfig,
+    names: list[str],
+    models: dict[str, nn.Module],
+    opts: dict[str, torch.optim.Optimizer],
+    batches: list,
+    out: dict[str, Any],
+) -> None:
+    """The alternating step-time rounds, then one counted step of each implementation."""
+    for r in range(cfg.rounds):
+        order = names[r % len(names):] + names[: r % len(names)]
+        for name in order:
+            t = _timed_steps(models[name], opts[name], batches, cfg.steps_per_round, r)
+            out["step_s"][name].append(t)
+    for name in names:
+        dist.barrier()
+        with count_collectives() as counts:
+            _step(models[name], opts[name], batches[0])
+        out["comm"][name] = {"calls": dict(counts.calls), "bytes": dict(counts.bytes)}
+
+
 def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     rank = dist.get_rank()
     names = list(cfg.only)
@@ -138,16 +156,8 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     for name in names:
         for i in range(cfg.warmup_steps):
             _step(models[name], opts[name], batches[i % len(batches)])
-    for r in range(cfg.rounds):
-        order = names[r % len(names):] + names[: r % len(names)]
-        for name in order:
-            t = _timed_steps(models[name], opts[name], batches, cfg.steps_per_round, r)
-            out["step_s"][name].append(t)
-    for name in names:
-        dist.barrier()
-        with count_collectives() as counts:
-            _step(models[name], opts[name], batches[0])
-        out["comm"][name] = {"calls": dict(counts.calls), "bytes": dict(counts.bytes)}
+    if not cfg.checkpoint_only:
+        _timing_rounds(cfg, names, models, opts, batches, out)
     ckpt_names = [n for n in names if n in CHECKPOINTED] if cfg.checkpoint else []
     for name in ckpt_names:
         out["checkpoint"][name] = {"model_s": [], "optim_s": []}

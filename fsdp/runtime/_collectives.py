@@ -13,7 +13,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from fsdp.runtime._p2p import P2PWork, all_gather_p2p, reduce_scatter_p2p, uses_p2p
+from fsdp.runtime._p2p import P2PWork, all_gather_p2p, gather_p2p, reduce_scatter_p2p, uses_p2p
 
 
 def all_gather_flat(
@@ -48,6 +48,21 @@ def reduce_scatter_flat(
         return _complete_unless_async(reduce_scatter_p2p(output, input, group), async_op)
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return fn(output, input, group=group, async_op=async_op)
+
+
+def gather_flat_to(
+    output: Optional[torch.Tensor],
+    input: torch.Tensor,
+    group: Optional[dist.ProcessGroup],
+    dst: int,
+    async_op: bool = False,
+) -> Optional[Any]:
+    """Gathers equal-sized 1-D ``input`` shards into ``output`` on group rank ``dst`` only.
+
+    Point to point on every backend ([Note: State dict gathers]): the other ranks send from
+    where their shard lives and pass ``output=None``. With ``async_op`` it returns the work.
+    """
+    return _complete_unless_async(gather_p2p(output, input, group, dst), async_op)
 
 
 def _complete_unless_async(work: P2PWork, async_op: bool) -> Optional[Any]:

@@ -28,10 +28,11 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["P2PWork", "all_gather_p2p", "reduce_scatter_p2p", "uses_p2p"]
+__all__ = ["P2PWork", "all_gather_p2p", "gather_p2p", "reduce_scatter_p2p", "uses_p2p"]
 
 _ALL_GATHER_TAG = 7301
 _REDUCE_SCATTER_TAG = 7302
+_GATHER_TAG = 7310
 
 
 def uses_p2p(tensor: torch.Tensor, group: Optional[dist.ProcessGroup]) -> bool:
@@ -103,3 +104,25 @@ def reduce_scatter_p2p(
         torch.add(own, received, out=output)
 
     return P2PWork(requests, finish)
+
+
+def gather_p2p(
+    output: Optional[torch.Tensor], input: torch.Tensor, group: Optional[dist.ProcessGroup], dst: int
+) -> P2PWork:
+    """Launches a gather of equal 1-D shards into ``output`` on group rank ``dst`` only.
+
+    The other ranks send their shard from where it lives (``output`` is None there: no copy, no
+    allocation); ``dst`` receives every other shard in place and copies its own in.
+    """
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    if rank != dst:
+        return P2PWork([dist.isend(input, _global_rank(group, dst), group=group, tag=_GATHER_TAG)])
+    assert output is not None, "the receiving rank of a gather needs an output tensor"
+    numel = input.numel()
+    requests = [
+        dist.irecv(output[src * numel : (src + 1) * numel], _global_rank(group, src), group=group, tag=_GATHER_TAG)
+        for src in range(world_size)
+        if src != dst
+    ]
+    output[dst * numel : (dst + 1) * numel].copy_(input)
+    return P2PWork(requests)

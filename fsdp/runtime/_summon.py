@@ -126,7 +126,7 @@ def _summon_handle(
         if full_grad is None:
             for param in params:
                 param.grad = None
-        _register(handle, params)
+        register_params(handle, params)
         try:
             yield
         finally:
@@ -135,7 +135,7 @@ def _summon_handle(
                 if full_grad is not None:
                     _write_back_grad(handle, params, full_grad)
             if not handle.use_orig_params:
-                _deregister(handle)
+                deregister_params(handle)
             if registered:
                 wrapped.register_parameter(FLAT_PARAM, flat)
     finally:
@@ -169,7 +169,8 @@ def _gather_grad(handle: FlatParamHandle) -> Optional[torch.Tensor]:
     return full
 
 
-def _register(handle: FlatParamHandle, params: list[nn.Parameter]) -> None:
+def register_params(handle: FlatParamHandle, params: list[nn.Parameter]) -> None:
+    """Registers ``params`` under the handle's original names (shared names too)."""
     for info, param in zip(handle.param_infos, params):
         info.module.__dict__.pop(info.param_name, None)
         info.module._parameters[info.param_name] = param
@@ -178,7 +179,8 @@ def _register(handle: FlatParamHandle, params: list[nn.Parameter]) -> None:
         shared.module._parameters[shared.param_name] = params[shared.prim_index]
 
 
-def _deregister(handle: FlatParamHandle) -> None:
+def deregister_params(handle: FlatParamHandle) -> None:
+    """Removes the Parameters :func:`register_params` registered."""
     for info in handle.param_infos:
         info.module._parameters.pop(info.param_name, None)
     for shared in handle.shared_param_infos:

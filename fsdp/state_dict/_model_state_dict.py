@@ -1,12 +1,14 @@
 """Model state dicts: FULL, SHARDED and LOCAL, save and load.
 
 [Note: Model state dict formats]
-- FULL_STATE_DICT: the unwrapped model's keys and full tensors (clones). Saving gathers one unit
-  at a time while ``nn.Module.state_dict`` walks the tree (it calls each nested unit's
-  ``state_dict``), so the key order is the unwrapped model's. ``rank0_only``: other ranks take
-  part in the gathers, free each unit at once and return ``{}``. ``offload_to_cpu``: values on
-  CPU (works on CPU too). Loading needs no communication: every rank copies its own slice of
-  each full value into its shard.
+- FULL_STATE_DICT: the unwrapped model's keys and full tensors (owned copies). Saving gathers
+  one unit at a time while ``nn.Module.state_dict`` walks the tree (it calls each nested unit's
+  ``state_dict``), so the key order is the unwrapped model's. A sharded unit is gathered
+  straight into the tensor whose views are returned ([Note: Full state dict of a sharded
+  unit]). ``rank0_only``: the other ranks send their shards to rank 0 (and never hold an
+  unsharded unit) and return ``{}``. ``offload_to_cpu``: values on CPU (works on CPU too).
+  Loading needs no communication: every rank copies its own slice of each full value into its
+  shard.
 - SHARDED_STATE_DICT: the same keys; each managed parameter is a DTensor over a 1-D mesh of the
   shard group, ``Shard(0)`` of the original shape (chunked like ``torch.chunk``), which is what
   torch FSDP1 produces, so ``torch.distributed.checkpoint`` moves checkpoints between world
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -32,10 +34,11 @@ from torch.nn.modules.module import _IncompatibleKeys
 from fsdp._common import FLAT_PARAM, FSDP_WRAPPED_MODULE, clean_fqn
 from fsdp.api import FullStateDictConfig, StateDictType
 from fsdp.flat_param._sharding import param_slices_in_shard
-from fsdp.flat_param.flat_param import FlatParamHandle
+from fsdp.flat_param.flat_param import FlatParamHandle, HandleState
 from fsdp.runtime._lazy_init import check_idle, is_fsdp, lazy_init, named_fsdp_states, unit_state
-from fsdp.runtime._state import UnitState
-from fsdp.runtime._summon import _summon_unit
+from fsdp.runtime._state import TrainingState, UnitState, transition
+from fsdp.runtime._summon import _summon_unit, deregister_params, register_params
+from fsdp.state_dict._gather import gather
 
 _MESHES: dict[tuple[int, str], Any] = {}
 LAYOUT_SUFFIX = "._fsdp_local_layout"
@@ -98,12 +101,10 @@ def save_state_dict(
             full = kind is StateDictType.FULL_STATE_DICT
             rank0_only = full and isinstance(cfg, FullStateDictConfig) and cfg.rank0_only
             offload = bool(cfg.offload_to_cpu)
-            start = len(destination)
-            with _summon_unit(module, state, writeback=False, rank0_only=rank0_only, offload_to_cpu=False, with_grads=False):
-                ptrs = _handle_storages(state)
-                super_state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
-                if not (rank0_only and state.rank != 0):
-                    _materialize_entries(destination, start, ptrs, state, full, offload)
+            if full and _gathers_directly(state):
+                _save_full_gathered(module, state, super_state_dict, destination, prefix, keep_vars, rank0_only, offload)
+            else:
+                _save_summoned(module, state, super_state_dict, destination, prefix, keep_vars, rank0_only, full, offload)
         if outermost:
             if kind is not StateDictType.LOCAL_STATE_DICT:
                 cfg = settings.state_dict_config
@@ -116,6 +117,113 @@ def save_state_dict(
         return destination
 
 
+def _save_summoned(
+    module: nn.Module,
+    state: UnitState,
+    super_state_dict: Any,
+    destination: "OrderedDict[str, Any]",
+    prefix: str,
+    keep_vars: bool,
+    rank0_only: bool,
+    full: bool,
+    offload: bool,
+) -> None:
+    """FULL or SHARDED entries of one unit, read through ``summon_full_params``' views.
+
+    The general path (NO_SHARD, a unit left unsharded by a forward, SHARDED_STATE_DICT): the
+    views alias the unsharded flat parameter, so each value is copied out.
+    """
+    start = len(destination)
+    with _summon_unit(module, state, writeback=False, rank0_only=rank0_only, offload_to_cpu=False, with_grads=False):
+        ptrs = _handle_storages(state)
+        super_state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        if not (rank0_only and state.rank != 0):
+            _materialize_entries(destination, start, ptrs, state, full, offload)
+
+
+# [Note: Full state dict of a sharded unit]
+# FULL_STATE_DICT of a unit whose handles are all sharded (the usual case between steps) does
+# not unshard: each handle's local shard is gathered straight into a fresh tensor (see
+# [Note: State dict gathers]; with ``rank0_only`` only to group rank 0, the other ranks send
+# and hold nothing extra), parameters views of it are registered on the modules for
+# ``nn.Module.state_dict`` to walk (the same names, in the same order, as summon_full_params
+# registers), and the values it returns are those views: owned, already full, no copies.
+def _gathers_directly(state: UnitState) -> bool:
+    """Whether every handle of ``state`` is sharded right now.
+
+    First adopts original Parameters the user replaced (use_orig_params), as
+    summon_full_params does, which may reshard a stale unsharded copy.
+    """
+    if not state.handles or state.training_state is not TrainingState.IDLE:
+        return False
+    for handle in state.handles:
+        handle.writeback_orig_params()
+    return all(handle.uses_sharding and handle.state is HandleState.SHARDED for handle in state.handles)
+
+
+def _gather_unsharded(handle: FlatParamHandle, rank0_only: bool, offload: bool) -> Optional[torch.Tensor]:
+    """A fresh padded unsharded copy of the handle's parameter; None on ranks that keep nothing."""
+    shard = handle._local_shard
+    if shard.device != handle.device:  # CPU offload of parameters: communicate on the device
+        shard = shard.to(handle.device)
+    padded_unsharded = gather(shard, handle.process_group, handle.rank, handle.world_size, 0 if rank0_only else None)
+    if padded_unsharded is not None and offload and padded_unsharded.device.type != "cpu":
+        padded_unsharded = padded_unsharded.cpu()
+    return padded_unsharded
+
+
+@contextlib.contextmanager
+def _full_views_registered(handle: FlatParamHandle, padded_unsharded: torch.Tensor) -> Iterator[None]:
+    """Parameters viewing ``padded_unsharded`` under the handle's original names, for the walk.
+
+    Registered like summon_full_params registers them (so keys come in the same order); on exit
+    the FlatParameter (or, with use_orig_params, the original Parameters in their own slots)
+    is back and the names hold what they hold while sharded.
+    """
+    wrapped = handle.wrapped_module
+    flat_registered = wrapped._parameters.pop(FLAT_PARAM, None) is not None
+    requires_grad = handle.flat_param.requires_grad
+    params = [nn.Parameter(view, requires_grad=requires_grad) for view in handle.unsharded_views(padded_unsharded)]
+    try:
+        register_params(handle, params)
+        yield
+    finally:
+        if not handle.use_orig_params:
+            deregister_params(handle)
+        if flat_registered:
+            wrapped.register_parameter(FLAT_PARAM, handle.flat_param)
+        handle.use_sharded_views()
+
+
+def _save_full_gathered(
+    module: nn.Module,
+    state: UnitState,
+    super_state_dict: Any,
+    destination: "OrderedDict[str, Any]",
+    prefix: str,
+    keep_vars: bool,
+    rank0_only: bool,
+    offload: bool,
+) -> None:
+    """FULL_STATE_DICT entries of one sharded unit (see [Note: Full state dict of a sharded unit])."""
+    start = len(destination)
+    transition(state, TrainingState.SUMMON_FULL_PARAMS)  # nested units and hooks see the unit busy
+    try:
+        gathered = [_gather_unsharded(handle, rank0_only, offload) for handle in state.handles]
+        padded = [p for p in gathered if p is not None]
+        if len(padded) < len(gathered):  # rank0_only, not rank 0: nothing kept here
+            super_state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+            return
+        with contextlib.ExitStack() as stack:
+            for handle, padded_unsharded in zip(state.handles, padded):
+                stack.enter_context(_full_views_registered(handle, padded_unsharded))
+            super_state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        owned = frozenset(p.untyped_storage().data_ptr() for p in padded if p.numel() > 0)
+        _materialize_entries(destination, start, set(), state, True, offload, owned)
+    finally:
+        state.training_state = TrainingState.IDLE
+
+
 def _materialize_entries(
     destination: "OrderedDict[str, Any]",
     start: int,
@@ -123,14 +231,26 @@ def _materialize_entries(
     state: UnitState,
     full: bool,
     offload: bool,
+    owned_ptrs: frozenset[int] = frozenset(),
 ) -> None:
-    """Turns entries that view this unit's flat storage into owned tensors (or DTensors)."""
+    """Turns entries that view this unit's flat storage into owned tensors (or DTensors).
+
+    Entries whose storage is in ``owned_ptrs`` were made for this call (see
+    [Note: State dict gathers]) and are kept as they are.
+    """
     done: set[int] = state.ctx.state_dict_done if state.ctx is not None else set()
     for key in list(destination.keys())[start:]:
         value = destination[key]
         if not isinstance(value, torch.Tensor) or id(value) in done:
             continue  # not a tensor, or already finished by a nested unit
-        aliases = value.numel() == 0 or value.untyped_storage().data_ptr() in ptrs
+        storage_ptr = value.untyped_storage().data_ptr()
+        if storage_ptr in owned_ptrs:
+            if isinstance(value, nn.Parameter):  # keep_vars: the view Parameter itself
+                value = value.detach()
+                destination[key] = value
+            done.add(id(value))
+            continue
+        aliases = value.numel() == 0 or storage_ptr in ptrs
         if full:
             if aliases or offload:
                 value = value.detach().to("cpu" if offload else value.device, copy=True)

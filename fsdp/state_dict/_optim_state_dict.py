@@ -9,10 +9,11 @@ of the shard (possibly empty, or absent on a rank that holds no part of the para
 
 - Saving (``optim_state_dict``): the state is re-keyed by the original parameters' fully
   qualified names (their names in the unwrapped model; a tied parameter once, under its first
-  name). Each positive-dimension state of a handle is all-gathered into the padded unsharded
-  layout and split per parameter in its original shape; scalar states (``step``) and
-  non-tensor states are copied. FULL_STATE_DICT returns full tensors (``rank0_only``: every
-  rank takes part in the gathers, the others return ``{}``; ``offload_to_cpu``). Otherwise
+  name). Each positive-dimension state of a handle is gathered into a fresh padded unsharded
+  tensor and split per parameter in its original shape (views of it: no further copies, see
+  [Note: State dict gathers]); scalar states (``step``) and non-tensor states are copied.
+  FULL_STATE_DICT returns full tensors (``offload_to_cpu``; ``rank0_only``: the states are
+  sent to the saving rank only, point to point, and the others return ``{}``). Otherwise
   each full value is chunked along dim 0 like ``torch.chunk`` over the handle's shard group:
   a ``ShardedTensor`` (torch FSDP1's default) or, with ``_use_dtensor=True``, a ``DTensor``
   with ``Shard(0)`` on a 1-D mesh of that group. Key and value order follow torch FSDP1.
@@ -34,11 +35,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp._common import clean_fqn
+from fsdp._common import clean_fqn, p_assert
 from fsdp.api import OptimStateKeyType, ShardedOptimStateDictConfig, StateDictType
 from fsdp.flat_param.flat_param import FlatParamHandle
 from fsdp.runtime import _collectives as comm
 from fsdp.runtime._lazy_init import check_idle, is_fsdp, unit_state
+from fsdp.state_dict._gather import NOBODY, PendingGather, gather, start_gather
 
 __all__ = [
     "save",
@@ -281,20 +283,47 @@ def _finish(value: torch.Tensor, handle: FlatParamHandle, shard: bool, use_dtens
     return value
 
 
-def _gather_flat_state(handle: FlatParamHandle, name: str, value: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """A FlatParameter's shard-shaped state gathered into the unpadded unsharded layout."""
+def _check_flat_state(handle: FlatParamHandle, name: str, value: torch.Tensor) -> None:
+    """Raises unless ``value`` is shaped like the FlatParameter's local shard."""
     if value.dim() != 1 or value.numel() != handle.sharded_numel:
         raise ValueError(
             f"fsdp: optimizer state '{name}' of the FlatParameter of unit '{handle.unit_name}' has "
             f"shape {tuple(value.shape)}; expected ({handle.sharded_numel},), the parameter's "
             f"sharded shape. Was this optimizer state dict made by another model?"
         )
-    if not handle.uses_sharding:
-        return value[: handle.unpadded_unsharded_numel], False
-    value = value.to(handle.device).contiguous()
-    out = value.new_empty(handle.padded_unsharded_numel)
-    comm.all_gather_flat(out, value, handle.process_group)
-    return out[: handle.unpadded_unsharded_numel], True
+
+
+def _start_flat_state_gather(handle: FlatParamHandle, sharded_value: torch.Tensor, dst: Optional[int]) -> PendingGather:
+    """Starts gathering a shard-shaped state into a fresh padded unsharded tensor (on ``dst`` or all)."""
+    sharded_value = sharded_value.detach().to(handle.device)
+    return start_gather(sharded_value, handle.process_group, handle.rank, handle.world_size, dst)
+
+
+def _gather_flat_states(
+    handle: FlatParamHandle, flat_state: dict[str, Any], dst: Optional[int]
+) -> dict[str, tuple[Optional[torch.Tensor], bool]]:
+    """Each positive-dimension state of a FlatParameter in the unpadded unsharded layout.
+
+    Returns ``name -> (unpadded unsharded value, fresh)``; the value is None on a rank that does
+    not receive (``dst``), ``fresh`` whether it is a tensor made for this call. The gathers of
+    all states run at once.
+    """
+    pending: dict[str, PendingGather] = {}
+    out: dict[str, tuple[Optional[torch.Tensor], bool]] = {}
+    for name in sorted(flat_state):
+        value = flat_state[name]
+        if not _is_pos_dim(value):
+            continue
+        _check_flat_state(handle, name, value)
+        if handle.uses_sharding:
+            pending[name] = _start_flat_state_gather(handle, value, dst)
+        else:
+            out[name] = (value[: handle.unpadded_unsharded_numel], False)
+    for name, pending_gather in pending.items():
+        padded_unsharded = pending_gather.wait()
+        unpadded = None if padded_unsharded is None else padded_unsharded[: handle.unpadded_unsharded_numel]
+        out[name] = (unpadded, True)
+    return {name: out[name] for name in sorted(out)}
 
 
 def _split(handle: FlatParamHandle, flat: torch.Tensor) -> list[torch.Tensor]:
@@ -306,18 +335,24 @@ def _split(handle: FlatParamHandle, flat: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _unflatten_flat_param_state(
-    handle: FlatParamHandle, flat_state: dict[str, Any], to_save: bool, shard: bool, use_dtensor: bool, offload: bool
+    handle: FlatParamHandle,
+    flat_state: dict[str, Any],
+    to_save: bool,
+    shard: bool,
+    use_dtensor: bool,
+    offload: bool,
+    dst: Optional[int] = None,
 ) -> list[dict[str, Any]]:
-    """Per original parameter, the state of a FlatParameter (gathers on every rank)."""
-    tensors: dict[str, list[torch.Tensor]] = {}
-    fresh: dict[str, bool] = {}
-    for name in sorted(flat_state):
-        value = flat_state[name]
-        if _is_pos_dim(value):
-            flat, fresh[name] = _gather_flat_state(handle, name, value)
-            tensors[name] = _split(handle, flat)
+    """Per original parameter, the state of a FlatParameter.
+
+    ``dst``: the group rank that keeps the gathered states (rank0_only), None for every rank.
+    """
+    gathered = _gather_flat_states(handle, flat_state, dst)
     if not to_save:
         return []
+    tensors = {name: _split(handle, value) for name, (value, _) in gathered.items() if value is not None}
+    fresh = {name: is_fresh for name, (_, is_fresh) in gathered.items()}
+    p_assert(len(tensors) == len(gathered), f"the saving rank missed a gathered state of '{handle.unit_name}'")
     result = []
     for index in range(len(handle.param_infos)):
         entry: dict[str, Any] = {}
@@ -343,8 +378,12 @@ def _gather_orig_param_states(
     shard: bool,
     use_dtensor: bool,
     offload: bool,
+    dst: Optional[int] = None,
 ) -> dict[str, dict[str, Any]]:
-    """use_orig_params: the full state of each of a handle's parameters that has state on any rank."""
+    """use_orig_params: the full state of each of a handle's parameters that has state on any rank.
+
+    ``dst``: the group rank that keeps the gathered states (rank0_only), None for every rank.
+    """
     if not handle.uses_sharding:
         # As torch FSDP1: nothing to gather, plain tensors even for a sharded state dict.
         if not to_save:
@@ -401,11 +440,10 @@ def _gather_orig_param_states(
                     f"optimizer state dict made by another model?"
                 )
             local_shard[offset : offset + numel].copy_(value.reshape(-1))
-        full = torch.empty(handle.padded_unsharded_numel, dtype=dtype, device=handle.device)
-        comm.all_gather_flat(full, local_shard, handle.process_group)
-        if not to_save:
+        padded_unsharded = gather(local_shard, handle.process_group, handle.rank, handle.world_size, dst)
+        if padded_unsharded is None or not to_save:
             continue
-        views = _split(handle, full[: handle.unpadded_unsharded_numel])
+        views = _split(handle, padded_unsharded[: handle.unpadded_unsharded_numel])
         for index, fqn in enumerate(fqns):
             if fqn in result:
                 result[fqn][name] = _finish(views[index], handle, shard, use_dtensor, offload, True)
@@ -425,6 +463,20 @@ def _check_consistent_keys(keys: list[int], present: list[bool], view: _ModelVie
             f"fsdp: some ranks have optimizer state for these FlatParameters and others do not: "
             f"{names}. Every rank must step the optimizer on the same parameters before saving."
         )
+
+
+def _receiver(handle: FlatParamHandle, rank0_only_full: bool, group: Optional[dist.ProcessGroup]) -> Optional[int]:
+    """Which rank of the handle's group keeps its gathered state.
+
+    None: every rank (all-gather). With a rank0_only full state dict: the group rank of the rank
+    that returns the state dict (rank 0 of ``group``), or ``NOBODY`` when that rank is not in
+    the handle's group (hybrid sharding: another replica's group), so nothing is gathered.
+    """
+    if not rank0_only_full:
+        return None
+    saver = dist.get_global_rank(group, 0) if group is not None else 0
+    ranks = dist.get_process_group_ranks(handle.process_group)
+    return ranks.index(saver) if saver in ranks else NOBODY
 
 
 def save(
@@ -472,7 +524,8 @@ def save(
                     out_state[fqns[0]] = _copy_unmanaged(state[key], offload)
                 continue
             handle = view.handles[h]
-            entries = _unflatten_flat_param_state(handle, state[key], to_save, shard, use_dtensor, offload)
+            dst = _receiver(handle, full and rank0_only, group)
+            entries = _unflatten_flat_param_state(handle, state[key], to_save, shard, use_dtensor, offload, dst)
             if to_save:
                 out_state.update(zip(fqns, entries))
     else:
@@ -492,7 +545,10 @@ def save(
                     f"that is not a parameter of the model."
                 )
         results = [
-            _gather_orig_param_states(handle, view.handle_fqns[h], per_handle[h], to_save, shard, use_dtensor, offload)
+            _gather_orig_param_states(
+                handle, view.handle_fqns[h], per_handle[h], to_save, shard, use_dtensor, offload,
+                _receiver(handle, full and rank0_only, group),
+            )
             for h, handle in enumerate(view.handles)
         ]
         # torch FSDP1's order: unmanaged parameters, then each handle's (sorted) names, handles
