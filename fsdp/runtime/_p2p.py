@@ -85,23 +85,23 @@ def reduce_scatter_p2p(
 ) -> P2PWork:
     """Launches a two-rank sum reduce-scatter of ``input`` into ``output``; returns its handle.
 
-    Each rank sends the other its chunk of ``input`` and adds the chunk it receives to its own
-    when the handle is waited for.
+    Each rank sends the other its chunk of ``input``, receives the other's contribution to its
+    own chunk straight into ``output`` and adds its own chunk in place when the handle is waited
+    for (``b + a == a + b`` exactly, so this equals gloo's sum).
     """
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
     assert world_size == 2, "point-to-point reduce-scatter is bit-identical to gloo's only for 2 ranks"
     numel = output.numel()
     peer = 1 - rank
     peer_global = _global_rank(group, peer)
-    received = torch.empty_like(output)
     requests = [
         dist.isend(input[peer * numel : (peer + 1) * numel], peer_global, group=group, tag=_REDUCE_SCATTER_TAG),
-        dist.irecv(received, peer_global, group=group, tag=_REDUCE_SCATTER_TAG),
+        dist.irecv(output, peer_global, group=group, tag=_REDUCE_SCATTER_TAG),
     ]
     own = input[rank * numel : (rank + 1) * numel]
 
     def finish() -> None:
-        torch.add(own, received, out=output)
+        output.add_(own)
 
     return P2PWork(requests, finish)
 

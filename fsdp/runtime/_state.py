@@ -133,7 +133,7 @@ class RootContext:
         order_checked: The first iteration's execution-order check is done
             ([Note: Execution order check]).
         exec_order: The first iteration's order of gathers (unit index x phase).
-        inflight_reduction: The handle whose reduce-scatter is still running (at most one).
+        inflight_reductions: Handles whose reduce-scatter is still running, oldest first.
         state_dict_active: A ``state_dict()`` call of this tree is in progress.
         state_dict_done: Ids of state-dict values already finished by nested units.
         forward_order, backward_order: The units in the order they first gathered in each
@@ -149,7 +149,7 @@ class RootContext:
     unit_index: dict[int, int] = field(default_factory=dict)
     order_checked: bool = False
     exec_order: list[int] = field(default_factory=list)
-    inflight_reduction: Optional["FlatParamHandle"] = None
+    inflight_reductions: list["FlatParamHandle"] = field(default_factory=list)
     state_dict_active: bool = False
     state_dict_done: set[int] = field(default_factory=set)
     forward_order: list[UnitState] = field(default_factory=list)
