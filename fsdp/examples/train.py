@@ -32,7 +32,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from fsdp import FullyShardedDataParallel as FSDP
-from fsdp import ShardingStrategy
+from fsdp import MixedPrecision, ShardingStrategy
 from fsdp.examples.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from fsdp.examples.data import CharTokenizer, load_corpus, sample_batch
 from fsdp.examples.model import GPT, PRESETS, Block, GPTConfig
@@ -65,6 +65,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--model", choices=sorted(PRESETS), default="tiny", help="model size preset"
+    )
+    parser.add_argument(
+        "--mixed-precision",
+        choices=["none", "bf16"],
+        default="none",
+        help="bf16: gather parameters and reduce gradients in bfloat16 (shards and optimizer stay fp32)",
     )
     parser.add_argument("--batch-size", type=int, default=16, help="sequences per rank per step")
     parser.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
@@ -182,6 +188,11 @@ def _train(
         gpt,
         auto_wrap_policy=ModuleWrapPolicy({Block}),
         sharding_strategy=strategy,
+        mixed_precision=(
+            MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+            if args.mixed_precision == "bf16"
+            else None
+        ),
         # torch's FSDP1 needs device_id=cpu to train on CPU (without it, it looks for an
         # accelerator); fsdp accepts the same.
         device_id=device,
@@ -231,7 +242,7 @@ def _train(
         )
         inputs, targets = inputs.to(device), targets.to(device)
         logits = model(inputs)
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = model.clip_grad_norm_(1.0)
