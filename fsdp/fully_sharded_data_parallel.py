@@ -41,7 +41,11 @@ from fsdp.init._validate import plan_units, validate_init_args
 from fsdp.runtime._clip_grad import clip_grad_norm_ as _clip_grad_norm
 from fsdp.runtime._hooks import register_flat_param_hooks, unit_forward
 from fsdp.runtime._lazy_init import check_idle, is_fsdp, lazy_init, reset_lazy_init, unit_state
-from fsdp.runtime._mixed_precision import cast_unit_buffers, refresh_cast_buffers
+from fsdp.runtime._mixed_precision import (
+    cast_unit_buffers,
+    full_precision_in_eval_requested,
+    refresh_cast_buffers,
+)
 from fsdp.runtime._state import TrainingState, UnitState
 from fsdp.runtime._summon import summon_full_params as _summon_full_params
 from fsdp.state_dict import _model_state_dict, _settings
@@ -200,6 +204,7 @@ class FullyShardedDataParallel(nn.Module):
             forward_prefetch=forward_prefetch,
             limit_all_gathers=limit_all_gathers,
             mixed_precision=mixed_precision,
+            full_precision_in_eval=full_precision_in_eval_requested(),
             cast_buffers=cast_unit_buffers(
                 own_modules, mixed_precision.buffer_dtype if mixed_precision is not None else None
             ),

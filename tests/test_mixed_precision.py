@@ -422,3 +422,55 @@ def scaler_without_local_grads() -> None:
 
 def test_sharded_grad_scaler_rank_without_grads(pool2: RankPool) -> None:
     pool2.run(scaler_without_local_grads)
+
+
+# ---------------------------------------------------------------------------------------------
+# FSDP_USE_FULL_PREC_IN_EVAL
+# ---------------------------------------------------------------------------------------------
+
+
+def full_precision_in_eval(strategy: str) -> None:
+    """With FSDP_USE_FULL_PREC_IN_EVAL=1, eval() runs in full precision (fp32 outputs, fp32
+    buffers meanwhile); train() goes back to bf16, equal to torch FSDP1."""
+    import os
+
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    os.environ["FSDP_USE_FULL_PREC_IN_EVAL"] = "1"
+    try:
+        ours = wrap("ours", make_net(), strategy, "bf16_all")
+        theirs = wrap("torch", make_net(), strategy, "bf16_all")
+    finally:
+        del os.environ["FSDP_USE_FULL_PREC_IN_EVAL"]
+    x, y = features(0, ws)
+    xs, ys = local_rows(x, rank, ws), local_rows(y, rank, ws)
+    for step in range(2):
+        for model in (ours, theirs):
+            model.eval()
+        with torch.no_grad():
+            out_ours, out_theirs = ours(xs), theirs(xs)
+        assert out_ours.dtype == out_theirs.dtype == FP32
+        if step == 0:
+            # Full precision means the model's own numbers: ours equals the unwrapped fp32
+            # model exactly; torch FSDP1 uses the buffer's bf16 rounding, upcast.
+            with torch.no_grad():
+                assert torch.equal(out_ours, make_net().eval()(xs))
+        torch.testing.assert_close(out_ours, out_theirs, rtol=0, atol=2e-2)
+        assert ours.module.scale.dtype == FP32
+        for model in (ours, theirs):
+            model.train()
+        losses = [loss_fn(model(xs), ys) for model in (ours, theirs)]
+        assert torch.equal(losses[0], losses[1])
+        for loss in losses:
+            loss.backward()
+        assert ours.module.scale.dtype == BF16
+        for (name, p), (_, q) in zip(ours.named_parameters(), theirs.named_parameters()):
+            assert torch.equal(p.grad, q.grad), f"step {step}: {name}"
+            p.grad = None
+            q.grad = None
+    # A full-precision eval forward did not disturb the buffer's full-precision value.
+    assert torch.equal(ours.state_dict()["scale"], make_net().scale)
+
+
+def test_full_precision_in_eval(pool2: RankPool) -> None:
+    for strategy in STRATEGIES:
+        pool2.run(full_precision_in_eval, strategy)

@@ -676,6 +676,7 @@ class FlatParamHandle:
         comm_hook: Optional[Callable[..., Any]] = None,
         comm_hook_state: Any = None,
         async_op: bool = False,
+        full_precision: bool = False,
     ) -> None:
         """Reduces the unsharded gradient autograd just accumulated.
 
@@ -709,7 +710,8 @@ class FlatParamHandle:
         if not sync:
             self._unsynced_unsharded_grad = unsharded_grad
             return
-        if unsharded_grad.dtype != self.precision.reduce_dtype:
+        if unsharded_grad.dtype != self.precision.reduce_dtype and not full_precision:
+            # (full_precision: a backward of a full-precision eval forward keeps its dtype.)
             unsharded_grad = unsharded_grad.to(self.precision.reduce_dtype)
         if async_op and comm_hook is None and self.uses_sharding and self.replicate_world_size == 1:
             p_assert(self._inflight is None, f"unit '{self.unit_name}': two reductions in flight")

@@ -18,7 +18,7 @@ from fsdp._common import apply_to_tensors, eager_only, p_assert
 from fsdp.flat_param.flat_param import FlatParameter, FlatParamHandle
 from fsdp.runtime._exec_order import check_execution_order, finish_first_iteration
 from fsdp.runtime._lazy_init import lazy_init
-from fsdp.runtime._mixed_precision import cast_forward_inputs
+from fsdp.runtime._mixed_precision import cast_forward_inputs, set_buffers_full_precision
 from fsdp.runtime._prefetch import prefetch_after, record_free_event
 from fsdp.runtime._state import RootContext, TrainingState, UnitState, transition
 
@@ -36,6 +36,7 @@ def unit_forward(wrapper: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     graph-break; the wrapped module's own forward in between is compiled.
     """
     state = _lazy_init_eager(wrapper)
+    state.forward_in_full_precision = state.full_precision_in_eval and not wrapper.training
     if state.is_root:
         _recover_if_backward_interrupted(state)
         args, kwargs = _root_pre_forward(state, args, kwargs)
@@ -68,7 +69,7 @@ def _in_backward(state: UnitState) -> bool:
 def _unshard_for_recompute(state: UnitState) -> None:
     """Gathers the unit for a recomputed forward; its post-backward hook frees it afterwards."""
     for handle in state.handles:
-        handle.unshard()
+        handle.unshard(full_precision=state.forward_in_full_precision)
         handle.use_unsharded_views()
 
 
@@ -105,6 +106,11 @@ def _root_pre_forward(
     state: UnitState, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Moves forward inputs to the compute device (a no-op when they are already there)."""
+    ctx = state.ctx
+    assert ctx is not None
+    if ctx.buffers_in_full_precision != state.forward_in_full_precision:
+        set_buffers_full_precision(ctx.states, state.forward_in_full_precision)
+        ctx.buffers_in_full_precision = state.forward_in_full_precision
     device = state.compute_device
 
     def to_device(t: torch.Tensor) -> torch.Tensor:
@@ -121,7 +127,7 @@ def _pre_forward(state: UnitState) -> None:
     check_execution_order(state, "forward")  # first iteration: raises instead of hanging
     transition(state, TrainingState.FORWARD)
     for handle in state.handles:
-        handle.unshard()
+        handle.unshard(full_precision=state.forward_in_full_precision)
         handle.use_unsharded_views()
     prefetch_after(state, "forward")
 
@@ -176,7 +182,7 @@ def _pre_backward_hook(state: UnitState, grad: torch.Tensor) -> torch.Tensor:
     check_execution_order(state, "backward")
     transition(state, TrainingState.BACKWARD_PRE)
     for handle in state.handles:
-        handle.unshard()
+        handle.unshard(full_precision=state.forward_in_full_precision)
         # Names become views again (not placeholders): a checkpointed submodule of this unit
         # re-runs its forward during backward and reads them.
         handle.use_unsharded_views()
@@ -213,7 +219,13 @@ def _post_backward_hook(
     # Finish the oldest reductions first, so at most MAX_INFLIGHT_REDUCTIONS stay in flight.
     while len(ctx.inflight_reductions) >= MAX_INFLIGHT_REDUCTIONS:
         ctx.inflight_reductions.pop(0).wait_reduction()
-    handle.reduce_grad(state.sync_gradients, state.comm_hook, state.comm_hook_state, async_op=True)
+    handle.reduce_grad(
+        state.sync_gradients,
+        state.comm_hook,
+        state.comm_hook_state,
+        async_op=True,
+        full_precision=state.forward_in_full_precision,
+    )
     if handle._inflight is not None:
         ctx.inflight_reductions.append(handle)
     if state.reshards_after_backward():

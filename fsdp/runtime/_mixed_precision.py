@@ -7,6 +7,11 @@ Parameters and gradients change dtype inside :class:`~fsdp.flat_param.FlatParamH
   (``cast_root_forward_inputs``, on by default); with ``cast_forward_inputs`` every unit that
   owns parameters casts its own inputs too. Integer tensors (token ids) are left alone.
 - **Buffers**: with ``buffer_dtype``, each unit's buffers are cast once, at construction.
+- **Full precision in eval**: with the environment variable ``FSDP_USE_FULL_PREC_IN_EVAL=1``
+  (read at construction, as torch FSDP1 does), a unit whose module is in ``eval()`` mode runs
+  its forward (and any backward) with full-precision parameters, uncast inputs and
+  full-precision buffers, and reduces gradients without casting them down; ``train()`` mode
+  goes back to mixed precision.
 
 [Note: Full-precision buffers in state dicts]
 Casting a buffer to bf16 rounds it. torch FSDP1 saves that rounded value, upcast, so a model
@@ -20,6 +25,7 @@ back the same full-precision numbers.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Optional
 
@@ -32,11 +38,21 @@ if TYPE_CHECKING:
     from fsdp.runtime._state import UnitState
 
 __all__ = [
+    "FULL_PRECISION_IN_EVAL_ENV",
     "CastBuffer",
     "cast_forward_inputs",
     "cast_unit_buffers",
+    "full_precision_in_eval_requested",
     "refresh_cast_buffers",
+    "set_buffers_full_precision",
 ]
+
+FULL_PRECISION_IN_EVAL_ENV = "FSDP_USE_FULL_PREC_IN_EVAL"
+
+
+def full_precision_in_eval_requested() -> bool:
+    """Whether ``FSDP_USE_FULL_PREC_IN_EVAL=1`` is set (read once per unit, at construction)."""
+    return os.environ.get(FULL_PRECISION_IN_EVAL_ENV, "") == "1"
 
 
 def cast_forward_inputs(
@@ -44,7 +60,7 @@ def cast_forward_inputs(
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Casts floating-point forward inputs to the unit's ``param_dtype`` where configured."""
     mixed_precision = state.mixed_precision
-    if mixed_precision is None or mixed_precision.param_dtype is None:
+    if mixed_precision is None or mixed_precision.param_dtype is None or state.forward_in_full_precision:
         return args, kwargs
     by_root = bool(state.is_root) and mixed_precision.cast_root_forward_inputs
     by_unit = mixed_precision.cast_forward_inputs and bool(state.handles)
@@ -72,11 +88,14 @@ class CastBuffer:
     module: nn.Module
     name: str
     full_value: torch.Tensor
+    compute_dtype: torch.dtype
 
     def state_dict_value(self) -> torch.Tensor:
         """The value a state dict holds: the kept full-precision value while still current."""
         current = self.module._buffers[self.name]
         assert current is not None
+        if current.dtype == self.full_value.dtype:  # full precision in eval right now
+            return current.detach().clone()
         if torch.equal(self.full_value.to(current.dtype), current):
             return self.full_value.clone()
         return current.detach().to(self.full_value.dtype)
@@ -96,7 +115,7 @@ def cast_unit_buffers(modules: list[nn.Module], buffer_dtype: Optional[torch.dty
         for name, buffer in module._buffers.items():
             if buffer is None or not torch.is_floating_point(buffer) or buffer.dtype == buffer_dtype:
                 continue
-            own.append(CastBuffer(module, name, buffer.detach().clone()))
+            own.append(CastBuffer(module, name, buffer.detach().clone(), buffer_dtype))
             buffer.data = buffer.data.to(buffer_dtype)
         if own:
             module.register_state_dict_post_hook(_restore_hook(own))
@@ -135,3 +154,16 @@ def refresh_cast_buffers(
             record.full_value = value.detach().to(
                 device=record.full_value.device, dtype=record.full_value.dtype
             ).clone()
+
+
+def set_buffers_full_precision(states: list["UnitState"], full: bool) -> None:
+    """Puts every cast buffer in full precision (its kept value while current) or back."""
+    for state in states:
+        for record in state.cast_buffers:
+            buffer = record.module._buffers[record.name]
+            assert buffer is not None
+            if full and buffer.dtype != record.full_value.dtype:
+                buffer.data = record.state_dict_value()
+            elif not full and buffer.dtype != record.compute_dtype:
+                record.full_value = buffer.detach().clone()
+                buffer.data = buffer.data.to(record.compute_dtype)

@@ -101,7 +101,7 @@ def prefetch_after(state: UnitState, moment: str) -> None:
         if state.limit_all_gathers:
             while len(ctx.free_events) >= MAX_INFLIGHT_UNSHARDS:
                 ctx.free_events.pop(0).synchronize()  # the oldest first
-        handle.unshard(async_op=True)
+        handle.unshard(full_precision=target.forward_in_full_precision, async_op=True)
         ctx.prefetches_issued += 1
 
 

@@ -77,6 +77,9 @@ class UnitState:
         forward_prefetch: Whether it launches the next unit's forward gather.
         limit_all_gathers: Cap prefetched gathers in flight at two.
         mixed_precision: The unit's ``MixedPrecision`` config (None: full precision).
+        full_precision_in_eval: ``FSDP_USE_FULL_PREC_IN_EVAL=1`` was set at construction.
+        forward_in_full_precision: The unit's current (or last) forward runs with
+            full-precision parameters (eval mode with ``full_precision_in_eval``).
         cast_buffers: The buffers mixed precision cast, with their full-precision values.
     """
 
@@ -100,6 +103,8 @@ class UnitState:
     forward_prefetch: bool = False
     limit_all_gathers: bool = True
     mixed_precision: Optional[MixedPrecision] = None
+    full_precision_in_eval: bool = False
+    forward_in_full_precision: bool = False
     cast_buffers: list["CastBuffer"] = field(default_factory=list)
 
     @property
@@ -141,6 +146,8 @@ class RootContext:
         free_events: CUDA, limit_all_gathers: events recorded where units were resharded,
             oldest first ([Note: Prefetch]).
         prefetches_issued: Prefetched all-gathers launched so far (for tests and profiling).
+        buffers_in_full_precision: Cast buffers are in full precision (eval, see
+            ``full_precision_in_eval``).
     """
 
     root: UnitState
@@ -156,6 +163,7 @@ class RootContext:
     backward_order: list[UnitState] = field(default_factory=list)
     free_events: list[Any] = field(default_factory=list)
     prefetches_issued: int = 0
+    buffers_in_full_precision: bool = False
 
 
 def transition(state: UnitState, new: TrainingState) -> None:
