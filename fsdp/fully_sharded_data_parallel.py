@@ -554,7 +554,14 @@ class FullyShardedDataParallel(nn.Module):
         load_directly: bool = False,
         group: Optional[dist.ProcessGroup] = None,
     ) -> dict[str, Any]:
-        """Converts a state dict from :meth:`optim_state_dict` into one ``optim`` can load."""
+        """Converts a state dict from :meth:`optim_state_dict` into one ``optim`` can load.
+
+        The result is keyed by ``optim``'s parameter IDs or, with ``is_named_optimizer=True``
+        (a ``NamedOptimizer`` / TorchRec ``KeyedOptimizer``), by its parameter names: the names
+        ``model.named_parameters()`` gives them (a FlatParameter's, e.g.
+        ``_fsdp_wrapped_module._flat_param``, or with ``use_orig_params=True`` an original
+        parameter's). ``load_directly=True`` also calls ``optim.load_state_dict(result)``.
+        """
         from fsdp.state_dict import _optim_state_dict as _osd
 
         return _osd.optim_state_dict_to_load_api(

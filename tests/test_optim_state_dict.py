@@ -9,6 +9,7 @@ check that training on gives exactly what training straight on gives.
 
 from __future__ import annotations
 
+import re
 import warnings
 from typing import Any, Callable, Optional
 
@@ -58,15 +59,20 @@ def _wrap(lib: str, strategy: str, uop: bool, mesh: bool = False, ignored: bool 
     return m.FullyShardedDataParallel(model, **kwargs)
 
 
-def _optim(name: str, model: nn.Module, uop: bool, missing: bool = False) -> torch.optim.Optimizer:
-    """Two parameter groups; ``missing`` leaves blocks.2 out of the optimizer."""
+def _groups(model: nn.Module, uop: bool, missing: bool = False) -> list[dict[str, Any]]:
+    """Two parameter groups; ``missing`` leaves blocks.2 out."""
     g0, g1 = [], []
     for pname, p in model.named_parameters():
         if missing and "blocks.2." in pname:
             continue
         second = ("bias" in pname) if uop else ("blocks.1." in pname or "blocks.2." in pname)
         (g1 if second else g0).append(p)
-    groups = [{"params": g0}, {"params": g1, "lr": 0.02}]
+    return [{"params": g0}, {"params": g1, "lr": 0.02}]
+
+
+def _optim(name: str, model: nn.Module, uop: bool, missing: bool = False) -> torch.optim.Optimizer:
+    """Two parameter groups; ``missing`` leaves blocks.2 out of the optimizer."""
+    groups = _groups(model, uop, missing)
     if name == "sgd":
         return torch.optim.SGD(groups, lr=0.05, momentum=0.9)
     if name == "adam":
@@ -80,7 +86,8 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:
         tokens, targets = global_batch(step, ws)
         lm_loss(model(local_rows(tokens, rank, ws)), local_rows(targets, rank, ws)).backward()
         opt.step()
-        opt.zero_grad()
+        # A _NamedOptimizer has no zero_grad of its own (it lacks ``defaults``): its inner one's.
+        getattr(opt, "_optimizer", opt).zero_grad()
 
 
 def _pair(strategy: str, uop: bool, optim: str, steps: int = 2, **kw: Any) -> tuple[Any, Any]:
@@ -482,6 +489,148 @@ def test_full_state_dict_moves_between_world_sizes(pool2: RankPool, pool4: RankP
         pool2.run(_load_full, osd, uop)
 
 
+# ----------------------------------------------------------------------------- named optimizers
+def _named_optim(model: nn.Module, uop: bool) -> Any:
+    """torch's _NamedOptimizer (Adam, _optim's two groups): its state dict is keyed by the
+    names ``model.named_parameters()`` gives (FlatParameters' or original parameters')."""
+    from torch.distributed.optim import _NamedOptimizer
+
+    return _NamedOptimizer(model.named_parameters(), torch.optim.Adam, param_groups=_groups(model, uop), lr=0.01)
+
+
+def _gathered_pieces(osd: dict) -> dict[str, dict[str, torch.Tensor]]:
+    """Each positive-dimension state of a per-rank state dict, its ranks' pieces concatenated."""
+    local = {
+        key: {name: v.reshape(-1) for name, v in entry.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
+        for key, entry in osd["state"].items()
+    }
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, local)
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for key in sorted({key for pieces in everyone for key in pieces}):
+        names = sorted({name for pieces in everyone if key in pieces for name in pieces[key]})
+        out[key] = {name: torch.cat([p[key][name] for p in everyone if name in p.get(key, {})]) for name in names}
+    return out
+
+
+def _assert_named_uop_like_torch(ours: dict, theirs: dict, where: str) -> None:
+    """use_orig_params: optim_state_dict_to_load's results against torch's.
+
+    torch aligns original parameters inside its FlatParameter (see _assert_osd_equal), so each
+    rank holds other pieces: we compare names, groups, state names and the pieces concatenated
+    over ranks (bit for bit: both slice the same loaded state). Scalars are compared where
+    torch's rank holds part of the parameter; elsewhere torch keeps the named optimizer's
+    current state (here ``step`` 1 from ``init_state``) and we give the loaded one.
+    """
+    assert sorted(ours["state"]) == sorted(theirs["state"]), (where, list(ours["state"]), list(theirs["state"]))
+    assert ours["param_groups"] == theirs["param_groups"], where
+    for key in ours["state"]:
+        sa, sb = ours["state"][key], theirs["state"][key]
+        assert list(sa) == list(sb), (where, key, list(sa), list(sb))
+        torch_holds = any(isinstance(v, torch.Tensor) and v.numel() > 0 and v.dim() > 0 for v in sb.values())
+        for name in sa:
+            if torch_holds and not (isinstance(sa[name], torch.Tensor) and sa[name].dim() > 0):
+                _assert_value_equal(sa[name], sb[name], f"{where} [{key}][{name}]")
+    full_a, full_b = _gathered_pieces(ours), _gathered_pieces(theirs)
+    assert list(full_a) == list(full_b), where
+    for key in full_a:
+        assert list(full_a[key]) == list(full_b[key]), (where, key)
+        for name in full_a[key]:
+            _assert_value_equal(full_a[key][name], full_b[key][name], f"{where} gathered [{key}][{name}]")
+
+
+def _named_optimizer_round_trip(uop: bool) -> None:
+    """NamedOptimizer: save, load with is_named_optimizer=True, train on; against torch FSDP1.
+
+    Saving from the named optimizer (keyed by its names) gives what torch gives; loading gives
+    a state dict keyed by the optimizer's names, as torch's does; resuming after 2 steps gives
+    exactly the parameters of 4 steps straight, and (here, even with use_orig_params) exactly
+    torch's.
+    """
+    from fsdp import FullOptimStateDictConfig, FullyShardedDataParallel as FSDP, StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+    from torch.distributed.fsdp import StateDictType as TSDT
+
+    exact = not uop  # optimizer states between libraries (see _assert_osd_equal)
+    straight = _wrap("ours", "FULL_SHARD", uop)
+    so = _named_optim(straight, uop)
+    _train(straight, so, range(4))
+
+    models, opts = {}, {}
+    for lib in ("ours", "torch"):
+        models[lib] = _wrap(lib, "FULL_SHARD", uop)
+        opts[lib] = _named_optim(models[lib], uop)
+        _train(models[lib], opts[lib], range(2))
+    own = opts["ours"].state_dict()
+    names = dict(models["ours"].named_parameters())
+    assert own["state"] and set(own["state"]) <= set(names), list(own["state"])
+    assert all(set(g["params"]) <= set(names) for g in own["param_groups"])
+    before = _snapshot(opts["ours"])
+    osd = FSDP.optim_state_dict(models["ours"], opts["ours"])
+    _assert_osd_equal(osd, _torch_full(models["torch"], opts["torch"], uop), f"named save uop={uop}", exact=exact)
+    with FSDP.state_dict_type(models["ours"], StateDictType.SHARDED_STATE_DICT), TorchFSDP.state_dict_type(models["torch"], TSDT.SHARDED_STATE_DICT):
+        sharded = FSDP.optim_state_dict(models["ours"], opts["ours"])
+        theirs = TorchFSDP.optim_state_dict(models["torch"], opts["torch"])
+        _assert_osd_equal(sharded, theirs, f"named sharded save uop={uop}", exact=exact)
+    _assert_osd_equal(opts["ours"].state_dict(), before, "named optimizer after saving")
+    params = _full_params(models["ours"], FSDP)
+
+    # Fresh models with the saved parameters; a _NamedOptimizer loads only into initialized state.
+    fresh, fopts, outs = {}, {}, {}
+    for lib, cls in (("ours", FSDP), ("torch", TorchFSDP)):
+        fresh[lib] = _wrap(lib, "FULL_SHARD", uop, seed=123, full=params)
+        fopts[lib] = _named_optim(fresh[lib], uop)
+        fopts[lib].init_state()
+        fopts[lib]._optimizer.zero_grad()
+        outs[lib] = cls.optim_state_dict_to_load(fresh[lib], fopts[lib], osd, is_named_optimizer=True)
+    out = outs["ours"]
+    optim_names = {n for n, _ in fresh["ours"].named_parameters()}
+    assert set(out["state"]) <= optim_names and out["state"], list(out["state"])
+    if uop:
+        _assert_named_uop_like_torch(out, outs["torch"], "named to_load vs torch")
+    else:
+        _assert_osd_equal(out, outs["torch"], "named to_load vs torch", ordered=False)
+    # Saved from a plain optimizer (its groups list parameters in ID order, not by name), the
+    # same training loads to the same, groups sorted by name.
+    plain = _wrap("ours", "FULL_SHARD", uop)
+    popt = _optim("adam", plain, uop)
+    _train(plain, popt, range(2))
+    from_plain = FSDP.optim_state_dict_to_load(fresh["ours"], fopts["ours"], FSDP.optim_state_dict(plain, popt), is_named_optimizer=True)
+    _assert_osd_equal(from_plain, out, "a plain optimizer's state into the named one", ordered=False)
+    for group in out["param_groups"]:
+        assert group["params"] == sorted(group["params"]), group["params"]
+    for lib in ("ours", "torch"):
+        fopts[lib].load_state_dict(outs[lib])
+        _assert_osd_equal(fopts[lib].state_dict(), outs[lib], f"{lib} named optimizer after loading", ordered=False)
+    # The sharded state dict and rank0_only (with load_directly) give the same.
+    with FSDP.state_dict_type(fresh["ours"], StateDictType.SHARDED_STATE_DICT):
+        _assert_osd_equal(
+            FSDP.optim_state_dict_to_load(fresh["ours"], fopts["ours"], sharded, is_named_optimizer=True),
+            out, "named sharded to_load",
+        )
+    with FSDP.state_dict_type(fresh["ours"], StateDictType.FULL_STATE_DICT, None, FullOptimStateDictConfig(rank0_only=True)):
+        src = osd if dist.get_rank() == 0 else None
+        again = FSDP.optim_state_dict_to_load(fresh["ours"], fopts["ours"], src, is_named_optimizer=True, load_directly=True)
+    _assert_osd_equal(again, out, "named rank0_only to_load")
+    _assert_osd_equal(fopts["ours"].state_dict(), out, "named optimizer after load_directly", ordered=False)
+
+    for lib in ("ours", "torch"):
+        _train(fresh[lib], fopts[lib], range(2, 4))
+    a, b = _full_params(fresh["ours"], FSDP), _full_params(straight, FSDP)
+    c = _full_params(fresh["torch"], TorchFSDP)
+    assert list(a) == list(b) == list(c)
+    for name in a:
+        _assert_value_equal(a[name], b[name], f"{name}: resumed vs straight (uop={uop})")
+        _assert_value_equal(a[name], c[name], f"{name}: resumed vs torch resumed (uop={uop})")
+    _assert_osd_equal(fopts["ours"].state_dict(), so.state_dict(), "resumed named optimizer vs straight", ordered=False)
+
+
+@pytest.mark.parametrize("uop", [False, True])
+@pytest.mark.parametrize("dist_pool", [2, 4], indirect=True)
+def test_named_optimizer_round_trip_matches_torch(dist_pool: RankPool, uop: bool) -> None:
+    dist_pool.run(_named_optimizer_round_trip, uop)
+
+
 # ----------------------------------------------------------------------------- errors
 def _expect(exc: type, match: str, fn: Callable[[], Any]) -> None:
     with pytest.raises(exc, match=match):
@@ -557,12 +706,8 @@ def _errors() -> None:
             r"fsdp: optim_state_key_type must be OptimStateKeyType\.PARAM_NAME or PARAM_ID",
             lambda: FSDP.rekey_optim_state_dict(full, "names", model),
         )
-        _expect(
-            NotImplementedError,
-            r"fsdp: is_named_optimizer=True",
-            lambda: FSDP.optim_state_dict_to_load(model, opt, full, is_named_optimizer=True),
-        )
         check_unchanged()
+        _named_errors(model, uop, full, wrong_name)
     # Flat parameters share scalar state: differing 'step's cannot be flattened.
     model = _wrap("ours", "FULL_SHARD", False)
     opt = _optim("adam", model, False)
@@ -583,6 +728,55 @@ def _errors() -> None:
     t = torch.ones(1)
     dist.all_reduce(t)
     assert t.item() == dist.get_world_size()
+
+
+def _named_errors(model: nn.Module, uop: bool, full: dict, wrong_name: dict) -> None:
+    """A named optimizer: bad keys and foreign parameters are named; nothing changes."""
+    from fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.optim import _NamedOptimizer
+
+    nopt = _named_optim(model, uop)
+    nopt.init_state()
+    nopt._optimizer.zero_grad()
+    before = _snapshot(nopt)
+    own = nopt.state_dict()
+    _expect(
+        ValueError,
+        r"fsdp: the optimizer state dict has state for 'blocks\.9\.fc1\.weight', which is not a "
+        r"parameter of this model",
+        lambda: FSDP.optim_state_dict_to_load(model, nopt, wrong_name, is_named_optimizer=True, load_directly=True),
+    )
+    bad_group = {"state": full["state"], "param_groups": [{**full["param_groups"][0], "params": ["nope.weight"]}]}
+    _expect(
+        ValueError,
+        r"fsdp: a parameter group of the optimizer state dict lists 'nope\.weight', which is not a parameter",
+        lambda: FSDP.optim_state_dict_to_load(model, nopt, bad_group, is_named_optimizer=True, load_directly=True),
+    )
+    # Saving: the named optimizer's own state dict keyed by cleaned FQNs instead of its names.
+    name = next(iter(own["state"]))
+    clean = name.replace("_fsdp_wrapped_module.", "")
+    by_fqn = {"state": {clean: own["state"][name]}, "param_groups": own["param_groups"]}
+    _expect(
+        ValueError,
+        rf"fsdp: the named optimizer's state dict has state for '{re.escape(clean)}', which is not "
+        rf"the name of a parameter the optimizer holds\. Its keys must be the names "
+        rf"model\.named_parameters\(\) gives the optimizer's parameters: '_fsdp_wrapped_module\.",
+        lambda: FSDP.optim_state_dict(model, nopt, by_fqn),
+    )
+    mixed = {"state": {0: own["state"][name], name: own["state"][name]}, "param_groups": []}
+    _expect(
+        ValueError,
+        r"fsdp: the optimizer state dict mixes parameter names \(\['.*'\]\) and other keys \(\[0\]\)",
+        lambda: FSDP.optim_state_dict(model, nopt, mixed),
+    )
+    stray = _NamedOptimizer([("stray", nn.Parameter(torch.zeros(3)))], torch.optim.Adam, lr=0.01)
+    _expect(
+        ValueError,
+        r"fsdp: the named optimizer holds a parameter of shape \(3,\) \(ID 0\) that is not a "
+        r"parameter of the model",
+        lambda: FSDP.optim_state_dict_to_load(model, stray, full, is_named_optimizer=True),
+    )
+    _assert_osd_equal(nopt.state_dict(), before, f"named optimizer after errors uop={uop}")
 
 
 def test_errors_are_clear_and_change_nothing(pool2: RankPool) -> None:

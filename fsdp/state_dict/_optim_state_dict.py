@@ -21,15 +21,35 @@ of the shard (possibly empty, or absent on a rank that holds no part of the para
   full tensors, every name and shape is checked against the model before anything changes,
   then each parameter's state is flattened (missing parameters of a FlatParameter get zeros),
   padded, and this rank's slice taken; the result is keyed by this optimizer's parameter IDs.
+- Named optimizers (``NamedOptimizer`` / TorchRec's ``KeyedOptimizer``, see
+  [Note: Named optimizers]) key their own state dicts by parameter names instead of IDs.
 
 Every collective runs over a handle's own process group, in the same order on every rank.
+
+[Note: Named optimizers]
+A named optimizer's ``state_dict()`` keys ``state`` and each group's ``params`` by names, not
+IDs. As in torch FSDP1, a parameter's name is the one ``model.named_parameters()`` gives the
+parameter object the optimizer holds: with ``use_orig_params=False`` a FlatParameter's name
+(``_fsdp_wrapped_module._flat_param``), with ``use_orig_params=True`` an original parameter's
+name with the wrapper prefixes (``_fsdp_wrapped_module.layer._fsdp_wrapped_module.weight``),
+and an unmanaged parameter's own name. The optimizer's parameter order (its IDs) is
+``optim.param_groups``, as for any optimizer.
+
+- Saving detects such a state dict by its string keys and re-keys it by IDs first (keeping
+  each group's parameter order, which decides the order of the saved group's names); the
+  result is the usual FQN-keyed state dict, whatever the optimizer.
+- Loading with ``is_named_optimizer=True`` keys the result by these names, and each group's
+  ``params`` are the sorted names (a named optimizer's ``state_dict()`` sorts them too). torch
+  FSDP1 fills the state of a parameter this rank holds no part of (use_orig_params) from the
+  optimizer's current state; we do not need to: that rank gets the loaded state, empty (see
+  ``_shard_orig_state``).
 """
 
 from __future__ import annotations
 
 import copy
 import math
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -41,6 +61,9 @@ from fsdp.flat_param.flat_param import FlatParamHandle
 from fsdp.runtime import _collectives as comm
 from fsdp.runtime._lazy_init import check_idle, is_fsdp, unit_state
 from fsdp.state_dict._gather import NOBODY, PendingGather, gather, start_gather
+
+ParamKey = Union[int, str]
+"""A parameter's key in an optimizer's own state dict: its ID, or a named optimizer's name."""
 
 __all__ = [
     "save",
@@ -142,6 +165,72 @@ def _param_list(
     if items and isinstance(items[0], dict):
         return [p for group in items for p in group["params"]]
     return items
+
+
+def _names_in_model(model: nn.Module) -> dict[int, str]:
+    """id(param) -> the name ``model.named_parameters()`` gives it (its first name, uncleaned)."""
+    return {id(param): name for name, param in model.named_parameters()}
+
+
+def _optimizer_keys(model: nn.Module, params: list[nn.Parameter], named: bool) -> list[ParamKey]:
+    """The key of each of the optimizer's parameters in its own state dict, in ID order.
+
+    IDs for a ``torch.optim.Optimizer``; names for a named optimizer (see
+    [Note: Named optimizers]).
+    """
+    if not named:
+        return list(range(len(params)))
+    names = _names_in_model(model)
+    keys: list[ParamKey] = []
+    for position, param in enumerate(params):
+        if id(param) not in names:
+            raise ValueError(
+                f"fsdp: the named optimizer holds a parameter of shape {tuple(param.shape)} (ID "
+                f"{position}) that is not a parameter of the model, so it has no name to key its "
+                f"state by."
+            )
+        keys.append(names[id(param)])
+    return keys
+
+
+def _keyed_by_names(osd: dict[str, Any]) -> bool:
+    """Whether an optimizer's own state dict comes from a named optimizer (string keys)."""
+    keys = list(osd.get("state", {}))
+    for group in osd.get("param_groups", []):
+        keys.extend(group.get("params", []))
+    names = [key for key in keys if isinstance(key, str)]
+    if names and len(names) != len(keys):
+        others = [key for key in keys if not isinstance(key, str)]
+        raise ValueError(
+            f"fsdp: the optimizer state dict mixes parameter names ({names[:3]}) and other keys "
+            f"({others[:3]}); a state dict is keyed by parameter IDs or, from a named optimizer, "
+            f"by parameter names."
+        )
+    return bool(names)
+
+
+def _names_to_ids(osd: dict[str, Any], names: list[ParamKey]) -> dict[str, Any]:
+    """A named optimizer's state dict re-keyed by parameter IDs (positions in ``names``)."""
+    position = {name: key for key, name in enumerate(names)}
+
+    def key_of(name: str, what: str) -> int:
+        if name not in position:
+            shown = ", ".join(f"'{n}'" for n in names[:8])
+            more = f", ... ({len(names)} in all)" if len(names) > 8 else ""
+            raise ValueError(
+                f"fsdp: the named optimizer's state dict has {what} '{name}', which is not the name "
+                f"of a parameter the optimizer holds. Its keys must be the names "
+                f"model.named_parameters() gives the optimizer's parameters: {shown}{more}."
+            )
+        return position[name]
+
+    out: dict[str, Any] = {"state": {key_of(name, "state for"): entry for name, entry in osd["state"].items()}}
+    if "param_groups" in osd:
+        out["param_groups"] = [
+            {**group, "params": [key_of(name, "a parameter group listing") for name in group["params"]]}
+            for group in osd["param_groups"]
+        ]
+    return out
 
 
 def _is_pos_dim(value: Any) -> bool:
@@ -491,18 +580,19 @@ def save(
     use_dtensor: bool = False,
     optim_input: Optional[Any] = None,
 ) -> dict[str, Any]:
-    """The optimizer state keyed by parameter FQNs (see [Note: Optimizer state dict formats])."""
+    """The optimizer state keyed by parameter FQNs (see [Note: Optimizer state dict formats]).
+
+    ``optim_state_dict`` (default ``optim.state_dict()``) may be keyed by IDs or, from a named
+    optimizer, by names (see [Note: Named optimizers]).
+    """
     view = _ModelView(model)
     osd = optim.state_dict() if optim_state_dict is None else optim_state_dict
     if "state" not in osd:
         raise ValueError("fsdp: optim_state_dict must have the key 'state' (an optimizer state dict)")
-    state = osd["state"]
-    if any(isinstance(k, str) for k in state):
-        raise NotImplementedError(
-            "fsdp: optimizer state keyed by parameter names (NamedOptimizer / KeyedOptimizer) is "
-            "not supported; pass a torch.optim.Optimizer's state_dict (keyed by parameter IDs)."
-        )
     params = _param_list(model, optim, optim_input)
+    if _keyed_by_names(osd):
+        osd = _names_to_ids(osd, _optimizer_keys(model, params, named=True))
+    state = osd["state"]
     to_save = not rank0_only or dist.get_rank(group) == 0 or not full
     shard = not full
     out_state: dict[str, Any] = {}
@@ -772,12 +862,11 @@ def to_load(
     rank0_only: bool = False,
     optim_input: Optional[Any] = None,
 ) -> dict[str, Any]:
-    """This rank's flattened / sharded optimizer state dict, keyed by ``optim``'s parameter IDs."""
-    if is_named_optimizer:
-        raise NotImplementedError(
-            "fsdp: is_named_optimizer=True (NamedOptimizer / KeyedOptimizer) is not supported; "
-            "use a torch.optim.Optimizer."
-        )
+    """This rank's flattened / sharded optimizer state dict, keyed as ``optim`` keys its own.
+
+    Keys are ``optim``'s parameter IDs, or with ``is_named_optimizer`` its parameter names (see
+    [Note: Named optimizers]). Every name and shape is checked before anything changes.
+    """
     view = _ModelView(model)
     if rank0_only:
         osd = _broadcast_from_rank0(optim_state_dict, view, group)
@@ -786,6 +875,20 @@ def to_load(
             raise ValueError("fsdp: optim_state_dict must be an optimizer state dict, got None")
         osd = optim_state_dict
         _validate(osd, view)
+    params = _param_list(model, optim, optim_input)
+    keys = _optimizer_keys(model, params, is_named_optimizer)
+    param_to_key = {id(param): keys[position] for position, param in enumerate(params)}
+    fqn_to_key: dict[str, ParamKey] = {}
+    for fqn, param in view.fqn_to_param.items():
+        if id(param) in param_to_key:
+            fqn_to_key[fqn] = param_to_key[id(param)]
+    for group_sd in osd.get("param_groups", []):
+        missing = [f for f in group_sd["params"] if f not in fqn_to_key]
+        if missing:
+            raise ValueError(
+                f"fsdp: a parameter group of the optimizer state dict lists {missing}, which "
+                f"this optimizer does not hold."
+            )
     # Gather sharded values (DTensor / ShardedTensor) back to full tensors, in dict order.
     state: dict[str, dict[str, Any]] = {}
     for fqn, entry in osd["state"].items():
@@ -794,13 +897,7 @@ def to_load(
             new[name] = _gather_sharded(value, f"state '{name}' of '{fqn}'") if _is_sharded_value(value) else value
         state[fqn] = new
 
-    params = _param_list(model, optim, optim_input)
-    param_to_key = {id(p): k for k, p in enumerate(params)}
-    fqn_to_key: dict[str, int] = {}
-    for fqn, param in view.fqn_to_param.items():
-        if id(param) in param_to_key:
-            fqn_to_key[fqn] = param_to_key[id(param)]
-    out_state: dict[int, Any] = {}
+    out_state: dict[ParamKey, Any] = {}
     if not view.use_orig_params:
         for h, handle in enumerate(view.handles):
             fqns = view.handle_fqns[h]
@@ -825,12 +922,6 @@ def to_load(
         groups = []
         for group_sd in osd["param_groups"]:
             new_group = copy.deepcopy(group_sd)
-            missing = [f for f in group_sd["params"] if f not in fqn_to_key]
-            if missing:
-                raise ValueError(
-                    f"fsdp: a parameter group of the optimizer state dict lists {missing}, which "
-                    f"this optimizer does not hold."
-                )
             new_group["params"] = sorted({fqn_to_key[f] for f in group_sd["params"]})
             groups.append(new_group)
         out["param_groups"] = groups
