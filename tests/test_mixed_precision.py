@@ -9,6 +9,7 @@ each collective, buffers in state dicts, summon_full_params, and argument errors
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
 import pytest
@@ -84,9 +85,12 @@ def _lib(lib: str) -> Any:
     return lib_mod, wrap_mod
 
 
-def wrap(lib: str, model: nn.Module, strategy: str, config: str, use_orig_params: bool = False) -> nn.Module:
+def wrap(
+    lib: str, model: nn.Module, strategy: str, config: str, use_orig_params: bool = False, **extra: Any
+) -> nn.Module:
     lib_mod, wrap_mod = _lib(lib)
-    extra = {} if lib == "ours" else {"device_id": torch.device("cpu")}
+    if lib != "ours":
+        extra["device_id"] = torch.device("cpu")
     return lib_mod.FullyShardedDataParallel(
         model,
         auto_wrap_policy=wrap_mod.ModuleWrapPolicy({Block}),
@@ -474,3 +478,67 @@ def full_precision_in_eval(strategy: str) -> None:
 def test_full_precision_in_eval(pool2: RankPool) -> None:
     for strategy in STRATEGIES:
         pool2.run(full_precision_in_eval, strategy)
+
+
+
+# ---------------------------------------------------------------------------------------------
+# With hybrid sharding and with activation checkpointing
+# ---------------------------------------------------------------------------------------------
+
+
+def _checkpoint_blocks(model: nn.Module, around_units: bool) -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+
+    wrapper = functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+    if around_units:  # around each nested unit (as apply_activation_checkpointing on FSDP units)
+        fsdp_cls = type(model)
+        check = lambda m: isinstance(m, fsdp_cls) and m is not model  # noqa: E731
+    else:  # inside each unit, around its Block
+        check = lambda m: isinstance(m, Block)  # noqa: E731
+    apply_activation_checkpointing(model, checkpoint_wrapper_fn=wrapper, check_fn=check)
+
+
+def mp_composed(kind: str, strategy: str) -> None:
+    """bf16 mixed precision composed with hybrid sharding or activation checkpointing: losses
+    and gradients equal torch FSDP1's at every step, full parameters at the end."""
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    extra: dict[str, Any] = {}
+    if kind == "hybrid":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        extra["device_mesh"] = init_device_mesh("cpu", (2, ws // 2))
+    models = [wrap(lib, make_net(), strategy, "bf16_all", **dict(extra)) for lib in ("ours", "torch")]
+    if kind.startswith("checkpoint"):
+        for model in models:
+            _checkpoint_blocks(model, around_units=kind == "checkpoint_units")
+    opts = [torch.optim.AdamW(m.parameters(), lr=0.01) for m in models]
+    for step in range(3):
+        x, y = features(step, ws)
+        losses = [loss_fn(m(local_rows(x, rank, ws)), local_rows(y, rank, ws)) for m in models]
+        assert torch.equal(losses[0], losses[1]), f"step {step}: loss differs from torch FSDP1"
+        for loss in losses:
+            loss.backward()
+        for (name, p), (_, q) in zip(*(m.named_parameters() for m in models)):
+            assert p.grad is not None and p.grad.dtype == FP32, name
+            assert torch.equal(p.grad, q.grad), f"step {step}: grad of {name} differs from torch FSDP1"
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    mine, theirs = full_params(models[0]), full_params(models[1])
+    for name, value in mine.items():
+        assert torch.equal(value, theirs[name]), name
+
+
+@pytest.mark.parametrize("strategy", ["HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"])
+def test_with_hybrid_sharding(pool4: RankPool, strategy: str) -> None:
+    pool4.run(mp_composed, "hybrid", strategy)
+
+
+@pytest.mark.parametrize("kind", ["checkpoint_blocks", "checkpoint_units"])
+def test_with_activation_checkpointing(pool2: RankPool, kind: str) -> None:
+    for strategy in STRATEGIES:
+        pool2.run(mp_composed, kind, strategy)
