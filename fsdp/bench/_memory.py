@@ -59,7 +59,7 @@ class MemoryTrace:
 
     def _analyse(self) -> None:
         events = self._prof.profiler.kineto_results.events()  # type: ignore[union-attr]
-        memory = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+        memory = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")  # type: ignore[union-attr]
         marks = {e.name()[len(_PREFIX):]: (e.start_ns(), e.end_ns()) for e in events if e.name().startswith(_PREFIX)}
         live = 0
         timeline: list[tuple[int, int]] = []

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 import math
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 import torch.distributed as dist
@@ -90,7 +90,7 @@ def _wrap_torch_fsdp2(model: nn.Module, cfg: BenchConfig) -> nn.Module:
         raise ValueError("torch FSDP2 has no NO_SHARD")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     reshard = cfg.strategy == "FULL_SHARD"
-    for layer in model.layers:
+    for layer in cast(nn.ModuleList, model.layers):
         tf.fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
     tf.fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
     return model
@@ -124,7 +124,7 @@ def wrap(name: str, cfg: BenchConfig) -> nn.Module:
 def unit_numels(cfg: BenchConfig) -> tuple[int, list[int]]:
     """Parameters owned by the root unit and by each layer unit."""
     model = build_model(cfg)
-    layers = [sum(p.numel() for p in layer.parameters()) for layer in model.layers]
+    layers = [sum(p.numel() for p in layer.parameters()) for layer in cast(nn.ModuleList, model.layers)]
     total = sum(p.numel() for p in model.parameters())
     return total - sum(layers), layers
 

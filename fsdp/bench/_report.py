@@ -13,6 +13,11 @@ __all__ = ["summarize", "format_report", "format_profile", "TARGETS"]
 
 MiB = 1024 * 1024
 #: (key, description, threshold): each is met when the measured ratio is <= the threshold.
+def _met(value: Any, threshold: float) -> Optional[bool]:
+    """Whether a measured ratio is within its target (None when it was not measured)."""
+    return None if value is None else float(value) <= threshold
+
+
 TARGETS = (
     ("step_vs_fsdp1", "step time <= 0.80x torch FSDP1", 0.80),
     ("step_vs_local", "step time <= 1.15x local (no communication)", 1.15),
@@ -97,7 +102,7 @@ def summarize(cfg: BenchConfig, ranks: list[dict[str, Any]]) -> dict[str, Any]:
     }
     targets = [
         {"key": key, "description": desc, "threshold": thr, "value": values[key],
-         "met": None if values[key] is None else values[key] <= thr}
+         "met": _met(values[key], thr)}
         for key, desc, thr in TARGETS
         if not cfg.checkpoint_only or key in CHECKPOINT_TARGETS
     ]

@@ -8,6 +8,7 @@ Every rank returns a JSON-serializable dict of its own measurements; the parent 
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import json
 import os
@@ -167,8 +168,8 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     for _ in range(cfg.checkpoint_reps if ckpt_names else 0):
         for name in ckpt_names:
             model, opt = models[name], opts[name]
-            out["checkpoint"][name]["model_s"].append(_timed(lambda n=name, m=model: _save_model(n, m)))
-            out["checkpoint"][name]["optim_s"].append(_timed(lambda n=name, m=model, o=opt: _save_optim(n, m, o)))
+            out["checkpoint"][name]["model_s"].append(_timed(functools.partial(_save_model, name, model)))
+            out["checkpoint"][name]["optim_s"].append(_timed(functools.partial(_save_optim, name, model, opt)))
     dist.barrier()
     return out
 

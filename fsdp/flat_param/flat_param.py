@@ -809,11 +809,10 @@ class FlatParamHandle:
                 self.flat_param.data.data_ptr() == self._local_shard.data_ptr(),
                 f"unit '{self.unit_name}': finalize_grad while the FlatParameter is unsharded",
             )
+        grad: Optional[torch.Tensor] = pending if pending is not None else stash
         if pending is not None and stash is not None:
             stash.add_(pending)
             grad = stash
-        else:
-            grad = pending if pending is not None else stash
         self._set_sharded_grad(grad)
 
     def _set_sharded_grad(self, grad: Optional[torch.Tensor]) -> None:

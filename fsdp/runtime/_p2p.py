@@ -58,7 +58,9 @@ class P2PWork:
 
 
 def _global_rank(group: Optional[dist.ProcessGroup], group_rank: int) -> int:
-    return dist.get_global_rank(group if group is not None else dist.group.WORLD, group_rank)
+    resolved = group if group is not None else dist.group.WORLD
+    assert resolved is not None, "the default process group is not initialized"
+    return dist.get_global_rank(resolved, group_rank)
 
 
 def all_gather_p2p(

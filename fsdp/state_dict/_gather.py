@@ -76,12 +76,12 @@ def start_gather(
         return PendingGather(None, [])
     shard = shard.contiguous()
     if dst is None:
-        padded_unsharded = shard.new_empty(world_size * shard.numel())
-        comm.all_gather_flat(padded_unsharded, shard, group)
-        return PendingGather(padded_unsharded, [])
-    padded_unsharded = shard.new_empty(world_size * shard.numel()) if rank == dst else None
-    work = comm.gather_flat_to(padded_unsharded, shard, group, dst, async_op=True)
-    return PendingGather(padded_unsharded, [work])
+        everyone = shard.new_empty(world_size * shard.numel())
+        comm.all_gather_flat(everyone, shard, group)
+        return PendingGather(everyone, [])
+    received = shard.new_empty(world_size * shard.numel()) if rank == dst else None
+    work = comm.gather_flat_to(received, shard, group, dst, async_op=True)
+    return PendingGather(received, [work])
 
 
 def gather(
