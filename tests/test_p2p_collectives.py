@@ -81,3 +81,57 @@ def interleaved_in_flight() -> None:
 @pytest.mark.parametrize("dist_pool", [2, 4], indirect=True)
 def test_several_in_flight(dist_pool: RankPool) -> None:
     dist_pool.run(interleaved_in_flight)
+
+
+def reduction_from_pieces(strategy: str, unused: bool, accumulate: bool) -> None:
+    """Two-rank gloo training reduces each unit's gradient straight from the per-parameter
+    gradients ([Note: Per-parameter gradient reduction]); the results equal the concatenating
+    path bit for bit (and torch FSDP1's, see tests/test_parity.py)."""
+    import fsdp.runtime._hooks as hooks
+    from fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
+    from fsdp.flat_param.flat_param import FlatParamHandle
+    from fsdp.wrap import ModuleWrapPolicy
+    from tests._models import Block, global_batch, lm_loss, local_rows, make_toy
+
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    calls = {"pieces": 0}
+    original_reduce = FlatParamHandle._reduce_pieces
+
+    def counting(self: FlatParamHandle) -> None:
+        calls["pieces"] += 1
+        original_reduce(self)
+
+    original_allowed = hooks._reduction_takes_pieces
+    results = {}
+    FlatParamHandle._reduce_pieces = counting  # type: ignore[method-assign]
+    try:
+        for pieces in (True, False):
+            hooks._reduction_takes_pieces = original_allowed if pieces else (lambda state: False)  # type: ignore[assignment]
+            model = FSDP(
+                make_toy(unused=unused),
+                auto_wrap_policy=ModuleWrapPolicy({Block}),
+                sharding_strategy=ShardingStrategy[strategy],
+            )
+            opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+            before = calls["pieces"]
+            for step in range(3):
+                tokens, targets = global_batch(step, ws)
+                for _ in range(2 if accumulate else 1):
+                    lm_loss(model(local_rows(tokens, rank, ws)), local_rows(targets, rank, ws)).backward()
+                opt.step()
+                opt.zero_grad()
+            used = calls["pieces"] - before
+            assert (used > 0) == pieces, (pieces, used)
+            with FSDP.summon_full_params(model, writeback=False):
+                results[pieces] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    finally:
+        FlatParamHandle._reduce_pieces = original_reduce  # type: ignore[method-assign]
+        hooks._reduction_takes_pieces = original_allowed  # type: ignore[assignment]
+    for name, value in results[True].items():
+        assert torch.equal(value, results[False][name]), name
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
+@pytest.mark.parametrize("unused,accumulate", [(False, False), (True, True)])
+def test_reduction_from_pieces_equals_concatenated(pool2: RankPool, strategy: str, unused: bool, accumulate: bool) -> None:
+    pool2.run(reduction_from_pieces, strategy, unused, accumulate)

@@ -86,7 +86,11 @@ def count_collectives() -> Iterator[CommCounts]:
     from fsdp.runtime import _collectives as fsdp_comm
 
     fsdp_originals: dict[str, Any] = {}
-    for name, kind in (("all_gather_flat", "all_gather"), ("reduce_scatter_flat", "reduce_scatter")):
+    for name, kind in (
+        ("all_gather_flat", "all_gather"),
+        ("reduce_scatter_flat", "reduce_scatter"),
+        ("reduce_scatter_halves", "reduce_scatter"),
+    ):
         original = getattr(fsdp_comm, name)
         fsdp_originals[name] = original
         setattr(fsdp_comm, name, _counting(original, kind, counts, depth))

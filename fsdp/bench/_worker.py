@@ -80,6 +80,10 @@ def _memory_phase(cfg: BenchConfig, name: str) -> dict[str, Any]:
     dist.barrier()
     with MemoryTrace() as trace:
         model = wrap(name, cfg)
+        # The unwrapped model's replaced parameters can sit in reference cycles until Python's
+        # cyclic collector happens to run; collect now, for every implementation alike, so the
+        # step peak measures the implementation, not when garbage collection last ran.
+        gc.collect()
         opt = make_optimizer(model)
         batches = make_batches(cfg, dist.get_rank())
         for i in range(cfg.warmup_steps):

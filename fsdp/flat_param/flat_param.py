@@ -219,6 +219,38 @@ def _set_module_param(module: nn.Module, name: str, param: nn.Parameter) -> None
     module._parameters[name] = param
 
 
+class _UnflattenParams(torch.autograd.Function):
+    """The original-shaped views of the unsharded FlatParameter, for forward.
+
+    [Note: Per-parameter gradient reduction]
+    With plain ``split`` views, autograd concatenates the parameters' gradients into one padded
+    unsharded gradient (a full copy) before the FlatParameter's hooks see it, and the reduction
+    then divides it in place and sends half of it. Where the reduction can work on the pieces
+    (:meth:`FlatParamHandle.collect_param_grads`: the two-rank point-to-point reduce-scatter on
+    gloo, default reduction), this function's backward hands the per-parameter gradients to the
+    handle instead and gives the FlatParameter no gradient; the post-accumulate hook (which
+    still fires) then reduces from the pieces: the other rank's half is written, divided, into
+    one send buffer, and this rank's pieces are added (scaled) onto what it receives. That
+    saves the concatenation, a division pass and a padded-size allocation per unit, with the
+    same arithmetic (``b + a / 2`` for every element), so results stay bit-identical.
+    Elsewhere the backward returns the concatenated gradient, exactly like ``split``'s.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, flat: torch.Tensor, handle: "FlatParamHandle") -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        ctx.handle_ref = weakref.ref(handle)
+        return tuple(handle._unsharded_views(flat))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], None]:  # type: ignore[override]
+        handle: Optional[FlatParamHandle] = ctx.handle_ref()
+        if handle is None:
+            return None, None
+        if handle.collect_param_grads(list(grads)):
+            return None, None
+        return handle.flatten_param_grads(list(grads)), None
+
+
 class FlatParamHandle:
     """Owns one unit's FlatParameter and does everything to it.
 
@@ -360,8 +392,13 @@ class FlatParamHandle:
         self._prior_grad_to_reduce: Optional[torch.Tensor] = None
         self._unsynced_unsharded_grad: Optional[torch.Tensor] = None
         self._pending_sharded_grad: Optional[torch.Tensor] = None
-        # (work, sharded output, unsharded input) of a reduce-scatter still in flight.
-        self._inflight: Optional[tuple[Any, torch.Tensor, torch.Tensor]] = None
+        # (work, sharded output, what must stay alive) of a reduce-scatter still in flight.
+        self._inflight: Optional[tuple[Any, torch.Tensor, Any]] = None
+        # Per-parameter gradients of this backward, when reduced from the pieces
+        # ([Note: Per-parameter gradient reduction]); set by the runtime: whether the next
+        # backward's reduction may take that form (synchronized, default reduction).
+        self._param_grads: Optional[list[Optional[torch.Tensor]]] = None
+        self.piecewise_reduction_allowed = False
         # A prefetched all-gather not yet waited for (see [Note: Prefetch]).
         self._pending_unshard: Optional[_PendingUnshard] = None
         # CUDA: the side stream prefetched all-gathers run on (set at lazy init); None on CPU.
@@ -546,7 +583,10 @@ class FlatParamHandle:
             self.is_unsharded,
             f"unit '{self.unit_name}': use_unsharded_views needs UNSHARDED, state is {self.state}",
         )
-        views = self._unsharded_views(self.flat_param)
+        if not as_params and torch.is_grad_enabled() and self.flat_param.requires_grad:
+            views = list(_UnflattenParams.apply(self.flat_param, self))
+        else:
+            views = self._unsharded_views(self.flat_param)
         if as_params:
             req = self.flat_param.requires_grad
             if self.use_orig_params:
@@ -670,6 +710,91 @@ class FlatParamHandle:
             self._sharded_grad_stash = grad.to(self.dtype)
             self.flat_param.grad = None
 
+    def _reduces_from_pieces(self, grads: Sequence[Optional[torch.Tensor]]) -> bool:
+        return (
+            self.piecewise_reduction_allowed
+            and self.uses_sharding
+            and self.replicate_world_size == 1
+            and self._unsynced_unsharded_grad is None
+            and comm.can_reduce_scatter_halves(self._local_shard, self.process_group)
+            and all(g is None or (g.dtype == self.precision.reduce_dtype and g.is_contiguous()) for g in grads)
+        )
+
+    def collect_param_grads(self, grads: list[Optional[torch.Tensor]]) -> bool:
+        """Keeps this backward's per-parameter gradients for a reduction from the pieces.
+
+        Returns False (nothing kept) where that reduction does not apply; the caller then
+        hands autograd the concatenated gradient. A unit used twice in one forward gets its
+        gradients summed here, as autograd would sum them.
+        """
+        if not self._reduces_from_pieces(grads):
+            return False
+        if self._param_grads is None:
+            self._param_grads = list(grads)
+        else:
+            self._param_grads = [
+                b if a is None else a if b is None else a + b for a, b in zip(self._param_grads, grads)
+            ]
+        return True
+
+    def flatten_param_grads(self, grads: list[Optional[torch.Tensor]]) -> torch.Tensor:
+        """The padded unsharded gradient from per-parameter gradients (``split``'s backward)."""
+        reference = next(g for g in grads if g is not None)
+        pieces = [
+            g.reshape(-1) if g is not None else reference.new_zeros(info.numel)
+            for g, info in zip(grads, self.param_infos)
+        ]
+        padding = self.padded_unsharded_numel - self.unpadded_unsharded_numel
+        if padding:
+            pieces.append(reference.new_zeros(padding))
+        return torch.cat(pieces)
+
+    def _reduce_pieces(self) -> None:
+        """Launches the two-rank reduce-scatter from the per-parameter gradients (async)."""
+        grads, self._param_grads = self._param_grads, None
+        assert grads is not None
+        reference = next(g for g in grads if g is not None)
+        numel = self.sharded_numel
+        own_start = self.rank * numel
+        peer_start = (1 - self.rank) * numel
+        peer_half = reference.new_zeros(numel) if self._has_gaps(grads, peer_start) else reference.new_empty(numel)
+        own_parts: list[tuple[int, torch.Tensor]] = []
+        param_start = 0
+        for grad, info in zip(grads, self.param_infos):
+            param_end = param_start + info.numel
+            if grad is not None:
+                flat_grad = grad.reshape(-1)
+                lo, hi = max(param_start, peer_start), min(param_end, peer_start + numel)
+                if lo < hi:
+                    torch.div(
+                        flat_grad[lo - param_start : hi - param_start],
+                        self.pre_divide,
+                        out=peer_half[lo - peer_start : hi - peer_start],
+                    )
+                lo, hi = max(param_start, own_start), min(param_end, own_start + numel)
+                if lo < hi:
+                    own_parts.append((lo - own_start, flat_grad[lo - param_start : hi - param_start]))
+            param_start = param_end
+        sharded_grad = torch.empty(numel, dtype=reference.dtype, device=reference.device)
+        work = comm.reduce_scatter_halves(
+            sharded_grad, peer_half, own_parts, 1.0 / self.pre_divide, self.process_group
+        )
+        self._inflight = (work, sharded_grad, (peer_half, own_parts))
+
+    def _has_gaps(self, grads: Sequence[Optional[torch.Tensor]], half_start: int) -> bool:
+        """Whether part of ``[half_start, half_start + sharded_numel)`` gets no gradient
+        (padding, or a parameter without one): it must then be sent as zeros."""
+        half_end = half_start + self.sharded_numel
+        if half_end > self.unpadded_unsharded_numel:
+            return True
+        param_start = 0
+        for grad, info in zip(grads, self.param_infos):
+            param_end = param_start + info.numel
+            if grad is None and param_start < half_end and param_end > half_start:
+                return True
+            param_start = param_end
+        return False
+
     def reduce_grad(
         self,
         sync: bool,
@@ -692,6 +817,14 @@ class FlatParamHandle:
         Postcondition: ``.grad`` is None; the reduced sharded gradient waits in
         ``_pending_sharded_grad`` (or in flight) until :meth:`finalize_grad`.
         """
+        if self._param_grads is not None:
+            p_assert(
+                sync and comm_hook is None and async_op,
+                f"unit '{self.unit_name}': per-parameter gradients kept for a reduction that "
+                f"cannot take them",
+            )
+            self._reduce_pieces()
+            return
         unsharded_grad = self.flat_param.grad
         self.flat_param.grad = None
         p_assert(unsharded_grad is not None, f"unit '{self.unit_name}': no gradient to reduce")
@@ -923,6 +1056,7 @@ class FlatParamHandle:
         """
         self.wait_reduction()  # never leave a collective in flight
         self._pending_sharded_grad = None
+        self._param_grads = None
         grad = self.flat_param.grad
         if grad is not None and grad.shape != self._local_shard.shape:
             self.flat_param.grad = None  # an unreduced unsharded gradient

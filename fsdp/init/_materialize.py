@@ -122,4 +122,7 @@ def materialize_and_wrap(
             if child in targets:
                 setattr(module, child_name, wrapper_cls(child, **targets[child]))
 
-    visit("", root)
+    try:
+        visit("", root)
+    finally:
+        del visit  # breaks the closure's self-reference (a cycle that would hold ``targets``)

@@ -21,22 +21,26 @@ def collect_unit_params(
     subtrees of other units (nested FSDP instances, or modules a policy will wrap). A parameter
     reachable under two names appears twice; FlatParamHandle stores it once.
     """
+    # An explicit stack, not a recursive closure: a closure that calls itself is a reference
+    # cycle, and it would keep the (soon replaced) original parameters alive until Python's
+    # cyclic garbage collector happens to run.
     result: list[UnitParam] = []
     seen_modules: set[int] = set()
-
-    def visit(prefix: str, mod: nn.Module) -> None:
+    stack: list[tuple[str, nn.Module]] = [("", module)]
+    while stack:
+        prefix, mod = stack.pop()
         if id(mod) in seen_modules:
-            return
+            continue
         seen_modules.add(id(mod))
         for name, param in mod._parameters.items():
             if param is not None:
                 result.append((prefix, mod, name, param))
-        for child_name, child in mod._modules.items():
-            if child is None or is_other_unit(child):
-                continue
-            visit(f"{prefix}.{child_name}" if prefix else child_name, child)
-
-    visit("", module)
+        children = [
+            (f"{prefix}.{child_name}" if prefix else child_name, child)
+            for child_name, child in mod._modules.items()
+            if child is not None and not is_other_unit(child)
+        ]
+        stack.extend(reversed(children))  # pre-order: the first child is visited next
     return result
 
 

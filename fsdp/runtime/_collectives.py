@@ -13,7 +13,14 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from fsdp.runtime._p2p import P2PWork, all_gather_p2p, gather_p2p, reduce_scatter_p2p, uses_p2p
+from fsdp.runtime._p2p import (
+    P2PWork,
+    all_gather_p2p,
+    gather_p2p,
+    reduce_scatter_halves_p2p,
+    reduce_scatter_p2p,
+    uses_p2p,
+)
 
 
 def all_gather_flat(
@@ -48,6 +55,26 @@ def reduce_scatter_flat(
         return _complete_unless_async(reduce_scatter_p2p(output, input, group), async_op)
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return fn(output, input, group=group, async_op=async_op)
+
+
+def reduce_scatter_halves(
+    output: torch.Tensor,
+    peer_half: torch.Tensor,
+    own_parts: list[tuple[int, torch.Tensor]],
+    own_scale: float,
+    group: Optional[dist.ProcessGroup],
+) -> Any:
+    """Launches a two-rank reduce-scatter given as (peer half, own pieces); returns its work.
+
+    Gloo only (see :func:`fsdp.runtime._p2p.reduce_scatter_halves_p2p`); the caller checks
+    :func:`can_reduce_scatter_halves` first.
+    """
+    return reduce_scatter_halves_p2p(output, peer_half, own_parts, own_scale, group)
+
+
+def can_reduce_scatter_halves(tensor: torch.Tensor, group: Optional[dist.ProcessGroup]) -> bool:
+    """Whether :func:`reduce_scatter_halves` applies: gloo, CPU tensors, two ranks."""
+    return uses_p2p(tensor, group) and dist.get_world_size(group) == 2
 
 
 def gather_flat_to(

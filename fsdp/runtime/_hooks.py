@@ -128,9 +128,16 @@ def _pre_forward(state: UnitState) -> None:
     transition(state, TrainingState.FORWARD)
     for handle in state.handles:
         handle.unshard(full_precision=state.forward_in_full_precision)
+        handle.piecewise_reduction_allowed = _reduction_takes_pieces(state)
         handle.use_unsharded_views()
     _register_early_reduction_wait(state)
     prefetch_after(state, "forward")
+
+
+def _reduction_takes_pieces(state: UnitState) -> bool:
+    """Whether this unit's gradient reduction may start from the per-parameter gradients
+    ([Note: Per-parameter gradient reduction]): a synchronized default reduction."""
+    return state.sync_gradients and state.comm_hook is None
 
 
 def _register_early_reduction_wait(state: UnitState) -> None:
@@ -210,6 +217,7 @@ def _pre_backward_hook(state: UnitState, grad: torch.Tensor) -> torch.Tensor:
     check_execution_order(state, "backward")
     transition(state, TrainingState.BACKWARD_PRE)
     for handle in state.handles:
+        handle.piecewise_reduction_allowed = _reduction_takes_pieces(state)
         handle.unshard(full_precision=state.forward_in_full_precision)
         # Names become views again (not placeholders): a checkpointed submodule of this unit
         # re-runs its forward during backward and reads them.

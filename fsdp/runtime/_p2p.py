@@ -28,7 +28,14 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["P2PWork", "all_gather_p2p", "gather_p2p", "reduce_scatter_p2p", "uses_p2p"]
+__all__ = [
+    "P2PWork",
+    "all_gather_p2p",
+    "gather_p2p",
+    "reduce_scatter_halves_p2p",
+    "reduce_scatter_p2p",
+    "uses_p2p",
+]
 
 _ALL_GATHER_TAG = 7301
 _REDUCE_SCATTER_TAG = 7302
@@ -128,3 +135,33 @@ def gather_p2p(
     ]
     output[dst * numel : (dst + 1) * numel].copy_(input)
     return P2PWork(requests)
+
+
+def reduce_scatter_halves_p2p(
+    output: torch.Tensor,
+    peer_half: torch.Tensor,
+    own_parts: list[tuple[int, torch.Tensor]],
+    own_scale: float,
+    group: Optional[dist.ProcessGroup],
+) -> P2PWork:
+    """A two-rank reduce-scatter whose input is already split by destination.
+
+    ``peer_half`` is this rank's (already scaled) contribution to the other rank's chunk;
+    ``own_parts`` are ``(offset in output, values)`` pieces of its contribution to its own
+    chunk, added as ``output[offset:] += own_scale * values`` once the other rank's
+    contribution has arrived in ``output``. With ``own_scale`` a power of two (FSDP's
+    pre-divide factors are), ``b + s * a`` rounds once, exactly like ``b + (a * s)``.
+    """
+    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+    assert world_size == 2, "point-to-point reduce-scatter is bit-identical to gloo's only for 2 ranks"
+    peer_global = _global_rank(group, 1 - rank)
+    requests = [
+        dist.irecv(output, peer_global, group=group, tag=_REDUCE_SCATTER_TAG),
+        dist.isend(peer_half, peer_global, group=group, tag=_REDUCE_SCATTER_TAG),
+    ]
+
+    def finish() -> None:
+        for offset, values in own_parts:
+            output[offset : offset + values.numel()].add_(values, alpha=own_scale)
+
+    return P2PWork(requests, finish)
