@@ -717,6 +717,7 @@ class FlatParamHandle:
             and self.replicate_world_size == 1
             and self._unsynced_unsharded_grad is None
             and comm.can_reduce_scatter_halves(self._local_shard, self.process_group)
+            and any(g is not None for g in grads)
             and all(g is None or (g.dtype == self.precision.reduce_dtype and g.is_contiguous()) for g in grads)
         )
 
@@ -739,7 +740,9 @@ class FlatParamHandle:
 
     def flatten_param_grads(self, grads: list[Optional[torch.Tensor]]) -> torch.Tensor:
         """The padded unsharded gradient from per-parameter gradients (``split``'s backward)."""
-        reference = next(g for g in grads if g is not None)
+        reference = next((g for g in grads if g is not None), None)
+        if reference is None:
+            return self.flat_param.new_zeros(self.padded_unsharded_numel)
         pieces = [
             g.reshape(-1) if g is not None else reference.new_zeros(info.numel)
             for g, info in zip(grads, self.param_infos)
