@@ -117,6 +117,7 @@ def test_prefetch_parity_ws1_ws4(dist_pool: RankPool) -> None:
 
 def prefetch_overlaps() -> None:
     """A prefetched all-gather is launched before, and waited for only when, its unit runs."""
+    from fsdp import FullyShardedDataParallel as FSDP
     from fsdp.flat_param.flat_param import FlatParamHandle
 
     model = _wrap("ours", "FULL_SHARD", "BACKWARD_PRE", True)
@@ -124,10 +125,15 @@ def prefetch_overlaps() -> None:
     events: list[tuple[str, str]] = []
     original_unshard, original_wait = FlatParamHandle.unshard, FlatParamHandle.wait_unshard
 
+    units = FSDP.fsdp_modules(model)
+    most_in_flight = [0]
+
     def unshard(self: FlatParamHandle, full_precision: bool = False, async_op: bool = False) -> None:
         if async_op:
             events.append(("launch", self.unit_name))
         original_unshard(self, full_precision, async_op)
+        in_flight = sum(h.unshard_pending for u in units for h in u._fsdp_state.handles)
+        most_in_flight[0] = max(most_in_flight[0], in_flight)
 
     def wait_unshard(self: FlatParamHandle) -> None:
         if self.unshard_pending:
@@ -144,6 +150,9 @@ def prefetch_overlaps() -> None:
     backward = [("launch", "blocks.1"), ("wait", "blocks.1"), ("launch", "blocks.0"), ("wait", "blocks.0")]
     # Backward: the root stays gathered, so the root's pre-backward launches blocks.2's gather.
     assert events == forward + [("launch", "blocks.2"), ("wait", "blocks.2")] + backward, events
+    # limit_all_gathers' bound (two in flight) holds with room to spare: each prefetch is
+    # consumed by the very next unit.
+    assert most_in_flight[0] == 1
 
 
 def test_prefetch_launches_before_and_waits_at_use(pool2: RankPool) -> None:
