@@ -837,10 +837,7 @@ def _auto_wrap(
                 f"{type(policy).__name__}._run_policy must return a dict mapping modules to "
                 f"kwargs dicts, but returned an object of type {type(targets).__name__}."
             )
-        if mp_classes:
-            for module in root_module.modules():
-                if module not in ignored_modules and isinstance(module, mp_classes):
-                    targets[module] = {**targets.get(module, base_kwargs), "mixed_precision": None}
+        _add_full_precision_units(root_module, targets, mp_classes, ignored_modules, base_kwargs)
         _check_uniform_requires_grad(
             root_module, set(targets), ignored_params, bool(base_kwargs.get("use_orig_params"))
         )
@@ -855,14 +852,35 @@ def _auto_wrap(
         functional = functools.partial(_or_class_policy, policy=policy, classes=mp_classes)
 
     def wrap_one(module: nn.Module) -> nn.Module:
-        kwargs = base_kwargs
-        if mp_classes and isinstance(module, mp_classes):
-            kwargs = {**kwargs, "mixed_precision": None}
-        return _wrap(module, wrapper_cls, **kwargs)
+        return _wrap(module, wrapper_cls, **_full_precision_kwargs(module, base_kwargs, mp_classes))
 
     _recursive_wrap(
         root_module, functional, wrap_one, ignored_modules, ignored_params, {}, is_root=True
     )
+
+
+def _full_precision_kwargs(
+    module: nn.Module, kwargs: Dict[str, Any], classes: Tuple[type, ...]
+) -> Dict[str, Any]:
+    """``kwargs``, with ``mixed_precision=None`` if ``module`` is of a class mixed precision skips."""
+    if classes and isinstance(module, classes):
+        return {**kwargs, "mixed_precision": None}
+    return kwargs
+
+
+def _add_full_precision_units(
+    root_module: nn.Module,
+    targets: Dict[nn.Module, Dict[str, Any]],
+    classes: Tuple[type, ...],
+    ignored_modules: AbstractSet[nn.Module],
+    base_kwargs: Dict[str, Any],
+) -> None:
+    """Adds every (non-ignored) instance of ``classes`` to ``targets`` with ``mixed_precision=None``."""
+    if not classes:
+        return
+    for module in root_module.modules():
+        if module not in ignored_modules and isinstance(module, classes):
+            targets[module] = _full_precision_kwargs(module, targets.get(module, base_kwargs), classes)
 
 
 def _or_class_policy(

@@ -183,7 +183,9 @@ def _policy_targets(
         return {}
     from fsdp.fully_sharded_data_parallel import FullyShardedDataParallel
     from fsdp.wrap import (
+        _add_full_precision_units,
         _check_no_existing_wrappers,
+        _full_precision_kwargs,
         _mixed_precision_classes,
         _or_class_policy,
         _Policy,
@@ -195,23 +197,15 @@ def _policy_targets(
     # Modules mixed precision skips (BatchNorm by default) become units of their own with
     # mixed_precision=None, as in torch FSDP1 (only under an auto-wrap policy).
     full_precision_classes = _mixed_precision_classes(root_kwargs)
-
-    def kwargs_for(m: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
-        if full_precision_classes and isinstance(m, full_precision_classes):
-            return {**kwargs, "mixed_precision": None}
-        return kwargs
-
     if isinstance(policy, _Policy):
         picked = policy._run_policy(module, ignored_modules, dict(child_kwargs))
-        for m in module.modules():
-            if full_precision_classes and isinstance(m, full_precision_classes) and m not in ignored_modules:
-                picked.setdefault(m, dict(child_kwargs))
+        _add_full_precision_units(module, picked, full_precision_classes, ignored_modules, child_kwargs)
         order = [m for m in module.modules() if m in picked and m is not module][::-1]
-        return {m: kwargs_for(m, {**picked[m], "auto_wrap_policy": None}) for m in order}
+        return {m: {**picked[m], "auto_wrap_policy": None} for m in order}
     planned: dict[nn.Module, dict[str, Any]] = {}
 
     def record(m: nn.Module) -> nn.Module:
-        planned[m] = kwargs_for(m, dict(child_kwargs))
+        planned[m] = _full_precision_kwargs(m, dict(child_kwargs), full_precision_classes)
         return m  # returning the module itself leaves the tree unchanged
 
     if full_precision_classes:
