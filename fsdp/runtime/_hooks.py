@@ -141,14 +141,15 @@ def _reduction_takes_pieces(state: UnitState) -> bool:
 
 
 def _register_early_reduction_wait(state: UnitState) -> None:
-    """In backward, the unit's first parameter gradient finishes the reduction still in flight.
+    """In backward, the gradients of this unit's parameter views finish the reduction in flight.
 
     [Note: Overlapped gradient reduction] keeps the previous unit's reduce-scatter running while
-    this unit's backward computes, and its unsharded gradient alive until it completes. Waiting
-    at this unit's post-backward would hold it through this unit's peak (its parameter
-    gradients and their concatenation); the first parameter gradient arrives after the unit's
-    first backward op, by which time the reduce-scatter has had that op's time to finish, so
-    waiting there frees the gradient before the peak at almost no cost in overlap.
+    this unit's backward computes, and its gradient buffers alive until it completes. Hooks on
+    the views run once their gradients are complete, just before autograd hands them to the
+    views' backward node (the concatenation, or the per-parameter reduction): the unit's compute
+    has overlapped the reduce-scatter by then, and waiting there rather than at the unit's
+    post-backward frees the previous unit's buffers before this unit's own gradient buffers are
+    allocated, the step's memory peak.
     """
     if not torch.is_grad_enabled() or state.ctx is None:
         return
