@@ -99,3 +99,25 @@ def test_bench_tiny_config(tmp_path: Path) -> None:
         assert entry["step_s"] > 0 and math.isfinite(entry["step_s"])
         assert all(b > 0 for b in entry["peak_bytes_per_rank"])
     assert summary["implementations"]["fsdp"]["comm_bytes_per_rank"] == [minimum, minimum]
+
+
+def _forward_prefetch_reaches_every_fsdp() -> None:
+    from fsdp.bench._config import parse_args
+    from fsdp.bench._model import wrap
+
+    args = ["--layers", "2", "--d-model", "16", "--nhead", "2"]
+    for flag in (False, True):
+        cfg = parse_args(args + (["--forward-prefetch"] if flag else []))
+        assert cfg.forward_prefetch is flag
+        ours = wrap("fsdp", cfg)
+        assert ours._fsdp_state.forward_prefetch is flag  # type: ignore[union-attr]
+        theirs = wrap("torch_fsdp1", cfg)
+        assert theirs.forward_prefetch is flag  # type: ignore[union-attr]
+        fsdp2 = wrap("torch_fsdp2", cfg)
+        layers = list(fsdp2.layers)  # type: ignore[union-attr]
+        first_prefetches = layers[0]._get_fsdp_state()._states_to_forward_prefetch  # type: ignore[operator]
+        assert [s._modules[0] for s in first_prefetches] == ([layers[1]] if flag else [])
+
+
+def test_bench_forward_prefetch_flag(pool2) -> None:  # type: ignore[no-untyped-def]
+    pool2.run(_forward_prefetch_reaches_every_fsdp)

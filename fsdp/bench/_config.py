@@ -35,6 +35,7 @@ class BenchConfig:
     strategy: str = "FULL_SHARD"
     only: tuple[str, ...] = IMPLEMENTATIONS
     threads: int = 1
+    forward_prefetch: bool = False
     checkpoint: bool = True
     checkpoint_only: bool = False
     memory: bool = True
@@ -96,6 +97,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> BenchConfig:
         help=f"comma-separated subset of {','.join(IMPLEMENTATIONS)}",
     )
     p.add_argument("--threads", type=int, default=d.threads, help="torch.set_num_threads per rank")
+    p.add_argument(
+        "--forward-prefetch",
+        action="store_true",
+        help="forward_prefetch=True for fsdp and torch FSDP1, and the next layer prefetched in forward for torch FSDP2",
+    )
     p.add_argument("--no-checkpoint", action="store_true", help="skip the checkpoint section")
     p.add_argument(
         "--checkpoint-only",
@@ -130,6 +136,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> BenchConfig:
         strategy=a.strategy,
         only=tuple(s.strip() for s in a.only.split(",") if s.strip()),
         threads=a.threads,
+        forward_prefetch=a.forward_prefetch,
         checkpoint=not a.no_checkpoint,
         checkpoint_only=a.checkpoint_only,
         memory=not a.no_memory,

@@ -68,6 +68,7 @@ def _wrap_ours(model: nn.Module, cfg: BenchConfig) -> nn.Module:
         model,
         auto_wrap_policy=ModuleWrapPolicy({nn.TransformerEncoderLayer}),
         sharding_strategy=ShardingStrategy[cfg.strategy],
+        forward_prefetch=cfg.forward_prefetch,
     )
 
 
@@ -79,6 +80,7 @@ def _wrap_torch_fsdp1(model: nn.Module, cfg: BenchConfig) -> nn.Module:
         auto_wrap_policy=wrap_mod.ModuleWrapPolicy({nn.TransformerEncoderLayer}),
         sharding_strategy=tf.ShardingStrategy[cfg.strategy],
         device_id=torch.device("cpu"),
+        forward_prefetch=cfg.forward_prefetch,
     )
 
 
@@ -90,9 +92,13 @@ def _wrap_torch_fsdp2(model: nn.Module, cfg: BenchConfig) -> nn.Module:
         raise ValueError("torch FSDP2 has no NO_SHARD")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     reshard = cfg.strategy == "FULL_SHARD"
-    for layer in cast(nn.ModuleList, model.layers):
+    layers = list(cast(nn.ModuleList, model.layers))
+    for layer in layers:
         tf.fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
     tf.fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    if cfg.forward_prefetch:  # FSDP2's explicit form of FSDP1's forward_prefetch: the next layer
+        for layer, next_layer in zip(layers, layers[1:]):
+            cast(Any, layer).set_modules_to_forward_prefetch([next_layer])
     return model
 
 

@@ -117,6 +117,7 @@ def summarize(cfg: BenchConfig, ranks: list[dict[str, Any]]) -> dict[str, Any]:
         "minimum_bytes": minimum,
         "minimum_total_bytes": sum(minimum.values()),
         "implementations": impls,
+        "memory_all_threads": all(m.get("all_threads", False) for r in ranks for m in r["memory"].values()),
         "checkpoint": checkpoint,
         "targets": targets,
     }
@@ -132,7 +133,15 @@ def _header(cfg: BenchConfig, s: dict[str, Any]) -> str:
         f"{cfg.layers} x TransformerEncoderLayer(d_model={cfg.d_model}, nhead={cfg.nhead}, "
         f"ff={cfg.dim_feedforward}) + LayerNorm, {s['params'] / 1e6:.2f}M params, "
         f"per-rank batch {cfg.batch} x seq {cfg.seq}, AdamW, {cfg.strategy}"
+        + (", forward prefetch" if cfg.forward_prefetch else "")
     )
+
+
+def _memory_source(s: dict[str, Any]) -> str:
+    """How the peaks were counted (see [Note: Frees on other threads] in ``_memory.py``)."""
+    if s.get("memory_all_threads", True):
+        return "allocator's live total, frees on every thread counted"
+    return "main thread's allocator events only: frees on other threads missed, peaks overstated"
 
 
 def _step_lines(cfg: BenchConfig, s: dict[str, Any]) -> list[str]:
@@ -140,8 +149,7 @@ def _step_lines(cfg: BenchConfig, s: dict[str, Any]) -> list[str]:
     lines = [
         f"step time: median over {cfg.rounds} alternating rounds of {cfg.steps_per_round} steps "
         f"(after {cfg.warmup_steps} warm-up steps), slowest rank; step ratios: median of per-round ratios; "
-        f"peak: largest rank's peak live CPU tensor bytes over {cfg.memory_steps} steps (profiler allocator "
-        f"events); comm: bytes per step on rank 0 (output tensors)",
+        f"peak: largest rank's peak live CPU tensor bytes over {cfg.memory_steps} steps ({_memory_source(s)}); comm: bytes per step on rank 0 (output tensors)",
         "",
         f"{'implementation':<14} {'step_s':>8} {'vs_fsdp1':>9} {'vs_local':>9} {'peak_MiB':>9} "
         f"{'vs_fsdp1':>9} {'comm_MB':>9} {'vs_fsdp1':>9}",

@@ -102,7 +102,11 @@ def _memory_phase(cfg: BenchConfig, name: str) -> dict[str, Any]:
         del model, opt, batches
         gc.collect()
         dist.barrier()
-    result = {"step_start_bytes": trace.starts["step"], "step_peak_bytes": trace.peaks["step"]}
+    result = {
+        "step_start_bytes": trace.starts["step"],
+        "step_peak_bytes": trace.peaks["step"],
+        "all_threads": trace.all_threads,
+    }
     for key in ("save_model", "save_optim"):
         if key in trace.peaks:
             result[f"{key}_peak_bytes"] = trace.peaks[key]
