@@ -107,21 +107,10 @@ class MemoryTrace:
             yield
 
     def _events(self) -> tuple[list[tuple[float, int, int]], dict[str, tuple[float, float]]]:
-        """(time-ordered ``(time, live bytes after, bytes of the event)``, window -> (begin, end))."""
-        if not self.all_threads:
-            events = self._prof.profiler.kineto_results.events()  # type: ignore[union-attr]
-            memory = sorted((e.start_ns() / 1e3, e.nbytes()) for e in events if e.name() == "[memory]")  # type: ignore[union-attr]
-            marks = {
-                e.name()[len(_PREFIX):]: (e.start_ns() / 1e3, e.end_ns() / 1e3)
-                for e in events
-                if e.name().startswith(_PREFIX)
-            }
-            live, points = 0, []
-            for ts, nbytes in memory:
-                live += nbytes
-                points.append((ts, live, nbytes))
-            return points, marks
-        # ``Total Allocated`` is only in the trace's exported form (not on the event objects).
+        """(time-ordered ``(time, live bytes after, bytes of the event)``, window -> (begin, end)).
+
+        Read from the exported trace: ``Total Allocated`` is only there, not on the event objects.
+        """
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "trace.json")
             self._prof.export_chrome_trace(path)
@@ -135,11 +124,17 @@ class MemoryTrace:
             for e in trace
             if e.get("name", "").startswith(_PREFIX)
         }
-        if not memory_events:
-            return [], marks
-        _, first_total, first_bytes = memory_events[0]
-        base = first_total - first_bytes  # the process-wide total just before the trace's first event
-        return [(ts, total - base, nbytes) for ts, total, nbytes in memory_events], marks
+        points: list[tuple[float, int, int]] = []
+        if self.all_threads and memory_events:
+            _, first_total, first_bytes = memory_events[0]
+            base = first_total - first_bytes  # the process-wide total just before the first event
+            points = [(ts, total - base, nbytes) for ts, total, nbytes in memory_events]
+        else:  # main thread only: the running sum of its events
+            live = 0
+            for ts, _, nbytes in memory_events:
+                live += nbytes
+                points.append((ts, live, nbytes))
+        return points, marks
 
     def _analyse(self) -> None:
         timeline, marks = self._events()
