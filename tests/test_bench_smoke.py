@@ -68,6 +68,17 @@ def test_bench_tiny_config(tmp_path: Path) -> None:
         assert all(v > 0 for v in positive), (name, fields)
     assert rows["torch_fsdp1"][1] == "1.00x" and rows["local"][2] == "1.00x"
 
+    # CPU section: every implementation's CPU time per step, the floor it sets, the ratio of the
+    # floor to local and the time above the floor. The floor is a lower bound of the step: at
+    # least the busiest training thread's CPU time, and at least the ranks' CPU over the cores.
+    cpu_table = out.split("cpu per step", 1)[1].split("\n\n", 1)[0].splitlines()[2:]
+    cpu_rows = {line.split()[0]: [_number(f) for f in line.split()[1:]] for line in cpu_table}
+    assert set(cpu_rows) == set(IMPLS), out
+    for name, (cpu_s, main_s, floor_s, floor_vs_local, waiting_s) in cpu_rows.items():
+        assert 0 < main_s <= cpu_s and floor_s >= main_s and floor_vs_local > 0, (name, cpu_rows[name])
+        assert math.isfinite(waiting_s), (name, cpu_rows[name])
+    assert re.search(r"step time <= 1\.15x local \(no communication\): [\d.]+x \(the CPU floor alone is [\d.]+x local\)", out)
+
     # Checkpoint section: ours and torch FSDP1, times and ratios.
     ckpt = {}
     for line in out.split("checkpoint:", 1)[1].splitlines():
@@ -97,6 +108,11 @@ def test_bench_tiny_config(tmp_path: Path) -> None:
     for name in IMPLS:
         entry = summary["implementations"][name]
         assert entry["step_s"] > 0 and math.isfinite(entry["step_s"])
+        ranks = json.loads(json_path.read_text())["ranks"]
+        for i, floor in enumerate(entry["floor_s_rounds"]):
+            per_rank_cpu = [r["cpu_s"][name][i] for r in ranks]
+            per_rank_main = [r["main_cpu_s"][name][i] for r in ranks]
+            assert floor == max(max(per_rank_main), sum(per_rank_cpu) / entry["cores"])
         assert all(b > 0 for b in entry["peak_bytes_per_rank"])
     assert summary["implementations"]["fsdp"]["comm_bytes_per_rank"] == [minimum, minimum]
 

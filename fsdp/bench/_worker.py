@@ -114,12 +114,22 @@ def _memory_phase(cfg: BenchConfig, name: str) -> dict[str, Any]:
     return result
 
 
-def _timed_steps(model: nn.Module, opt: torch.optim.Optimizer, batches: list, n: int, offset: int) -> float:
+def _timed_steps(model: nn.Module, opt: torch.optim.Optimizer, batches: list, n: int, offset: int) -> dict[str, float]:
+    """Per-step wall time and CPU time of ``n`` steps: of the whole process and of this thread.
+
+    The process's CPU time covers every thread of the rank (the training thread, gloo's
+    communication threads, ...); the training thread's own is ``main_cpu_s``. See
+    [Note: CPU floor] in ``_report.py`` for what the report makes of them.
+    """
     dist.barrier()
-    start = time.perf_counter()
+    start, cpu_start, main_start = time.perf_counter(), time.process_time(), time.thread_time()
     for i in range(n):
         _step(model, opt, batches[(offset + i) % len(batches)])
-    return (time.perf_counter() - start) / n
+    return {
+        "step_s": (time.perf_counter() - start) / n,
+        "cpu_s": (time.process_time() - cpu_start) / n,
+        "main_cpu_s": (time.thread_time() - main_start) / n,
+    }
 
 
 def _timed(fn: Callable[[], None]) -> float:
@@ -141,8 +151,9 @@ def _timing_rounds(
     for r in range(cfg.rounds):
         order = names[r % len(names):] + names[: r % len(names)]
         for name in order:
-            t = _timed_steps(models[name], opts[name], batches, cfg.steps_per_round, r)
-            out["step_s"][name].append(t)
+            timing = _timed_steps(models[name], opts[name], batches, cfg.steps_per_round, r)
+            for key, value in timing.items():
+                out[key][name].append(value)
     for name in names:
         dist.barrier()
         with count_collectives() as counts:
@@ -150,10 +161,25 @@ def _timing_rounds(
         out["comm"][name] = {"calls": dict(counts.calls), "bytes": dict(counts.bytes)}
 
 
+def _usable_cpus() -> int:
+    """The CPUs this rank may run on (all local ranks share them)."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
+
+
 def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     rank = dist.get_rank()
     names = list(cfg.only)
-    out: dict[str, Any] = {"rank": rank, "memory": {}, "step_s": {n: [] for n in names}, "comm": {}, "checkpoint": {}}
+    out: dict[str, Any] = {
+        "rank": rank,
+        "cpus": _usable_cpus(),
+        "memory": {},
+        "step_s": {n: [] for n in names},
+        "cpu_s": {n: [] for n in names},
+        "main_cpu_s": {n: [] for n in names},
+        "comm": {},
+        "checkpoint": {},
+    }
     if cfg.memory:
         for name in names:
             out["memory"][name] = _memory_phase(cfg, name)
