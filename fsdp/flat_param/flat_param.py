@@ -894,6 +894,10 @@ class FlatParamHandle:
             offloaded.copy_(sharded_grad, non_blocking=True)
             sharded_grad = offloaded
         if self._pending_sharded_grad is not None:
+            if self.offload_params and self.device.type == "cuda":
+                # Both are pinned CPU tensors that non-blocking copies may still be writing; the
+                # CPU add must not read them before the copies are done.
+                torch.cuda.current_stream(self.device).synchronize()
             self._pending_sharded_grad.add_(sharded_grad)
         else:
             self._pending_sharded_grad = sharded_grad
