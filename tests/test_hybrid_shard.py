@@ -33,6 +33,19 @@ def _layouts() -> dict[str, Any]:
     return _GROUPS
 
 
+def _assert_matches_torch_and_reference(ours: Any, theirs: Any, ref: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Our full parameters equal torch FSDP1's bit for bit and the reference's within fp32
+    tolerance; returns ours."""
+    from fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+
+    mine, torch_full, ref_full = _full_params(ours, FSDP), _full_params(theirs, TorchFSDP), dict(ref.named_parameters())
+    for name in mine:
+        assert torch.equal(mine[name], torch_full[name]), name
+        torch.testing.assert_close(mine[name], ref_full[name].detach(), rtol=5e-5, atol=5e-6, msg=name)
+    return mine
+
+
 def run_hybrid(strategy: str, layout: str, accumulate: bool, steps: int = 3) -> None:
     from fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
     from fsdp.wrap import ModuleWrapPolicy
@@ -70,10 +83,7 @@ def run_hybrid(strategy: str, layout: str, accumulate: bool, steps: int = 3) -> 
                 lm_loss(model(x), y).backward()
             opt.step()
             opt.zero_grad()
-    mine, torch_full, ref_full = _full_params(ours, FSDP), _full_params(theirs, TorchFSDP), dict(ref.named_parameters())
-    for name in mine:
-        assert torch.equal(mine[name], torch_full[name]), name
-        torch.testing.assert_close(mine[name], ref_full[name].detach(), rtol=5e-5, atol=5e-6, msg=name)
+    _assert_matches_torch_and_reference(ours, theirs, ref)
 
 
 @pytest.mark.parametrize("accumulate", [False, True])
@@ -158,10 +168,7 @@ def subgroup_sharding(strategy: str) -> None:
             lm_loss(model(x), y).backward()
             opt.step()
             opt.zero_grad()
-    mine, torch_full, ref_full = _full_params(ours, FSDP), _full_params(theirs, TorchFSDP), dict(ref.named_parameters())
-    for name in mine:
-        assert torch.equal(mine[name], torch_full[name]), name
-        torch.testing.assert_close(mine[name], ref_full[name].detach(), rtol=5e-5, atol=5e-6, msg=name)
+    mine = _assert_matches_torch_and_reference(ours, theirs, ref)
     # The two pairs trained on different data: their models differ.
     head = mine["head.weight"].contiguous()
     copies = [torch.empty_like(head) for _ in range(4)]
