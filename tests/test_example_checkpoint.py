@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import glob
 import os
+import shutil
+import time
 from typing import Any
 
 import pytest
@@ -172,3 +174,130 @@ def test_resume_bit_exact_and_interrupted_save(tmp_path: Any) -> None:
     get_pool(4).run(reshard_phase, str(tmp_path))  # another world size
     get_pool(1).run(reshard_phase, str(tmp_path))
     get_pool(2).run(corrupt_phase, str(tmp_path))
+
+
+# ---------------------------------------------------------------- kills during a save
+# [Note: Atomic checkpoints] in fsdp/examples/checkpoint.py. Each scenario starts from a copy of a
+# directory holding one complete save of step 2 (``reference_step_2.pt`` is its full state), then
+# trains two more steps, writes that state as ``reference_new.pt`` and saves again: the same step
+# (a re-save) or step 4. A rank SIGKILLs itself at a named point of the save, or at a seeded random
+# moment. Afterwards the newest complete checkpoint must load and equal one of the two references
+# bit for bit: the one the kill point implies, or (random kills) either.
+_OLD, _NEW, _EITHER = "reference_step_2.pt", "reference_new.pt", "either"
+
+
+def crash_save_phase(directory: str, step: int, crash_at: str, delay_s: float) -> None:
+    import signal
+    import threading
+
+    from fsdp.examples.checkpoint import CRASH_ENV, save_checkpoint
+
+    model, optimizer, data = _setup()
+    _steps(model, optimizer, data, range(2), 4)
+    _steps(model, optimizer, data, range(2, 4), 4)
+    reference = _full_state(model, optimizer)
+    if dist.get_rank() == 0:
+        torch.save(reference, os.path.join(directory, _NEW))
+    dist.barrier()
+    if crash_at:
+        os.environ[CRASH_ENV] = crash_at
+    if delay_s > 0:
+        threading.Timer(delay_s, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    save_checkpoint(directory, step, model, optimizer, {"step": step})
+    if delay_s > 0:
+        time.sleep(60)  # the timer fires: this rank dies after (or during) the save
+
+
+def check_latest_phase(directory: str, expected: str) -> str:
+    import warnings
+
+    from fsdp.examples.checkpoint import latest_checkpoint, load_checkpoint
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        path = latest_checkpoint(directory)
+    assert path is not None
+    model, optimizer, _ = _setup(seed=99)
+    load_checkpoint(path, model, optimizer, {"step": 0})
+    restored = _full_state(model, optimizer)
+    names = [_OLD, _NEW] if expected == _EITHER else [expected]
+    for name in names:
+        try:
+            _assert_same(torch.load(os.path.join(directory, name), weights_only=False), restored, name)
+            return name + ("" if not caught else " (warned)")
+        except AssertionError:
+            if name == names[-1]:
+                raise
+    raise AssertionError("unreachable")
+
+
+@pytest.mark.parametrize(
+    "step,crash_at,delay_s,expected",
+    [
+        (2, "shards_written", 0.0, _OLD),  # re-save, every rank killed before publishing
+        (2, "shards_written@1", 0.0, _OLD),  # re-save, one rank killed
+        (2, "old_moved_aside", 0.0, _NEW),  # the re-save window: the complete .partial is taken
+        (2, "renamed", 0.0, _NEW),
+        (4, "renamed", 0.0, _OLD),  # a new step renamed in, pointer not yet moved
+        (4, "pointer_written", 0.0, _NEW),
+        (2, "", 0.05, _EITHER),  # random moments (seeded: the same on every run)
+        (2, "", 0.2, _EITHER),
+        (4, "", 0.12, _EITHER),
+    ],
+)
+def test_kill_during_save_leaves_a_loadable_checkpoint(
+    tmp_path: Any, step: int, crash_at: str, delay_s: float, expected: str
+) -> None:
+    from tests._harness import RankError
+
+    base = _kill_base(tmp_path)
+    directory = str(tmp_path / "run")
+    shutil.copytree(base, directory)
+    with pytest.raises(RankError, match="died|failed"):
+        get_pool(2).run(crash_save_phase, directory, step, crash_at, delay_s, _timeout=60)
+    found = get_pool(2).run(check_latest_phase, directory, expected)
+    assert found[0] == found[1]
+    if crash_at == "old_moved_aside":
+        assert found[0] == _NEW + " (warned)", found  # the loader says it took the .partial
+
+
+_KILL_BASE: dict[str, str] = {}
+
+
+def _kill_base(tmp_path: Any) -> str:
+    """A directory with one complete save of step 2, made once per session and copied per test."""
+    if "path" not in _KILL_BASE:
+        base = str(tmp_path.parent / "kill-base")
+        os.makedirs(base, exist_ok=True)
+        get_pool(2).run(save_phase, base)
+        shutil.rmtree(os.path.join(base, "step_000004.partial"))
+        _KILL_BASE["path"] = base
+    return _KILL_BASE["path"]
+
+
+def keep_phase(directory: str) -> list[str]:
+    from fsdp.examples.checkpoint import latest_checkpoint, save_checkpoint
+
+    model, optimizer, _ = _setup()
+    for step in (1, 2, 3, 4):
+        save_checkpoint(directory, step, model, optimizer, {"step": step}, keep=2)
+    with pytest.raises(ValueError, match="keep=0"):
+        save_checkpoint(directory, 5, model, optimizer, {"step": 5}, keep=0)
+    assert latest_checkpoint(directory) == os.path.join(directory, "step_000004")
+    return sorted(name for name in os.listdir(directory) if name.startswith("step_"))
+
+
+def test_keep_prunes_old_steps_and_a_missing_latest_falls_back(tmp_path: Any) -> None:
+    from fsdp.examples.checkpoint import LATEST, latest_checkpoint
+
+    directory = str(tmp_path)
+    assert get_pool(2).run(keep_phase, directory)[0] == ["step_000003", "step_000004"]
+    # The folder 'latest' names is gone (no .partial / .old either): the newest complete step
+    # is taken, with a warning; with nothing complete left, a clear error.
+    shutil.rmtree(os.path.join(directory, "step_000004"))
+    with pytest.warns(RuntimeWarning, match=r"names 'step_000004'.*loading the complete checkpoint .*step_000003"):
+        assert latest_checkpoint(directory) == os.path.join(directory, "step_000003")
+    shutil.rmtree(os.path.join(directory, "step_000003"))
+    with pytest.raises(RuntimeError, match=r"holds no other complete step_\* folder"):
+        latest_checkpoint(directory)
+    assert os.path.exists(os.path.join(directory, LATEST))

@@ -1,18 +1,32 @@
 """Sharded, atomic checkpoints for the example trainer (model + optimizer + progress).
 
 [Note: Atomic checkpoints]
-Each rank writes its shards with ``torch.distributed.checkpoint`` into ``step_NNNNNN.partial``;
-only once every rank has finished (a barrier) does rank 0 rename the folder to ``step_NNNNNN``
-and then replace the ``latest`` pointer file (write a temporary file, ``os.replace``: atomic on
-POSIX). A save interrupted at any point therefore leaves ``latest`` naming the previous,
-complete checkpoint, and a half-written folder is never loaded. The checkpoint is SHARDED
-(DTensor shards), so it resumes at any world size.
+Each rank writes its shards with ``torch.distributed.checkpoint`` into ``step_NNNNNN.partial``.
+Only once every rank has finished (a barrier) does rank 0 publish it:
+
+1. if ``step_NNNNNN`` already exists (the same step saved again, e.g. the demo run twice into one
+   directory), it is renamed to ``step_NNNNNN.old``: never deleted before its replacement is in
+   place;
+2. ``step_NNNNNN.partial`` is renamed to ``step_NNNNNN``;
+3. the ``latest`` pointer file is replaced (write a temporary file, ``os.replace``: atomic on
+   POSIX);
+4. ``step_NNNNNN.old`` and the steps beyond the newest ``keep`` are deleted.
+
+A kill at any point leaves a complete checkpoint that :func:`latest_checkpoint` finds: before step
+3, ``latest`` names the previous step (or, in the window of a re-save, a folder that is missing for
+a moment, and then the loader takes the complete ``.partial`` or ``.old`` of that step, saying so).
+A folder counts as complete when DCP's ``.metadata`` file is in it: DCP writes it last, after every
+rank's shards. A half-written folder is never loaded. The checkpoint is SHARDED (DTensor shards), so
+it resumes at any world size.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import signal
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -25,6 +39,45 @@ from fsdp import FullyShardedDataParallel as FSDP
 from fsdp import StateDictType
 
 LATEST = "latest"
+#: How many complete step folders a save keeps by default (the newest ones).
+DEFAULT_KEEP = 3
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+#: Test hook: a save kills this process (SIGKILL) at the named point; see [Note: Atomic checkpoints].
+CRASH_ENV = "FSDP_EXAMPLE_CHECKPOINT_CRASH_AT"
+CRASH_POINTS = ("shards_written", "old_moved_aside", "renamed", "pointer_written")
+
+
+def _crash_point(name: str) -> None:
+    """Kills this process here when ``$FSDP_EXAMPLE_CHECKPOINT_CRASH_AT`` names this point
+    (``name`` or ``name@RANK`` for one rank only); used by the kill tests."""
+    wanted = os.environ.get(CRASH_ENV, "")
+    point, _, rank = wanted.partition("@")
+    if point == name and (not rank or int(rank) == dist.get_rank()):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def is_complete(path: str) -> bool:
+    """Whether ``path`` is a checkpoint folder whose save finished (DCP's metadata is written)."""
+    return os.path.isfile(os.path.join(path, ".metadata"))
+
+
+def _step_folders(directory: str) -> list[tuple[int, str]]:
+    """The complete ``step_*`` folders in ``directory``, oldest first, as (step, path)."""
+    found = []
+    for entry in os.listdir(directory) if os.path.isdir(directory) else []:
+        match = _STEP_DIR.match(entry)
+        path = os.path.join(directory, entry)
+        if match and is_complete(path):
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def _prune(directory: str, keep: int, current: str) -> None:
+    """Deletes all but the newest ``keep`` complete step folders (never ``current``)."""
+    folders = _step_folders(directory)
+    for _, path in folders[: max(0, len(folders) - keep)]:
+        if path != current:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _state(model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, Any]) -> dict[str, Any]:
@@ -37,48 +90,94 @@ def _state(model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, 
 
 
 def save_checkpoint(
-    directory: str, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, Any]
+    directory: str,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    extra: dict[str, Any],
+    keep: int = DEFAULT_KEEP,
 ) -> str:
     """Saves model, optimizer and ``extra`` (picklable progress) atomically; returns the folder.
 
-    A collective: every rank must call it with the same ``directory`` and ``step``.
+    A collective: every rank must call it with the same arguments. See [Note: Atomic checkpoints].
+
+    Args:
+        keep: How many complete step folders to keep (the newest, this one included); older
+            ones are deleted after this save is published. At least 1.
+
+    Raises:
+        ValueError: ``keep`` < 1.
     """
+    if keep < 1:
+        raise ValueError(f"fsdp example: keep={keep}; a save keeps at least the checkpoint it writes (keep >= 1)")
     name = f"step_{step:06d}"
     final = os.path.join(directory, name)
-    partial = final + ".partial"
+    partial, old = final + ".partial", final + ".old"
     if dist.get_rank() == 0:
         os.makedirs(directory, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)  # leftovers of an interrupted save
+        if os.path.isdir(final) and os.path.isdir(old):
+            shutil.rmtree(old)  # a complete step_N exists: the .old of an earlier re-save is stale
     dist.barrier()
     dcp.save(_state(model, optimizer, extra), checkpoint_id=partial)
+    _crash_point("shards_written")
     dist.barrier()  # every rank's shards are on disk
     if dist.get_rank() == 0:
-        shutil.rmtree(final, ignore_errors=True)
+        if os.path.isdir(final):
+            os.replace(final, old)  # set aside, not deleted, until the new one is published
+            _crash_point("old_moved_aside")
         os.replace(partial, final)
+        _crash_point("renamed")
         pointer = os.path.join(directory, LATEST)
         with open(pointer + ".tmp", "w", encoding="utf-8") as f:
             f.write(name + "\n")
             f.flush()
             os.fsync(f.fileno())
         os.replace(pointer + ".tmp", pointer)
+        _crash_point("pointer_written")
+        shutil.rmtree(old, ignore_errors=True)
+        _prune(directory, keep, final)
     dist.barrier()
     return final
 
 
 def latest_checkpoint(directory: str) -> Optional[str]:
-    """The folder ``latest`` names, or None when there is no complete checkpoint yet."""
+    """The newest complete checkpoint: the folder ``latest`` names, or None when there is none.
+
+    When a save was killed while it published a re-save of the same step, ``latest`` can name a
+    folder that is missing; then the complete ``.partial`` (the newer save) or ``.old`` (the
+    previous one) of that step is returned, or else the newest complete step folder, with a
+    ``RuntimeWarning`` saying which (see [Note: Atomic checkpoints]).
+
+    Raises:
+        RuntimeError: ``latest`` names a folder that is not a complete checkpoint and nothing
+            complete is left to fall back to.
+    """
     pointer = os.path.join(directory, LATEST)
     if not os.path.exists(pointer):
         return None
     with open(pointer, encoding="utf-8") as f:
         name = f.read().strip()
     path = os.path.join(directory, name)
-    if not name or not os.path.isdir(path):
-        raise RuntimeError(
-            f"fsdp example: {pointer} names '{name}', which is not a checkpoint folder; the "
-            f"checkpoint directory was modified by hand. Point it at a complete step_* folder."
-        )
-    return path
+    if name and is_complete(path):
+        return path
+    candidates = [path + ".partial", path + ".old"] if name else []
+    candidates += [p for _, p in reversed(_step_folders(directory))]
+    for candidate in candidates:
+        if is_complete(candidate):
+            warnings.warn(
+                f"fsdp example: {pointer} names '{name}', which is missing or incomplete (a save "
+                f"was interrupted while it published); loading the complete checkpoint "
+                f"{candidate} instead.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return candidate
+    raise RuntimeError(
+        f"fsdp example: {pointer} names '{name}', which is not a complete checkpoint folder, and "
+        f"{directory} holds no other complete step_* folder. Start without --resume, or point "
+        f"{LATEST} at a complete checkpoint."
+    )
 
 
 def _init_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

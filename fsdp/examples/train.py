@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from fsdp import FullyShardedDataParallel as FSDP
 from fsdp import MixedPrecision, ShardingStrategy
-from fsdp.examples.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from fsdp.examples.checkpoint import DEFAULT_KEEP, latest_checkpoint, load_checkpoint, save_checkpoint
 from fsdp.examples.data import CharTokenizer, load_corpus, sample_batch
 from fsdp.examples.model import GPT, PRESETS, Block, GPTConfig
 from fsdp.wrap import ModuleWrapPolicy
@@ -86,6 +86,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "--checkpoint-every", type=int, default=250, help="save every N steps (and at the end)"
     )
     parser.add_argument(
+        "--keep",
+        type=int,
+        default=DEFAULT_KEEP,
+        help="complete checkpoints to keep in --checkpoint-dir (the newest; older ones are deleted)",
+    )
+    parser.add_argument(
         "--resume",
         action="store_true",
         help="continue from the latest complete checkpoint in --checkpoint-dir (any world size)",
@@ -93,7 +99,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.steps < 2:
         parser.error("--steps must be at least 2 (the loss must be able to fall)")
-    for name in ("nprocs", "batch_size", "seq_len", "log_every"):
+    for name in ("nprocs", "batch_size", "seq_len", "log_every", "keep"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be positive")
     if args.lr <= 0:
@@ -279,6 +285,7 @@ def _train(
                 model,
                 optimizer,
                 {"step": done, "first_losses": first_losses, "scheduler": scheduler.state_dict()},
+                keep=args.keep,
             )
             if rank == 0:
                 print(f"saved checkpoint {path}", flush=True)
