@@ -76,7 +76,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     parser.add_argument("--seed", type=int, default=0, help="seed for init and data")
-    parser.add_argument("--log-every", type=int, default=1, help="log every N steps")
+    parser.add_argument(
+        "--log-every",
+        type=int,
+        default=None,
+        help="log every N steps (default: about 20 lines per run)",
+    )
     parser.add_argument(
         "--checkpoint-dir",
         default="checkpoints/fsdp-demo",
@@ -96,7 +101,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         action="store_true",
         help="continue from the latest complete checkpoint in --checkpoint-dir (any world size)",
     )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start from step 0 even though --checkpoint-dir holds checkpoints (they are "
+        "replaced as this run saves)",
+    )
     args = parser.parse_args(argv)
+    if args.log_every is None:
+        args.log_every = max(1, args.steps // 20)
     if args.steps < 2:
         parser.error("--steps must be at least 2 (the loss must be able to fall)")
     for name in ("nprocs", "batch_size", "seq_len", "log_every", "keep"):
@@ -104,7 +117,28 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be positive")
     if args.lr <= 0:
         parser.error("--lr must be positive")
+    if args.resume and args.overwrite:
+        parser.error("--resume and --overwrite exclude each other")
     return args
+
+
+def _check_checkpoint_dir(args: argparse.Namespace) -> Optional[str]:
+    """Why this run must not start (a message), or None: a run without --resume does not silently
+    overwrite another run's checkpoints."""
+    if not args.checkpoint_dir or args.resume or args.overwrite:
+        return None
+    try:
+        latest = latest_checkpoint(args.checkpoint_dir)
+    except RuntimeError:
+        latest = None
+    if latest is None:
+        return None
+    return (
+        f"fsdp example: {os.path.abspath(args.checkpoint_dir)} already holds checkpoints of an "
+        f"earlier run (latest: {os.path.basename(latest)}). Pass --resume to continue from it, "
+        f"--overwrite to start over (its checkpoints are replaced as this run saves), or another "
+        f"--checkpoint-dir."
+    )
 
 
 def _launched_by_torchrun() -> bool:
@@ -220,6 +254,12 @@ def _train(
             f"lr {args.lr:g}, {args.steps} steps",
             flush=True,
         )
+        if args.checkpoint_dir:
+            print(
+                f"  checkpoints: {os.path.abspath(args.checkpoint_dir)} every "
+                f"{args.checkpoint_every} steps and at the end (keeping the newest {args.keep})",
+                flush=True,
+            )
 
     losses: List[float] = []  # per step, averaged over ranks
     start_step, first_losses = 0, []
@@ -233,12 +273,31 @@ def _train(
                 path,
                 model,
                 optimizer,
-                {"step": 0, "first_losses": [], "scheduler": scheduler.state_dict()},
+                {
+                    "step": 0,
+                    "first_losses": [],
+                    "scheduler": scheduler.state_dict(),
+                    "tokens_per_step": tokens_per_step,
+                },
             )
             start_step, first_losses = int(extra["step"]), list(extra["first_losses"])
             scheduler.load_state_dict(extra["scheduler"])
             if rank == 0:
                 print(f"resumed from {path} at step {start_step}", flush=True)
+                saved_tokens = int(extra["tokens_per_step"])
+                if saved_tokens != tokens_per_step:
+                    per_rank_needed = saved_tokens / (args.seq_len * world_size)
+                    hint = (
+                        f"pass --batch-size {per_rank_needed:g} to keep it"
+                        if per_rank_needed.is_integer()
+                        else "no per-rank batch size keeps it at this world size"
+                    )
+                    print(
+                        f"  note: the global batch changes from {saved_tokens:,} to "
+                        f"{tokens_per_step:,} tokens/step ({world_size} ranks x "
+                        f"{args.batch_size}x{args.seq_len}); {hint}",
+                        flush=True,
+                    )
     model.train()
     train_start = time.perf_counter()
     for step in range(start_step, args.steps):
@@ -265,8 +324,12 @@ def _train(
         losses.append(per_rank[:, 0].mean().item())
 
         if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
+            elapsed = time.perf_counter() - train_start
+            done_here = step + 1 - start_step
+            eta = elapsed / done_here * (args.steps - step - 1)
             line = (
-                f"step {step + 1:>5}/{args.steps} | loss {losses[-1]:.4f} | "
+                f"step {step + 1:>5}/{args.steps} ({100 * (step + 1) / args.steps:3.0f}%, "
+                f"eta {eta:4.0f} s) | loss {losses[-1]:.4f} | "
                 f"grad norm {float(grad_norm):.3f} | lr {lr:.2e} | "
                 f"{tokens_per_step / seconds:>9,.0f} tok/s | "
                 f"rss MiB {_fmt_mib(per_rank[:, 1].tolist())}"
@@ -284,7 +347,12 @@ def _train(
                 done,
                 model,
                 optimizer,
-                {"step": done, "first_losses": first_losses, "scheduler": scheduler.state_dict()},
+                {
+                    "step": done,
+                    "first_losses": first_losses,
+                    "scheduler": scheduler.state_dict(),
+                    "tokens_per_step": tokens_per_step,
+                },
                 keep=args.keep,
             )
             if rank == 0:
@@ -343,6 +411,10 @@ def _spawn_entry(
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point; returns the process exit status (0 when the loss fell)."""
     args = parse_args(argv)
+    refusal = _check_checkpoint_dir(args)
+    if refusal is not None:
+        print(refusal, file=sys.stderr, flush=True)
+        return 2
     if _launched_by_torchrun():
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         local_rank = int(os.environ["LOCAL_RANK"])
