@@ -41,6 +41,7 @@ from fsdp.init._validate import plan_units, validate_init_args
 from fsdp.runtime._clip_grad import clip_grad_norm_ as _clip_grad_norm
 from fsdp.runtime._hooks import register_flat_param_hooks, unit_forward
 from fsdp.runtime._lazy_init import check_idle, is_fsdp, lazy_init, reset_lazy_init, unit_state
+from fsdp.runtime._optimizer_check import note_replaced_params
 from fsdp.runtime._mixed_precision import (
     cast_unit_buffers,
     full_precision_in_eval_requested,
@@ -191,6 +192,11 @@ class FullyShardedDataParallel(nn.Module):
                 )
                 for handle_params in split_by_requires_grad(params, use_orig_params)
             ]
+        if not use_orig_params:  # [Note: Optimizer before wrapping]
+            note_replaced_params(
+                ((f"{prefix}.{name}" if prefix else name, param) for prefix, _, name, param in params),
+                type(module).__name__,
+            )
         self._fsdp_state = UnitState(
             handles=handles,
             process_group=group,

@@ -79,3 +79,39 @@ def _widened(model: nn.Module, index: int, hidden: int) -> nn.Module:
 def test_ranks_with_different_models_get_the_same_clear_error(pool2: RankPool) -> None:
     per_rank = pool2.run(different_models, _timeout=60)
     assert per_rank[0] == per_rank[1]  # word for word on every rank
+
+
+def optimizer_before_wrapping() -> None:
+    from fsdp import FullyShardedDataParallel as FSDP
+    from fsdp.wrap import ModuleWrapPolicy
+
+    # Without use_orig_params the optimizer holds replaced parameters: a clear error at step(),
+    # before any state changes.
+    model = make_toy(n_blocks=2)
+    early = torch.optim.AdamW(model.parameters(), lr=0.1)
+    wrapped = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}))
+    _step(wrapped)
+    with pytest.raises(RuntimeError, match=r"AdamW.step\(\) would train nothing: the optimizer holds the "
+                       r"parameter 'embed.weight' \(shape \[13, 7\]\) of the wrapped module ToyLM.*"
+                       r"Create the optimizer after wrapping"):
+        early.step()
+    assert not early.state  # nothing was stepped
+    # Created after wrapping: trains (and the check does not fire again for it).
+    late = torch.optim.AdamW(wrapped.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in wrapped.parameters()]
+    late.step()
+    assert all(not torch.equal(a, b) for a, b in zip(before, wrapped.parameters()))
+    # With use_orig_params=True the original parameters stay in use (as in torch FSDP1): no error,
+    # and the early optimizer trains the model.
+    model = make_toy(n_blocks=2)
+    early = torch.optim.SGD(model.parameters(), lr=0.1)
+    wrapped = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=True)
+    before = {n: p.detach().clone() for n, p in wrapped.named_parameters() if p.numel()}
+    _step(wrapped)
+    early.step()
+    after = dict(wrapped.named_parameters())
+    assert all(not torch.equal(before[n], after[n]) for n in before)
+
+
+def test_optimizer_created_before_wrapping_is_an_error(pool2: RankPool) -> None:
+    pool2.run(optimizer_before_wrapping, _timeout=60)
