@@ -14,18 +14,25 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp._common import FSDP_WRAPPED_MODULE, strip_fsdp_segments
-from fsdp.api import (
+from fsdp._common import FLAT_PARAM, FSDP_PREFIX, FSDP_WRAPPED_MODULE, strip_fsdp_segments
+from fsdp.api import (  # the config names are re-exported here too, as torch's module does
     BackwardPrefetch,
     CPUOffload,
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    LocalOptimStateDictConfig,
+    LocalStateDictConfig,
     MixedPrecision,
     OptimStateDictConfig,
+    OptimStateKeyType,
+    ShardedOptimStateDictConfig,
+    ShardedStateDictConfig,
     ShardingStrategy,
     StateDictConfig,
     StateDictSettings,
     StateDictType,
 )
-from fsdp.flat_param.flat_param import FlatParamHandle
+from fsdp.flat_param.flat_param import FlatParameter, FlatParamHandle
 from fsdp.init._device import move_modules_to_device, resolve_compute_device
 from fsdp.init._materialize import materialize_and_wrap
 from fsdp.init._sync import sync_buffers
@@ -50,9 +57,17 @@ from fsdp.runtime._mixed_precision import (
 from fsdp.runtime._state import TrainingState, UnitState
 from fsdp.runtime._summon import summon_full_params as _summon_full_params
 from fsdp.state_dict import _model_state_dict, _settings
-from fsdp.wrap import _apply_mixed_precision_overrides, _mixed_precision_classes
+from fsdp.wrap import (
+    CustomPolicy,
+    ModuleWrapPolicy,
+    _apply_mixed_precision_overrides,
+    _mixed_precision_classes,
+)
 
-__all__ = ["FullyShardedDataParallel"]
+# Torch's module of the same name exports these two; its other public names (the configs and
+# enums above, ``FlatParameter``, ``FLAT_PARAM``, ``FSDP_PREFIX``, the wrap policies) are
+# importable from it too, and stacks such as accelerate import them from here.
+__all__ = ["FullyShardedDataParallel", "OptimStateKeyType"]
 
 
 class FullyShardedDataParallel(nn.Module):
