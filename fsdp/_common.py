@@ -14,9 +14,10 @@ from __future__ import annotations
 import functools
 import sys
 import traceback
-from typing import Any, Callable, NoReturn
+from typing import Any, Callable, NoReturn, Optional
 
 import torch
+import torch.distributed as dist
 
 FSDP_WRAPPED_MODULE = "_fsdp_wrapped_module"
 FSDP_PREFIX = FSDP_WRAPPED_MODULE + "."
@@ -105,3 +106,45 @@ def clean_fqn(name: str) -> str:
     if FSDP_WRAPPED_MODULE not in name and CHECKPOINT_WRAPPED_MODULE not in name:
         return name
     return ".".join(part for part in name.split(".") if part not in _WRAPPER_SEGMENTS)
+
+
+# [Note: Only the unit's group]
+# As in torch FSDP1, a unit talks only to the process group it was given: construction,
+# training and state dicts work with ``process_group=pg`` even when the default group was never
+# initialized (a ProcessGroup built directly from a store). ``dist.get_rank(group)``,
+# ``dist.get_backend(group)`` and ``dist.get_global_rank`` need the default group or c10d's
+# registry, so fsdp asks the group object itself and addresses peers by group rank.
+
+
+def group_rank(group: Optional["dist.ProcessGroup"]) -> int:
+    """This process's rank in ``group`` (None: the default group), without needing the default group."""
+    return group.rank() if group is not None else dist.get_rank()
+
+
+def group_size(group: Optional["dist.ProcessGroup"]) -> int:
+    """The number of ranks in ``group`` (None: the default group)."""
+    return group.size() if group is not None else dist.get_world_size()
+
+
+def group_backend(group: Optional["dist.ProcessGroup"]) -> str:
+    """The backend name of ``group`` (``"gloo"``, ``"nccl"``, ...; None: the default group).
+
+    What ``dist.get_backend`` says for groups c10d registered; for a group built directly from
+    a store (unknown to c10d), the group's own backend name.
+    """
+    if group is None:
+        return str(dist.get_backend())
+    try:
+        return str(dist.get_backend(group))
+    except (ValueError, RuntimeError, KeyError):
+        return group.name()
+
+
+def describe_group_rank(group: Optional["dist.ProcessGroup"], rank_in_group: int) -> str:
+    """``"rank N"`` with the global rank when c10d knows the group, else ``"group rank N"`` (messages)."""
+    if group is None:
+        return f"rank {rank_in_group}"
+    try:
+        return f"rank {dist.get_global_rank(group, rank_in_group)}"
+    except (ValueError, RuntimeError, KeyError):
+        return f"group rank {rank_in_group}"

@@ -14,7 +14,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp._common import FLAT_PARAM, FSDP_PREFIX, FSDP_WRAPPED_MODULE, strip_fsdp_segments
+from fsdp._common import (
+    FLAT_PARAM,
+    FSDP_PREFIX,
+    FSDP_WRAPPED_MODULE,
+    group_backend,
+    group_rank,
+    group_size,
+    strip_fsdp_segments,
+)
 from fsdp.api import (  # the config names are re-exported here too, as torch's module does
     BackwardPrefetch,
     CPUOffload,
@@ -149,8 +157,8 @@ class FullyShardedDataParallel(nn.Module):
         strategy = sharding_strategy or ShardingStrategy.FULL_SHARD
         groups = resolve_process_groups(process_group, device_mesh, strategy)
         group = groups.shard
-        device = resolve_compute_device(module, device_id, dist.get_backend(group))
-        rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+        device = resolve_compute_device(module, device_id, group_backend(group))
+        rank, world_size = group_rank(group), group_size(group)
         if world_size == 1 and strategy not in HYBRID_STRATEGIES:
             strategy = ShardingStrategy.NO_SHARD  # nothing to shard (as torch FSDP1 does)
         root_kwargs = dict(

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple, Optional
 
 import torch.distributed as dist
 
+from fsdp._common import group_backend, group_size
 from fsdp.api import ShardingStrategy
 
 HYBRID_STRATEGIES = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
@@ -60,19 +61,24 @@ def resolve_process_groups(
 ) -> ShardingGroups:
     """Returns the shard (and, for hybrid strategies, replicate) group, or raises a clear error.
 
+    Only a layout that needs the default group (no group, no mesh) requires it to be
+    initialized; explicit groups work without it, as in torch FSDP1 ([Note: Only the unit's
+    group]).
+
     Raises:
-        RuntimeError: No default process group is initialized.
+        RuntimeError: No group or mesh given and no default process group is initialized.
         ValueError: A layout that does not fit the strategy or the world (both process_group
             and device_mesh; a tuple or 2-D mesh without a hybrid strategy; a hybrid strategy
             without a layout; groups whose sizes do not multiply to the world size).
         TypeError: Objects of the wrong type.
     """
-    _check_initialized()
     hybrid = strategy in HYBRID_STRATEGIES
     if process_group is not None and device_mesh is not None:
         raise ValueError(
             "fsdp: pass either process_group or device_mesh, not both (got both)."
         )
+    if process_group is None and device_mesh is None:
+        _check_initialized()
     if device_mesh is not None:
         return _groups_from_mesh(device_mesh, hybrid, strategy)
     if isinstance(process_group, tuple):
@@ -124,8 +130,10 @@ def _groups_from_mesh(device_mesh: Any, hybrid: bool, strategy: ShardingStrategy
 
 
 def _check_hybrid_sizes(shard: dist.ProcessGroup, replicate: dist.ProcessGroup, what: str) -> None:
+    if not dist.is_initialized():
+        return  # nothing to compare with: the two groups are the whole world
     world = dist.get_world_size()
-    intra, inter = dist.get_world_size(shard), dist.get_world_size(replicate)
+    intra, inter = group_size(shard), group_size(replicate)
     if intra * inter != world:
         raise ValueError(
             f"fsdp: {what}: the intra-node group has {intra} ranks and the inter-node group "
@@ -154,7 +162,7 @@ def _derived_hybrid_groups(strategy: ShardingStrategy) -> ShardingGroups:
     if key not in _DERIVED_HYBRID_GROUPS:
         from torch.distributed.device_mesh import init_device_mesh
 
-        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        device_type = "cuda" if group_backend(None) == "nccl" else "cpu"
         mesh = init_device_mesh(device_type, (world // local_size, local_size))
         _DERIVED_HYBRID_GROUPS[key] = ShardingGroups(mesh.get_group(1), mesh.get_group(0))
     return _DERIVED_HYBRID_GROUPS[key]
