@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp._common import FLAT_PARAM, p_assert
+from fsdp._common import FLAT_PARAM, group_rank, group_size, p_assert
 from fsdp.flat_param._precision import HandlePrecision
 from fsdp.flat_param._sharding import (
     gradient_divide_factors,
@@ -295,9 +295,9 @@ class FlatParamHandle:
         self.device = device
         self.process_group = process_group
         self.replicate_group = replicate_group
-        self.rank = dist.get_rank(process_group)
-        self.world_size = dist.get_world_size(process_group)
-        self.replicate_world_size = dist.get_world_size(replicate_group) if replicate_group else 1
+        self.rank = group_rank(process_group)  # [Note: Only the unit's group]
+        self.world_size = group_size(process_group)
+        self.replicate_world_size = group_size(replicate_group) if replicate_group else 1
         self.uses_sharding = uses_sharding and self.world_size > 1
         self.unit_name = unit_name
         self.use_orig_params = use_orig_params

@@ -13,6 +13,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from fsdp._common import group_size
+
 from fsdp.runtime._p2p import (
     P2PWork,
     all_gather_p2p,
@@ -33,7 +35,7 @@ def all_gather_flat(
 
     With ``async_op`` it returns the work handle to wait on before ``output`` is read.
     """
-    if uses_p2p(input, group) and dist.get_world_size(group) > 1:
+    if uses_p2p(input, group) and group_size(group) > 1:
         return _complete_unless_async(all_gather_p2p(output, input, group), async_op)
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return fn(output, input, group=group, async_op=async_op)
@@ -51,7 +53,7 @@ def reduce_scatter_flat(
     rank 0 receives ``[6, 8]`` and rank 1 ``[10, 12]``. With ``async_op`` it returns the
     work handle to wait on (gloo runs it on its own thread, overlapping compute).
     """
-    if uses_p2p(input, group) and dist.get_world_size(group) == 2:
+    if uses_p2p(input, group) and group_size(group) == 2:
         return _complete_unless_async(reduce_scatter_p2p(output, input, group), async_op)
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return fn(output, input, group=group, async_op=async_op)
@@ -74,7 +76,7 @@ def reduce_scatter_halves(
 
 def can_reduce_scatter_halves(tensor: torch.Tensor, group: Optional[dist.ProcessGroup]) -> bool:
     """Whether :func:`reduce_scatter_halves` applies: gloo, CPU tensors, two ranks."""
-    return uses_p2p(tensor, group) and dist.get_world_size(group) == 2
+    return uses_p2p(tensor, group) and group_size(group) == 2
 
 
 def gather_flat_to(
@@ -109,18 +111,14 @@ def all_reduce_max(tensor: torch.Tensor, group: Optional[dist.ProcessGroup]) -> 
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
 
 
-def _group_rank0(group: Optional[dist.ProcessGroup]) -> int:
-    return dist.get_global_rank(group, 0) if group is not None else 0
-
-
 def broadcast_from_rank0(tensor: torch.Tensor, group: Optional[dist.ProcessGroup]) -> None:
     """Overwrites ``tensor`` with the value of group-rank 0."""
-    dist.broadcast(tensor, src=_group_rank0(group), group=group)
+    dist.broadcast(tensor, group=group, group_src=0)
 
 
 def all_gather_object(obj: Any, group: Optional[dist.ProcessGroup]) -> list[Any]:
     """Every rank's picklable ``obj``, in rank order."""
-    out: list[Any] = [None] * dist.get_world_size(group)
+    out: list[Any] = [None] * group_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out
 
@@ -128,5 +126,5 @@ def all_gather_object(obj: Any, group: Optional[dist.ProcessGroup]) -> list[Any]
 def broadcast_object_from_rank0(obj: Any, group: Optional[dist.ProcessGroup]) -> Any:
     """Group-rank 0's picklable ``obj`` on every rank."""
     box = [obj]
-    dist.broadcast_object_list(box, src=_group_rank0(group), group=group)
+    dist.broadcast_object_list(box, group=group, group_src=0)
     return box[0]

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fsdp._common import describe_group_rank, group_size
 from fsdp.runtime._prefetch import record_phase_orders
 from fsdp.runtime._state import RootContext, UnitState
 
@@ -51,7 +52,7 @@ def check_execution_order(state: UnitState, phase: str) -> None:
     index = ctx.unit_index[id(state)]
     code = index * len(_PHASES) + _PHASES.index(phase)
     for group in _groups(ctx):
-        world = dist.get_world_size(group)
+        world = group_size(group)
         if world == 1:
             continue
         codes = _all_gather_int(code, group, ctx.root.compute_device)
@@ -59,8 +60,8 @@ def check_execution_order(state: UnitState, phase: str) -> None:
             mine = f"{phase} of unit '{state.unit_name}'"
             described: list[Any] = [None] * world
             dist.all_gather_object(described, mine, group=group)
-            ranks = [dist.get_global_rank(group, r) for r in range(world)]
-            listing = "; ".join(f"rank {rank}: {what}" for rank, what in zip(ranks, described))
+            ranks = [describe_group_rank(group, r) for r in range(world)]
+            listing = "; ".join(f"{rank}: {what}" for rank, what in zip(ranks, described))
             raise RuntimeError(
                 f"fsdp: ranks took different paths through the model in the first iteration "
                 f"(step {len(ctx.exec_order) + 1} of the execution order): {listing}. Every rank "
@@ -73,7 +74,7 @@ def check_execution_order(state: UnitState, phase: str) -> None:
 
 def _all_gather_int(value: int, group: dist.ProcessGroup, device: torch.device) -> list[int]:
     mine = torch.tensor([value], dtype=torch.int64, device=device)
-    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    everyone = [torch.empty_like(mine) for _ in range(group_size(group))]
     dist.all_gather(everyone, mine, group=group)
     return [int(t.item()) for t in everyone]
 
@@ -103,7 +104,7 @@ def check_same_layout(ctx: RootContext) -> None:
     """
     layout = _layout(ctx)
     for group in _groups(ctx):
-        world = dist.get_world_size(group)
+        world = group_size(group)
         if world == 1:
             continue
         digest = _digest(layout)
@@ -111,14 +112,14 @@ def check_same_layout(ctx: RootContext) -> None:
             continue
         layouts: list[Any] = [None] * world
         dist.all_gather_object(layouts, layout, group=group)
-        ranks = [dist.get_global_rank(group, r) for r in range(world)]
+        ranks = [describe_group_rank(group, r) for r in range(world)]
         longest = max(len(lay) for lay in layouts)
         first = next(
             i for i in range(longest)
             if len({lay[i] if i < len(lay) else "<none>" for lay in layouts}) > 1
         )
         listing = "; ".join(
-            f"rank {rank}: {lay[first] if first < len(lay) else '<no such unit>'} ({len(lay)} units)"
+            f"{rank}: {lay[first] if first < len(lay) else '<no such unit>'} ({len(lay)} units)"
             for rank, lay in zip(ranks, layouts)
         )
         raise RuntimeError(

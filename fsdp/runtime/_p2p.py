@@ -28,6 +28,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from fsdp._common import group_backend, group_rank, group_size
+
 __all__ = [
     "P2PWork",
     "all_gather_p2p",
@@ -44,7 +46,7 @@ _GATHER_TAG = 7310
 
 def uses_p2p(tensor: torch.Tensor, group: Optional[dist.ProcessGroup]) -> bool:
     """Whether collectives on ``tensor`` over ``group`` take the point-to-point form (gloo, CPU)."""
-    return tensor.device.type == "cpu" and dist.get_backend(group) == "gloo"
+    return tensor.device.type == "cpu" and group_backend(group) == "gloo"
 
 
 class P2PWork:
@@ -64,26 +66,19 @@ class P2PWork:
         return True
 
 
-def _global_rank(group: Optional[dist.ProcessGroup], group_rank: int) -> int:
-    resolved = group if group is not None else dist.group.WORLD
-    assert resolved is not None, "the default process group is not initialized"
-    return dist.get_global_rank(resolved, group_rank)
-
-
 def all_gather_p2p(
     output: torch.Tensor, input: torch.Tensor, group: Optional[dist.ProcessGroup]
 ) -> P2PWork:
     """Launches an all-gather of equal 1-D shards into ``output``; returns its work handle."""
-    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+    world_size, rank = group_size(group), group_rank(group)
     numel = input.numel()
     requests: list[Any] = []
     for peer in range(world_size):
         if peer == rank:
             continue
-        peer_global = _global_rank(group, peer)
-        requests.append(dist.isend(input, peer_global, group=group, tag=_ALL_GATHER_TAG))
+        requests.append(dist.isend(input, group=group, tag=_ALL_GATHER_TAG, group_dst=peer))
         requests.append(
-            dist.irecv(output[peer * numel : (peer + 1) * numel], peer_global, group=group, tag=_ALL_GATHER_TAG)
+            dist.irecv(output[peer * numel : (peer + 1) * numel], group=group, tag=_ALL_GATHER_TAG, group_src=peer)
         )
     output[rank * numel : (rank + 1) * numel].copy_(input)
     return P2PWork(requests)
@@ -98,14 +93,13 @@ def reduce_scatter_p2p(
     own chunk straight into ``output`` and adds its own chunk in place when the handle is waited
     for (``b + a == a + b`` exactly, so this equals gloo's sum).
     """
-    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+    world_size, rank = group_size(group), group_rank(group)
     assert world_size == 2, "point-to-point reduce-scatter is bit-identical to gloo's only for 2 ranks"
     numel = output.numel()
     peer = 1 - rank
-    peer_global = _global_rank(group, peer)
     requests = [
-        dist.isend(input[peer * numel : (peer + 1) * numel], peer_global, group=group, tag=_REDUCE_SCATTER_TAG),
-        dist.irecv(output, peer_global, group=group, tag=_REDUCE_SCATTER_TAG),
+        dist.isend(input[peer * numel : (peer + 1) * numel], group=group, tag=_REDUCE_SCATTER_TAG, group_dst=peer),
+        dist.irecv(output, group=group, tag=_REDUCE_SCATTER_TAG, group_src=peer),
     ]
     own = input[rank * numel : (rank + 1) * numel]
 
@@ -123,13 +117,13 @@ def gather_p2p(
     The other ranks send their shard from where it lives (``output`` is None there: no copy, no
     allocation); ``dst`` receives every other shard in place and copies its own in.
     """
-    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    rank, world_size = group_rank(group), group_size(group)
     if rank != dst:
-        return P2PWork([dist.isend(input, _global_rank(group, dst), group=group, tag=_GATHER_TAG)])
+        return P2PWork([dist.isend(input, group=group, tag=_GATHER_TAG, group_dst=dst)])
     assert output is not None, "the receiving rank of a gather needs an output tensor"
     numel = input.numel()
     requests = [
-        dist.irecv(output[src * numel : (src + 1) * numel], _global_rank(group, src), group=group, tag=_GATHER_TAG)
+        dist.irecv(output[src * numel : (src + 1) * numel], group=group, tag=_GATHER_TAG, group_src=src)
         for src in range(world_size)
         if src != dst
     ]
@@ -152,12 +146,11 @@ def reduce_scatter_halves_p2p(
     contribution has arrived in ``output``. With ``own_scale`` a power of two (FSDP's
     pre-divide factors are), ``b + s * a`` rounds once, exactly like ``b + (a * s)``.
     """
-    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+    world_size, rank = group_size(group), group_rank(group)
     assert world_size == 2, "point-to-point reduce-scatter is bit-identical to gloo's only for 2 ranks"
-    peer_global = _global_rank(group, 1 - rank)
     requests = [
-        dist.irecv(output, peer_global, group=group, tag=_REDUCE_SCATTER_TAG),
-        dist.isend(peer_half, peer_global, group=group, tag=_REDUCE_SCATTER_TAG),
+        dist.irecv(output, group=group, tag=_REDUCE_SCATTER_TAG, group_src=1 - rank),
+        dist.isend(peer_half, group=group, tag=_REDUCE_SCATTER_TAG, group_dst=1 - rank),
     ]
 
     def finish() -> None:
