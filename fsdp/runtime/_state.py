@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp._common import p_assert
-from fsdp.api import BackwardPrefetch, MixedPrecision, ShardingStrategy
+from fsdp.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 
 if TYPE_CHECKING:
     from fsdp.flat_param.flat_param import FlatParamHandle
@@ -81,6 +81,11 @@ class UnitState:
         forward_in_full_precision: The unit's current (or last) forward runs with
             full-precision parameters (eval mode with ``full_precision_in_eval``).
         cast_buffers: The buffers mixed precision cast, with their full-precision values.
+        cpu_offload: The unit's ``CPUOffload`` config (None: not given).
+        use_orig_params: The ``use_orig_params`` construction argument.
+        ignored_modules: Modules this unit leaves alone (closed under descendants).
+        ignored_params: Parameters this unit leaves alone.
+        device_mesh: The ``device_mesh`` construction argument (None: not given).
     """
 
     handles: list["FlatParamHandle"]
@@ -106,6 +111,11 @@ class UnitState:
     full_precision_in_eval: bool = False
     forward_in_full_precision: bool = False
     cast_buffers: list["CastBuffer"] = field(default_factory=list)
+    cpu_offload: Optional[CPUOffload] = None
+    use_orig_params: bool = False
+    ignored_modules: set[torch.nn.Module] = field(default_factory=set)
+    ignored_params: set[torch.nn.Parameter] = field(default_factory=set)
+    device_mesh: Any = None
 
     @property
     def handle(self) -> Optional["FlatParamHandle"]:
