@@ -179,7 +179,7 @@ def meta_init_errors() -> None:
     before = list(model.named_parameters())
     with pytest.raises(ValueError, match=r"module '1' \(NoReset\) has parameters or buffers on the meta device but no reset_parameters\(\)"):
         FSDP(model)
-    with pytest.raises(TypeError, match="param_init_fn must be a callable taking a module"):
+    with pytest.raises(ValueError, match="param_init_fn must be a callable taking a module"):
         FSDP(model, param_init_fn="zeros")
     with pytest.raises(ValueError, match="param_init_fn left parameters or buffers of module"):
         FSDP(model, param_init_fn=lambda m: None)
@@ -249,13 +249,15 @@ def ignored_errors() -> None:
     model = make_toy()
     inner = FSDP(model.blocks[0])
     model.blocks[0] = inner
-    with pytest.raises(ValueError, match=r"ignored module 'blocks.0' is \(or contains\) a FullyShardedDataParallel"):
-        FSDP(model, ignored_modules=[model.blocks])
+    # An ignored module that contains an FSDP unit is accepted, as in torch FSDP1
+    # (tests/test_contract_construction.py); an FSDP instance itself is not.
+    with pytest.raises(ValueError, match=r"ignored module 'blocks.0' is a FullyShardedDataParallel instance"):
+        FSDP(model, ignored_modules=[model.blocks[0]])
     with pytest.raises(ValueError, match="pass ignored_modules or ignored_states, not both"):
         FSDP(model, ignored_modules=[model.head], ignored_states=[model.head])
     with pytest.raises(ValueError, match="only nn.Parameter or only nn.Module"):
         FSDP(model, ignored_states=[model.head, model.embed.weight])
-    with pytest.raises(TypeError, match="ignored_modules must hold nn.Module elements, got str"):
+    with pytest.raises(ValueError, match=r"ignored_modules must hold nn.Module elements, got \['str'\]"):
         FSDP(model, ignored_modules=["head"])
     assert isinstance(model.blocks[1], Block) and not any(isinstance(m, FSDP) for m in model.blocks[1].modules())
 
@@ -340,8 +342,10 @@ def devices() -> None:
     _train([ref, ours, plain])
     _assert_params(ours, dict(ref.named_parameters()))
     _assert_params(plain, dict(ref.named_parameters()))
-    with pytest.raises(ValueError, match="device_id must be an int or torch.device, got str"):
-        FSDP(make_toy(), device_id="cpu")
+    as_string = FSDP(make_toy(), device_id="cpu")  # torch FSDP1 takes strings too
+    assert as_string._fsdp_state.compute_device == torch.device("cpu")
+    with pytest.raises(TypeError, match="device_id must be an int \\(CUDA index\\), a str or a torch.device, got float"):
+        FSDP(make_toy(), device_id=1.5)
 
 
 def test_devices(pool2: RankPool) -> None:
@@ -367,8 +371,17 @@ class _TwoDevices(nn.Module):
 def test_mixed_devices_are_a_clear_error() -> None:
     from fsdp.init._device import resolve_compute_device
 
-    with pytest.raises(ValueError, match=r"_TwoDevices has parameters on several devices \('encoder.weight' on cpu, 'decoder.weight' on cuda:0\); move the whole module to one device first, or pass device_id"):
+    # RuntimeError, as torch FSDP1 raises for params on several devices.
+    with pytest.raises(RuntimeError, match=r"_TwoDevices has parameters on several devices \('encoder.weight' on cpu, 'decoder.weight' on cuda:0\); move the whole module to one device first, or pass device_id"):
         resolve_compute_device(_TwoDevices(), None)
     assert resolve_compute_device(nn.Linear(2, 2), None) == torch.device("cpu")
-    assert resolve_compute_device(nn.Linear(2, 2), 3) == torch.device("cuda", 3)  # int = CUDA index
+    if torch.cuda.is_available():
+        # Partly on CPU and partly on the device_id device: accepted and moved (as torch FSDP1).
+        assert resolve_compute_device(_TwoDevices(), "cuda:0") == torch.device("cuda", 0)
+        assert resolve_compute_device(nn.Linear(2, 2), 0) == torch.device("cuda", 0)  # int = CUDA index
+    else:
+        with pytest.raises(RuntimeError, match=r"device_id=3 names a CUDA device, but CUDA is not available"):
+            resolve_compute_device(nn.Linear(2, 2), 3)
+        with pytest.raises(RuntimeError, match=r"device_id='cuda:0' names a CUDA device, but CUDA is not available"):
+            resolve_compute_device(_TwoDevices(), "cuda:0")
     assert resolve_compute_device(nn.Linear(2, 2), torch.device("cpu")) == torch.device("cpu")
