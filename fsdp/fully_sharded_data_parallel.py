@@ -18,6 +18,7 @@ from fsdp._common import (
     FLAT_PARAM,
     FSDP_PREFIX,
     FSDP_WRAPPED_MODULE,
+    FSDPStateAssertionError,
     group_backend,
     group_rank,
     group_size,
@@ -52,7 +53,7 @@ from fsdp.init._unit_params import (
     unit_params,
     validate_unit_params,
 )
-from fsdp.init._validate import plan_units, validate_init_args
+from fsdp.init._validate import plan_units, validate_init_args, warn_construction
 from fsdp.runtime._clip_grad import clip_grad_norm_ as _clip_grad_norm
 from fsdp.runtime._hooks import register_flat_param_hooks, unit_forward
 from fsdp.runtime._lazy_init import check_idle, is_fsdp, lazy_init, reset_lazy_init, unit_state
@@ -108,7 +109,8 @@ class FullyShardedDataParallel(nn.Module):
             not moved, not communicated).
         param_init_fn: Called on each module with meta-device states to materialize it (see
             [Note: Meta-device materialization order]); without it ``reset_parameters()``.
-        device_id: The compute device (int = CUDA index, or a torch.device).
+        device_id: The compute device: an int (CUDA index), a string such as ``"cpu"`` or
+            ``"cuda:0"``, or a torch.device (default: where the module's parameters are).
         sync_module_states: Broadcast parameters and buffers from rank 0 at construction
             (unit by unit; works on CPU too).
         forward_prefetch: Launch the next unit's forward all-gather before this unit computes.
@@ -135,7 +137,7 @@ class FullyShardedDataParallel(nn.Module):
         mixed_precision: Optional[MixedPrecision] = None,
         ignored_modules: Optional[Iterable[nn.Module]] = None,
         param_init_fn: Optional[Callable[[nn.Module], None]] = None,
-        device_id: Optional[Union[int, torch.device]] = None,
+        device_id: Optional[Union[int, str, torch.device]] = None,
         sync_module_states: bool = False,
         forward_prefetch: bool = False,
         limit_all_gathers: bool = True,
@@ -159,6 +161,7 @@ class FullyShardedDataParallel(nn.Module):
         group = groups.shard
         device = resolve_compute_device(module, device_id, group_backend(group))
         rank, world_size = group_rank(group), group_size(group)
+        warn_construction(module, strategy, sharding_strategy, world_size)
         if world_size == 1 and strategy not in HYBRID_STRATEGIES:
             strategy = ShardingStrategy.NO_SHARD  # nothing to shard (as torch FSDP1 does)
         root_kwargs = dict(
@@ -237,6 +240,11 @@ class FullyShardedDataParallel(nn.Module):
             cast_buffers=cast_unit_buffers(
                 own_modules, mixed_precision.buffer_dtype if mixed_precision is not None else None
             ),
+            cpu_offload=cpu_offload,
+            use_orig_params=use_orig_params,
+            ignored_modules=plan.ignored_modules,
+            ignored_params=plan.ignored_params,
+            device_mesh=device_mesh,
         )
         for sub in module.modules():
             if is_fsdp(sub):
@@ -267,6 +275,14 @@ class FullyShardedDataParallel(nn.Module):
         """Runs the wrapped module with its parameters unsharded (see docs/hook_order.md)."""
         return unit_forward(self, args, kwargs)
 
+    # ------------------------------------------------------------------ torch FSDP1's attributes
+    # [Note: Wrapper attributes]
+    # Torch FSDP1's instances carry their configuration and runtime state as attributes, and
+    # stacks read them (accelerate: ``_has_params``, ``_flat_param``, ``_handle``; Lightning and
+    # user code: ``sharding_strategy``, ``mixed_precision``, ``process_group``, ``rank``, ...).
+    # Here each is a read-only view of the unit's one state object (``_sync_gradients`` may be
+    # set, as ``no_sync`` does), with torch's values: e.g. ``mixed_precision`` and
+    # ``cpu_offload`` are default configs, never None.
     @property
     def training_state(self) -> TrainingState:
         """What this unit is doing right now (IDLE, FORWARD, ...)."""
@@ -274,8 +290,140 @@ class FullyShardedDataParallel(nn.Module):
 
     @property
     def sharding_strategy(self) -> ShardingStrategy:
-        """The sharding strategy in effect for this unit."""
+        """The sharding strategy in effect for this unit (NO_SHARD at world size 1, as torch)."""
         return self._fsdp_state.sharding_strategy
+
+    @property
+    def cpu_offload(self) -> CPUOffload:
+        """The unit's ``CPUOffload`` config (``CPUOffload()`` when none was given)."""
+        return self._fsdp_state.cpu_offload or CPUOffload()
+
+    @property
+    def mixed_precision(self) -> MixedPrecision:
+        """The unit's ``MixedPrecision`` config (``MixedPrecision()`` when none applies)."""
+        return self._fsdp_state.mixed_precision or MixedPrecision()
+
+    @property
+    def backward_prefetch(self) -> Optional[BackwardPrefetch]:
+        """When this unit prefetches in backward (None: never)."""
+        return self._fsdp_state.backward_prefetch
+
+    @property
+    def forward_prefetch(self) -> bool:
+        """Whether this unit prefetches the next unit's forward all-gather."""
+        return self._fsdp_state.forward_prefetch
+
+    @property
+    def limit_all_gathers(self) -> bool:
+        """Whether prefetched all-gathers in flight are capped."""
+        return self._fsdp_state.limit_all_gathers
+
+    @property
+    def process_group(self) -> dist.ProcessGroup:
+        """The group parameters are sharded over (hybrid strategies: the intra-node group)."""
+        return self._fsdp_state.process_group
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in :attr:`process_group`."""
+        return self._fsdp_state.rank
+
+    @property
+    def world_size(self) -> int:
+        """The size of :attr:`process_group`."""
+        return self._fsdp_state.world_size
+
+    @property
+    def compute_device(self) -> torch.device:
+        """The device this unit computes on."""
+        return self._fsdp_state.compute_device
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        """The unit's FlatParameters (empty when it manages no parameters)."""
+        return [handle.flat_param for handle in self._fsdp_state.handles]
+
+    @property
+    def _handle(self) -> Optional[FlatParamHandle]:
+        """The unit's FlatParamHandle (the trainable one when it has two), or None."""
+        return self._fsdp_state.handle
+
+    @property
+    def _has_params(self) -> bool:
+        """Whether this unit manages any parameters."""
+        return self._fsdp_state.handle is not None
+
+    @property
+    def _flat_param(self) -> Optional[FlatParameter]:
+        """The unit's FlatParameter, or None when it manages no parameters."""
+        handle = self._fsdp_state.handle
+        return handle.flat_param if handle is not None else None
+
+    @property
+    def _use_orig_params(self) -> bool:
+        return self._fsdp_state.use_orig_params
+
+    @property
+    def _is_root(self) -> Optional[bool]:
+        """None before lazy initialization, then whether this unit is the root."""
+        return self._fsdp_state.is_root
+
+    @property
+    def _ignored_modules(self) -> set[nn.Module]:
+        return self._fsdp_state.ignored_modules
+
+    @property
+    def _ignored_params(self) -> set[nn.Parameter]:
+        return self._fsdp_state.ignored_params
+
+    @property
+    def _device_mesh(self) -> Any:
+        return self._fsdp_state.device_mesh
+
+    @property
+    def _sync_gradients(self) -> bool:
+        """False inside ``no_sync``."""
+        return self._fsdp_state.sync_gradients
+
+    @_sync_gradients.setter
+    def _sync_gradients(self, value: bool) -> None:
+        self._fsdp_state.sync_gradients = bool(value)
+
+    @property
+    def _comm_hook(self) -> Optional[Callable]:
+        return self._fsdp_state.comm_hook
+
+    @property
+    def _comm_hook_state(self) -> Any:
+        return self._fsdp_state.comm_hook_state
+
+    @property
+    def _use_full_prec_in_eval(self) -> bool:
+        return self._fsdp_state.full_precision_in_eval
+
+    @property
+    def _inter_node_pg(self) -> dist.ProcessGroup:
+        """Hybrid strategies only: the group sharded gradients are all-reduced over."""
+        group = self._fsdp_state.replicate_group
+        if group is None:
+            raise AttributeError("_inter_node_pg")  # as torch: only hybrid units have one
+        return group
+
+    @property
+    def _state_dict_type(self) -> StateDictType:
+        return self._state_dict_settings.state_dict_type
+
+    @property
+    def _state_dict_config(self) -> StateDictConfig:
+        return self._state_dict_settings.state_dict_config
+
+    @property
+    def _optim_state_dict_config(self) -> OptimStateDictConfig:
+        return self._state_dict_settings.optim_state_dict_config
+
+    def _reset_lazy_init(self) -> None:
+        """Forgets lazy initialization of this tree (e.g. before wrapping it further)."""
+        reset_lazy_init(self)
 
     def _in_summon(self) -> bool:
         return self._fsdp_state.training_state is TrainingState.SUMMON_FULL_PARAMS
@@ -315,9 +463,23 @@ class FullyShardedDataParallel(nn.Module):
         return result
 
     def apply(self, fn: Callable[[nn.Module], None]) -> "FullyShardedDataParallel":
-        """Applies ``fn`` to every submodule with full parameters gathered (and written back)."""
+        """Applies ``fn`` to every submodule with full parameters gathered (and written back).
+
+        Raises:
+            ValueError: Called inside forward, backward or ``summon_full_params`` (as torch
+                FSDP1: inside a ``summon_full_params(writeback=False)`` its changes would be
+                silently dropped).
+        """
         uninitialized = self._fsdp_state.is_root is None
-        check_idle(self, "apply()", allow_summon=True)
+        check_idle(self, "apply()", allow_summon=True, error=ValueError)
+        if self._fsdp_state.training_state is TrainingState.SUMMON_FULL_PARAMS:
+            # (Nested units' apply, called by this apply's recursion, finds them idle.)
+            raise ValueError(
+                f"fsdp: apply() cannot be called inside summon_full_params on unit "
+                f"'{self._fsdp_state.unit_name}' (the enclosing summon decides whether changes "
+                f"are written back, so apply's would be lost with writeback=False). Call apply() "
+                f"outside summon_full_params, or modify the parameters inside it directly."
+            )
         with _summon_full_params(self, recurse=False, writeback=True):
             ret = super().apply(fn)
         if uninitialized:
@@ -325,10 +487,10 @@ class FullyShardedDataParallel(nn.Module):
         return ret  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ training API
-    def _require_root(self, what: str) -> UnitState:
+    def _require_root(self, what: str, error: type[Exception] = RuntimeError) -> UnitState:
         state = self._fsdp_state if self._fsdp_state.has_fsdp_parent else lazy_init(self)
         if state.has_fsdp_parent or not state.is_root:
-            raise RuntimeError(
+            raise error(
                 f"fsdp: {what} must be called on the root FSDP instance, but it was called on "
                 f"the nested unit '{state.unit_name}'. Call it on the outermost FSDP module."
             )
@@ -341,7 +503,7 @@ class FullyShardedDataParallel(nn.Module):
         The next backward outside the context reduces the accumulated gradients. Root only.
         """
         state = self._require_root("no_sync()")
-        check_idle(self, "no_sync()")
+        check_idle(self, "no_sync()", error=ValueError)  # torch FSDP1's type
         assert state.ctx is not None
         previous = [(unit, unit.sync_gradients) for unit in state.ctx.states]
         for unit, _ in previous:
@@ -359,7 +521,7 @@ class FullyShardedDataParallel(nn.Module):
         on the unsharded model. Root only; a collective, so every rank must call it.
         """
         state = self._require_root("clip_grad_norm_()")
-        check_idle(self, "clip_grad_norm_()")
+        check_idle(self, "clip_grad_norm_()", error=ValueError)  # torch FSDP1's type
         return _clip_grad_norm(self, state, float(max_norm), float(norm_type))
 
     @staticmethod
@@ -383,14 +545,16 @@ class FullyShardedDataParallel(nn.Module):
             with_grads: Also expose full gradients as ``param.grad``.
 
         Raises:
-            ValueError: writeback together with rank0_only.
-            NotImplementedError: with_grads together with offload_to_cpu.
-            RuntimeError: Called inside forward or backward.
+            NotImplementedError: writeback together with rank0_only, or with_grads together
+                with offload_to_cpu.
+            FSDPStateAssertionError: Called inside forward or backward (an AssertionError,
+                as torch FSDP1 raises, and a RuntimeError).
+            RuntimeError: A writeback whose parameter shape changed.
         """
         with _summon_full_params(module, recurse, writeback, rank0_only, offload_to_cpu, with_grads):
             yield
 
-    # ------------------------------------------------------------------ state dicts (planned)
+    # ------------------------------------------------------------------ state dicts
     @staticmethod
     def set_state_dict_type(
         module: nn.Module,
@@ -471,22 +635,25 @@ class FullyShardedDataParallel(nn.Module):
         so do :mod:`fsdp.comm_hooks` (also for bf16 on gloo). Hybrid strategies take no hook.
 
         Raises:
-            RuntimeError: Not the root, a hook already registered, or a hybrid strategy.
-            TypeError: ``hook`` is not callable.
+            FSDPStateAssertionError: Not the root, a hook already registered, or a hybrid
+                strategy (an AssertionError, as torch FSDP1 raises, and a RuntimeError).
+            ValueError: ``hook`` is not callable (torch FSDP1's type).
         """
-        root = self._require_root("register_comm_hook()")
+        root = self._require_root("register_comm_hook()", error=FSDPStateAssertionError)
         if not callable(hook):
-            raise TypeError(f"fsdp: register_comm_hook needs a callable hook, got {type(hook).__name__}")
+            raise ValueError(
+                f"fsdp: register_comm_hook needs a callable hook, got {type(hook).__name__}"
+            )
         assert root.ctx is not None
         for unit in root.ctx.states:
             if unit.sharding_strategy in HYBRID_STRATEGIES:
-                raise RuntimeError(
+                raise FSDPStateAssertionError(
                     f"fsdp: communication hooks are not supported with {unit.sharding_strategy.name} "
                     f"(unit '{unit.unit_name}'), as in torch FSDP1; use FULL_SHARD, SHARD_GRAD_OP "
                     f"or NO_SHARD."
                 )
             if unit.comm_hook is not None:
-                raise RuntimeError(
+                raise FSDPStateAssertionError(
                     f"fsdp: a communication hook is already registered (unit '{unit.unit_name}'); "
                     f"register_comm_hook may be called once."
                 )

@@ -18,6 +18,7 @@ already flattened the parameter, construction fails with an error naming both pl
 from __future__ import annotations
 
 import functools
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional
 
@@ -26,6 +27,7 @@ from torch import nn
 
 from fsdp._common import clean_fqn
 from fsdp.api import BackwardPrefetch, CPUOffload, ShardingStrategy
+from fsdp.flat_param.flat_param import FLATTENED_ATTR, FlatParameter
 from fsdp.init._materialize import check_materializable, validate_param_init_fn
 from fsdp.init._unit_params import (
     UnitParam,
@@ -74,6 +76,45 @@ def validate_init_args(
     validate_param_init_fn(param_init_fn)
 
 
+def warn_construction(
+    module: nn.Module,
+    strategy: ShardingStrategy,
+    requested: Optional[ShardingStrategy],
+    world_size: int,
+) -> None:
+    """Emits the construction warnings torch FSDP1 emits for the same arguments.
+
+    Args:
+        module: The module being wrapped.
+        strategy: The strategy asked for (FULL_SHARD when none was given).
+        requested: The ``sharding_strategy`` argument itself.
+        world_size: The size of the shard group.
+    """
+    from fsdp.init._process_group import HYBRID_STRATEGIES
+
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+        warnings.warn(
+            f"fsdp: wrapping a {type(module).__name__}, which has no forward: FSDP gathers a "
+            f"unit's parameters only when its forward runs, so these parameters are never "
+            f"gathered by it. Wrap the container's elements (or the module that calls them) "
+            f"instead.",
+            stacklevel=3,
+        )
+    if world_size == 1 and strategy is not ShardingStrategy.NO_SHARD and strategy not in HYBRID_STRATEGIES:
+        warnings.warn(
+            f"fsdp: the process group has one rank, so FSDP uses NO_SHARD instead of "
+            f"{strategy} (nothing to shard), as torch FSDP1 does.",
+            stacklevel=3,
+        )
+    elif world_size > 1 and requested is ShardingStrategy.NO_SHARD:
+        warnings.warn(
+            "fsdp: the NO_SHARD sharding strategy is deprecated in torch FSDP1 (which "
+            "recommends DistributedDataParallel instead); fsdp keeps supporting it.",
+            FutureWarning,
+            stacklevel=3,
+        )
+
+
 _MIXED_PRECISION_DTYPES = ("param_dtype", "reduce_dtype", "buffer_dtype")
 
 
@@ -100,19 +141,33 @@ def validate_mixed_precision(mixed_precision: Any) -> None:
             )
 
 
+def _flattened_by_a_unit(param: nn.Parameter) -> bool:
+    """A FlatParameter, or an original parameter a live FSDP unit already flattened."""
+    if isinstance(param, FlatParameter):
+        return True
+    marker = getattr(param, FLATTENED_ATTR, None)
+    return marker is not None and marker[0]() is not None
+
+
 def resolve_ignored(
     module: nn.Module, ignored_modules: Optional[Iterable[Any]], ignored_states: Optional[Iterable[Any]]
 ) -> tuple[set[nn.Module], set[nn.Parameter]]:
     """Returns the ignored modules (closed under descendants) and all ignored parameters.
 
+    As in torch FSDP1: an ignored module may contain FSDP units; those stay units (wrapped
+    before, managed by their own wrapper) while the rest of the ignored subtree is left alone,
+    and their flat (or already flattened) parameters are not ignored parameters. Ignoring the
+    module being wrapped itself warns (every parameter would be ignored).
+
     Raises:
-        ValueError: Both arguments given; ignored_states mixing modules and parameters; an
-            ignored module that is an FSDP instance.
-        TypeError: Elements that are neither modules nor parameters.
+        ValueError: Both arguments given; elements that are not all modules (ignored_modules)
+            or not all modules or all parameters (ignored_states); an ignored module that is
+            itself an FSDP instance.
+        TypeError: ``ignored_modules``/``ignored_states`` is not iterable.
     """
-    modules_arg = list(ignored_modules) if ignored_modules is not None else []
-    states_arg = list(ignored_states) if ignored_states is not None else []
-    if modules_arg and states_arg:
+    modules_arg = _as_list(ignored_modules, "ignored_modules")
+    states_arg = _as_list(ignored_states, "ignored_states")
+    if ignored_modules is not None and ignored_states is not None:
         raise ValueError(
             "fsdp: pass ignored_modules or ignored_states, not both (ignored_states accepts "
             "modules too)."
@@ -122,7 +177,7 @@ def resolve_ignored(
     if states_arg:
         kinds = {type(s).__name__ for s in states_arg}
         if all(isinstance(s, nn.Parameter) for s in states_arg):
-            params.update(states_arg)
+            params.update(p for p in states_arg if not _flattened_by_a_unit(p))
         elif all(isinstance(s, nn.Module) for s in states_arg):
             roots = states_arg
         else:
@@ -130,27 +185,47 @@ def resolve_ignored(
                 f"fsdp: ignored_states must hold only nn.Parameter or only nn.Module elements, "
                 f"got {sorted(kinds)}."
             )
-    for m in modules_arg:
-        if not isinstance(m, nn.Module):
-            raise TypeError(
-                f"fsdp: ignored_modules must hold nn.Module elements, got {type(m).__name__}"
-            )
-        roots.append(m)
+    not_modules = sorted({type(m).__name__ for m in modules_arg if not isinstance(m, nn.Module)})
+    if not_modules:
+        raise ValueError(  # torch FSDP1's type for this mistake
+            f"fsdp: ignored_modules must hold nn.Module elements, got {not_modules}. Pass the "
+            f"modules (e.g. [model.frozen_encoder]); use ignored_states for parameters."
+        )
+    roots.extend(modules_arg)
     names = {m: n for n, m in module.named_modules()}
     closed: set[nn.Module] = set()
     for root in roots:
-        for sub in root.modules():
-            if is_fsdp(sub):
-                where = names.get(sub, type(sub).__name__)
-                raise ValueError(
-                    f"fsdp: ignored module '{where}' is (or contains) a FullyShardedDataParallel "
-                    f"instance; ignored modules must not be FSDP-wrapped. Ignore the inner module "
-                    f"before wrapping, or do not ignore it."
-                )
-            closed.add(sub)
+        if is_fsdp(root):
+            where = names.get(root, type(root).__name__)
+            raise ValueError(
+                f"fsdp: ignored module '{clean_fqn(where)}' is a FullyShardedDataParallel "
+                f"instance; ignored modules must not be FSDP wrappers. Ignore the module it "
+                f"wraps ('.module') before wrapping it, or do not ignore it."
+            )
+        closed.update(sub for sub in root.modules() if not is_fsdp(sub))
+    if module in closed:
+        warnings.warn(
+            f"fsdp: the module passed to FullyShardedDataParallel ({type(module).__name__}) is "
+            f"itself in ignored_modules/ignored_states, so all of its parameters are ignored "
+            f"and FSDP shards nothing (torch FSDP1 warns the same). Ignore its submodules "
+            f"instead.",
+            stacklevel=4,
+        )
     for sub in closed:
-        params.update(sub.parameters(recurse=False))
+        params.update(p for p in sub.parameters(recurse=False) if not _flattened_by_a_unit(p))
     return closed, params
+
+
+def _as_list(values: Optional[Iterable[Any]], what: str) -> list[Any]:
+    if values is None:
+        return []
+    try:
+        return list(values)
+    except TypeError:
+        raise TypeError(
+            f"fsdp: {what} must be an iterable of modules or parameters, got "
+            f"{type(values).__name__}."
+        ) from None
 
 
 @dataclass
