@@ -32,6 +32,17 @@ class FSDPInternalError(AssertionError):
     """Raised when an internal invariant of ``fsdp`` does not hold (a bug in fsdp)."""
 
 
+class FSDPStateAssertionError(RuntimeError, AssertionError):
+    """A user call FSDP cannot serve in the current state, where torch FSDP1 raises AssertionError.
+
+    Torch FSDP1 reports a few user mistakes (``summon_full_params`` inside forward or backward,
+    ``register_comm_hook`` on a nested unit, twice, or with a hybrid strategy) as
+    ``AssertionError``. This type is both an ``AssertionError`` (code written against torch
+    keeps catching it) and a ``RuntimeError`` (not mistaken for :class:`FSDPInternalError`, the
+    internal-invariant tier).
+    """
+
+
 def p_assert(cond: Any, msg: str) -> None:
     """Checks an internal invariant; prints the message and stack before raising.
 

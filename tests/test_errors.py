@@ -39,6 +39,7 @@ from fsdp import (
     StateDictType,
 )
 from fsdp import FullyShardedDataParallel as FSDP
+from fsdp._common import FSDPStateAssertionError
 from fsdp.wrap import ModuleWrapPolicy, lambda_auto_wrap_policy, transformer_auto_wrap_policy
 from tests._harness import RankPool
 
@@ -515,12 +516,12 @@ def _wrong_argument_types() -> None:
             dict(process_group="world"),
             r"fsdp: process_group must be a torch\.distributed\.ProcessGroup, got str",
         ),
-        (dict(device_id="cpu"), r"device_id must be an int or torch\.device, got str"),
+        # TypeError, as torch FSDP1 (strings such as "cpu" are device ids there and here).
+        (dict(device_id=1.5), r"device_id must be an int \(CUDA index\), a str or a torch\.device, got float 1\.5"),
     ]
     policy = ModuleWrapPolicy({Block})
     for kwargs, match in cases:
-        exc = ValueError if "device_id" in kwargs else TypeError
-        expect_raises(exc, match, lambda: FSDP(model, auto_wrap_policy=policy, **kwargs))
+        expect_raises(TypeError, match, lambda: FSDP(model, auto_wrap_policy=policy, **kwargs))
         assert_unchanged(model, before)
     not_a_module: Any = "model"
     expect_raises(TypeError, r"module must be an nn\.Module, got str", lambda: FSDP(not_a_module))
@@ -544,9 +545,6 @@ def _ignored_kwargs(case: str, model: Deep) -> dict[str, Any]:
     if case == "fsdp_module":
         model.blocks[0] = FSDP(model.blocks[0])
         return {"ignored_modules": [model.blocks[0]]}
-    if case == "contains_fsdp_module":
-        model.blocks[0] = FSDP(model.blocks[0])
-        return {"ignored_modules": [model.blocks]}
     raise AssertionError(case)
 
 
@@ -561,17 +559,16 @@ IGNORED_MISTAKES: dict[str, tuple[type[BaseException], str]] = {
         r"fsdp: ignored_states must hold only nn\.Parameter or only nn\.Module elements, got "
         r"\['Linear', 'Parameter'\]\.",
     ),
-    "not_a_module": (TypeError, r"fsdp: ignored_modules must hold nn\.Module elements, got str"),
+    # ValueError, as torch FSDP1 (tests/test_contract_errors.py runs the mistake through both).
+    "not_a_module": (ValueError, r"fsdp: ignored_modules must hold nn\.Module elements, got \['str'\]"),
     "fsdp_module": (
         ValueError,
-        r"fsdp: ignored module 'blocks\.0' is \(or contains\) a FullyShardedDataParallel "
-        r"instance; ignored modules must not be FSDP-wrapped\. Ignore the inner module before "
-        r"wrapping, or do not ignore it\.",
+        r"fsdp: ignored module 'blocks\.0' is a FullyShardedDataParallel instance; ignored "
+        r"modules must not be FSDP wrappers\. Ignore the module it wraps \('\.module'\) before "
+        r"wrapping it, or do not ignore it\.",
     ),
-    "contains_fsdp_module": (
-        ValueError,
-        r"fsdp: ignored module 'blocks\.0' is \(or contains\) a FullyShardedDataParallel instance",
-    ),
+    # An ignored module that *contains* an FSDP unit is accepted, as in torch FSDP1
+    # (tests/test_contract_construction.py).
 }
 
 
@@ -609,8 +606,8 @@ def _meta_device_mistakes() -> None:
             lambda: FSDP(model, auto_wrap_policy=policy),
         )
         assert_unchanged(model, before)
-        expect_raises(
-            TypeError,
+        expect_raises(  # ValueError, as torch FSDP1
+            ValueError,
             r"fsdp: param_init_fn must be a callable taking a module \(e\.g\. "
             r"lambda m: m\.to_empty\(device='cpu', recurse=False\)\), got str: 'init'",
             lambda: FSDP(model, auto_wrap_policy=policy, param_init_fn="init"),
@@ -829,8 +826,8 @@ def _summon_inside_forward(nested: bool) -> None:
         busy = r"'<root>' \(FORWARD\)"
     summoner.holder.append(root)
     x = torch.randn(2, D)
-    expect_raises(
-        RuntimeError,
+    expect_raises(  # an AssertionError, as torch FSDP1 raises, and a RuntimeError
+        FSDPStateAssertionError,
         rf"fsdp: summon_full_params\(\) cannot be called while FSDP units are in forward, "
         rf"backward or summon_full_params: {busy}\. Call it between training steps, outside the "
         rf"model's forward and backward\.",
@@ -859,8 +856,8 @@ def _summon_inside_backward() -> None:
         return grad  # pragma: no cover
 
     out.register_hook(hook)
-    expect_raises(
-        RuntimeError,
+    expect_raises(  # an AssertionError, as torch FSDP1 raises, and a RuntimeError
+        FSDPStateAssertionError,
         r"fsdp: summon_full_params\(\) cannot be called while FSDP units are in forward, "
         r"backward or summon_full_params: '<root>' \(BACKWARD_PRE\)\. Call it between training "
         r"steps, outside the model's forward and backward\.",
@@ -891,8 +888,9 @@ def _summon_bad_arguments(after_forward: bool) -> None:
         r"rank 0 would hold full parameters, so ranks would write back different data\. Pass "
         r"writeback=False with rank0_only=True, or rank0_only=False to write back\."
     )
-    expect_raises(ValueError, rank0_msg, summon(rank0_only=True))
-    expect_raises(ValueError, rank0_msg, summon(rank0_only=True, writeback=True, recurse=False))
+    # NotImplementedError, as torch FSDP1 (tests/test_contract_errors.py).
+    expect_raises(NotImplementedError, rank0_msg, summon(rank0_only=True))
+    expect_raises(NotImplementedError, rank0_msg, summon(rank0_only=True, writeback=True, recurse=False))
     grads_msg = (
         r"fsdp: summon_full_params\(with_grads=True, offload_to_cpu=True\) is not supported; "
         r"pass offload_to_cpu=False to see gradients, or with_grads=False to offload\."
@@ -990,10 +988,11 @@ def _state_dict_type_wrong_config() -> None:
             with FSDP.state_dict_type(root, sd_type, config, optim_config):
                 raise AssertionError("must not enter")  # pragma: no cover
 
-        expect_raises(ValueError, match, use_context)
+        # RuntimeError, as torch FSDP1 (tests/test_contract_errors.py).
+        expect_raises(RuntimeError, match, use_context)
         assert FSDP.get_state_dict_type(root) == default
         expect_raises(
-            ValueError, match, lambda: FSDP.set_state_dict_type(root, sd_type, config, optim_config)
+            RuntimeError, match, lambda: FSDP.set_state_dict_type(root, sd_type, config, optim_config)
         )
         assert FSDP.get_state_dict_type(root) == default
         for unit in FSDP.fsdp_modules(root):

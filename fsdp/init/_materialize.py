@@ -29,9 +29,9 @@ def has_meta_states(module: nn.Module, recurse: bool = True) -> bool:
 
 
 def validate_param_init_fn(param_init_fn: Any) -> None:
-    """Raises TypeError for a ``param_init_fn`` that is not callable."""
+    """Raises ValueError (torch FSDP1's type) for a ``param_init_fn`` that is not callable."""
     if param_init_fn is not None and not callable(param_init_fn):
-        raise TypeError(
+        raise ValueError(
             f"fsdp: param_init_fn must be a callable taking a module (e.g. "
             f"lambda m: m.to_empty(device='cpu', recurse=False)), got "
             f"{type(param_init_fn).__name__}: {param_init_fn!r}"

@@ -72,14 +72,18 @@ def reset_lazy_init(module: nn.Module) -> None:
         unit.ctx = None
 
 
-def check_idle(module: nn.Module, what: str, allow_summon: bool = False) -> None:
+def check_idle(
+    module: nn.Module, what: str, allow_summon: bool = False, error: type[Exception] = RuntimeError
+) -> None:
     """Raises if any unit in ``module``'s root tree is in forward or backward (or summon).
 
     Args:
         module: An FSDP instance.
         what: The API being called, for the message.
-        allow_summon: Accept units inside ``summon_full_params`` (it may nest, and ``apply``
-            runs inside it).
+        allow_summon: Accept units inside ``summon_full_params`` (it may nest).
+        error: The exception type (torch FSDP1's for the same call: ``ValueError`` for
+            ``apply``, ``no_sync`` and ``clip_grad_norm_``, an ``AssertionError`` for
+            ``summon_full_params``).
     """
     state: UnitState = unit_state(module)
     states = state.ctx.states if state.ctx is not None else [s for _, _, s in named_fsdp_states(module)]
@@ -89,7 +93,7 @@ def check_idle(module: nn.Module, what: str, allow_summon: bool = False) -> None
     busy = [s for s in states if s.training_state not in allowed]
     if busy:
         desc = ", ".join(f"'{s.unit_name}' ({s.training_state.name})" for s in busy)
-        raise RuntimeError(
+        raise error(
             f"fsdp: {what} cannot be called while FSDP units are in forward, backward or "
             f"summon_full_params: {desc}. Call it between training steps, outside the model's "
             f"forward and backward."

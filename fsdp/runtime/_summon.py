@@ -9,12 +9,13 @@ to the local shards (``writeback=True``) and everything is resharded.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Iterator, Optional
 
 import torch
 from torch import nn
 
-from fsdp._common import FLAT_PARAM
+from fsdp._common import FLAT_PARAM, FSDPStateAssertionError
 from fsdp.flat_param.flat_param import FlatParamHandle, HandleState, assign_grad
 from fsdp.runtime import _collectives as comm
 from fsdp.runtime._lazy_init import check_idle, is_fsdp, lazy_init, named_fsdp_states, unit_state
@@ -22,8 +23,9 @@ from fsdp.runtime._state import TrainingState, UnitState, transition
 
 
 def _validate_args(writeback: bool, rank0_only: bool, offload_to_cpu: bool, with_grads: bool) -> None:
+    # The exception types are torch FSDP1's for the same arguments.
     if writeback and rank0_only:
-        raise ValueError(
+        raise NotImplementedError(
             "fsdp: summon_full_params(writeback=True, rank0_only=True) is not supported: only "
             "rank 0 would hold full parameters, so ranks would write back different data. Pass "
             "writeback=False with rank0_only=True, or rank0_only=False to write back."
@@ -32,6 +34,13 @@ def _validate_args(writeback: bool, rank0_only: bool, offload_to_cpu: bool, with
         raise NotImplementedError(
             "fsdp: summon_full_params(with_grads=True, offload_to_cpu=True) is not supported; "
             "pass offload_to_cpu=False to see gradients, or with_grads=False to offload."
+        )
+    if offload_to_cpu and not rank0_only:
+        warnings.warn(  # as torch FSDP1 warns
+            "fsdp: summon_full_params(offload_to_cpu=True, rank0_only=False) copies the full "
+            "parameters to CPU memory on every rank; ranks sharing a host may run out of CPU "
+            "memory. rank0_only=True keeps only rank 0's copy.",
+            stacklevel=2,
         )
 
 
@@ -201,7 +210,7 @@ def _write_back(handle: FlatParamHandle, params: list[nn.Parameter], source: tor
                 current = param
             if current.data_ptr() != view.data_ptr():
                 if current.shape != view.shape:
-                    raise ValueError(
+                    raise RuntimeError(  # torch FSDP1's type
                         f"fsdp: summon_full_params writeback: '{info.fqn}' was given shape "
                         f"{tuple(current.shape)} but the flat parameter stores {tuple(view.shape)}; "
                         f"keep parameter shapes unchanged (copy into it in place instead)."
@@ -217,7 +226,7 @@ def _write_back_grad(handle: FlatParamHandle, params: list[nn.Parameter], full_g
             grad = param.grad
             if grad is not None and grad.data_ptr() != view.data_ptr():
                 if grad.shape != view.shape:
-                    raise ValueError(
+                    raise RuntimeError(  # torch FSDP1's type
                         f"fsdp: summon_full_params writeback: the gradient of '{info.fqn}' was "
                         f"given shape {tuple(grad.shape)}, expected {tuple(view.shape)}."
                     )
@@ -241,7 +250,7 @@ def summon_full_params(
     wrappers = _modules_to_summon(module, recurse)
     for top in _top_level_fsdp(module):
         lazy_init(top)
-        check_idle(top, "summon_full_params()", allow_summon=True)
+        check_idle(top, "summon_full_params()", allow_summon=True, error=FSDPStateAssertionError)
     with contextlib.ExitStack() as stack:
         for wrapper in wrappers:
             state: UnitState = unit_state(wrapper)

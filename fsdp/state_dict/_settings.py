@@ -35,7 +35,7 @@ def default_settings() -> StateDictSettings:
 
 def _check_config(kind: str, config: object, expected: type, state_dict_type: StateDictType) -> None:
     if type(config) is not expected:
-        raise ValueError(
+        raise RuntimeError(  # torch FSDP1's type for this mistake
             f"fsdp: {kind} must be a {expected.__name__} for {state_dict_type}, got "
             f"{type(config).__name__}. Pass {expected.__name__}(...) or None for the default."
         )
