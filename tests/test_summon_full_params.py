@@ -323,7 +323,7 @@ def _check_rank0_only_and_recurse() -> int:
         else:
             assert sorted(got) == sorted(torch_r0), f"{strategy}: rank0_only+offload rank {rank}"
         _assert_resharded(ours, strategy, f"{strategy}: after rank0_only+offload")
-        with pytest.raises(ValueError):
+        with pytest.raises(NotImplementedError):  # torch FSDP1's type
             with FSDP.summon_full_params(ours, writeback=True, rank0_only=True):
                 pass
 
