@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 _REPO = Path(__file__).resolve().parent.parent
 _STEPS = 3
