@@ -90,7 +90,8 @@ class FullyShardedDataParallel(nn.Module):
     Args:
         module: The module to wrap.
         process_group: The group to shard over (default: the default group), or for hybrid
-            strategies an ``(intra_node_group, inter_node_group)`` tuple.
+            strategies an ``(intra_node_group, inter_node_group)`` tuple. Only this group is
+            used: the default group need not be initialized when one is given.
         sharding_strategy: FULL_SHARD (default), SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD or
             _HYBRID_SHARD_ZERO2 (see [Note: Hybrid sharding layout]).
         cpu_offload: ``CPUOffload(offload_params=True)`` keeps sharded parameters and their
@@ -106,7 +107,8 @@ class FullyShardedDataParallel(nn.Module):
             [Note: Mixed precision dtypes]). With an auto-wrap policy, modules of
             ``_module_classes_to_ignore`` (BatchNorm) become full-precision units.
         ignored_modules: Modules whose parameters and buffers FSDP leaves alone (not sharded,
-            not moved, not communicated).
+            not moved, not communicated). FSDP units already wrapped inside them keep working,
+            as in torch FSDP1; ignoring the wrapped module itself warns.
         param_init_fn: Called on each module with meta-device states to materialize it (see
             [Note: Meta-device materialization order]); without it ``reset_parameters()``.
         device_id: The compute device: an int (CUDA index), a string such as ``"cpu"`` or
