@@ -235,6 +235,7 @@ class FullyShardedDataParallel(nn.Module):
                 unit_state(sub).has_fsdp_parent = True
         register_flat_param_hooks(self._fsdp_state)
         self._state_dict_settings = _settings.default_settings()
+        _model_state_dict.register_state_dict_hooks(self)  # [Note: State dict hooks]
 
     # ------------------------------------------------------------------ module plumbing
     @property
