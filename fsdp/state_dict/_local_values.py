@@ -82,8 +82,8 @@ def check_local_value(key: str, unit_name: str, value: Any, handle: FlatParamHan
     from torch.distributed._shard.sharded_tensor import ShardedTensor
 
     current = (
-        f"this model's unit '{unit_name}' holds {handle.unpadded_unsharded_numel} elements in "
-        f"shards of {handle.sharded_numel} over {handle.world_size} rank(s)"
+        f"this model (its unit '{unit_name}' holds {handle.unpadded_unsharded_numel} elements in "
+        f"shards of {handle.sharded_numel} over {handle.world_size} rank(s))"
     )
     remedy = (
         "A local state dict only loads at the same world size and wrapping; use "
@@ -105,8 +105,9 @@ def check_local_value(key: str, unit_name: str, value: Any, handle: FlatParamHan
         return (
             f"fsdp: the LOCAL_STATE_DICT entry '{key}' was saved with a different layout "
             f"({int(metadata.size.numel())} elements in {len(saved)} shard(s) of sizes "
-            f"{[n for _, n in saved]} at offsets {[o for o, _ in saved]}) than {current} (sizes "
-            f"{[n for _, n in expected]} at offsets {[o for o, _ in expected]}). {remedy}"
+            f"{[n for _, n in saved]} at offsets {[o for o, _ in saved]}) than {current}, whose "
+            f"shards have sizes {[n for _, n in expected]} at offsets {[o for o, _ in expected]}. "
+            f"{remedy}"
         )
     offset, numel = _layout(handle.unpadded_unsharded_numel, handle.sharded_numel, handle.world_size)[handle.rank]
     shards = value.local_shards()
