@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from tests._harness import RankPool
@@ -269,3 +268,62 @@ def ignored_buffer_identity() -> None:
 
 def test_ignored_buffer_is_returned_itself(pool2: RankPool) -> None:
     pool2.run(ignored_buffer_identity, _timeout=120)
+
+
+def plain_root_cast_buffers() -> None:
+    """bf16 buffers of a unit under a plain root: a load sets their full-precision values.
+
+    As through an FSDP root ([Note: Full-precision buffers in state dicts]): the state dict
+    then gives back exactly the loaded fp32 values, not their bf16 rounding.
+    """
+    from fsdp import FullyShardedDataParallel as FSDP, MixedPrecision
+
+    torch.manual_seed(0)
+    unit = FSDP(nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6)), mixed_precision=MixedPrecision(buffer_dtype=torch.bfloat16))
+    model = nn.Sequential(unit, nn.Linear(6, 2))
+    assert unit.module[1].running_mean.dtype == torch.bfloat16
+    state = model.state_dict()
+    state["0.1.running_mean"] = torch.full((6,), 1.0 + 2.0**-12)  # not a bf16 value
+    state["0.1.running_var"] = torch.full((6,), 3.0 - 2.0**-11)
+    result = model.load_state_dict(state)
+    assert list(result.missing_keys) == [] and list(result.unexpected_keys) == []
+    again = model.state_dict()
+    for key in ("0.1.running_mean", "0.1.running_var"):
+        assert again[key].dtype == torch.float32 and torch.equal(again[key], state[key]), key
+    assert unit.module[1].running_mean.dtype == torch.bfloat16  # still computing in bf16
+
+
+def test_plain_root_cast_buffers(pool2: RankPool) -> None:
+    pool2.run(plain_root_cast_buffers, _timeout=120)
+
+
+def no_shard_local() -> None:
+    """LOCAL_STATE_DICT of NO_SHARD units: FULL entries with torch FSDP1's warning, both ways."""
+    from fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy, StateDictType
+    from fsdp.wrap import ModuleWrapPolicy
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+    from torch.distributed.fsdp import ShardingStrategy as TorchStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchPolicy
+
+    ours = FSDP(make_toy(seed=1), auto_wrap_policy=ModuleWrapPolicy({Block}), sharding_strategy=ShardingStrategy.NO_SHARD)
+    theirs = TorchFSDP(
+        make_toy(seed=1),
+        auto_wrap_policy=TorchPolicy({Block}),
+        sharding_strategy=TorchStrategy.NO_SHARD,
+        device_id=torch.device("cpu"),
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with FSDP.state_dict_type(ours, StateDictType.LOCAL_STATE_DICT):
+            mine = ours.state_dict()
+    assert any("full_state_dict will be returned" in str(w.message) for w in caught)
+    torchs = _sd(theirs, "torch", "LOCAL_STATE_DICT")
+    _assert_same_values(mine, torchs, "LOCAL_STATE_DICT")
+    target = FSDP(make_toy(seed=2), auto_wrap_policy=ModuleWrapPolicy({Block}), sharding_strategy=ShardingStrategy.NO_SHARD)
+    _load(target, "ours", "LOCAL_STATE_DICT", torchs)
+    loaded = _sd(target, "ours", "FULL_STATE_DICT")
+    assert all(torch.equal(loaded[k], torchs[k]) for k in torchs)
+
+
+def test_no_shard_local(pool2: RankPool) -> None:
+    pool2.run(no_shard_local, _timeout=120)

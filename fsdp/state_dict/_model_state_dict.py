@@ -52,7 +52,8 @@ from fsdp._common import FLAT_PARAM, FSDP_PREFIX, clean_fqn
 from fsdp.api import FullStateDictConfig, ShardingStrategy, StateDictType
 from fsdp.flat_param._sharding import param_slices_in_shard
 from fsdp.flat_param.flat_param import FlatParamHandle, HandleState
-from fsdp.runtime._lazy_init import check_idle, is_fsdp, lazy_init, named_fsdp_states, unit_state
+from fsdp.runtime._lazy_init import check_idle, lazy_init, named_fsdp_states, unit_state
+from fsdp.runtime._mixed_precision import refresh_cast_buffers
 from fsdp.runtime._state import TrainingState, UnitState, transition
 from fsdp.runtime._summon import _summon_unit, deregister_params, register_params
 from fsdp.state_dict._gather import gather
@@ -456,10 +457,14 @@ class _PendingLoad:
         own_keys: Clean keys nn.Module may report missing for tensors this unit manages (the
             FlatParameter's, the original parameters').
         absent_keys: Keys of this unit's managed entries the state dict lacks.
+        cast_buffer_values: The entries under the unit (keys relative to it) when it has
+            mixed-precision buffers, whose kept full-precision values the post-hook refreshes
+            from them ([Note: Full-precision buffers in state dicts]).
     """
 
     own_keys: set[str] = field(default_factory=set)
     absent_keys: list[str] = field(default_factory=list)
+    cast_buffer_values: dict[str, Any] = field(default_factory=dict)
 
 
 _PENDING: dict[int, _PendingLoad] = {}
@@ -486,6 +491,8 @@ def load_pre_hook(
     inner = prefix + FSDP_PREFIX
     pending = _PendingLoad()
     _PENDING[id(module)] = pending
+    if state.cast_buffers:
+        pending.cast_buffer_values = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
     with torch.no_grad():
         if _effective_kind(module, state, warn=True) is StateDictType.LOCAL_STATE_DICT:
             _load_local_entries(state, state_dict, prefix, inner, pending)
@@ -546,6 +553,8 @@ def load_post_hook(module: nn.Module, incompatible_keys: Any) -> None:
     pending = _PENDING.pop(id(module), None)
     missing, unexpected = incompatible_keys.missing_keys, incompatible_keys.unexpected_keys
     if pending is not None:
+        if pending.cast_buffer_values:  # loaded: those values are the new full-precision ones
+            refresh_cast_buffers(module, [unit_state(module)], pending.cast_buffer_values)
         position = None
         for i in reversed(range(len(missing))):
             if clean_fqn(missing[i]) in pending.own_keys:
