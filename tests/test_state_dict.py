@@ -219,6 +219,14 @@ def hybrid_full_state_dict(rank0_only: bool) -> None:
     assert list(mine) == list(torchs)
     assert all(torch.equal(mine[k], torchs[k]) for k in mine)
     assert (mine != {}) == (not rank0_only or dist.get_rank() == 0 or dist.get_rank(ours._fsdp_state.process_group) == 0)
+    # SHARDED round trip: DTensors over each replica's shard group load back (layout check).
+    with FSDP.state_dict_type(ours, StateDictType.SHARDED_STATE_DICT):
+        sharded = ours.state_dict()
+    fresh = FSDP(make_toy(seed=4), auto_wrap_policy=ModuleWrapPolicy({Block}), sharding_strategy=ShardingStrategy.HYBRID_SHARD, **mesh)
+    with FSDP.state_dict_type(fresh, StateDictType.SHARDED_STATE_DICT):
+        fresh.load_state_dict(sharded)
+    a, b = ours.state_dict(), fresh.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.mark.parametrize("rank0_only", [False, True])
