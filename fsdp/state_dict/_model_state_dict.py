@@ -91,7 +91,7 @@ def _flat_key(index: int) -> str:
 
 def _move_prefix(state_dict: dict[str, Any], old: str, new: str) -> None:
     """Renames every key starting with ``old`` to start with ``new`` instead, keeping their order."""
-    for key in [k for k in state_dict if k.startswith(old) and not k.startswith(new if len(new) > len(old) else "\0")]:
+    for key in [k for k in state_dict if k.startswith(old)]:
         state_dict[new + key[len(old):]] = state_dict.pop(key)
 
 
