@@ -253,6 +253,7 @@ class FullyShardedDataParallel(nn.Module):
                 unit_state(sub).has_fsdp_parent = True
         register_flat_param_hooks(self._fsdp_state)
         self._state_dict_settings = _settings.default_settings()
+        _model_state_dict.register_state_dict_hooks(self)  # [Note: State dict hooks]
 
     # ------------------------------------------------------------------ module plumbing
     @property
@@ -621,11 +622,14 @@ class FullyShardedDataParallel(nn.Module):
     ) -> Any:
         """Loads a state dict of the kind set by ``state_dict_type`` (FULL by default).
 
-        Keys and shapes are checked first (``strict`` as in ``nn.Module``); on error nothing is
-        changed. FULL loads need no communication; SHARDED values may be DTensors of any
-        layout (e.g. from torch.distributed.checkpoint at another world size).
+        Keys, shapes and layouts of the whole tree are checked first (``strict`` as in
+        ``nn.Module``); on error nothing is changed. Then ``nn.Module.load_state_dict`` runs with
+        the units' hooks, which translate keys (so a plain module holding FSDP children loads
+        too, see [Note: State dict hooks]). FULL loads need no communication; SHARDED values
+        are DTensors (ours, or from torch.distributed.checkpoint into this model's template) or
+        torch FSDP1's ShardedTensors; LOCAL values are torch FSDP1's ShardedTensors.
         """
-        result = _model_state_dict.load_state_dict(self, dict(state_dict), strict, assign)
+        result = _model_state_dict.load_state_dict(self, super().load_state_dict, dict(state_dict), strict, assign)
         refresh_cast_buffers(self, [unit_state(m) for m in self.fsdp_modules(self)], state_dict)
         return result
 

@@ -6,55 +6,75 @@
   ``state_dict``), so the key order is the unwrapped model's. A sharded unit is gathered
   straight into the tensor whose views are returned ([Note: Full state dict of a sharded
   unit]). ``rank0_only``: the other ranks send their shards to rank 0 (and never hold an
-  unsharded unit) and return ``{}``. ``offload_to_cpu``: values on CPU (works on CPU too).
-  Loading needs no communication: every rank copies its own slice of each full value into its
-  shard.
-- SHARDED_STATE_DICT: the same keys; each managed parameter is a DTensor over a 1-D mesh of the
-  shard group, ``Shard(0)`` of the original shape (chunked like ``torch.chunk``), which is what
-  torch FSDP1 produces, so ``torch.distributed.checkpoint`` moves checkpoints between world
-  sizes and between torch FSDP1 and fsdp. Buffers and ignored parameters are plain tensors.
-- LOCAL_STATE_DICT: each handle's local flat shard under the wrapper's own key
-  (``..._fsdp_wrapped_module._flat_param``) plus a small layout tensor; loading checks the
-  layout and points to SHARDED_STATE_DICT for another world size or wrapping.
+  unsharded unit) and return no entry of an FSDP unit. ``offload_to_cpu``: values on CPU
+  (works on CPU too). Loading needs no communication: every rank copies its own slice of each
+  full value into its shard.
+- SHARDED_STATE_DICT: the same keys; each managed parameter is a DTensor ``Shard(0)`` over a
+  1-D mesh of the shard group (see [Note: Sharded state dict values] in docs/design.md: we give
+  DTensors, we also take torch FSDP1's ShardedTensors). Buffers and ignored parameters are
+  plain tensors.
+- LOCAL_STATE_DICT: torch FSDP1's format exactly ([Note: Local state dict format]): one
+  ``<unit>._flat_param`` ShardedTensor per unit, plus what ``nn.Module`` saves besides.
+  A NO_SHARD unit gives (and takes) FULL entries instead, with torch's warning.
 
-Every load validates keys and shapes first and changes nothing on error.
+[Note: State dict hooks]
+Key translation lives in hooks on every FSDP instance, as in torch FSDP1, so that any root
+works: an FSDP root, a plain module holding FSDP children, activation-checkpoint wrappers
+around or inside units. Saving: ``nn.Module.state_dict`` calls each child's ``state_dict``, so
+our override gathers the unit around the walk; the unit's state-dict post-hook removes the
+``_fsdp_wrapped_module.`` segment from its subtree's keys (and puts LOCAL values in place).
+Loading: ``nn.Module.load_state_dict`` runs each module's load pre-hook before its
+``_load_from_state_dict``; the unit's pre-hook adds the segment back to its subtree's keys,
+checks its managed entries (shapes, sharded layouts) and, if they are all good, copies them
+into the shards and removes them, leaving buffers and ignored parameters to ``nn.Module``. Its
+post-hook reports missing managed keys under their clean names (not the FlatParameter's) and
+cleans every reported key, as torch does.
+
+Every load validates keys and shapes first and changes nothing on error: an FSDP root checks
+the whole tree before ``nn.Module`` copies anything; through a plain root each unit checks its
+own entries before changing them (the plain module's own entries load as ``nn.Module`` loads
+them).
 """
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.modules.module import _IncompatibleKeys
 
-from fsdp._common import FLAT_PARAM, FSDP_WRAPPED_MODULE, clean_fqn
-from fsdp.api import FullStateDictConfig, StateDictType
+from fsdp._common import FLAT_PARAM, FSDP_PREFIX, clean_fqn
+from fsdp.api import FullStateDictConfig, ShardingStrategy, StateDictType
 from fsdp.flat_param._sharding import param_slices_in_shard
 from fsdp.flat_param.flat_param import FlatParamHandle, HandleState
-from fsdp.runtime._lazy_init import check_idle, is_fsdp, lazy_init, named_fsdp_states, unit_state
+from fsdp.runtime._lazy_init import check_idle, lazy_init, named_fsdp_states, unit_state
+from fsdp.runtime._mixed_precision import refresh_cast_buffers
 from fsdp.runtime._state import TrainingState, UnitState, transition
 from fsdp.runtime._summon import _summon_unit, deregister_params, register_params
 from fsdp.state_dict._gather import gather
+from fsdp.state_dict._local_values import check_local_value, load_local_value, local_value
+from fsdp.state_dict._sharded_values import check_sharded_value, full_value, is_dtensor, is_sharded_tensor, to_dtensor
 
-_MESHES: dict[tuple[int, str], Any] = {}
-LAYOUT_SUFFIX = "._fsdp_local_layout"
-
-
-def _mesh_for(group: dist.ProcessGroup, device: torch.device) -> Any:
-    from torch.distributed.device_mesh import DeviceMesh
-
-    key = (id(group), device.type)
-    if key not in _MESHES:
-        _MESHES[key] = DeviceMesh.from_group(group, device.type)
-    return _MESHES[key]
+_NO_SHARD_WARNING = "When using ``NO_SHARD`` for ``ShardingStrategy``, full_state_dict will be returned."
 
 
 def _settings(module: nn.Module) -> Any:
     return module._state_dict_settings  # type: ignore[attr-defined]
+
+
+def _effective_kind(module: nn.Module, state: UnitState, warn: bool) -> StateDictType:
+    """The unit's state-dict type; a NO_SHARD unit gives FULL instead of LOCAL (torch warns too)."""
+    kind = _settings(module).state_dict_type
+    if kind is StateDictType.LOCAL_STATE_DICT and state.sharding_strategy is ShardingStrategy.NO_SHARD:
+        if warn:
+            warnings.warn(_NO_SHARD_WARNING, stacklevel=3)
+        return StateDictType.FULL_STATE_DICT
+    return kind
 
 
 def _handle_storages(state: UnitState) -> set[int]:
@@ -62,6 +82,17 @@ def _handle_storages(state: UnitState) -> set[int]:
     for handle in state.handles:
         ptrs.add(handle.flat_param.untyped_storage().data_ptr())
     return ptrs
+
+
+def _flat_key(index: int) -> str:
+    """A handle's LOCAL key inside its unit: ``_flat_param`` (``_flat_param_1``, ... for more handles)."""
+    return FLAT_PARAM + (f"_{index}" if index else "")
+
+
+def _move_prefix(state_dict: dict[str, Any], old: str, new: str) -> None:
+    """Renames every key starting with ``old`` to start with ``new`` instead, keeping their order."""
+    for key in [k for k in state_dict if k.startswith(old)]:
+        state_dict[new + key[len(old):]] = state_dict.pop(key)
 
 
 # ----------------------------------------------------------------------------- saving
@@ -87,34 +118,44 @@ def _top_level(module: nn.Module) -> Iterator[bool]:
 def save_state_dict(
     module: nn.Module, super_state_dict: Any, destination: Any, prefix: str, keep_vars: bool
 ) -> dict[str, Any]:
-    """The state_dict of one FSDP unit's subtree (called recursively by nn.Module)."""
-    settings = _settings(module)
-    kind = settings.state_dict_type
-    with _top_level(module) as outermost:
+    """The state_dict of one FSDP unit's subtree (called recursively by nn.Module).
+
+    Gathers the unit around ``nn.Module``'s walk; the keys are translated by the unit's post-hook
+    ([Note: State dict hooks]).
+    """
+    with _top_level(module):
         if destination is None:
             destination = OrderedDict()
         state: UnitState = unit_state(module)
+        start = len(destination)
+        kind = _effective_kind(module, state, warn=True)
         if kind is StateDictType.LOCAL_STATE_DICT:
-            _save_local(module, state, super_state_dict, destination, prefix, keep_vars)
+            super_state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+            return destination
+        cfg = _settings(module).state_dict_config
+        full = kind is StateDictType.FULL_STATE_DICT
+        rank0_only = full and isinstance(cfg, FullStateDictConfig) and cfg.rank0_only
+        offload = bool(cfg.offload_to_cpu)
+        if full and _gathers_directly(state):
+            _save_full_gathered(module, state, super_state_dict, destination, prefix, keep_vars, rank0_only, offload)
         else:
-            cfg = settings.state_dict_config
-            full = kind is StateDictType.FULL_STATE_DICT
-            rank0_only = full and isinstance(cfg, FullStateDictConfig) and cfg.rank0_only
-            offload = bool(cfg.offload_to_cpu)
-            if full and _gathers_directly(state):
-                _save_full_gathered(module, state, super_state_dict, destination, prefix, keep_vars, rank0_only, offload)
-            else:
-                _save_summoned(module, state, super_state_dict, destination, prefix, keep_vars, rank0_only, full, offload)
-        if outermost:
-            if kind is not StateDictType.LOCAL_STATE_DICT:
-                cfg = settings.state_dict_config
-                if isinstance(cfg, FullStateDictConfig) and cfg.rank0_only and state.rank != 0:
-                    destination.clear()
-                    return destination
-                cleaned = OrderedDict((clean_fqn(k), v) for k, v in destination.items())
-                destination.clear()
-                destination.update(cleaned)
+            _save_summoned(module, state, super_state_dict, destination, prefix, keep_vars, rank0_only, full, offload)
+        if rank0_only and state.rank != 0:  # this unit's subtree returns nothing here
+            for key in list(destination.keys())[start:]:
+                del destination[key]
         return destination
+
+
+def save_post_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    """State-dict post-hook of every unit: clean keys, LOCAL values (see [Note: State dict hooks])."""
+    _move_prefix(state_dict, prefix + FSDP_PREFIX, prefix)
+    state = unit_state(module)
+    if _effective_kind(module, state, warn=False) is not StateDictType.LOCAL_STATE_DICT:
+        return
+    offload = bool(_settings(module).state_dict_config.offload_to_cpu)
+    for index, handle in enumerate(state.handles):
+        # In place of the FlatParameter's own entry (use_orig_params registers none: appended).
+        state_dict[prefix + _flat_key(index)] = local_value(handle, offload)
 
 
 def _save_summoned(
@@ -252,68 +293,14 @@ def _materialize_entries(
             continue
         aliases = value.numel() == 0 or storage_ptr in ptrs
         if full:
-            if aliases or offload:
+            if aliases:
                 value = value.detach().to("cpu" if offload else value.device, copy=True)
+            elif offload and value.device.type != "cpu":  # as torch: moved, never copied on CPU
+                value = value.detach().to("cpu")
         elif aliases:
-            value = _to_dtensor(value.detach(), state, offload)
+            value = to_dtensor(value.detach(), state, offload)
         destination[key] = value
         done.add(id(value))
-
-
-def _to_dtensor(full_value: torch.Tensor, state: UnitState, offload: bool) -> Any:
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
-    mesh = _mesh_for(state.process_group, state.compute_device)
-    if full_value.dim() == 0:
-        return DTensor.from_local(full_value.clone(), mesh, [Replicate()], run_check=False)
-    chunks = torch.chunk(full_value, state.world_size, dim=0)
-    if state.rank < len(chunks):
-        local = chunks[state.rank].clone()
-    else:
-        local = full_value.new_empty((0, *full_value.shape[1:]))
-    if offload:
-        local = local.cpu()
-    return DTensor.from_local(
-        local, mesh, [Shard(0)], run_check=False, shape=full_value.shape, stride=full_value.stride()
-    )
-
-
-def _local_key(wrapped_prefix: str, index: int) -> str:
-    return f"{wrapped_prefix}{FSDP_WRAPPED_MODULE}.{FLAT_PARAM}" + (f"_{index}" if index else "")
-
-
-def _save_local(
-    module: nn.Module,
-    state: UnitState,
-    super_state_dict: Any,
-    destination: "OrderedDict[str, Any]",
-    prefix: str,
-    keep_vars: bool,
-) -> None:
-    start = len(destination)
-    super_state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
-    offload = bool(_settings(module).state_dict_config.offload_to_cpu)
-    own = {id(p) for h in state.handles for p in [h.flat_param] + h.managed_orig_params()}
-    own_ptrs = _handle_storages(state)
-    for key in list(destination.keys())[start:]:
-        value = destination[key]
-        # Original parameters (use_orig_params) are stored through their flat shard instead.
-        if isinstance(value, torch.Tensor) and key.startswith(prefix + FSDP_WRAPPED_MODULE) and (
-            id(value) in own or (value.numel() and value.untyped_storage().data_ptr() in own_ptrs)
-        ):
-            del destination[key]
-    for index, handle in enumerate(state.handles):
-        key = _local_key(prefix, index)
-        shard = handle._local_shard.detach().clone()
-        destination[key] = shard.cpu() if offload else shard
-        destination[key + LAYOUT_SUFFIX] = _layout(handle)
-
-
-def _layout(handle: FlatParamHandle) -> torch.Tensor:
-    return torch.tensor(
-        [handle.world_size, handle.rank, handle.unpadded_unsharded_numel, handle.sharded_numel],
-        dtype=torch.long,
-    )
 
 
 # ----------------------------------------------------------------------------- metadata
@@ -334,18 +321,26 @@ class _ManagedParam:
         self.shape = shape
 
 
-def _managed_params(root: nn.Module) -> "OrderedDict[str, _ManagedParam]":
-    prefixes = _module_prefixes(root)
+def _unit_managed(state: UnitState) -> "OrderedDict[str, _ManagedParam]":
+    """The unit's managed parameters keyed by their clean names inside its wrapped module."""
     result: OrderedDict[str, _ManagedParam] = OrderedDict()
-    for _, _, state in named_fsdp_states(root):
-        for handle in state.handles:
-            for index, info in enumerate(handle.param_infos):
-                key = clean_fqn(prefixes[id(info.module)] + info.param_name)
-                result[key] = _ManagedParam(key, handle, index, info.shape)
-            for shared in handle.shared_param_infos:
-                key = clean_fqn(prefixes[id(shared.module)] + shared.param_name)
-                prim = handle.param_infos[shared.prim_index]
-                result[key] = _ManagedParam(key, handle, shared.prim_index, prim.shape)
+    for handle in state.handles:
+        for index, info in enumerate(handle.param_infos):
+            key = clean_fqn(info.fqn)
+            result[key] = _ManagedParam(key, handle, index, info.shape)
+        for shared in handle.shared_param_infos:
+            key = clean_fqn(shared.fqn)
+            result[key] = _ManagedParam(key, handle, shared.prim_index, handle.param_infos[shared.prim_index].shape)
+    return result
+
+
+def _managed_params(root: nn.Module) -> "OrderedDict[str, _ManagedParam]":
+    """Every managed parameter of ``root``'s tree keyed by its clean name from ``root``."""
+    result: OrderedDict[str, _ManagedParam] = OrderedDict()
+    for name, _, state in named_fsdp_states(root):
+        unit_prefix = name + "." if name else ""
+        for key, param in _unit_managed(state).items():
+            result[unit_prefix + key] = _ManagedParam(unit_prefix + key, param.handle, param.index, param.shape)
     return result
 
 
@@ -368,6 +363,8 @@ def _other_entries(root: nn.Module) -> "OrderedDict[str, torch.Tensor]":
     return entries
 
 
+
+
 # ----------------------------------------------------------------------------- loading
 def _format_incompatible(module: nn.Module, missing: list[str], unexpected: list[str]) -> str:
     parts = []
@@ -378,64 +375,68 @@ def _format_incompatible(module: nn.Module, missing: list[str], unexpected: list
     return f"Error(s) in loading state_dict for {type(module).__name__}:\n\t" + "\n\t".join(parts)
 
 
-def _shape_of(value: Any) -> torch.Size:
-    return value.shape
+def _size_mismatch(key: str, value: torch.Tensor, shape: torch.Size) -> Optional[str]:
+    if tuple(value.shape) == tuple(shape):
+        return None
+    return (
+        f"size mismatch for {key}: copying a param with shape {tuple(value.shape)} from "
+        f"checkpoint, the shape in current model is {tuple(shape)}."
+    )
 
 
-def load_state_dict(module: nn.Module, state_dict: dict[str, Any], strict: bool, assign: bool) -> Any:
-    """Loads a FULL, SHARDED or LOCAL state dict into ``module`` (the root)."""
-    if unit_state(module).has_fsdp_parent:
+class _LoadError(Exception):
+    """A layout error of one entry: raised as ``error_type(message)`` before anything changes."""
+
+    def __init__(self, error_type: type, message: str) -> None:
+        super().__init__(message)
+        self.error_type = error_type
+
+
+def _check_managed(key: str, param: _ManagedParam, value: Any, state: UnitState) -> Optional[str]:
+    """FULL/SHARDED: a size-mismatch message for ``value`` (None if fine); raises on bad layouts."""
+    if not isinstance(value, torch.Tensor):
+        return None  # nn.Module ignores non-tensors too
+    mismatch = _size_mismatch(key, value, param.shape)
+    if mismatch is not None:
+        return mismatch
+    layout_error = check_sharded_value(key, value, param.shape, state)
+    if layout_error is not None:
+        raise _LoadError(RuntimeError, layout_error)
+    return None
+
+
+def _check_local(key: str, index: int, value: Any, state: UnitState) -> None:
+    error = check_local_value(key, state.unit_name, value, state.handles[index])
+    if error is not None:
+        raise _LoadError(ValueError, error)
+
+
+def _needs_collectives(values: list[Any]) -> bool:
+    return any(is_dtensor(v) or is_sharded_tensor(v) for v in values)
+
+
+def _agree(ok: bool, group: dist.ProcessGroup, device: torch.device) -> bool:
+    """Whether every rank of ``group`` is ok (one tiny all-reduce), so that no rank enters a
+    gather its peers left by raising."""
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
+
+
+def _raise_unless_agreed(error: Optional[_LoadError], state: UnitState, what: str) -> None:
+    if not _agree(error is None, state.process_group, state.compute_device):
+        if error is not None:
+            raise error.error_type(str(error))
         raise RuntimeError(
-            "fsdp: load_state_dict() must be called on the root FSDP instance (the outermost "
-            "FullyShardedDataParallel), not on a nested unit."
+            f"fsdp: load_state_dict() failed on another rank while checking {what}; nothing was "
+            f"loaded here. See that rank's error."
         )
-    lazy_init(module)
-    check_idle(module, "load_state_dict()")
-    kind = _settings(module).state_dict_type
-    if kind is StateDictType.LOCAL_STATE_DICT:
-        return _load_local(module, state_dict, strict)
-    managed = _managed_params(module)
-    others = _other_entries(module)
-    expected = list(managed) + [k for k in others if k not in managed]
-    missing = [k for k in expected if k not in state_dict]
-    unexpected = [k for k in state_dict if k not in managed and k not in others]
-    if strict and (missing or unexpected):
-        raise RuntimeError(_format_incompatible(module, missing, unexpected))
-    errors = []
-    for key, value in state_dict.items():
-        target = managed[key].shape if key in managed else (others[key].shape if key in others else None)
-        if target is not None and isinstance(value, torch.Tensor) and _shape_of(value) != target:
-            errors.append(
-                f"size mismatch for {key}: copying a param with shape {tuple(_shape_of(value))} from "
-                f"checkpoint, the shape in current model is {tuple(target)}."
-            )
-    if errors:
-        raise RuntimeError(
-            f"Error(s) in loading state_dict for {type(module).__name__}:\n\t" + "\n\t".join(errors)
-        )
-    with torch.no_grad():
-        for key in [k for k in managed if k in state_dict]:  # same order on every rank
-            _load_managed(managed[key], state_dict[key])
-        for key, target_tensor in others.items():
-            if key in state_dict and key not in managed:
-                value = state_dict[key]
-                value = value.full_tensor() if _is_dtensor(value) else value
-                target_tensor.copy_(value)
-    return _IncompatibleKeys(missing, unexpected)
 
 
-def _is_dtensor(value: Any) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(value, DTensor)
-
-
-def _load_managed(param: _ManagedParam, value: Any) -> None:
-    """Copies this rank's part of a full (or DTensor) value into the handle's local shard."""
+def _load_managed(param: _ManagedParam, full: torch.Tensor) -> None:
+    """Copies this rank's part of a full value into the handle's local shard."""
     handle = param.handle
-    if _is_dtensor(value):
-        value = value.full_tensor()
-    flat_value = value.detach().reshape(-1).to(handle._local_shard.device, handle._local_shard.dtype)
+    flat_value = full.detach().reshape(-1).to(handle._local_shard.device, handle._local_shard.dtype)
     numels = [info.numel for info in handle.param_infos]
     if not handle.uses_sharding:
         offset = sum(numels[: param.index])
@@ -448,54 +449,203 @@ def _load_managed(param: _ManagedParam, value: Any) -> None:
             )
 
 
-def _load_local(module: nn.Module, state_dict: dict[str, Any], strict: bool) -> Any:
-    handles: OrderedDict[str, FlatParamHandle] = OrderedDict()
-    for mod_name, sub in module.named_modules():
-        if is_fsdp(sub):
-            prefix = mod_name + "." if mod_name else ""
-            for index, handle in enumerate(unit_state(sub).handles):
-                handles[_local_key(prefix, index)] = handle
-    others: OrderedDict[str, torch.Tensor] = OrderedDict()
-    managed_ids = {id(h.flat_param) for h in handles.values()}
-    managed_ids.update(id(p) for h in handles.values() for p in h.managed_orig_params())
-    for mod_name, mod in module.named_modules():
-        prefix = mod_name + "." if mod_name else ""
-        for name, param in mod._parameters.items():
-            if param is not None and id(param) not in managed_ids:
-                others[prefix + name] = param
-        for name, buf in mod._buffers.items():
-            if buf is not None and name not in mod._non_persistent_buffers_set:
-                others[prefix + name] = buf
-    expected = list(handles) + [k + LAYOUT_SUFFIX for k in handles] + list(others)
+@dataclass
+class _PendingLoad:
+    """What a unit's load pre-hook leaves for its post-hook (the missing keys to report).
+
+    Attributes:
+        own_keys: Clean keys nn.Module may report missing for tensors this unit manages (the
+            FlatParameter's, the original parameters').
+        absent_keys: Keys of this unit's managed entries the state dict lacks.
+        cast_buffer_values: The entries under the unit (keys relative to it) when it has
+            mixed-precision buffers, whose kept full-precision values the post-hook refreshes
+            from them ([Note: Full-precision buffers in state dicts]).
+    """
+
+    own_keys: set[str] = field(default_factory=set)
+    absent_keys: list[str] = field(default_factory=list)
+    cast_buffer_values: dict[str, Any] = field(default_factory=dict)
+
+
+_PENDING: dict[int, _PendingLoad] = {}
+#: Set while an FSDP root's load_state_dict has checked the whole tree (hooks need not agree again).
+_ROOT_CHECKED: list[bool] = [False]
+
+
+def load_pre_hook(
+    module: nn.Module,
+    state_dict: dict[str, Any],
+    prefix: str,
+    local_metadata: Any,
+    strict: bool,
+    missing_keys: list[str],
+    unexpected_keys: list[str],
+    error_msgs: list[str],
+) -> None:
+    """Load pre-hook of every unit (see [Note: State dict hooks])."""
+    state = unit_state(module)
+    if not state.has_fsdp_parent:
+        lazy_init(module)
+        check_idle(module, "load_state_dict()")
+    _move_prefix(state_dict, prefix, prefix + FSDP_PREFIX)
+    inner = prefix + FSDP_PREFIX
+    pending = _PendingLoad()
+    _PENDING[id(module)] = pending
+    if state.cast_buffers:
+        pending.cast_buffer_values = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
+    with torch.no_grad():
+        if _effective_kind(module, state, warn=True) is StateDictType.LOCAL_STATE_DICT:
+            _load_local_entries(state, state_dict, prefix, inner, pending)
+        else:
+            _load_full_or_sharded_entries(state, state_dict, prefix, inner, pending, error_msgs)
+
+
+def _load_full_or_sharded_entries(
+    state: UnitState,
+    state_dict: dict[str, Any],
+    prefix: str,
+    inner: str,
+    pending: _PendingLoad,
+    error_msgs: list[str],
+) -> None:
+    managed = _unit_managed(state)
+    pending.own_keys = {clean_fqn(prefix + key) for key in managed}
+    pending.own_keys.update(clean_fqn(prefix + _flat_key(i)) for i in range(len(state.handles)))
+    present = [(inner + key, param) for key, param in managed.items() if inner + key in state_dict]
+    pending.absent_keys = [clean_fqn(prefix + key) for key, param in managed.items() if inner + key not in state_dict]
+    values = [state_dict.pop(key) for key, _ in present]
+    mismatches: list[str] = []
+    error: Optional[_LoadError] = None
+    try:
+        for (key, param), value in zip(present, values):
+            mismatch = _check_managed(clean_fqn(key), param, value, state)
+            if mismatch is not None:
+                mismatches.append(mismatch)
+    except _LoadError as exc:
+        error = exc
+    if _needs_collectives(values) and not _ROOT_CHECKED[0]:
+        _raise_unless_agreed(error, state, f"unit '{state.unit_name}'")
+    if error is not None:
+        raise error.error_type(str(error))
+    if mismatches:  # nn.Module raises them at the end; this unit stays as it was
+        error_msgs.extend(mismatches)
+        return
+    for (_, param), value in zip(present, values):
+        if isinstance(value, torch.Tensor):
+            _load_managed(param, full_value(value, param.shape, state))
+
+
+def _load_local_entries(
+    state: UnitState, state_dict: dict[str, Any], prefix: str, inner: str, pending: _PendingLoad
+) -> None:
+    keys = [inner + _flat_key(i) for i in range(len(state.handles))]
+    pending.own_keys = {clean_fqn(prefix + _flat_key(i)) for i in range(len(state.handles))}
+    pending.absent_keys = [clean_fqn(prefix + _flat_key(i)) for i, key in enumerate(keys) if key not in state_dict]
+    present = [(index, key) for index, key in enumerate(keys) if key in state_dict]
+    for index, key in present:
+        _check_local(clean_fqn(key), index, state_dict[key], state)
+    for index, key in present:
+        load_local_value(state.handles[index], state_dict.pop(key))
+
+
+def load_post_hook(module: nn.Module, incompatible_keys: Any) -> None:
+    """Load post-hook of every unit: the missing keys under the names the state dict uses."""
+    pending = _PENDING.pop(id(module), None)
+    missing, unexpected = incompatible_keys.missing_keys, incompatible_keys.unexpected_keys
+    if pending is not None:
+        if pending.cast_buffer_values:  # loaded: those values are the new full-precision ones
+            refresh_cast_buffers(module, [unit_state(module)], pending.cast_buffer_values)
+        position = None
+        for i in reversed(range(len(missing))):
+            if clean_fqn(missing[i]) in pending.own_keys:
+                del missing[i]
+                position = i
+        insert_at = len(missing) if position is None else position
+        missing[insert_at:insert_at] = pending.absent_keys
+    missing[:] = [clean_fqn(k) for k in missing]
+    unexpected[:] = [clean_fqn(k) for k in unexpected]
+
+
+def register_state_dict_hooks(module: nn.Module) -> None:
+    """Registers the save post-hook and the load pre/post-hooks on an FSDP instance."""
+    module._register_state_dict_hook(save_post_hook)
+    module._register_load_state_dict_pre_hook(load_pre_hook, with_module=True)
+    module.register_load_state_dict_post_hook(load_post_hook)
+
+
+def _check_tree(module: nn.Module, state_dict: dict[str, Any], strict: bool) -> None:
+    """Checks every key, shape and layout of a load into an FSDP root, before anything changes.
+
+    Raises:
+        RuntimeError: Missing or unexpected keys (``strict``), size mismatches, SHARDED values
+            of another layout (the same messages nn.Module and the hooks give).
+        ValueError: LOCAL values of another layout.
+    """
+    kinds = {id(state): _effective_kind(sub, state, warn=False) for _, sub, state in named_fsdp_states(module)}
+    managed: "OrderedDict[str, tuple[_ManagedParam, UnitState]]" = OrderedDict()
+    local: "OrderedDict[str, tuple[int, UnitState]]" = OrderedDict()
+    orig_views: "OrderedDict[str, torch.Tensor]" = OrderedDict()
+    for name, _, state in named_fsdp_states(module):
+        unit_prefix = name + "." if name else ""
+        if kinds[id(state)] is StateDictType.LOCAL_STATE_DICT:
+            for index, handle in enumerate(state.handles):
+                local[unit_prefix + _flat_key(index)] = (index, state)
+                # use_orig_params: nn.Module also saves (and loads) the sharded views.
+                for info in handle.param_infos if handle.use_orig_params else []:
+                    orig_views[unit_prefix + clean_fqn(info.fqn)] = getattr(info.module, info.param_name)
+                for shared in handle.shared_param_infos if handle.use_orig_params else []:
+                    orig_views[unit_prefix + clean_fqn(shared.fqn)] = getattr(shared.module, shared.param_name)
+        else:
+            for key, param in _unit_managed(state).items():
+                managed[unit_prefix + key] = (param, state)
+    others = _other_entries(module)
+    others.update(orig_views)
+    expected = list(managed) + list(local) + [k for k in others if k not in managed]
     missing = [k for k in expected if k not in state_dict]
-    unexpected = [k for k in state_dict if k not in expected]
+    unexpected = [k for k in state_dict if k not in managed and k not in local and k not in others]
     if strict and (missing or unexpected):
         raise RuntimeError(_format_incompatible(module, missing, unexpected))
-    for key, handle in handles.items():
-        layout = state_dict.get(key + LAYOUT_SUFFIX)
-        if layout is None and key not in state_dict:
-            continue
-        mine = _layout(handle)
-        if layout is None or not torch.equal(layout.to(torch.long).cpu(), mine):
-            saved = "unknown" if layout is None else f"world size {int(layout[0])}, {int(layout[2])} elements"
-            raise ValueError(
-                f"fsdp: the LOCAL_STATE_DICT entry '{key}' was saved with a different layout "
-                f"({saved}) than this model's ({handle.world_size} ranks, "
-                f"{handle.unpadded_unsharded_numel} elements): a local state dict only loads at "
-                f"the same world size and wrapping. Use StateDictType.SHARDED_STATE_DICT to "
-                f"change world size or wrapping."
-            )
-        if tuple(state_dict[key].shape) != tuple(handle._local_shard.shape):
-            raise ValueError(
-                f"fsdp: size mismatch for {key}: the checkpoint holds a local shard of shape "
-                f"{tuple(state_dict[key].shape)}, this rank's shard has shape "
-                f"{tuple(handle._local_shard.shape)}. Use SHARDED_STATE_DICT to change layouts."
-            )
-    with torch.no_grad():
-        for key, handle in handles.items():
-            if key in state_dict:
-                handle._local_shard.copy_(state_dict[key])
-        for key, target in others.items():
-            if key in state_dict:
-                target.copy_(state_dict[key])
-    return _IncompatibleKeys(missing, unexpected)
+    mismatches: list[str] = []
+    error: Optional[_LoadError] = None
+    try:
+        for key, value in state_dict.items():
+            if key in managed:
+                param, state = managed[key]
+                mismatch = _check_managed(key, param, value, state)
+            elif key in local:
+                _check_local(key, local[key][0], value, local[key][1])
+                mismatch = None
+            elif key in others and isinstance(value, torch.Tensor) and not is_sharded_tensor(value):
+                mismatch = _size_mismatch(key, value, others[key].shape)
+            else:
+                mismatch = None
+            if mismatch is not None:
+                mismatches.append(mismatch)
+    except _LoadError as exc:
+        error = exc
+    if _needs_collectives([state_dict[k] for k in managed if k in state_dict]):
+        _raise_unless_agreed(error, unit_state(module), "the state dict")
+    if error is not None:
+        raise error.error_type(str(error))
+    if mismatches:
+        raise RuntimeError(
+            f"Error(s) in loading state_dict for {type(module).__name__}:\n\t" + "\n\t".join(mismatches)
+        )
+
+
+def load_state_dict(module: nn.Module, super_load_state_dict: Any, state_dict: dict[str, Any], strict: bool, assign: bool) -> Any:
+    """Loads a FULL, SHARDED or LOCAL state dict into an FSDP root: checks, then nn.Module + hooks."""
+    if unit_state(module).has_fsdp_parent:
+        raise RuntimeError(
+            "fsdp: load_state_dict() must be called on the root FSDP instance (the outermost "
+            "FullyShardedDataParallel), not on a nested unit."
+        )
+    lazy_init(module)
+    check_idle(module, "load_state_dict()")
+    _check_tree(module, state_dict, strict)
+    _ROOT_CHECKED[0] = True
+    try:
+        return super_load_state_dict(state_dict, strict=strict, assign=assign)
+    finally:
+        _ROOT_CHECKED[0] = False
+        _PENDING.clear()

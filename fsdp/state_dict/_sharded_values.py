@@ -1,0 +1,165 @@
+"""SHARDED_STATE_DICT values: the DTensors we give, and the DTensors and ShardedTensors we take.
+
+See [Note: Sharded state dict values] in docs/design.md. A managed parameter's value is chunked
+along dim 0 over the unit's shard group like ``torch.chunk`` (rank ``r`` holds rows
+``[r * ceil(d0 / ws), ...)``, possibly none), which is the layout torch FSDP1 uses for both its
+ShardedTensor and its DTensor values. Loading accepts a full tensor, a DTensor over a 1-D mesh of
+exactly this group, or a ShardedTensor with exactly this chunk layout; anything else (typically
+a state dict written with ``torch.save`` at another world size) is refused with the saved and the
+current layout before anything changes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from fsdp.runtime import _collectives as comm
+from fsdp.runtime._state import UnitState
+
+__all__ = ["to_dtensor", "check_sharded_value", "full_value", "is_dtensor", "is_sharded_tensor"]
+
+_MESHES: dict[tuple[int, str], Any] = {}
+
+
+def _mesh_for(group: dist.ProcessGroup, device: torch.device) -> Any:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    key = (id(group), device.type)
+    if key not in _MESHES:
+        _MESHES[key] = DeviceMesh.from_group(group, device.type)
+    return _MESHES[key]
+
+
+def is_dtensor(value: Any) -> bool:
+    """Whether ``value`` is a DTensor."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(value, DTensor)
+
+
+def is_sharded_tensor(value: Any) -> bool:
+    """Whether ``value`` is a (deprecated) ShardedTensor, as torch FSDP1 gives without a mesh."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    return isinstance(value, ShardedTensor)
+
+
+def _group_ranks(group: dist.ProcessGroup) -> list[int]:
+    return list(dist.get_process_group_ranks(group))
+
+
+def _chunk_rows(dim0: int, world_size: int, rank: int) -> tuple[int, int]:
+    """``(first row, number of rows)`` of ``rank``'s ``torch.chunk`` piece of ``dim0`` rows."""
+    rows_per_rank = math.ceil(dim0 / world_size) if dim0 else 0
+    first = min(rank * rows_per_rank, dim0)
+    return first, max(0, min(rows_per_rank, dim0 - first))
+
+
+def to_dtensor(full_value: torch.Tensor, state: UnitState, offload: bool) -> Any:
+    """This rank's ``torch.chunk`` piece of ``full_value`` as a ``Shard(0)`` DTensor (owned)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    mesh = _mesh_for(state.process_group, state.compute_device)
+    if full_value.dim() == 0:
+        return DTensor.from_local(full_value.clone(), mesh, [Replicate()], run_check=False)
+    first, rows = _chunk_rows(full_value.shape[0], state.world_size, state.rank)
+    local = full_value.narrow(0, first, rows).clone()
+    if offload:
+        local = local.cpu()
+    return DTensor.from_local(
+        local, mesh, [Shard(0)], run_check=False, shape=full_value.shape, stride=full_value.stride()
+    )
+
+
+def _expected_local_shape(shape: torch.Size, state: UnitState) -> tuple[int, ...]:
+    if len(shape) == 0:
+        return ()
+    _, rows = _chunk_rows(shape[0], state.world_size, state.rank)
+    return (rows, *shape[1:])
+
+
+def _remedy() -> str:
+    return (
+        "A SHARDED_STATE_DICT written with torch.save loads only at the world size (and wrapping) "
+        "that saved it; save and load it with torch.distributed.checkpoint instead (dcp.save("
+        "model.state_dict(), ...) / dcp.load(template, ...) into this model's own "
+        "SHARDED_STATE_DICT, then load_state_dict(template)), which reshards across world sizes, "
+        "or use a FULL_STATE_DICT."
+    )
+
+
+def check_sharded_value(key: str, value: Any, shape: torch.Size, state: UnitState) -> Optional[str]:
+    """Why ``value`` cannot be loaded as managed parameter ``key`` of ``state``'s unit (None: it can).
+
+    Local check only (no communication); called on every entry before anything changes.
+    """
+    ranks = _group_ranks(state.process_group)
+    current = (
+        f"this model shards it over {state.world_size} rank(s) {ranks}, local shard shape "
+        f"{_expected_local_shape(shape, state)} on group rank {state.rank}"
+    )
+    if is_dtensor(value):
+        from torch.distributed.tensor import Replicate, Shard
+
+        try:
+            mesh_ranks = [int(r) for r in value.device_mesh.mesh.flatten().tolist()]
+            placements = tuple(value.placements)
+            local_shape = tuple(value._local_tensor.shape)
+        except Exception as exc:  # a mesh that does not exist in this job
+            return f"fsdp: cannot load '{key}': its DTensor's mesh is unusable here ({exc}); {current}. {_remedy()}"
+        if mesh_ranks == ranks and value.device_mesh.ndim == 1:
+            if placements == (Replicate(),) and local_shape == tuple(shape):
+                return None
+            if placements == (Shard(0),) and local_shape == _expected_local_shape(shape, state):
+                return None
+        return (
+            f"fsdp: cannot load '{key}' (shape {tuple(shape)}): it was saved as a DTensor over "
+            f"{len(mesh_ranks)} rank(s) {mesh_ranks} with placements {list(placements)} and local "
+            f"shard shape {local_shape} on this rank, but {current}. {_remedy()}"
+        )
+    if is_sharded_tensor(value):
+        saved = sorted(
+            (tuple(m.shard_offsets), tuple(m.shard_sizes)) for m in value.metadata().shards_metadata
+        )
+        expected = []
+        for rank in range(state.world_size):
+            first, rows = _chunk_rows(shape[0], state.world_size, rank) if len(shape) else (0, 0)
+            if rows:
+                expected.append(((first, *[0] * (len(shape) - 1)), (rows, *shape[1:])))
+        if len(shape) and saved == sorted(expected) and len(value.local_shards()) <= 1:
+            return None
+        sizes = [list(s) for _, s in saved]
+        return (
+            f"fsdp: cannot load '{key}' (shape {tuple(shape)}): it was saved as a ShardedTensor of "
+            f"{len(saved)} shard(s) of sizes {sizes}, but {current} (chunks of "
+            f"{[list(s) for _, s in expected]}). {_remedy()}"
+        )
+    return None
+
+
+def full_value(value: Any, shape: torch.Size, state: UnitState) -> torch.Tensor:
+    """The full tensor of a checked value; a collective over the unit's group for sharded ones.
+
+    Every rank of the group must call it for the same entries in the same order.
+    """
+    if is_dtensor(value):
+        return value.full_tensor()
+    if not is_sharded_tensor(value):
+        return value
+    rows_per_rank = math.ceil(shape[0] / state.world_size)
+    row_numel = math.prod(shape[1:])
+    shards = value.local_shards()
+    device = state.compute_device
+    dtype = value.metadata().tensor_properties.dtype
+    padded_local = torch.zeros(rows_per_rank * row_numel, dtype=dtype, device=device)
+    if shards:
+        local = shards[0].tensor.reshape(-1).to(device)
+        padded_local[: local.numel()].copy_(local)
+    everyone = padded_local.new_empty(state.world_size * padded_local.numel())
+    comm.all_gather_flat(everyone, padded_local, state.process_group)
+    return everyone[: math.prod(shape)].view(shape)
+
