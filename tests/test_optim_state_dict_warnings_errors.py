@@ -48,7 +48,8 @@ def _deprecation_warnings() -> int:
     checked = 0
     models = {}
     for lib in ("ours", "torch"):
-        model = _wrap(lib, "FULL_SHARD", False)
+        # use_orig_params: torch's rekey_optim_state_dict fails on FlatParameters.
+        model = _wrap(lib, "FULL_SHARD", True)
         opt = torch.optim.Adam(model.parameters(), lr=0.01)
         _train(model, opt, range(1))
         models[lib] = (model, opt)
@@ -218,10 +219,10 @@ def _exception_types() -> int:
         (lambda: FSDP.rekey_optim_state_dict({"state": {0: {}, "a": {}}, "param_groups": []}, OptimStateKeyType.PARAM_ID, m1, optim=o1),
          lambda: TorchFSDP.rekey_optim_state_dict({"state": {0: {}, "a": {}}, "param_groups": []}, TKey.PARAM_ID, m2, optim=o2),
          ValueError, r"fsdp: invalid parameter keys \(mixed names and IDs\)"),
-        # to_load of an ID-keyed (plain optimizer) state dict: torch KeyError.
+        # to_load of an ID-keyed (plain optimizer) state dict: torch AttributeError.
         (lambda: FSDP.optim_state_dict_to_load(m1, o1, o1.state_dict()),
          lambda: TorchFSDP.optim_state_dict_to_load(m2, o2, o2.state_dict()),
-         KeyError, r"fsdp: optimizer state key 0 is not a parameter name"),
+         AttributeError, r"fsdp: optimizer state key 0 is not a parameter name"),
         # to_load: a parameter group lists a name of no parameter: torch KeyError.
         (lambda: FSDP.optim_state_dict_to_load(m1, o1, {"state": {}, "param_groups": [{**full1["param_groups"][0], "params": ["nope.weight"]}]}),
          lambda: TorchFSDP.optim_state_dict_to_load(m2, o2, {"state": {}, "param_groups": [{**full2["param_groups"][0], "params": ["nope.weight"]}]}),
@@ -230,9 +231,12 @@ def _exception_types() -> int:
         (lambda: FSDP.optim_state_dict_to_load(m1, o1, {"param_groups": []}),
          lambda: TorchFSDP.optim_state_dict_to_load(m2, o2, {"param_groups": []}),
          ValueError, r"fsdp: the optimizer state dict to load must be a dict with the key 'state'"),
-        # optim_state_dict of a model without FSDP: torch IndexError.
+        # A model without FSDP: torch AttributeError (optim_state_dict), IndexError (legacy APIs).
         (lambda: FSDP.optim_state_dict(nn.Linear(2, 2), torch.optim.Adam(nn.Linear(2, 2).parameters())),
          lambda: TorchFSDP.optim_state_dict(nn.Linear(2, 2), torch.optim.Adam(nn.Linear(2, 2).parameters())),
+         AttributeError, r"fsdp: the model contains no FullyShardedDataParallel instance"),
+        (lambda: FSDP.full_optim_state_dict(nn.Linear(2, 2), torch.optim.Adam(nn.Linear(2, 2).parameters())),
+         lambda: TorchFSDP.full_optim_state_dict(nn.Linear(2, 2), torch.optim.Adam(nn.Linear(2, 2).parameters())),
          IndexError, r"fsdp: the model contains no FullyShardedDataParallel instance"),
         # optim_input that is empty / not iterable / mixed: torch ValueError / TypeError / TypeError.
         (lambda: FSDP.shard_full_optim_state_dict(full1, m1, optim_input=[]),
@@ -265,4 +269,4 @@ def _exception_types() -> int:
 
 
 def test_exception_types_match_torch(pool2: RankPool) -> None:
-    assert pool2.run(_exception_types) == [13, 13]
+    assert pool2.run(_exception_types) == [14, 14]

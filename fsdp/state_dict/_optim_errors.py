@@ -5,7 +5,7 @@ torch FSDP1 is the contract for *which* exception type a user mistake raises, so
 catches torch's types keeps working; our messages stay ours (they name the parameter, the rank
 and the remedy). Where torch raises ``ValueError``/``RuntimeError``/``TypeError`` we raise the
 same. Where torch fails with a lookup error for the same mistake (a ``KeyError`` from a dict of
-names, an ``IndexError`` from a list of IDs) or an ``AssertionError``, we raise a class that is
+names, an ``IndexError`` from a list of IDs), an ``AttributeError`` or an ``AssertionError``, we raise a class that is
 *both* that type and ``ValueError``: ``except KeyError`` (torch) and ``except ValueError`` (ours
 since the first release) both catch it, and its message is printed as written (a plain
 ``KeyError`` would print its message quoted).
@@ -21,6 +21,7 @@ __all__ = [
     "OptimStateKeyError",
     "OptimStateIndexError",
     "OptimStateAssertionError",
+    "OptimStateAttributeError",
     "warn_optim_input",
     "warn_legacy_api",
 ]
@@ -39,6 +40,10 @@ class OptimStateIndexError(ValueError, IndexError):
 
 class OptimStateAssertionError(ValueError, AssertionError):
     """An argument torch FSDP1 rejects with an ``AssertionError``."""
+
+
+class OptimStateAttributeError(ValueError, AttributeError):
+    """A key of the wrong kind; torch FSDP1 fails with an ``AttributeError`` on it."""
 
 
 _FSDP_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -74,6 +74,7 @@ from fsdp.state_dict._optim_agreement import (
 )
 from fsdp.state_dict._optim_errors import (
     OptimStateAssertionError,
+    OptimStateAttributeError,
     OptimStateIndexError,
     OptimStateKeyError,
     warn_legacy_api,
@@ -98,17 +99,21 @@ __all__ = [
 
 
 # ----------------------------------------------------------------------------- the model's view
+_NO_FSDP = (
+    "fsdp: the model contains no FullyShardedDataParallel instance; optimizer state dicts of an "
+    "unwrapped model need no conversion (use optim.state_dict())."
+)
+
+
 class _ModelView:
     """Which parameter of ``model`` is what: FQNs, handles and positions inside them."""
 
     def __init__(self, model: nn.Module) -> None:
         units = [m for m in model.modules() if is_fsdp(m)]
         if not units:
-            # torch FSDP1 fails with an IndexError (its list of FSDP modules is empty).
-            raise OptimStateIndexError(
-                "fsdp: the model contains no FullyShardedDataParallel instance; optimizer state "
-                "dicts of an unwrapped model need no conversion (use optim.state_dict())."
-            )
+            # torch FSDP1's legacy APIs fail with an IndexError (its list of FSDP modules is
+            # empty); optim_state_dict / optim_state_dict_to_load see _settings_of.
+            raise OptimStateIndexError(_NO_FSDP)
         for unit in units:
             if not unit_state(unit).has_fsdp_parent:
                 check_idle(unit, "an optimizer state dict API")
@@ -781,8 +786,8 @@ def _validate(osd: dict[str, Any], view: _ModelView) -> None:
         )
     for key, entry in osd["state"].items():
         if not isinstance(key, str):
-            # torch FSDP1 fails with a KeyError mapping the parameter groups' IDs.
-            raise OptimStateKeyError(
+            # torch FSDP1 fails with an AttributeError on the ID.
+            raise OptimStateAttributeError(
                 f"fsdp: optimizer state key {key!r} is not a parameter name. optim_state_dict_to_load "
                 f"takes state keyed by fully qualified parameter names (from "
                 f"FullyShardedDataParallel.optim_state_dict); rekey a plain optimizer state dict with "
@@ -1077,7 +1082,8 @@ def _settings_of(model: nn.Module) -> Any:
     from fsdp.fully_sharded_data_parallel import FullyShardedDataParallel
 
     if not any(is_fsdp(m) for m in model.modules()):
-        _ModelView(model)  # raises the error for a model without FSDP units
+        # torch FSDP1 fails with an AttributeError (its settings are None).
+        raise OptimStateAttributeError(_NO_FSDP)
     return FullyShardedDataParallel.get_state_dict_type(model)
 
 
