@@ -206,7 +206,7 @@ def _resume(uop: bool, scenario: str, api: str) -> None:
     a, b = _full_params(fresh, FSDP), _full_params(straight, FSDP)
     for name in a:
         _assert_value_equal(a[name], b[name], f"{name}: resumed ({api}, {scenario}, uop={uop}) vs straight")
-    _assert_osd_equal(fopt.state_dict(), so.state_dict(), f"resumed optimizer ({api}, {scenario}, uop={uop})")
+    _assert_osd_equal(fopt.state_dict(), so.state_dict(), f"resumed optimizer ({api}, {scenario}, uop={uop})", ordered=False)
 
 
 @pytest.mark.parametrize("uop", [False, True])
@@ -290,9 +290,9 @@ def _mismatched_loads() -> None:
         _train(model, opt, range(1))
         with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
             sharded = FSDP.optim_state_dict(model, opt)
-            # Rank 1 passes a state dict without blocks.1.fc1.weight's state.
-            bad = {"state": {k: v for k, v in sharded["state"].items() if not (rank == 1 and k == "blocks.1.fc1.weight")}, "param_groups": sharded["param_groups"]}
-            with pytest.raises(ValueError, match=r"fsdp: the sharded optimizer state dicts passed on the ranks do not match: rank 1 has sharded values \[\] that rank 0's lacks and lacks \[\('blocks\.1\.fc1\.weight', 'exp_avg'"):
+            # Rank 1 passes a state dict without blocks.1's state (each rank's valid by itself).
+            bad = {"state": {k: v for k, v in sharded["state"].items() if not (rank == 1 and k.startswith("blocks.1."))}, "param_groups": sharded["param_groups"]}
+            with pytest.raises(ValueError, match=r"fsdp: the sharded optimizer state dicts passed on the ranks do not match: rank 1 has sharded values \[\] that rank 0's lacks and lacks \[\('blocks\.1\.fc1\.bias', 'exp_avg'"):
                 FSDP.optim_state_dict_to_load(model, opt, bad)
             # Rank 1's has a misshaped state: every rank raises ValueError, rank 1 its own message.
             if rank == 1:
