@@ -231,6 +231,14 @@ def _exception_types() -> int:
         (lambda: FSDP.optim_state_dict_to_load(m1, o1, {"param_groups": []}),
          lambda: TorchFSDP.optim_state_dict_to_load(m2, o2, {"param_groups": []}),
          ValueError, r"fsdp: the optimizer state dict to load must be a dict with the key 'state'"),
+        # Saving a state dict without 'state': torch KeyError.
+        (lambda: FSDP.optim_state_dict(m1, o1, {"param_groups": []}),
+         lambda: TorchFSDP.optim_state_dict(m2, o2, {"param_groups": []}),
+         KeyError, r"fsdp: optim_state_dict must have the key 'state'"),
+        # load_directly without an optimizer: torch AttributeError.
+        (lambda: FSDP.optim_state_dict_to_load(m1, None, full1, load_directly=True),
+         lambda: TorchFSDP.optim_state_dict_to_load(m2, None, full2, load_directly=True),
+         AttributeError, r"fsdp: load_directly=True needs the optimizer to load into"),
         # A model without FSDP: torch AttributeError (optim_state_dict), IndexError (legacy APIs).
         (lambda: FSDP.optim_state_dict(nn.Linear(2, 2), torch.optim.Adam(nn.Linear(2, 2).parameters())),
          lambda: TorchFSDP.optim_state_dict(nn.Linear(2, 2), torch.optim.Adam(nn.Linear(2, 2).parameters())),
@@ -269,4 +277,4 @@ def _exception_types() -> int:
 
 
 def test_exception_types_match_torch(pool2: RankPool) -> None:
-    assert pool2.run(_exception_types) == [14, 14]
+    assert pool2.run(_exception_types) == [16, 16]

@@ -1012,7 +1012,8 @@ def to_load(
     """
     view = _ModelView(model)
     if load_directly and optim is None:
-        raise ValueError("fsdp: load_directly=True needs the optimizer to load into; pass optim.")
+        # torch FSDP1 fails with an AttributeError (on None.load_state_dict).
+        raise OptimStateAttributeError("fsdp: load_directly=True needs the optimizer to load into; pass optim.")
     prepared: dict[str, Any] = {}
 
     def prepare_optimizer() -> None:
