@@ -310,7 +310,6 @@ def _mismatched_loads() -> None:
         # rank0_only: a rank whose optimizer holds a parameter of no model raises; so do the others.
         full = FSDP.optim_state_dict(model, opt)
         stray = nn.Parameter(torch.zeros(3))
-        bad_opt = torch.optim.Adam([stray], lr=0.01) if rank == 1 else opt
         with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, None, FullOptimStateDictConfig(rank0_only=True)):
             from torch.distributed.optim import _NamedOptimizer
 
@@ -321,7 +320,6 @@ def _mismatched_loads() -> None:
             else:
                 with pytest.raises(KeyError, match=r"fsdp: rank 1 could not match its optimizer to the model"):
                     FSDP.optim_state_dict_to_load(model, opt, full, is_named_optimizer=False)
-        del bad_opt
         t = torch.ones(1)
         dist.all_reduce(t)
         assert t.item() == dist.get_world_size()

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tests._harness import RankPool
-from tests.test_optim_state_dict import _assert_osd_equal, _lib, _optim, _train, _wrap
+from tests.test_optim_state_dict import _assert_osd_equal, _optim, _train, _wrap
 
 _THIS_FILE = os.path.abspath(__file__)
 
@@ -150,12 +150,27 @@ def _no_warnings_in_sharded_round_trip(tmp: str) -> None:
 
         assert any(isinstance(v, ShardedTensor) for e in theirs["state"].values() for v in e.values())
 
+        loaded: dict[str, Any] = {}
+
         def load_theirs() -> None:
             with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
-                FSDP.optim_state_dict_to_load(model, opt, theirs)
+                loaded["theirs"] = FSDP.optim_state_dict_to_load(model, opt, theirs)
 
         caught = _future_warnings(load_theirs)
         assert not caught, [f"{w.filename}:{w.lineno}: {w.message}" for w in caught]
+        # Their ShardedTensors load through ours to our own state (bit for bit without
+        # use_orig_params; see _assert_osd_equal for torch's alignment padding with it), and
+        # our DTensors load through torch's loader to what its own give.
+        exact = not uop
+        _assert_osd_equal(loaded["theirs"], opt.state_dict(), f"torch's sharded through ours uop={uop}", ordered=False, exact=exact)
+        with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+            ours = FSDP.optim_state_dict(model, opt)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with TorchFSDP.state_dict_type(tmodel, TSDT.SHARDED_STATE_DICT):
+                through_torch = TorchFSDP.optim_state_dict_to_load(tmodel, topt, ours)
+                torch_own = TorchFSDP.optim_state_dict_to_load(tmodel, topt, theirs)
+        _assert_osd_equal(through_torch, torch_own, f"our sharded through torch uop={uop}", ordered=False, exact=exact)
 
 
 def test_no_deprecation_warnings_from_sharded_round_trip(pool2: RankPool) -> None:
