@@ -44,7 +44,7 @@ T = TypeVar("T")
 
 StateMeta = tuple
 """One state's description: ``("t", dtype, shape)`` (positive-dimension tensor),
-``("s", value)`` (zero-dimension tensor, on CPU) or ``("o", value)`` (anything else)."""
+``("s", value, dtype)`` (zero-dimension tensor) or ``("o", value)`` (anything else)."""
 
 
 @dataclasses.dataclass
@@ -71,7 +71,7 @@ def describe_state(entry: dict[str, Any]) -> dict[str, StateMeta]:
         if isinstance(value, torch.Tensor) and value.dim() > 0:
             out[name] = ("t", value.dtype, tuple(value.shape))
         elif isinstance(value, torch.Tensor):
-            out[name] = ("s", value.detach().cpu())
+            out[name] = ("s", value.item(), value.dtype)  # a number pickles far faster than a tensor
         else:
             out[name] = ("o", value)
     return out
