@@ -110,8 +110,23 @@ def _full_params(model: nn.Module, fsdp_cls: Any) -> dict[str, torch.Tensor]:
 # ----------------------------------------------------------------------------- comparisons
 def _assert_value_equal(a: Any, b: Any, where: str, exact: bool = True) -> None:
     from torch.distributed._shard.sharded_tensor import ShardedTensor
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Shard
 
+    if isinstance(a, DTensor) and isinstance(b, ShardedTensor):
+        # Ours is a DTensor where torch FSDP1 gives a ShardedTensor (see [Note: No ShardedTensor]):
+        # the same global shape, the same chunk of it on this rank, the same values.
+        assert a.placements == (Shard(0),), (where, a.placements)
+        size = b.metadata().size
+        assert a.shape == size, (where, a.shape, size)
+        local, shards = a.to_local(), b.local_shards()
+        rows = -(-size[0] // a.device_mesh.size()) if size[0] else 0
+        if not shards:
+            assert local.numel() == 0, where
+        else:
+            assert len(shards) == 1, where
+            assert shards[0].metadata.shard_offsets[0] == rows * a.device_mesh.get_local_rank(), where
+            _assert_value_equal(local, shards[0].tensor, where, exact)
+        return
     assert type(a) is type(b), f"{where}: {type(a).__name__} vs torch {type(b).__name__}"
     if isinstance(a, ShardedTensor):
         assert a.size() == b.size(), where

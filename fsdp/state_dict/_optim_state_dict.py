@@ -15,8 +15,8 @@ of the shard (possibly empty, or absent on a rank that holds no part of the para
   FULL_STATE_DICT returns full tensors (``offload_to_cpu``; ``rank0_only``: the states are
   sent to the saving rank only, point to point, and the others return ``{}``). Otherwise
   each full value is chunked along dim 0 like ``torch.chunk`` over the handle's shard group:
-  a ``ShardedTensor`` (torch FSDP1's default) or, with ``_use_dtensor=True``, a ``DTensor``
-  with ``Shard(0)`` on a 1-D mesh of that group. Key and value order follow torch FSDP1.
+  a ``DTensor`` with ``Shard(0)`` on a 1-D mesh of that group (see [Note: No ShardedTensor]).
+  Key and value order follow torch FSDP1.
 - Loading (``optim_state_dict_to_load``): the inverse. Sharded values are gathered back to
   full tensors, every name and shape is checked against the model before anything changes,
   then each parameter's state is flattened (missing parameters of a FlatParameter get zeros),
@@ -24,7 +24,11 @@ of the shard (possibly empty, or absent on a rank that holds no part of the para
 - Named optimizers (``NamedOptimizer`` / TorchRec's ``KeyedOptimizer``, see
   [Note: Named optimizers]) key their own state dicts by parameter names instead of IDs.
 
-Every collective runs over a handle's own process group, in the same order on every rank.
+Every collective runs over a handle's own process group, in the same order on every rank,
+an order fixed by parameter names, never by a rank's optimizer IDs (see
+[Note: Optimizer state keyed by names across ranks] in ``_optim_agreement.py``). Exception
+types follow torch FSDP1 (see [Note: Optimizer state dict exception types] in
+``_optim_errors.py``).
 
 [Note: Named optimizers]
 A named optimizer's ``state_dict()`` keys ``state`` and each group's ``params`` by names, not
@@ -56,11 +60,26 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp._common import clean_fqn, p_assert
-from fsdp.api import OptimStateKeyType, ShardedOptimStateDictConfig, StateDictType
+from fsdp.api import OptimStateKeyType, StateDictType
 from fsdp.flat_param.flat_param import FlatParamHandle
 from fsdp.runtime import _collectives as comm
 from fsdp.runtime._lazy_init import check_idle, is_fsdp, unit_state
 from fsdp.state_dict._gather import NOBODY, PendingGather, gather, start_gather
+from fsdp.state_dict._optim_agreement import (
+    RankOptimState,
+    agree,
+    check_save_flat,
+    check_save_orig,
+    describe_state,
+)
+from fsdp.state_dict._optim_errors import (
+    OptimStateAssertionError,
+    OptimStateAttributeError,
+    OptimStateIndexError,
+    OptimStateKeyError,
+    warn_legacy_api,
+    warn_optim_input,
+)
 
 ParamKey = Union[int, str]
 """A parameter's key in an optimizer's own state dict: its ID, or a named optimizer's name."""
@@ -80,16 +99,21 @@ __all__ = [
 
 
 # ----------------------------------------------------------------------------- the model's view
+_NO_FSDP = (
+    "fsdp: the model contains no FullyShardedDataParallel instance; optimizer state dicts of an "
+    "unwrapped model need no conversion (use optim.state_dict())."
+)
+
+
 class _ModelView:
     """Which parameter of ``model`` is what: FQNs, handles and positions inside them."""
 
     def __init__(self, model: nn.Module) -> None:
         units = [m for m in model.modules() if is_fsdp(m)]
         if not units:
-            raise ValueError(
-                "fsdp: the model contains no FullyShardedDataParallel instance; optimizer state "
-                "dicts of an unwrapped model need no conversion (use optim.state_dict())."
-            )
+            # torch FSDP1's legacy APIs fail with an IndexError (its list of FSDP modules is
+            # empty); optim_state_dict / optim_state_dict_to_load see _settings_of.
+            raise OptimStateIndexError(_NO_FSDP)
         for unit in units:
             if not unit_state(unit).has_fsdp_parent:
                 check_idle(unit, "an optimizer state dict API")
@@ -156,14 +180,38 @@ class _ModelView:
 def _param_list(
     model: nn.Module, optim: Optional[torch.optim.Optimizer], optim_input: Optional[Any]
 ) -> list[nn.Parameter]:
-    """The parameters in optimizer-ID order (``optim`` first, else ``optim_input``, else the model)."""
+    """The parameters in optimizer-ID order (``optim_input`` first, as torch FSDP1, else
+    ``optim``, else the model's parameters).
+
+    Raises:
+        TypeError: ``optim_input`` is neither an iterable of tensors nor of parameter groups.
+        ValueError: ``optim_input`` is empty.
+    """
     if optim_input is None and optim is not None:
         return [p for group in optim.param_groups for p in group["params"]]
     if optim_input is None:
         return list(model.parameters())
-    items = list(optim_input)
-    if items and isinstance(items[0], dict):
-        return [p for group in items for p in group["params"]]
+    try:
+        items = list(optim_input)
+    except TypeError as exc:
+        raise TypeError(
+            f"fsdp: optim_input must be an iterable of tensors or of parameter groups (dicts), as "
+            f"passed to the optimizer; got {type(optim_input).__name__}. Better: pass optim=."
+        ) from exc
+    if not items:
+        raise ValueError("fsdp: optim_input is empty; pass what the optimizer was built from, or optim=.")
+    if all(isinstance(item, dict) for item in items):
+        for index, item in enumerate(items):
+            if "params" not in item:
+                raise OptimStateAssertionError(
+                    f"fsdp: parameter group {index} of optim_input has no 'params' key."
+                )
+        return [p for group in items for p in (list(group["params"]) if not isinstance(group["params"], torch.Tensor) else [group["params"]])]
+    if not all(isinstance(item, torch.Tensor) for item in items):
+        kinds = sorted({type(item).__name__ for item in items})
+        raise TypeError(
+            f"fsdp: optim_input must hold only tensors or only parameter groups (dicts); got {kinds}."
+        )
     return items
 
 
@@ -184,7 +232,8 @@ def _optimizer_keys(model: nn.Module, params: list[nn.Parameter], named: bool) -
     keys: list[ParamKey] = []
     for position, param in enumerate(params):
         if id(param) not in names:
-            raise ValueError(
+            # torch FSDP1 fails with a KeyError looking the parameter up.
+            raise OptimStateKeyError(
                 f"fsdp: the named optimizer holds a parameter of shape {tuple(param.shape)} (ID "
                 f"{position}) that is not a parameter of the model, so it has no name to key its "
                 f"state by."
@@ -217,7 +266,7 @@ def _names_to_ids(osd: dict[str, Any], names: list[ParamKey]) -> dict[str, Any]:
         if name not in position:
             shown = ", ".join(f"'{n}'" for n in names[:8])
             more = f", ... ({len(names)} in all)" if len(names) > 8 else ""
-            raise ValueError(
+            raise OptimStateKeyError(
                 f"fsdp: the named optimizer's state dict has {what} '{name}', which is not the name "
                 f"of a parameter the optimizer holds. Its keys must be the names "
                 f"model.named_parameters() gives the optimizer's parameters: {shown}{more}."
@@ -233,15 +282,32 @@ def _names_to_ids(osd: dict[str, Any], names: list[ParamKey]) -> dict[str, Any]:
     return out
 
 
+def _is_sharded_tensor(value: Any) -> bool:
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    return isinstance(value, ShardedTensor)
+
+
 def _is_pos_dim(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) and value.dim() > 0
+    """A plain (or DTensor) tensor with dimensions. Never asks a ShardedTensor, whose every
+    tensor method warns that ShardedTensor is deprecated (see [Note: No ShardedTensor])."""
+    return isinstance(value, torch.Tensor) and not _is_sharded_tensor(value) and value.dim() > 0
 
 
 def _is_zero_dim(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) and value.dim() == 0
+    return isinstance(value, torch.Tensor) and not _is_sharded_tensor(value) and value.dim() == 0
 
 
 # ----------------------------------------------------------------------------- sharded values
+# [Note: No ShardedTensor]
+# Sharded optimizer state dicts hold DTensors (Shard(0) on a 1-D mesh of the unit's shard group),
+# as our sharded model state dicts do, never ShardedTensors: torch deprecates ShardedTensor and
+# warns (FutureWarning) at every tensor method called on one, its own checkpoint planner's
+# included, so a state dict holding them fills a user's log with warnings about our internals
+# (torch FSDP1 gives ShardedTensors unless built with a device_mesh). Values, global shapes and
+# the chunking along dim 0 are the same as torch FSDP1's; torch.distributed.checkpoint stores
+# both alike, so checkpoints load across the two. ShardedTensors given to us to load (from torch
+# FSDP1) are read through their metadata and local shards only, which do not warn.
 _MESHES: dict[tuple[int, str], Any] = {}
 
 
@@ -254,86 +320,55 @@ def _mesh(group: dist.ProcessGroup, device_type: str) -> Any:
     return _MESHES[key]
 
 
-def _chunk(full: torch.Tensor, handle: FlatParamHandle, use_dtensor: bool) -> Any:
-    """``full`` chunked along dim 0 over the handle's group: this rank's chunk, as a sharded type."""
-    ws, rank, group = handle.world_size, handle.rank, handle.process_group
-    chunks = torch.chunk(full, ws, dim=0)
-    rows = math.ceil(full.shape[0] / ws) if full.shape[0] else 0
-    if use_dtensor:
-        from torch.distributed.tensor import DTensor, Shard
+def _chunk(full: torch.Tensor, handle: FlatParamHandle) -> Any:
+    """``full`` chunked along dim 0 over the handle's group like ``torch.chunk``: a DTensor
+    holding this rank's chunk (empty on ranks past the last chunk)."""
+    from torch.distributed.tensor import DTensor, Shard
 
-        if rank < len(chunks):
-            local = chunks[rank].detach().clone()
-        else:
-            local = full.new_empty((0, *full.shape[1:]))
-        return DTensor.from_local(
-            local, _mesh(group, full.device.type), [Shard(0)], run_check=False,
-            shape=full.shape, stride=full.stride(),
-        )
-    from torch.distributed._shard.metadata import ShardMetadata
-    from torch.distributed._shard.sharded_tensor import (
-        Shard as STShard,
-        ShardedTensor,
-        ShardedTensorMetadata,
-        TensorProperties,
-    )
-
-    rest = [0] * (full.dim() - 1)
-    local_shards = []
-    if rank < len(chunks):
-        local_shards.append(
-            STShard.from_tensor_and_offsets(chunks[rank].detach().clone(), [rows * rank, *rest], rank)
-        )
-    metas, offset = [], 0
-    for r, chunk in enumerate(chunks):
-        placement = f"rank:{dist.get_global_rank(group, r)}/{full.device.type}"
-        if full.device.type != "cpu":
-            placement += f":{full.device.index or 0}"
-        metas.append(ShardMetadata([offset, *rest], list(chunk.shape), placement))
-        offset += chunk.shape[0]
-    meta = ShardedTensorMetadata(
-        shards_metadata=metas,
-        size=full.shape,
-        tensor_properties=TensorProperties(
-            dtype=full.dtype, layout=full.layout, requires_grad=False,
-            memory_format=torch.contiguous_format, pin_memory=False,
-        ),
-    )
-    return ShardedTensor._init_from_local_shards_and_global_metadata(
-        local_shards, sharded_tensor_metadata=meta, process_group=group
+    chunks = torch.chunk(full, handle.world_size, dim=0)
+    if handle.rank < len(chunks):
+        local = chunks[handle.rank].detach().clone()
+    else:
+        local = full.new_empty((0, *full.shape[1:]))
+    return DTensor.from_local(
+        local, _mesh(handle.process_group, full.device.type), [Shard(0)], run_check=False,
+        shape=full.shape, stride=full.stride(),
     )
 
 
 def _is_sharded_value(value: Any) -> bool:
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
     from torch.distributed.tensor import DTensor
 
-    return isinstance(value, (ShardedTensor, DTensor))
+    return isinstance(value, DTensor) or _is_sharded_tensor(value)
 
 
 def _global_shape(value: Any) -> torch.Size:
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
-
-    if isinstance(value, ShardedTensor):
-        return value.size()
+    if _is_sharded_tensor(value):
+        return torch.Size(value.metadata().size)
     return value.shape
+
+
+def _dtype_of(value: Any) -> torch.dtype:
+    if _is_sharded_tensor(value):
+        return value.metadata().tensor_properties.dtype
+    return value.dtype
 
 
 def _gather_sharded(value: Any, where: str) -> torch.Tensor:
     """The full tensor of a DTensor or a dim-0 chunk-sharded ShardedTensor (a collective)."""
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
     from torch.distributed.tensor import DTensor
 
     if isinstance(value, DTensor):
         return value.full_tensor()
-    assert isinstance(value, ShardedTensor)
+    p_assert(_is_sharded_tensor(value), f"{where}: not a sharded value")
     group = value._process_group
     ws = dist.get_world_size(group)
-    size = value.size()
-    metas = sorted(value.metadata().shards_metadata, key=lambda m: m.shard_offsets[0])
+    metadata = value.metadata()
+    size = torch.Size(metadata.size)
+    metas = sorted(metadata.shards_metadata, key=lambda m: m.shard_offsets[0])
     rows = math.ceil(size[0] / ws) if size[0] else 0
-    expected = [list(c.shape) for c in torch.chunk(torch.empty(size[0], 0), ws)] if size[0] else []
-    if [m.shard_sizes[0] for m in metas] != [e[0] for e in expected] or any(
+    expected = [len(c) for c in torch.chunk(torch.empty(size[0]), ws)] if size[0] else []
+    if [m.shard_sizes[0] for m in metas] != expected or any(
         any(o != 0 for o in m.shard_offsets[1:]) for m in metas
     ):
         raise ValueError(
@@ -343,7 +378,7 @@ def _gather_sharded(value: Any, where: str) -> torch.Tensor:
         )
     inner = int(math.prod(size[1:]))
     shards = value.local_shards()
-    dtype = value.metadata().tensor_properties.dtype
+    dtype = metadata.tensor_properties.dtype
     device = shards[0].tensor.device if shards else torch.device("cpu")
     if group is not None and dist.get_backend(group) == "nccl":
         device = torch.device("cuda", torch.cuda.current_device())
@@ -357,7 +392,7 @@ def _gather_sharded(value: Any, where: str) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- saving
-def _finish(value: torch.Tensor, handle: FlatParamHandle, shard: bool, use_dtensor: bool, offload: bool, fresh: bool) -> Any:
+def _finish(value: torch.Tensor, handle: FlatParamHandle, shard: bool, offload: bool, fresh: bool) -> Any:
     """A full per-parameter value as it goes into the returned state dict.
 
     ``fresh``: ``value`` views a buffer made for this call (else it views the optimizer's own
@@ -368,18 +403,18 @@ def _finish(value: torch.Tensor, handle: FlatParamHandle, shard: bool, use_dtens
     if offload:
         value = value.cpu()
     if shard:
-        return _chunk(value, handle, use_dtensor)
+        return _chunk(value, handle)
     return value
 
 
 def _check_flat_state(handle: FlatParamHandle, name: str, value: torch.Tensor) -> None:
-    """Raises unless ``value`` is shaped like the FlatParameter's local shard."""
-    if value.dim() != 1 or value.numel() != handle.sharded_numel:
-        raise ValueError(
-            f"fsdp: optimizer state '{name}' of the FlatParameter of unit '{handle.unit_name}' has "
-            f"shape {tuple(value.shape)}; expected ({handle.sharded_numel},), the parameter's "
-            f"sharded shape. Was this optimizer state dict made by another model?"
-        )
+    """Internal: ``value`` is shaped like the FlatParameter's local shard (``check_save_flat``
+    checked every rank's before any collective)."""
+    p_assert(
+        value.dim() == 1 and value.numel() == handle.sharded_numel,
+        f"optimizer state '{name}' of unit '{handle.unit_name}' has shape {tuple(value.shape)}, "
+        f"expected ({handle.sharded_numel},)",
+    )
 
 
 def _start_flat_state_gather(handle: FlatParamHandle, sharded_value: torch.Tensor, dst: Optional[int]) -> PendingGather:
@@ -428,7 +463,6 @@ def _unflatten_flat_param_state(
     flat_state: dict[str, Any],
     to_save: bool,
     shard: bool,
-    use_dtensor: bool,
     offload: bool,
     dst: Optional[int] = None,
 ) -> list[dict[str, Any]]:
@@ -446,7 +480,7 @@ def _unflatten_flat_param_state(
     for index in range(len(handle.param_infos)):
         entry: dict[str, Any] = {}
         for name, views in tensors.items():
-            entry[name] = _finish(views[index], handle, shard, use_dtensor, offload, fresh[name])
+            entry[name] = _finish(views[index], handle, shard, offload, fresh[name])
         for name in sorted(flat_state):
             value = flat_state[name]
             if _is_zero_dim(value):
@@ -465,7 +499,6 @@ def _gather_orig_param_states(
     local: dict[str, dict[str, Any]],
     to_save: bool,
     shard: bool,
-    use_dtensor: bool,
     offload: bool,
     dst: Optional[int] = None,
 ) -> dict[str, dict[str, Any]]:
@@ -522,12 +555,7 @@ def _gather_orig_param_states(
             offset, numel = handle._orig_sharded_ranges[index]
             if value is None or numel == 0:
                 continue
-            if value.numel() != numel:
-                raise ValueError(
-                    f"fsdp: optimizer state '{name}' of parameter '{fqn}' has {value.numel()} "
-                    f"elements on rank {handle.rank}; its part of the shard has {numel}. Was this "
-                    f"optimizer state dict made by another model?"
-                )
+            p_assert(value.numel() == numel, f"state '{name}' of '{fqn}': {value.numel()} != {numel}")
             local_shard[offset : offset + numel].copy_(value.reshape(-1))
         padded_unsharded = gather(local_shard, handle.process_group, handle.rank, handle.world_size, dst)
         if padded_unsharded is None or not to_save:
@@ -535,23 +563,8 @@ def _gather_orig_param_states(
         views = _split(handle, padded_unsharded[: handle.unpadded_unsharded_numel])
         for index, fqn in enumerate(fqns):
             if fqn in result:
-                result[fqn][name] = _finish(views[index], handle, shard, use_dtensor, offload, True)
+                result[fqn][name] = _finish(views[index], handle, shard, offload, True)
     return result if to_save else {}
-
-
-def _check_consistent_keys(keys: list[int], present: list[bool], view: _ModelView, params: list[nn.Parameter], group: Optional[dist.ProcessGroup]) -> None:
-    """use_orig_params=False: every rank must have state for the same FlatParameters."""
-    flags = torch.tensor([1 if p else 0 for p in present] or [0], dtype=torch.int64)
-    total = flags.clone()
-    comm.all_reduce_sum(total, group)
-    ws = dist.get_world_size(group)
-    bad = [k for k, t in zip(keys, total.tolist()) if 0 < t < ws]
-    if bad:
-        names = [view.param_to_fqns[id(params[k])] for k in bad]
-        raise RuntimeError(
-            f"fsdp: some ranks have optimizer state for these FlatParameters and others do not: "
-            f"{names}. Every rank must step the optimizer on the same parameters before saving."
-        )
 
 
 def _receiver(handle: FlatParamHandle, rank0_only_full: bool, group: Optional[dist.ProcessGroup]) -> Optional[int]:
@@ -568,6 +581,31 @@ def _receiver(handle: FlatParamHandle, rank0_only_full: bool, group: Optional[di
     return ranks.index(saver) if saver in ranks else NOBODY
 
 
+def _local_optim_state(
+    view: _ModelView, params: list[nn.Parameter], state: dict[Any, Any]
+) -> RankOptimState:
+    """This rank's :class:`RankOptimState` (see [Note: Optimizer state keyed by names across ranks])."""
+    keys: list[str] = []
+    states: dict[str, dict[str, Any]] = {}
+    for position, param in enumerate(params):
+        if position not in state:
+            continue
+        fqns = view.param_to_fqns.get(id(param))
+        if fqns is None:
+            raise OptimStateKeyError(
+                f"fsdp: the optimizer holds a parameter of shape {tuple(param.shape)} (ID {position}) "
+                f"that is not a parameter of the model."
+            )
+        keys.append(fqns[0])
+        states[fqns[0]] = describe_state(state[position])
+    local_numels: dict[str, int] = {}
+    if view.use_orig_params:
+        for h, handle in enumerate(view.handles):
+            for index, fqn in enumerate(view.handle_fqns[h]):
+                local_numels[fqn] = handle._orig_sharded_ranges[index][1]
+    return RankOptimState(keys, states, local_numels)
+
+
 def save(
     model: nn.Module,
     optim: torch.optim.Optimizer,
@@ -577,48 +615,56 @@ def save(
     full: bool = True,
     rank0_only: bool = False,
     offload: bool = True,
-    use_dtensor: bool = False,
     optim_input: Optional[Any] = None,
 ) -> dict[str, Any]:
     """The optimizer state keyed by parameter FQNs (see [Note: Optimizer state dict formats]).
 
     ``optim_state_dict`` (default ``optim.state_dict()``) may be keyed by IDs or, from a named
-    optimizer, by names (see [Note: Named optimizers]).
+    optimizer, by names (see [Note: Named optimizers]). Ranks may list their parameters in
+    different orders (see [Note: Optimizer state keyed by names across ranks]).
     """
     view = _ModelView(model)
-    osd = optim.state_dict() if optim_state_dict is None else optim_state_dict
-    if "state" not in osd:
-        raise ValueError("fsdp: optim_state_dict must have the key 'state' (an optimizer state dict)")
-    params = _param_list(model, optim, optim_input)
-    if _keyed_by_names(osd):
-        osd = _names_to_ids(osd, _optimizer_keys(model, params, named=True))
+    prepared: dict[str, Any] = {}
+
+    def prepare() -> RankOptimState:
+        osd = optim.state_dict() if optim_state_dict is None else optim_state_dict
+        if not isinstance(osd, dict) or "state" not in osd:
+            raise OptimStateKeyError(
+                "fsdp: optim_state_dict must have the key 'state' (an optimizer state dict, as "
+                "optim.state_dict() returns)"
+            )
+        params = _param_list(model, optim, optim_input)
+        if _keyed_by_names(osd):
+            osd = _names_to_ids(osd, _optimizer_keys(model, params, named=True))
+        prepared.update(osd=osd, params=params)
+        return _local_optim_state(view, params, osd["state"])
+
+    infos = agree(prepare, group, "describe its optimizer state")
+    osd, params = prepared["osd"], prepared["params"]
     state = osd["state"]
+    position_of = {id(param): position for position, param in enumerate(params)}
     to_save = not rank0_only or dist.get_rank(group) == 0 or not full
     shard = not full
     out_state: dict[str, Any] = {}
     if not view.use_orig_params:
-        keys = [k for k in range(len(params)) if id(params[k]) in view.flat_to_handle]
-        _check_consistent_keys(keys, [k in state for k in keys], view, params, group)
-        for key, param in enumerate(params):
-            if key not in state:
-                continue
-            fqns = view.param_to_fqns.get(id(param))
-            if fqns is None:
-                raise ValueError(
-                    f"fsdp: the optimizer holds a parameter of shape {tuple(param.shape)} (ID {key}) "
-                    f"that is not a parameter of the model."
-                )
+        flat_fqns = {view.handle_fqns[h][0]: view.handle_fqns[h] for h in range(len(view.handles))}
+        sharded_numels = {view.handle_fqns[h][0]: handle.sharded_numel for h, handle in enumerate(view.handles)}
+        # Rank 0's order, every rank: the collectives below run in one order by names.
+        for key in check_save_flat(infos, flat_fqns, sharded_numels):
+            param = view.fqn_to_param[key]
+            entry = state[position_of[id(param)]]
             h = view.flat_to_handle.get(id(param))
             if h is None:
                 if to_save:
-                    out_state[fqns[0]] = _copy_unmanaged(state[key], offload)
+                    out_state[key] = _copy_unmanaged(entry, offload)
                 continue
             handle = view.handles[h]
             dst = _receiver(handle, full and rank0_only, group)
-            entries = _unflatten_flat_param_state(handle, state[key], to_save, shard, use_dtensor, offload, dst)
+            entries = _unflatten_flat_param_state(handle, entry, to_save, shard, offload, dst)
             if to_save:
-                out_state.update(zip(fqns, entries))
+                out_state.update(zip(view.handle_fqns[h], entries))
     else:
+        check_save_orig(infos, [fqn for fqns in view.handle_fqns for fqn in fqns])
         per_handle: list[dict[str, dict[str, Any]]] = [{} for _ in view.handles]
         unmanaged: dict[str, Any] = {}
         for key, param in enumerate(params):
@@ -627,16 +673,12 @@ def save(
             if id(param) in view.orig_to_slot:
                 h, index = view.orig_to_slot[id(param)]
                 per_handle[h][view.handle_fqns[h][index]] = state[key]
-            elif id(param) in view.param_to_fqns:
-                unmanaged[view.param_to_fqns[id(param)][0]] = state[key]
             else:
-                raise ValueError(
-                    f"fsdp: the optimizer holds a parameter of shape {tuple(param.shape)} (ID {key}) "
-                    f"that is not a parameter of the model."
-                )
+                unmanaged[view.param_to_fqns[id(param)][0]] = state[key]
+        # Handles in model order on every rank (the collectives' order).
         results = [
             _gather_orig_param_states(
-                handle, view.handle_fqns[h], per_handle[h], to_save, shard, use_dtensor, offload,
+                handle, view.handle_fqns[h], per_handle[h], to_save, shard, offload,
                 _receiver(handle, full and rank0_only, group),
             )
             for h, handle in enumerate(view.handles)
@@ -653,6 +695,7 @@ def save(
         return {}
     out: dict[str, Any] = {"state": out_state}
     if "param_groups" in osd:
+        # This rank's own groups, in its own order (as torch FSDP1).
         groups = []
         for group_sd in osd["param_groups"]:
             new = copy.deepcopy(group_sd)
@@ -692,19 +735,27 @@ def _strip_tensors(osd: dict[str, Any]) -> dict[str, Any]:
 def _broadcast_from_rank0(osd: Optional[dict[str, Any]], view: _ModelView, group: Optional[dist.ProcessGroup]) -> dict[str, Any]:
     """rank0_only loading: rank 0's (validated) state dict on every rank."""
     rank = dist.get_rank(group)
-    error: Optional[str] = None
+    error: Optional[BaseException] = None
     if rank == 0:
         try:
             if osd is None:
-                raise ValueError("fsdp: rank 0 must pass the full optimizer state dict, got None")
+                # torch FSDP1 fails with a TypeError here.
+                raise TypeError(
+                    "fsdp: rank 0 must pass the full optimizer state dict (rank0_only / "
+                    "scatter_full_optim_state_dict), got None"
+                )
             _validate(osd, view)
-        except ValueError as exc:
-            error = str(exc)
+        except (ValueError, TypeError) as exc:
+            error = exc
     structure = comm.broadcast_object_from_rank0(
-        {"error": error} if rank == 0 and error else (_strip_tensors(osd) if rank == 0 else None), group  # type: ignore[arg-type]
+        {"error": (type(error), str(error))} if error is not None else (_strip_tensors(osd) if rank == 0 else None),  # type: ignore[arg-type]
+        group,
     )
+    if error is not None:
+        raise error
     if "error" in structure:
-        raise ValueError(structure["error"])
+        error_type, message = structure["error"]
+        raise error_type(message)
     if rank == 0:
         device = _comm_device(view)
         for key, st in osd["state"].items():  # type: ignore[index]
@@ -735,7 +786,8 @@ def _validate(osd: dict[str, Any], view: _ModelView) -> None:
         )
     for key, entry in osd["state"].items():
         if not isinstance(key, str):
-            raise ValueError(
+            # torch FSDP1 fails with an AttributeError on the ID.
+            raise OptimStateAttributeError(
                 f"fsdp: optimizer state key {key!r} is not a parameter name. optim_state_dict_to_load "
                 f"takes state keyed by fully qualified parameter names (from "
                 f"FullyShardedDataParallel.optim_state_dict); rekey a plain optimizer state dict with "
@@ -760,7 +812,8 @@ def _validate(osd: dict[str, Any], view: _ModelView) -> None:
     for group in osd.get("param_groups", []):
         for fqn in group.get("params", []):
             if fqn not in view.fqn_to_param:
-                raise ValueError(
+                # torch FSDP1 fails with a KeyError here.
+                raise OptimStateKeyError(
                     f"fsdp: a parameter group of the optimizer state dict lists '{fqn}', which is not "
                     f"a parameter of this model. The model's parameters are: {view.describe_fqns()}."
                 )
@@ -781,10 +834,10 @@ def _validate(osd: dict[str, Any], view: _ModelView) -> None:
             for name in first:
                 values = [osd["state"][f][name] for f in present]
                 if _is_pos_dim(values[0]) or _is_sharded_value(values[0]):
-                    if len({v.dtype for v in values}) != 1:
+                    if len({_dtype_of(v) for v in values}) != 1:
                         raise ValueError(
                             f"fsdp: optimizer state '{name}' has different dtypes "
-                            f"{sorted({str(v.dtype) for v in values})} across the parameters "
+                            f"{sorted({str(_dtype_of(v)) for v in values})} across the parameters "
                             f"{present} of one FlatParameter."
                         )
                     continue
@@ -851,6 +904,91 @@ def _shard_orig_state(handle: FlatParamHandle, index: int, entry: dict[str, Any]
     return out
 
 
+def _fqn_to_key(view: _ModelView, params: list[nn.Parameter], keys: list[ParamKey]) -> dict[str, ParamKey]:
+    """FQN -> this optimizer's key for the parameter object it holds under that name."""
+    param_to_key = {id(param): keys[position] for position, param in enumerate(params)}
+    return {fqn: param_to_key[id(param)] for fqn, param in view.fqn_to_param.items() if id(param) in param_to_key}
+
+
+def _check_groups_held(osd: dict[str, Any], fqn_to_key: dict[str, ParamKey]) -> None:
+    for group_sd in osd.get("param_groups", []):
+        missing = [f for f in group_sd["params"] if f not in fqn_to_key]
+        if missing:
+            # torch FSDP1 raises KeyError for this mistake.
+            raise OptimStateKeyError(
+                f"fsdp: a parameter group of the optimizer state dict lists {missing}, which "
+                f"this optimizer does not hold."
+            )
+
+
+def _sharded_layout(osd: dict[str, Any], view: _ModelView) -> list[tuple[str, str, tuple[int, ...], str]]:
+    """The sharded values of a state dict in the order they are gathered: ``(fqn, state name,
+    global shape, dtype)``, parameters in model order, state names sorted."""
+    layout = []
+    for fqn in view.fqn_to_param:
+        entry = osd["state"].get(fqn)
+        if not isinstance(entry, dict):
+            continue
+        for name in sorted(entry):
+            value = entry[name]
+            if _is_sharded_value(value):
+                layout.append((fqn, name, tuple(_global_shape(value)), str(_dtype_of(value))))
+    return layout
+
+
+def _check_layouts_agree(layouts: list[list[tuple[str, str, tuple[int, ...], str]]]) -> None:
+    for rank, layout in enumerate(layouts):
+        if layout == layouts[0]:
+            continue
+        ours, theirs = set(layout), set(layouts[0])
+        only_here = sorted(ours - theirs)[:3]
+        only_rank0 = sorted(theirs - ours)[:3]
+        raise ValueError(
+            f"fsdp: the sharded optimizer state dicts passed on the ranks do not match: rank {rank} "
+            f"has sharded values {only_here} that rank 0's lacks and lacks {only_rank0} (entries "
+            f"are (parameter, state, global shape, dtype)). Every rank must pass its part of the "
+            f"same sharded state dict."
+        )
+
+
+def _loaded_groups(
+    osd_groups: list[dict[str, Any]],
+    fqn_to_key: dict[str, ParamKey],
+    optim: Optional[torch.optim.Optimizer],
+    params: list[nn.Parameter],
+    keys: list[ParamKey],
+) -> list[dict[str, Any]]:
+    """The saved parameter groups keyed by this optimizer's keys, in this optimizer's group order.
+
+    ``optim.load_state_dict`` pairs saved groups with its own by position. When this rank's
+    optimizer lists the same groups in another order than the saving rank's (each of its groups
+    holds exactly the parameters of one saved group), the groups are put in this optimizer's
+    order, so each gets its own hyperparameters back; torch FSDP1 keeps the saved order, which
+    then fails or swaps hyperparameters between groups. Otherwise the saved order is kept.
+    """
+    groups = []
+    for group_sd in osd_groups:
+        new_group = copy.deepcopy(group_sd)
+        new_group["params"] = sorted({fqn_to_key[f] for f in group_sd["params"]})
+        groups.append(new_group)
+    if optim is None or not hasattr(optim, "param_groups"):
+        return groups
+    key_of = {id(param): keys[position] for position, param in enumerate(params)}
+    own = [sorted(key_of[id(p)] for p in g["params"] if id(p) in key_of) for g in optim.param_groups]
+    saved = [g["params"] for g in groups]
+    if len(own) != len(saved) or own == saved:
+        return groups
+    order = []
+    for own_keys in own:
+        matches = [i for i, saved_keys in enumerate(saved) if saved_keys == own_keys]
+        if len(matches) != 1:
+            return groups
+        order.append(matches[0])
+    if sorted(order) != list(range(len(groups))):
+        return groups
+    return [groups[i] for i in order]
+
+
 def to_load(
     model: nn.Module,
     optim: Optional[torch.optim.Optimizer],
@@ -860,42 +998,55 @@ def to_load(
     group: Optional[dist.ProcessGroup] = None,
     *,
     rank0_only: bool = False,
+    sharded: bool = False,
     optim_input: Optional[Any] = None,
 ) -> dict[str, Any]:
     """This rank's flattened / sharded optimizer state dict, keyed as ``optim`` keys its own.
 
     Keys are ``optim``'s parameter IDs, or with ``is_named_optimizer`` its parameter names (see
-    [Note: Named optimizers]). Every name and shape is checked before anything changes.
+    [Note: Named optimizers]). Every name and shape is checked before anything changes. With
+    ``rank0_only`` (rank 0's state dict is broadcast) or ``sharded`` (the values are gathered),
+    the ranks first agree that every rank's inputs are valid, so a mistake on one rank raises on
+    every rank instead of leaving the others in a collective (see
+    [Note: Optimizer state keyed by names across ranks]).
     """
     view = _ModelView(model)
+    if load_directly and optim is None:
+        # torch FSDP1 fails with an AttributeError (on None.load_state_dict).
+        raise OptimStateAttributeError("fsdp: load_directly=True needs the optimizer to load into; pass optim.")
+    prepared: dict[str, Any] = {}
+
+    def prepare_optimizer() -> None:
+        params = _param_list(model, optim, optim_input)
+        keys = _optimizer_keys(model, params, is_named_optimizer)
+        prepared.update(params=params, keys=keys, fqn_to_key=_fqn_to_key(view, params, keys))
+
     if rank0_only:
+        agree(prepare_optimizer, group, "match its optimizer to the model")
         osd = _broadcast_from_rank0(optim_state_dict, view, group)
+        _check_groups_held(osd, prepared["fqn_to_key"])
     else:
-        if optim_state_dict is None:
-            raise ValueError("fsdp: optim_state_dict must be an optimizer state dict, got None")
-        osd = optim_state_dict
-        _validate(osd, view)
-    params = _param_list(model, optim, optim_input)
-    keys = _optimizer_keys(model, params, is_named_optimizer)
+
+        def prepare() -> list[tuple[str, str, tuple[int, ...], str]]:
+            prepare_optimizer()
+            if optim_state_dict is None:
+                raise ValueError("fsdp: optim_state_dict must be an optimizer state dict, got None")
+            _validate(optim_state_dict, view)
+            _check_groups_held(optim_state_dict, prepared["fqn_to_key"])
+            return _sharded_layout(optim_state_dict, view)
+
+        if sharded:
+            _check_layouts_agree(agree(prepare, group, "load its sharded optimizer state dict"))
+        else:
+            prepare()
+        osd = optim_state_dict  # type: ignore[assignment]
+    params, keys, fqn_to_key = prepared["params"], prepared["keys"], prepared["fqn_to_key"]
     param_to_key = {id(param): keys[position] for position, param in enumerate(params)}
-    fqn_to_key: dict[str, ParamKey] = {}
-    for fqn, param in view.fqn_to_param.items():
-        if id(param) in param_to_key:
-            fqn_to_key[fqn] = param_to_key[id(param)]
-    for group_sd in osd.get("param_groups", []):
-        missing = [f for f in group_sd["params"] if f not in fqn_to_key]
-        if missing:
-            raise ValueError(
-                f"fsdp: a parameter group of the optimizer state dict lists {missing}, which "
-                f"this optimizer does not hold."
-            )
-    # Gather sharded values (DTensor / ShardedTensor) back to full tensors, in dict order.
-    state: dict[str, dict[str, Any]] = {}
-    for fqn, entry in osd["state"].items():
-        new = {}
-        for name, value in entry.items():
-            new[name] = _gather_sharded(value, f"state '{name}' of '{fqn}'") if _is_sharded_value(value) else value
-        state[fqn] = new
+    # Gather sharded values (DTensor / ShardedTensor) back to full tensors, in the order of
+    # _sharded_layout (model order, then state names), the same on every rank.
+    state: dict[str, dict[str, Any]] = {fqn: dict(entry) for fqn, entry in osd["state"].items()}
+    for fqn, name, _, _ in _sharded_layout(osd, view):
+        state[fqn][name] = _gather_sharded(state[fqn][name], f"state '{name}' of '{fqn}'")
 
     out_state: dict[ParamKey, Any] = {}
     if not view.use_orig_params:
@@ -911,23 +1062,19 @@ def to_load(
             if key is None or fqn not in view.fqn_to_slot:
                 continue
             h, index = view.fqn_to_slot[fqn]
-            sharded = _shard_orig_state(view.handles[h], index, entry)
-            if sharded:
-                out_state[key] = sharded
+            sharded_entry = _shard_orig_state(view.handles[h], index, entry)
+            if sharded_entry:
+                out_state[key] = sharded_entry
     for fqn, entry in state.items():
         if fqn in view.unmanaged and fqn in fqn_to_key:
             out_state[fqn_to_key[fqn]] = copy.copy(entry)
     out: dict[str, Any] = {"state": out_state}
     if "param_groups" in osd:
-        groups = []
-        for group_sd in osd["param_groups"]:
-            new_group = copy.deepcopy(group_sd)
-            new_group["params"] = sorted({fqn_to_key[f] for f in group_sd["params"]})
-            groups.append(new_group)
-        out["param_groups"] = groups
+        out["param_groups"] = _loaded_groups(
+            osd["param_groups"], fqn_to_key, None if is_named_optimizer else optim, params, keys
+        )
     if load_directly:
-        assert optim is not None
-        optim.load_state_dict(out)
+        optim.load_state_dict(out)  # type: ignore[union-attr]
     return out
 
 
@@ -936,13 +1083,9 @@ def _settings_of(model: nn.Module) -> Any:
     from fsdp.fully_sharded_data_parallel import FullyShardedDataParallel
 
     if not any(is_fsdp(m) for m in model.modules()):
-        _ModelView(model)  # raises the error for a model without FSDP units
+        # torch FSDP1 fails with an AttributeError (its settings are None).
+        raise OptimStateAttributeError(_NO_FSDP)
     return FullyShardedDataParallel.get_state_dict_type(model)
-
-
-def _use_dtensor(model: nn.Module) -> bool:
-    config = _settings_of(model).optim_state_dict_config
-    return isinstance(config, ShardedOptimStateDictConfig) and bool(config._use_dtensor)
 
 
 def optim_state_dict_api(
@@ -957,7 +1100,6 @@ def optim_state_dict_api(
         full=full,
         rank0_only=bool(getattr(config, "rank0_only", False)) if full else False,
         offload=bool(getattr(config, "offload_to_cpu", True)),
-        use_dtensor=_use_dtensor(model),
     )
 
 
@@ -974,7 +1116,8 @@ def optim_state_dict_to_load_api(
     full = settings.state_dict_type is StateDictType.FULL_STATE_DICT
     rank0_only = full and bool(getattr(settings.optim_state_dict_config, "rank0_only", False))
     return to_load(
-        model, optim, optim_state_dict, is_named_optimizer, load_directly, group, rank0_only=rank0_only
+        model, optim, optim_state_dict, is_named_optimizer, load_directly, group,
+        rank0_only=rank0_only, sharded=not full,
     )
 
 
@@ -982,6 +1125,8 @@ def full_optim_state_dict(
     model: nn.Module, optim: torch.optim.Optimizer, optim_input: Optional[Any], rank0_only: bool, group: Optional[dist.ProcessGroup]
 ) -> dict[str, Any]:
     """Legacy ``full_optim_state_dict``: full state keyed by FQNs, offloaded to CPU."""
+    warn_legacy_api("full_optim_state_dict", "optim_state_dict")
+    warn_optim_input(optim_input)
     return save(
         model, optim, optim.state_dict(), group, full=True, rank0_only=rank0_only, offload=True,
         optim_input=optim_input,
@@ -990,8 +1135,9 @@ def full_optim_state_dict(
 
 def sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, group: Optional[dist.ProcessGroup]) -> dict[str, Any]:
     """Legacy ``sharded_optim_state_dict``: per-parameter states chunked across ranks."""
+    warn_legacy_api("sharded_optim_state_dict", "optim_state_dict")
     return save(
-        model, optim, optim.state_dict(), group, full=False, offload=True, use_dtensor=_use_dtensor(model)
+        model, optim, optim.state_dict(), group, full=False, offload=True
     )
 
 
@@ -999,6 +1145,8 @@ def shard_full_optim_state_dict(
     full_osd: dict[str, Any], model: nn.Module, optim_input: Optional[Any], optim: Optional[torch.optim.Optimizer]
 ) -> dict[str, Any]:
     """Legacy ``shard_full_optim_state_dict``: every rank passes the full state dict."""
+    warn_legacy_api("shard_full_optim_state_dict", "optim_state_dict_to_load")
+    warn_optim_input(optim_input)
     return to_load(model, optim, full_osd, optim_input=optim_input)
 
 
@@ -1006,7 +1154,8 @@ def flatten_sharded_optim_state_dict(
     sharded_osd: dict[str, Any], model: nn.Module, optim: torch.optim.Optimizer
 ) -> dict[str, Any]:
     """Legacy ``flatten_sharded_optim_state_dict``."""
-    return to_load(model, optim, sharded_osd)
+    warn_legacy_api("flatten_sharded_optim_state_dict", "optim_state_dict_to_load")
+    return to_load(model, optim, sharded_osd, sharded=True)
 
 
 def scatter_full_optim_state_dict(
@@ -1017,6 +1166,8 @@ def scatter_full_optim_state_dict(
     group: Optional[dist.ProcessGroup],
 ) -> dict[str, Any]:
     """Legacy ``scatter_full_optim_state_dict``: only rank 0 needs the full state dict."""
+    warn_legacy_api("scatter_full_optim_state_dict", "optim_state_dict_to_load")
+    warn_optim_input(optim_input)
     return to_load(model, optim, full_osd, group=group, rank0_only=True, optim_input=optim_input)
 
 
@@ -1027,10 +1178,15 @@ def rekey_optim_state_dict(
     optim_input: Optional[Any],
     optim: Optional[torch.optim.Optimizer],
 ) -> dict[str, Any]:
-    """Re-keys ``osd`` by parameter names (PARAM_NAME) or by optimizer parameter IDs (PARAM_ID)."""
+    """Re-keys ``osd`` by parameter names (PARAM_NAME) or by optimizer parameter IDs (PARAM_ID).
+
+    Local: no collectives, each rank re-keys by its own optimizer's IDs.
+    """
+    warn_optim_input(optim_input)
     name = getattr(key_type, "name", None)
     if name not in (OptimStateKeyType.PARAM_NAME.name, OptimStateKeyType.PARAM_ID.name):
-        raise ValueError(
+        # torch FSDP1 rejects it with an AssertionError.
+        raise OptimStateAssertionError(
             f"fsdp: optim_state_key_type must be OptimStateKeyType.PARAM_NAME or PARAM_ID, got {key_type!r}"
         )
     keys = list(osd.get("state", {}))
@@ -1046,7 +1202,7 @@ def rekey_optim_state_dict(
         id_to_name = []
         for p in params:
             if id(p) not in fqn_of:
-                raise ValueError(
+                raise OptimStateKeyError(
                     f"fsdp: the optimizer holds a parameter of shape {tuple(p.shape)} that is not "
                     f"a parameter of the model."
                 )
@@ -1054,7 +1210,7 @@ def rekey_optim_state_dict(
 
         def rekey(k: Any) -> Any:
             if not isinstance(k, int) or not 0 <= k < len(id_to_name):
-                raise ValueError(
+                raise OptimStateIndexError(
                     f"fsdp: parameter ID {k!r} is out of range: the optimizer has {len(id_to_name)} parameters."
                 )
             return id_to_name[k]
@@ -1063,7 +1219,7 @@ def rekey_optim_state_dict(
 
         def rekey(k: Any) -> Any:
             if k not in name_to_id:
-                raise ValueError(
+                raise OptimStateKeyError(
                     f"fsdp: parameter name '{k}' is not a parameter the optimizer holds; known names: "
                     f"{sorted(name_to_id)[:8]}."
                 )
