@@ -242,6 +242,19 @@ class FullyShardedDataParallel(nn.Module):
         """The wrapped module."""
         return self._fsdp_wrapped_module
 
+    @property
+    def _flat_param(self) -> Optional[nn.Parameter]:
+        """The unit's FlatParameter, None without parameters (torch FSDP1's property; accelerate
+        reads ``fsdp_module._flat_param._fqns``), also with use_orig_params."""
+        handle = self._fsdp_state.handle
+        return handle.flat_param if handle is not None else None
+
+    @property
+    def _handle(self) -> Any:
+        """The unit's FlatParamHandle, None without parameters (torch FSDP1's name; accelerate
+        reads ``_handle._orig_param_dtype``)."""
+        return self._fsdp_state.handle
+
     def __getattr__(self, name: str) -> Any:
         """Forwards missing attributes to the wrapped module."""
         try:
