@@ -410,6 +410,7 @@ class FlatParamHandle:
         # otherwise the FlatParameter replaces them on the wrapped module.
         self._orig_params: list[nn.Parameter] = list(unique_params) if use_orig_params else []
         self._orig_sharded_ranges = self._sharded_ranges()
+        self._set_torch_metadata(unique_params)
         if use_orig_params:
             self.use_sharded_views()
             return
@@ -423,6 +424,72 @@ class FlatParamHandle:
         else:
             with torch.no_grad():
                 self.use_unsharded_views()
+
+    def _set_torch_metadata(self, unique_params: Sequence[nn.Parameter]) -> None:
+        """Sets the read-only metadata torch FSDP1 keeps on its FlatParameter, under its names.
+
+        [Note: torch-named metadata] Stacks built on torch FSDP1 read these (accelerate:
+        ``_flat_param._fqns``; Lightning: ``param._fsdp_flattened``). Same types and meaning as
+        torch's: ``_fqns`` (list of names relative to the wrapped module), ``_shapes`` (list of
+        ``torch.Size``), ``_strides`` (list of tuples), ``_numels`` (tuple of int),
+        ``_num_params``, ``_param_infos`` (``param_name``, ``module``, ``module_name`` first),
+        ``_modules`` (set), ``_unpadded_unsharded_size`` / ``_padded_unsharded_size`` (sharding
+        only) / ``_sharded_size`` (``torch.Size``), ``_shard_numel_padded`` (padding elements in
+        this rank's shard), ``_params`` / ``_shared_params`` (the original Parameters with
+        use_orig_params, else None) and ``_fsdp_flattened`` (on the FlatParameter, and on the
+        original Parameters with use_orig_params). Our layout has no padding between
+        parameters, so ``_numels_with_padding`` equals ``_numels``.
+        """
+        flat = self.flat_param
+        flat._num_params = len(self.param_infos)  # type: ignore[attr-defined]
+        flat._param_infos = list(self.param_infos)  # type: ignore[attr-defined]
+        flat._fqns = [info.fqn for info in self.param_infos]  # type: ignore[attr-defined]
+        flat._shapes = [info.shape for info in self.param_infos]  # type: ignore[attr-defined]
+        flat._strides = [tuple(p.stride()) for p in unique_params]  # type: ignore[attr-defined]
+        flat._numels = tuple(info.numel for info in self.param_infos)  # type: ignore[attr-defined]
+        flat._numels_with_padding = flat._numels  # type: ignore[attr-defined]
+        flat._modules = {info.module for info in self.param_infos} | {  # type: ignore[attr-defined]
+            shared.module for shared in self.shared_param_infos
+        }
+        flat._unpadded_unsharded_size = torch.Size([self.unpadded_unsharded_numel])  # type: ignore[attr-defined]
+        if self.uses_sharding:
+            flat._padded_unsharded_size = torch.Size([self.padded_unsharded_numel])  # type: ignore[attr-defined]
+            start, end = shard_bounds(self.unpadded_unsharded_numel, self.rank, self.world_size)
+            flat._shard_numel_padded = self.sharded_numel - max(end - start, 0)  # type: ignore[attr-defined]
+        else:
+            flat._shard_numel_padded = 0  # type: ignore[attr-defined]
+        flat._sharded_size = torch.Size([self.sharded_numel])  # type: ignore[attr-defined]
+        if self.use_orig_params:
+            flat._params = self._orig_params  # type: ignore[attr-defined]
+            flat._shared_params = [  # type: ignore[attr-defined]
+                self._orig_params[shared.prim_index] for shared in self.shared_param_infos
+            ]
+            for param in unique_params:
+                param._fsdp_flattened = True  # type: ignore[attr-defined]
+        else:
+            flat._params = None  # type: ignore[attr-defined]
+            flat._shared_params = None  # type: ignore[attr-defined]
+        flat._fsdp_flattened = True  # type: ignore[attr-defined]
+
+    @property
+    def _orig_param_dtype(self) -> torch.dtype:
+        """torch FSDP1's name for the original parameters' dtype (accelerate reads it)."""
+        return self.dtype
+
+    @property
+    def _fully_sharded_module(self) -> nn.Module:
+        """torch FSDP1's name for the module whose parameters this handle flattens."""
+        return self.wrapped_module
+
+    @property
+    def _use_orig_params(self) -> bool:
+        """torch FSDP1's name for ``use_orig_params``."""
+        return self.use_orig_params
+
+    @property
+    def _fwd_bwd_param_dtype(self) -> torch.dtype:
+        """The dtype forward and backward compute in (torch FSDP1's name)."""
+        return self.precision.param_dtype
 
     # ------------------------------------------------------------------ storage
     def _new_freed_buffer(self, dtype: torch.dtype) -> torch.Tensor:
@@ -968,7 +1035,15 @@ class FlatParamHandle:
             return
         grad = self.flat_param.grad
         for index, param in enumerate(self._orig_params):
-            if grad is None or grad.shape != self._local_shard.shape or not param.requires_grad:
+            # A parameter with no element in this rank's shard has no gradient here (None, as
+            # torch FSDP1 gives), not a 0-element one: clip_grad_norm_ with norm_type=inf over
+            # model.parameters() takes a max over each gradient and fails on an empty one.
+            if (
+                grad is None
+                or grad.shape != self._local_shard.shape
+                or not param.requires_grad
+                or (self.uses_sharding and self._orig_sharded_ranges[index][1] == 0)
+            ):
                 param.grad = None
             else:
                 assign_grad(param, self._orig_sharded_view(grad, index))
