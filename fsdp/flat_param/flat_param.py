@@ -192,17 +192,18 @@ def _record_event(stream: Any) -> Any:
 
 
 def assign_grad(param: nn.Parameter, grad: Optional[torch.Tensor]) -> None:
-    """``param.grad = grad``, also when ``grad`` is in a lower precision than ``param``.
+    """``param.grad = grad``, also when ``grad`` differs from ``param`` in dtype or shape.
 
-    autograd refuses a ``.grad`` of another dtype, so a low-precision gradient
-    (keep_low_precision_grads) goes in through ``.grad.data`` on a stand-in of the right dtype;
-    the stand-in has zero strides, so it costs one element.
+    autograd refuses a ``.grad`` of another dtype or shape, so a low-precision gradient
+    (keep_low_precision_grads), or an unsharded gradient on a sharded original parameter
+    (use_orig_params inside ``no_sync``, as torch FSDP1 shows it), goes in through ``.grad.data``
+    on a stand-in like ``param``; the stand-in has zero strides, so it costs one element.
     """
-    if grad is None or grad.dtype == param.dtype:
+    if grad is None or (grad.dtype == param.dtype and grad.shape == param.shape):
         param.grad = grad
         return
     param.grad = torch.empty_strided(
-        grad.shape, [0] * grad.dim(), dtype=param.dtype, device=grad.device
+        param.shape, [0] * param.dim(), dtype=param.dtype, device=param.device
     )
     param.grad.data = grad
 
@@ -671,6 +672,14 @@ class FlatParamHandle:
             _set_module_tensor(info.module, info.param_name, view)
         for shared in self.shared_param_infos:
             _set_module_tensor(shared.module, shared.param_name, views[shared.prim_index])
+        if self.use_orig_params:
+            # As torch FSDP1: the views are also listed in ``_parameters``, so that
+            # ``named_parameters()`` called inside forward (or before backward) lists the
+            # parameters, as unsharded views. Attribute access still finds the view first.
+            for info, view in zip(self.param_infos, views):
+                info.module._parameters[info.param_name] = view  # type: ignore[assignment]
+            for shared in self.shared_param_infos:
+                shared.module._parameters[shared.param_name] = views[shared.prim_index]  # type: ignore[assignment]
 
     def _sharded_ranges(self) -> list[tuple[int, int]]:
         """``(offset in the local shard, numel)`` of each parameter's part on this rank."""
@@ -1010,6 +1019,7 @@ class FlatParamHandle:
         self._pending_sharded_grad = None
         self._sharded_grad_stash = None
         if pending is None and stash is None:
+            self.use_sharded_grad_views()  # no_sync: the held unsharded gradient's views
             return
         if self.has_unsharded_buffer:
             p_assert(
@@ -1030,8 +1040,19 @@ class FlatParamHandle:
         self.use_sharded_grad_views()
 
     def use_sharded_grad_views(self) -> None:
-        """use_orig_params: each original Parameter's ``.grad`` views the sharded gradient."""
+        """use_orig_params: each original Parameter's ``.grad`` views the sharded gradient.
+
+        Inside ``no_sync`` (an unsynchronized gradient is held) they view that accumulated
+        unsharded gradient instead, in their original shapes, as torch FSDP1 shows them; any
+        sharded gradient from before stays on the FlatParameter, hidden until the next
+        synchronized backward adds the reduced gradient to it.
+        """
         if not self.use_orig_params:
+            return
+        unsynced = self._unsynced_unsharded_grad
+        if unsynced is not None:
+            for view, param in zip(self._unsharded_views(unsynced), self._orig_params):
+                assign_grad(param, view if param.requires_grad else None)
             return
         grad = self.flat_param.grad
         for index, param in enumerate(self._orig_params):
@@ -1061,6 +1082,9 @@ class FlatParamHandle:
         ):
             return flat_grad
         grads = [p.grad for p in self._orig_params]
+        if self._unsynced_unsharded_grad is not None:
+            self._sync_unsynced_grad_from_orig(grads)
+            return flat_grad
         if all(g is None for g in grads):
             self.flat_param.grad = None
             return None
@@ -1076,6 +1100,39 @@ class FlatParamHandle:
                 self._orig_sharded_view(rebuilt, index).copy_(grad.reshape(self._orig_sharded_view(rebuilt, index).shape))
         self._set_sharded_grad(rebuilt)
         return rebuilt
+
+    def _sync_unsynced_grad_from_orig(self, grads: Sequence[Optional[torch.Tensor]]) -> None:
+        """Inside ``no_sync``: makes the held unsharded gradient agree with the original grads.
+
+        They normally still view it (then nothing changes). All None (``zero_grad`` with
+        ``set_to_none=True``): the accumulated gradients are dropped, the held unsharded one
+        and any sharded one from before. Otherwise each replaced gradient is copied in (zeros
+        for a None one).
+
+        Raises:
+            ValueError: A replaced gradient has neither the parameter's original shape nor
+                its number of elements.
+        """
+        unsynced = self._unsynced_unsharded_grad
+        assert unsynced is not None
+        if all(g is None for g in grads):
+            self._unsynced_unsharded_grad = None
+            self.flat_param.grad = None
+            return
+        views = self._unsharded_views(unsynced)
+        for grad, view, info in zip(grads, views, self.param_infos):
+            if grad is not None and grad.data_ptr() == view.data_ptr() and grad.shape == view.shape:
+                continue
+            if grad is None:
+                view.zero_()
+            elif grad.numel() != view.numel():
+                raise ValueError(
+                    f"fsdp: the gradient of parameter '{info.fqn}' (FSDP unit "
+                    f"'{self.unit_name}') was replaced inside no_sync() by one of shape "
+                    f"{tuple(grad.shape)}; it must have the parameter's shape {tuple(info.shape)}."
+                )
+            else:
+                view.copy_(grad.reshape(view.shape))
 
     def writeback_orig_params(self) -> None:
         """use_orig_params: adopts ``.data`` or Parameters the user replaced since the last step.
@@ -1098,7 +1155,7 @@ class FlatParamHandle:
             expected = self._orig_sharded_view(self._local_shard, index)
             if current is tracked and (expected.numel() == 0 or current.data_ptr() == expected.data_ptr()) and current.shape == expected.shape:
                 continue
-            if current is None:
+            if current is None or not isinstance(current, nn.Parameter):
                 continue  # name currently holds a view (forward in progress)
             changed = True
             new = current.detach()
