@@ -1101,6 +1101,30 @@ class FlatParamHandle:
         self._set_sharded_grad(rebuilt)
         return rebuilt
 
+    def check_params_not_replaced_since_forward(self) -> None:
+        """use_orig_params: raises if a parameter was replaced between forward and backward.
+
+        During forward (and until backward for a unit kept unsharded) the names hold the
+        unsharded views; once resharded, the original Parameters. A new ``nn.Parameter`` set on
+        the module in between is neither: the backward would compute with (and send gradients
+        for) the old values, so this raises instead (torch FSDP1 fails with a RuntimeError).
+
+        Raises:
+            RuntimeError: A parameter was replaced; the message names it and the remedy.
+        """
+        if not self.use_orig_params:
+            return
+        for index, info in enumerate(self.param_infos):
+            current = info.module._parameters.get(info.param_name)
+            if not isinstance(current, nn.Parameter) or current is self._orig_params[index]:
+                continue
+            raise RuntimeError(
+                f"fsdp: parameter '{info.fqn}' of FSDP unit '{self.unit_name}' was replaced by a "
+                f"new nn.Parameter between forward and backward; this backward uses the values "
+                f"the forward saw. Replace parameters before forward (between steps), or change "
+                f"them in place under torch.no_grad() after the optimizer step."
+            )
+
     def _sync_unsynced_grad_from_orig(self, grads: Sequence[Optional[torch.Tensor]]) -> None:
         """Inside ``no_sync``: makes the held unsharded gradient agree with the original grads.
 

@@ -214,6 +214,8 @@ def _pre_backward_hook(state: UnitState, grad: torch.Tensor) -> torch.Tensor:
     _queue_final_callback(state.ctx)
     if state.ran_pre_backward:
         return grad
+    for handle in state.handles:
+        handle.check_params_not_replaced_since_forward()  # user error: before any state change
     state.ran_pre_backward = True
     check_execution_order(state, "backward")
     transition(state, TrainingState.BACKWARD_PRE)
