@@ -1,5 +1,5 @@
 """torch FSDP1's FlatParameter / handle metadata that client stacks read (accelerate, Lightning),
-and use_orig_params gradients of parameters with no element on a rank — against torch FSDP1.
+against torch FSDP1.
 """
 
 from __future__ import annotations
@@ -98,69 +98,3 @@ def metadata() -> None:
 @pytest.mark.parametrize("dist_pool", [1, 2, 4], indirect=True)
 def test_torch_named_metadata(dist_pool: RankPool) -> None:
     dist_pool.run(metadata)
-
-
-class _Small(nn.Module):
-    """Numels 16, 4, 4, 1: every parameter but the last is a multiple of torch's 4-element
-    alignment, so torch's use_orig_params layout (which pads each parameter to 16 bytes) is the
-    same as ours and both put the same elements on each rank. With 2 ranks (13 elements each)
-    rank 0 holds only fc1.weight; with 4 ranks (7 each) ranks 0 and 1 hold only fc1.weight."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.fc1 = nn.Linear(4, 4)
-        self.fc2 = nn.Linear(4, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.tanh(self.fc1(x)))
-
-
-def empty_shard_grads(strategy: str) -> None:
-    rank, ws = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(1)
-    x = torch.randn(4 * ws, 4)
-    ours, theirs = _wrap("ours", _Small(), strategy, True, False), _wrap("torch", _Small(), strategy, True, False)
-    ref = _Small()
-    for model in (ours, theirs):
-        model(local_rows(x, rank, ws)).square().sum().backward()
-    ref(x).square().sum().div(ws).backward()  # FSDP averages over ranks
-    # Which parameters have a gradient here: exactly torch's (None where no element is local).
-    got = {n: p.grad for n, p in ours.named_parameters()}
-    want = {n: p.grad for n, p in theirs.named_parameters()}
-    assert list(got) == list(want)
-    for name in got:
-        assert (got[name] is None) == (want[name] is None), (name, rank)
-        if got[name] is not None:
-            assert got[name].numel() > 0, name
-            # Same reduction of the same numbers in the same order: exact.
-            assert torch.equal(got[name], want[name]), name
-    if strategy != "NO_SHARD" and ws > 1:  # the layout of _Small's docstring
-        prefix = "_fsdp_wrapped_module."
-        if rank < ws - 1:
-            assert got[prefix + "fc2.bias"] is None
-        if rank == 0:
-            assert got[prefix + "fc1.bias"] is None and got[prefix + "fc1.weight"] is not None
-    # Inf-norm clipping over model.parameters(): the local max, as torch gives.
-    norm = torch.nn.utils.clip_grad_norm_(ours.parameters(), 0.01, norm_type=float("inf"))
-    tnorm = torch.nn.utils.clip_grad_norm_(theirs.parameters(), 0.01, norm_type=float("inf"))
-    assert torch.equal(norm, tnorm)
-    for name, p in ours.named_parameters():
-        tp = dict(theirs.named_parameters())[name]
-        if p.grad is not None:
-            assert torch.equal(p.grad, tp.grad), name
-    # FSDP's own clip (all ranks): the global inf-norm of the single-process gradients. The
-    # gradients are the same numbers as the reference's up to the averaging's rounding, and a
-    # max picks one of them: compare with the reference's max to float32 rounding of a sum of
-    # ws terms (rtol 1e-6 covers ws<=4 roundings of a value of this size).
-    ours.zero_grad()
-    ours(local_rows(x, rank, ws)).square().sum().backward()
-    total = ours.clip_grad_norm_(1e9, norm_type=float("inf"))
-    ref_max = max(p.grad.abs().max() for p in ref.parameters())
-    torch.testing.assert_close(total, ref_max, rtol=1e-6, atol=0.0)
-
-
-@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
-@pytest.mark.parametrize("dist_pool", [1, 2, 4], indirect=True)
-def test_empty_shard_grad_is_none(dist_pool: RankPool, strategy: str) -> None:
-    dist_pool.run(empty_shard_grads, strategy)

@@ -456,7 +456,7 @@ class FlatParamHandle:
         if self.uses_sharding:
             flat._padded_unsharded_size = torch.Size([self.padded_unsharded_numel])  # type: ignore[attr-defined]
             start, end = shard_bounds(self.unpadded_unsharded_numel, self.rank, self.world_size)
-            flat._shard_numel_padded = self.sharded_numel - max(end - start, 0)  # type: ignore[attr-defined]
+            flat._shard_numel_padded = self.sharded_numel - max(min(end, self.unpadded_unsharded_numel) - start, 0)  # type: ignore[attr-defined]
         else:
             flat._shard_numel_padded = 0  # type: ignore[attr-defined]
         flat._sharded_size = torch.Size([self.sharded_numel])  # type: ignore[attr-defined]
@@ -1056,15 +1056,7 @@ class FlatParamHandle:
             return
         grad = self.flat_param.grad
         for index, param in enumerate(self._orig_params):
-            # A parameter with no element in this rank's shard has no gradient here (None, as
-            # torch FSDP1 gives), not a 0-element one: clip_grad_norm_ with norm_type=inf over
-            # model.parameters() takes a max over each gradient and fails on an empty one.
-            if (
-                grad is None
-                or grad.shape != self._local_shard.shape
-                or not param.requires_grad
-                or (self.uses_sharding and self._orig_sharded_ranges[index][1] == 0)
-            ):
+            if grad is None or grad.shape != self._local_shard.shape or not param.requires_grad:
                 param.grad = None
             else:
                 assign_grad(param, self._orig_sharded_view(grad, index))
