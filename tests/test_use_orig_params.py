@@ -99,9 +99,8 @@ def _flat_grad_bytes(model: nn.Module, flat_cls: type) -> int:
                 for handle in state.handles:
                     if handle.flat_param.grad is not None:
                         total += handle.flat_param.grad.numel() * handle.flat_param.grad.element_size()
-        # torch FSDP1's one handle (ours exposes ``_handle`` too, counted above with its second one)
-        handle = getattr(module, "_handle", None) if getattr(module, "_fsdp_state", None) is None else None
-        if handle is not None and getattr(handle, "flat_param", None) is not None and handle.flat_param.grad is not None:
+        handle = getattr(module, "_handle", None)  # torch FSDP1 (ours has it too: counted above)
+        if getattr(module, "_fsdp_state", None) is None and handle is not None and getattr(handle, "flat_param", None) is not None and handle.flat_param.grad is not None:
             total += handle.flat_param.grad.numel() * handle.flat_param.grad.element_size()
     return total
 

@@ -192,17 +192,18 @@ def _record_event(stream: Any) -> Any:
 
 
 def assign_grad(param: nn.Parameter, grad: Optional[torch.Tensor]) -> None:
-    """``param.grad = grad``, also when ``grad`` is in a lower precision than ``param``.
+    """``param.grad = grad``, also when ``grad`` differs from ``param`` in dtype or shape.
 
-    autograd refuses a ``.grad`` of another dtype, so a low-precision gradient
-    (keep_low_precision_grads) goes in through ``.grad.data`` on a stand-in of the right dtype;
-    the stand-in has zero strides, so it costs one element.
+    autograd refuses a ``.grad`` of another dtype or shape, so a low-precision gradient
+    (keep_low_precision_grads), or an unsharded gradient on a sharded original parameter
+    (use_orig_params inside ``no_sync``, as torch FSDP1 shows it), goes in through ``.grad.data``
+    on a stand-in like ``param``; the stand-in has zero strides, so it costs one element.
     """
-    if grad is None or grad.dtype == param.dtype:
+    if grad is None or (grad.dtype == param.dtype and grad.shape == param.shape):
         param.grad = grad
         return
     param.grad = torch.empty_strided(
-        grad.shape, [0] * grad.dim(), dtype=param.dtype, device=grad.device
+        param.shape, [0] * param.dim(), dtype=param.dtype, device=param.device
     )
     param.grad.data = grad
 
@@ -410,6 +411,7 @@ class FlatParamHandle:
         # otherwise the FlatParameter replaces them on the wrapped module.
         self._orig_params: list[nn.Parameter] = list(unique_params) if use_orig_params else []
         self._orig_sharded_ranges = self._sharded_ranges()
+        self._set_torch_metadata(unique_params)
         if use_orig_params:
             self.use_sharded_views()
             return
@@ -423,6 +425,72 @@ class FlatParamHandle:
         else:
             with torch.no_grad():
                 self.use_unsharded_views()
+
+    def _set_torch_metadata(self, unique_params: Sequence[nn.Parameter]) -> None:
+        """Sets the read-only metadata torch FSDP1 keeps on its FlatParameter, under its names.
+
+        [Note: torch-named metadata] Stacks built on torch FSDP1 read these (accelerate:
+        ``_flat_param._fqns``; Lightning: ``param._fsdp_flattened``). Same types and meaning as
+        torch's: ``_fqns`` (list of names relative to the wrapped module), ``_shapes`` (list of
+        ``torch.Size``), ``_strides`` (list of tuples), ``_numels`` (tuple of int),
+        ``_num_params``, ``_param_infos`` (``param_name``, ``module``, ``module_name`` first),
+        ``_modules`` (set), ``_unpadded_unsharded_size`` / ``_padded_unsharded_size`` (sharding
+        only) / ``_sharded_size`` (``torch.Size``), ``_shard_numel_padded`` (padding elements in
+        this rank's shard), ``_params`` / ``_shared_params`` (the original Parameters with
+        use_orig_params, else None) and ``_fsdp_flattened`` (on the FlatParameter, and on the
+        original Parameters with use_orig_params). Our layout has no padding between
+        parameters, so ``_numels_with_padding`` equals ``_numels``.
+        """
+        flat = self.flat_param
+        flat._num_params = len(self.param_infos)  # type: ignore[attr-defined]
+        flat._param_infos = list(self.param_infos)  # type: ignore[attr-defined]
+        flat._fqns = [info.fqn for info in self.param_infos]  # type: ignore[attr-defined]
+        flat._shapes = [info.shape for info in self.param_infos]  # type: ignore[attr-defined]
+        flat._strides = [tuple(p.stride()) for p in unique_params]  # type: ignore[attr-defined]
+        flat._numels = tuple(info.numel for info in self.param_infos)  # type: ignore[attr-defined]
+        flat._numels_with_padding = flat._numels  # type: ignore[attr-defined]
+        flat._modules = {info.module for info in self.param_infos} | {  # type: ignore[attr-defined]
+            shared.module for shared in self.shared_param_infos
+        }
+        flat._unpadded_unsharded_size = torch.Size([self.unpadded_unsharded_numel])  # type: ignore[attr-defined]
+        if self.uses_sharding:
+            flat._padded_unsharded_size = torch.Size([self.padded_unsharded_numel])  # type: ignore[attr-defined]
+            start, end = shard_bounds(self.unpadded_unsharded_numel, self.rank, self.world_size)
+            flat._shard_numel_padded = self.sharded_numel - max(min(end, self.unpadded_unsharded_numel) - start, 0)  # type: ignore[attr-defined]
+        else:
+            flat._shard_numel_padded = 0  # type: ignore[attr-defined]
+        flat._sharded_size = torch.Size([self.sharded_numel])  # type: ignore[attr-defined]
+        if self.use_orig_params:
+            flat._params = self._orig_params  # type: ignore[attr-defined]
+            flat._shared_params = [  # type: ignore[attr-defined]
+                self._orig_params[shared.prim_index] for shared in self.shared_param_infos
+            ]
+            for param in unique_params:
+                param._fsdp_flattened = True  # type: ignore[attr-defined]
+        else:
+            flat._params = None  # type: ignore[attr-defined]
+            flat._shared_params = None  # type: ignore[attr-defined]
+        flat._fsdp_flattened = True  # type: ignore[attr-defined]
+
+    @property
+    def _orig_param_dtype(self) -> torch.dtype:
+        """torch FSDP1's name for the original parameters' dtype (accelerate reads it)."""
+        return self.dtype
+
+    @property
+    def _fully_sharded_module(self) -> nn.Module:
+        """torch FSDP1's name for the module whose parameters this handle flattens."""
+        return self.wrapped_module
+
+    @property
+    def _use_orig_params(self) -> bool:
+        """torch FSDP1's name for ``use_orig_params``."""
+        return self.use_orig_params
+
+    @property
+    def _fwd_bwd_param_dtype(self) -> torch.dtype:
+        """The dtype forward and backward compute in (torch FSDP1's name)."""
+        return self.precision.param_dtype
 
     # ------------------------------------------------------------------ storage
     def _new_freed_buffer(self, dtype: torch.dtype) -> torch.Tensor:
@@ -604,6 +672,14 @@ class FlatParamHandle:
             _set_module_tensor(info.module, info.param_name, view)
         for shared in self.shared_param_infos:
             _set_module_tensor(shared.module, shared.param_name, views[shared.prim_index])
+        if self.use_orig_params:
+            # As torch FSDP1: the views are also listed in ``_parameters``, so that
+            # ``named_parameters()`` called inside forward (or before backward) lists the
+            # parameters, as unsharded views. Attribute access still finds the view first.
+            for info, view in zip(self.param_infos, views):
+                info.module._parameters[info.param_name] = view  # type: ignore[assignment]
+            for shared in self.shared_param_infos:
+                shared.module._parameters[shared.param_name] = views[shared.prim_index]  # type: ignore[assignment]
 
     def _sharded_ranges(self) -> list[tuple[int, int]]:
         """``(offset in the local shard, numel)`` of each parameter's part on this rank."""
@@ -943,6 +1019,7 @@ class FlatParamHandle:
         self._pending_sharded_grad = None
         self._sharded_grad_stash = None
         if pending is None and stash is None:
+            self.use_sharded_grad_views()  # no_sync: the held unsharded gradient's views
             return
         if self.has_unsharded_buffer:
             p_assert(
@@ -963,8 +1040,19 @@ class FlatParamHandle:
         self.use_sharded_grad_views()
 
     def use_sharded_grad_views(self) -> None:
-        """use_orig_params: each original Parameter's ``.grad`` views the sharded gradient."""
+        """use_orig_params: each original Parameter's ``.grad`` views the sharded gradient.
+
+        Inside ``no_sync`` (an unsynchronized gradient is held) they view that accumulated
+        unsharded gradient instead, in their original shapes, as torch FSDP1 shows them; any
+        sharded gradient from before stays on the FlatParameter, hidden until the next
+        synchronized backward adds the reduced gradient to it.
+        """
         if not self.use_orig_params:
+            return
+        unsynced = self._unsynced_unsharded_grad
+        if unsynced is not None:
+            for view, param in zip(self._unsharded_views(unsynced), self._orig_params):
+                assign_grad(param, view if param.requires_grad else None)
             return
         grad = self.flat_param.grad
         for index, param in enumerate(self._orig_params):
@@ -986,6 +1074,9 @@ class FlatParamHandle:
         ):
             return flat_grad
         grads = [p.grad for p in self._orig_params]
+        if self._unsynced_unsharded_grad is not None:
+            self._sync_unsynced_grad_from_orig(grads)
+            return flat_grad
         if all(g is None for g in grads):
             self.flat_param.grad = None
             return None
@@ -1001,6 +1092,63 @@ class FlatParamHandle:
                 self._orig_sharded_view(rebuilt, index).copy_(grad.reshape(self._orig_sharded_view(rebuilt, index).shape))
         self._set_sharded_grad(rebuilt)
         return rebuilt
+
+    def check_params_not_replaced_since_forward(self) -> None:
+        """use_orig_params: raises if a parameter was replaced between forward and backward.
+
+        During forward (and until backward for a unit kept unsharded) the names hold the
+        unsharded views; once resharded, the original Parameters. A new ``nn.Parameter`` set on
+        the module in between is neither: the backward would compute with (and send gradients
+        for) the old values, so this raises instead (torch FSDP1 fails with a RuntimeError).
+
+        Raises:
+            RuntimeError: A parameter was replaced; the message names it and the remedy.
+        """
+        if not self.use_orig_params:
+            return
+        for index, info in enumerate(self.param_infos):
+            current = info.module._parameters.get(info.param_name)
+            if not isinstance(current, nn.Parameter) or current is self._orig_params[index]:
+                continue
+            raise RuntimeError(
+                f"fsdp: parameter '{info.fqn}' of FSDP unit '{self.unit_name}' was replaced by a "
+                f"new nn.Parameter between forward and backward; this backward uses the values "
+                f"the forward saw. Replace parameters before forward (between steps), or change "
+                f"them in place under torch.no_grad() after the optimizer step."
+            )
+
+    def _sync_unsynced_grad_from_orig(self, grads: Sequence[Optional[torch.Tensor]]) -> None:
+        """Inside ``no_sync``: makes the held unsharded gradient agree with the original grads.
+
+        They normally still view it (then nothing changes). All None (``zero_grad`` with
+        ``set_to_none=True``): the accumulated gradients are dropped, the held unsharded one
+        and any sharded one from before. Otherwise each replaced gradient is copied in (zeros
+        for a None one).
+
+        Raises:
+            ValueError: A replaced gradient has neither the parameter's original shape nor
+                its number of elements.
+        """
+        unsynced = self._unsynced_unsharded_grad
+        assert unsynced is not None
+        if all(g is None for g in grads):
+            self._unsynced_unsharded_grad = None
+            self.flat_param.grad = None
+            return
+        views = self._unsharded_views(unsynced)
+        for grad, view, info in zip(grads, views, self.param_infos):
+            if grad is not None and grad.data_ptr() == view.data_ptr() and grad.shape == view.shape:
+                continue
+            if grad is None:
+                view.zero_()
+            elif grad.numel() != view.numel():
+                raise ValueError(
+                    f"fsdp: the gradient of parameter '{info.fqn}' (FSDP unit "
+                    f"'{self.unit_name}') was replaced inside no_sync() by one of shape "
+                    f"{tuple(grad.shape)}; it must have the parameter's shape {tuple(info.shape)}."
+                )
+            else:
+                view.copy_(grad.reshape(view.shape))
 
     def writeback_orig_params(self) -> None:
         """use_orig_params: adopts ``.data`` or Parameters the user replaced since the last step.
@@ -1023,7 +1171,7 @@ class FlatParamHandle:
             expected = self._orig_sharded_view(self._local_shard, index)
             if current is tracked and (expected.numel() == 0 or current.data_ptr() == expected.data_ptr()) and current.shape == expected.shape:
                 continue
-            if current is None:
+            if current is None or not isinstance(current, nn.Parameter):
                 continue  # name currently holds a view (forward in progress)
             changed = True
             new = current.detach()

@@ -214,6 +214,8 @@ def _pre_backward_hook(state: UnitState, grad: torch.Tensor) -> torch.Tensor:
     _queue_final_callback(state.ctx)
     if state.ran_pre_backward:
         return grad
+    for handle in state.handles:
+        handle.check_params_not_replaced_since_forward()  # user error: before any state change
     state.ran_pre_backward = True
     check_execution_order(state, "backward")
     transition(state, TrainingState.BACKWARD_PRE)
@@ -304,6 +306,13 @@ def _final_callback(ctx: RootContext) -> None:
         for handle in state.handles:
             if handle.is_unsharded and state.reshards_after_backward():
                 handle.reshard()
+            elif handle.use_orig_params:
+                # Kept unsharded (no_sync, SHARD_GRAD_OP's root, ...): the names hold this
+                # backward's views; register the original Parameters back, as torch FSDP1 does,
+                # so the optimizer and named_parameters() see them between steps.
+                handle.use_sharded_views()
+                if handle.has_unsynced_grad():
+                    handle.use_sharded_grad_views()  # no_sync: the accumulated unsharded views
             if not handle.is_unsharded or not handle.has_unsharded_buffer:
                 handle.finalize_grad()
         state.ran_pre_backward = False
