@@ -18,20 +18,25 @@ Rank functions are module-level (workers import them by name) and start with ``_
 from __future__ import annotations
 
 import math
+import warnings
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 
 from fsdp import FullyShardedDataParallel as FSDP
 from tests._harness import RankPool
 from tests._net import (
     ATOL,
+    CPU,
     LR,
     RTOL,
     STRATEGIES,
     Batch,
+    Block,
     NetBuilders,
     compare_flat,
     flat_params,
@@ -145,6 +150,147 @@ def _check_errors_and_no_grads() -> bool:
     return True
 
 
+
+# ---------------------------------------------------------------------------------------------
+# Bit-for-bit parity with torch FSDP1 ([Note: Clip-norm arithmetic] in fsdp/runtime/_clip_grad.py)
+# ---------------------------------------------------------------------------------------------
+
+EXACT_NORM_TYPES = (0.0, 1.0, 2.0, 3.5, math.inf)
+EXACT_STEPS = 3
+EXACT_MAX_NORM = 0.05  # below every norm seen here: every step clips
+EXACT_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
+_BF16 = torch.bfloat16
+MIXED_PRECISION: dict[str, dict[str, Any] | None] = {
+    "fp32": None,
+    "bf16": dict(param_dtype=_BF16, reduce_dtype=_BF16, buffer_dtype=_BF16),
+    "bf16_keep_low_precision_grads": dict(param_dtype=_BF16, reduce_dtype=_BF16, keep_low_precision_grads=True),
+}
+
+_HYBRID_GROUPS: dict[int, tuple[Any, Any]] = {}
+
+
+def _hybrid_groups() -> tuple[Any, Any]:
+    """(shard group, replicate group): shard in pairs of consecutive ranks, replicate across them.
+
+    Made once per rank process (every rank must create every group, in the same order).
+    """
+    ws = dist.get_world_size()
+    if ws not in _HYBRID_GROUPS:
+        pairs = [[r, r + 1] for r in range(0, ws, 2)]
+        across = [[r + i for r in range(0, ws, 2)] for i in range(2)]
+        shard, _ = dist.new_subgroups_by_enumeration(pairs)
+        replicate, _ = dist.new_subgroups_by_enumeration(across)
+        _HYBRID_GROUPS[ws] = (shard, replicate)
+    return _HYBRID_GROUPS[ws]
+
+
+def _wrap_both(strategy: str, use_orig_params: bool, precision: str) -> tuple[FSDP, nn.Module]:
+    """:class:`Net` wrapped by us and by torch FSDP1 the same way (nested ``Block`` units)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+    from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision
+    from torch.distributed.fsdp import ShardingStrategy as TorchShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchModuleWrapPolicy
+
+    from fsdp import MixedPrecision
+    from fsdp.api import ShardingStrategy
+    from fsdp.wrap import ModuleWrapPolicy
+
+    config = MIXED_PRECISION[precision]
+    groups = {"process_group": _hybrid_groups()} if strategy == "HYBRID_SHARD" else {}
+    ours = FSDP(
+        _plain(),
+        sharding_strategy=ShardingStrategy[strategy],
+        auto_wrap_policy=ModuleWrapPolicy({Block}),
+        use_orig_params=use_orig_params,
+        mixed_precision=None if config is None else MixedPrecision(**config),
+        **groups,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # world size 1 -> NO_SHARD warning
+        theirs = TorchFSDP(
+            _plain(),
+            sharding_strategy=TorchShardingStrategy[strategy],
+            auto_wrap_policy=TorchModuleWrapPolicy({Block}),
+            use_orig_params=use_orig_params,
+            mixed_precision=None if config is None else TorchMixedPrecision(**config),
+            device_id=CPU,
+            **groups,
+        )
+    return ours, theirs
+
+
+def _full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    with type(model).summon_full_params(model, writeback=False):
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _compare(ours: FSDP, theirs: nn.Module, use_orig_params: bool, grads: bool, what: str) -> None:
+    """Each unit's local flat parameter (or gradient) equals torch FSDP1's bit for bit.
+
+    With use_orig_params torch FSDP1 pads each original parameter to a 16-byte boundary inside
+    the flat parameter and ours does not, so shards are cut elsewhere: the full parameters are
+    compared instead (gradients then only through the parameters the optimizer makes of them).
+    """
+    if not use_orig_params:
+        compare_flat(flat_params(ours, grads=grads), flat_params(theirs, grads=grads), True, what)
+    elif not grads:
+        mine, torch_full = _full_params(ours), _full_params(theirs)
+        assert sorted(mine) == sorted(torch_full), what
+        for name in mine:
+            assert torch.equal(mine[name], torch_full[name]), f"{what}: {name} differs from torch FSDP1"
+
+
+def _upcast_grads(model: nn.Module) -> None:
+    """keep_low_precision_grads leaves bf16 gradients on fp32 parameters; AdamW needs fp32."""
+    for p in model.parameters():
+        if p.grad is not None and p.grad.dtype != p.dtype:
+            p.grad = p.grad.to(p.dtype)
+
+
+def _check_exact(strategies: tuple[str, ...], orig_params: tuple[bool, ...], precisions: tuple[str, ...]) -> int:
+    """Every config: the returned norm (value and dtype), the clipped gradients and the
+    parameters after each AdamW step equal torch FSDP1's bit for bit. Returns how many
+    (config, step) pairs compared."""
+    ws = dist.get_world_size()
+    compared = 0
+    for strategy in strategies:
+        if strategy == "HYBRID_SHARD" and ws == 1:
+            continue  # nothing to shard nor replicate
+        sharded = ws > 1 and strategy != "NO_SHARD"
+        for use_orig_params in orig_params:
+            for precision in precisions:
+                for norm_type in EXACT_NORM_TYPES:
+                    what = f"{strategy} use_orig_params={use_orig_params} {precision} norm_type={norm_type}"
+                    ours, theirs = _wrap_both(strategy, use_orig_params, precision)
+                    opts = [torch.optim.AdamW(m.parameters(), lr=0.01) for m in (ours, theirs)]
+                    for step in range(EXACT_STEPS):
+                        for model in (ours, theirs):
+                            x, y = _local_batch(step)
+                            F.mse_loss(model(x), y).backward()
+                        _compare(ours, theirs, use_orig_params, True, f"{what}: step {step}: grads")
+                        if norm_type == 0 and sharded:
+                            # torch FSDP1 fails with a bare ZeroDivisionError; ours says why.
+                            with pytest.raises(ZeroDivisionError):
+                                theirs.clip_grad_norm_(EXACT_MAX_NORM, norm_type)
+                            with pytest.raises(ZeroDivisionError, match="not defined when gradients are sharded"):
+                                ours.clip_grad_norm_(EXACT_MAX_NORM, norm_type)
+                            break
+                        our_norm = ours.clip_grad_norm_(EXACT_MAX_NORM, norm_type)
+                        their_norm = theirs.clip_grad_norm_(EXACT_MAX_NORM, norm_type)
+                        assert our_norm.dtype == their_norm.dtype, f"{what}: step {step}: {our_norm.dtype} vs {their_norm.dtype}"
+                        assert torch.equal(our_norm, their_norm), f"{what}: step {step}: norm {our_norm.item()!r} vs torch FSDP1 {their_norm.item()!r}"
+                        assert float(our_norm) > EXACT_MAX_NORM, f"{what}: step {step}: did not clip"
+                        _compare(ours, theirs, use_orig_params, True, f"{what}: step {step}: clipped grads")
+                        for model, opt in zip((ours, theirs), opts):
+                            _upcast_grads(model)
+                            opt.step()
+                            # (torch FSDP1 cannot summon use_orig_params with low-precision
+                            # gradients, so they go before the parameters are compared.)
+                            opt.zero_grad(set_to_none=True)
+                        _compare(ours, theirs, use_orig_params, False, f"{what}: step {step}: params")
+                        compared += 1
+    return compared
+
 # ---------------------------------------------------------------------------------------------
 # Tests
 # ---------------------------------------------------------------------------------------------
@@ -169,3 +315,9 @@ def test_clip_grad_norm_matches_reference(dist_pool: RankPool) -> None:
 
 def test_clip_grad_norm_edge_cases(pool2: RankPool) -> None:
     assert pool2.run(_check_errors_and_no_grads) == [True, True]
+
+
+@pytest.mark.parametrize("dist_pool", [1, 2, 4], indirect=True)
+def test_clip_grad_norm_bit_identical_to_torch(dist_pool: RankPool) -> None:
+    compared = dist_pool.run(_check_exact, EXACT_STRATEGIES, (False,), tuple(MIXED_PRECISION), _timeout=600)
+    assert len(set(compared)) == 1 and compared[0] > 0
