@@ -169,10 +169,11 @@ def gather_p2p(
         return P2PWork([request], [dst_global], "gather", group)
     assert output is not None, "the receiving rank of a gather needs an output tensor"
     numel = input.numel()
-    peers = [_global_rank(group, src) for src in range(world_size) if src != dst]
+    sources = [src for src in range(world_size) if src != dst]
+    peers = [_global_rank(group, src) for src in sources]
     requests: list[Any] = []
     try:
-        for src, src_global in zip((r for r in range(world_size) if r != dst), peers):
+        for src, src_global in zip(sources, peers):
             requests.append(
                 dist.irecv(output[src * numel : (src + 1) * numel], src_global, group=group, tag=_GATHER_TAG)
             )
