@@ -157,3 +157,48 @@ def test_stalled_rank_times_out_with_context(pool2: RankPool) -> None:
         assert seen["type"] is seen["cause_type"] and issubclass(seen["type"], RuntimeError), (scenario, seen)  # type: ignore[arg-type]
         assert str(seen["cause"]).strip() in message, (scenario, seen)
         assert float(seen["seconds"]) < _WITHIN_S, (scenario, seen["seconds"])  # type: ignore[arg-type]
+
+
+class _TwoArgError(RuntimeError):
+    """An error type that cannot be built from a message alone."""
+
+    def __init__(self, code: int, text: str) -> None:
+        super().__init__(f"{code}: {text}")
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        dist.DistBackendError("Timed out waiting 5ms for recv operation to complete"),
+        dist.DistNetworkError("Connection closed by peer"),
+        RuntimeError("Timed out waiting 5ms for send operation to complete"),
+        _TwoArgError(7, "Timed out"),
+    ],
+    ids=lambda e: type(e).__name__,
+)
+def test_collective_error_keeps_torch_type(error: RuntimeError) -> None:
+    """Whatever RuntimeError a collective raises comes back as its own type, with the context:
+    a new exception chained to it, or (a type not built from a message) itself with a note."""
+    from fsdp.runtime._comm_errors import raise_collective_error
+
+    with pytest.raises(type(error)) as info:
+        try:
+            raise error
+        except RuntimeError as err:
+            raise_collective_error(err, "all-gather", None, peer=3)
+    caught = info.value
+    assert type(caught) is type(error)
+    context = "fsdp: all-gather over the process group of global ranks"
+    if caught is error:  # _TwoArgError: the original, annotated
+        assert any(note.startswith(context) for note in getattr(caught, "__notes__", []))
+    else:
+        assert caught.__cause__ is error and str(caught).startswith(context)
+        assert str(error) in str(caught) and "waiting for rank 3" in str(caught)
+        assert "fsdp hint: rank 3 probably stalled" in str(caught)
+    # Raised again through an outer collective (a work waited inside one): said only once.
+    with pytest.raises(type(error)) as again:
+        try:
+            raise caught
+        except RuntimeError as err:
+            raise_collective_error(err, "reduce-scatter", None)
+    assert again.value is caught
