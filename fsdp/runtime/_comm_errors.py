@@ -48,6 +48,7 @@ _PHASE_OF_FUNCTION: dict[tuple[str, str], str] = {
     ("fsdp.runtime._exec_order", "check_execution_order"): "first-iteration execution-order check",
     ("fsdp.state_dict._model_state_dict", "save_state_dict"): "state_dict",
     ("fsdp.state_dict._model_state_dict", "load_state_dict"): "load_state_dict",
+    ("fsdp.sharded_grad_scaler", "_agree_on_found_inf"): "ShardedGradScaler's overflow check",
 }
 # Modules whose every function belongs to one phase (checked after the functions above).
 _PHASE_OF_MODULE: dict[str, str] = {
