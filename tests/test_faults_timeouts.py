@@ -102,6 +102,10 @@ def stalled_peer() -> dict[str, dict[str, object]]:
     def clip(model: nn.Module, _: object) -> None:
         FSDP.clip_grad_norm_(model, 1.0)  # type: ignore[arg-type]
 
+    def summon(model: nn.Module, _: object) -> None:
+        with FSDP.summon_full_params(model):
+            pass
+
     scenarios: dict[str, tuple[str, Callable[[nn.Module], object], Callable[[nn.Module, object], object]]] = {
         # The very first forward: ranks first agree on the unit layout.
         "lazy_init": ("FULL_SHARD", nothing, lambda model, _: _forward(model)),
@@ -110,6 +114,9 @@ def stalled_peer() -> dict[str, dict[str, object]]:
         # Both ran forward; SHARD_GRAD_OP gathers nothing in backward, so the first collective
         # that waits is a gradient reduce-scatter.
         "backward_reduce": ("SHARD_GRAD_OP", forward_only, lambda model, loss: loss.backward()),  # type: ignore[union-attr]
+        # FULL_SHARD gathers the blocks again in backward.
+        "backward_unshard": ("FULL_SHARD", forward_only, lambda model, loss: loss.backward()),  # type: ignore[union-attr]
+        "summon_full_params": ("FULL_SHARD", _train_step, summon),
         "state_dict": ("FULL_SHARD", _train_step, lambda model, _: model.state_dict()),
         "clip_grad_norm": ("FULL_SHARD", _train_step, clip),
     }
@@ -138,6 +145,10 @@ _EXPECTED = {
     r"of FSDP unit '<root>', waiting for rank 1",
     "backward_reduce": r"reduce-scatter over the process group of global ranks \[0, 1\] failed during "
     r"backward reduce of FSDP unit 'blocks\.1', waiting for rank 1",
+    "backward_unshard": r"all-gather over the process group of global ranks \[0, 1\] failed during "
+    r"backward unshard of FSDP unit 'blocks\.1', waiting for rank 1",
+    "summon_full_params": r"all-gather over the process group of global ranks \[0, 1\] failed during "
+    r"summon_full_params of FSDP unit '<root>', waiting for rank 1",
     "state_dict": r"all-gather over the process group of global ranks \[0, 1\] failed during state_dict "
     r"of FSDP unit '<root>', waiting for rank 1",
     "clip_grad_norm": r"all-reduce over the process group of global ranks \[0, 1\] failed during "
