@@ -28,7 +28,6 @@ from __future__ import annotations
 import functools
 import math
 import warnings
-from typing import Optional
 
 import torch
 from torch import nn
