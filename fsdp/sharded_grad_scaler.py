@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.amp.grad_scaler import GradScaler, OptState
 
+from fsdp.runtime import _collectives as comm
+
 __all__ = ["ShardedGradScaler"]
 
 
@@ -103,7 +105,7 @@ class ShardedGradScaler(GradScaler):
         total = torch.zeros((), dtype=torch.float32, device=self._scale.device)
         for found in found_per_device.values():
             total += found.to(total.device)
-        dist.all_reduce(total, group=self.process_group)
+        comm.all_reduce_sum(total, self.process_group)  # errors name the phase ([Note: Collective errors])
         if not found_per_device:  # no local gradients: still take the group's decision
             return {total.device: total}
         for found in found_per_device.values():

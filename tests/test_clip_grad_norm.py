@@ -18,20 +18,25 @@ Rank functions are module-level (workers import them by name) and start with ``_
 from __future__ import annotations
 
 import math
+import warnings
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 
 from fsdp import FullyShardedDataParallel as FSDP
 from tests._harness import RankPool
 from tests._net import (
     ATOL,
+    CPU,
     LR,
     RTOL,
     STRATEGIES,
     Batch,
+    Block,
     NetBuilders,
     compare_flat,
     flat_params,
@@ -74,11 +79,8 @@ def _check_clip(strategies: tuple[str, ...], max_norms: tuple[float, ...]) -> li
                 what = f"{strategy} norm_type={norm_type} max_norm={max_norm}"
                 plain, ours, theirs = _plain(), _ours(strategy), _theirs(strategy)
                 opts = {id(m): torch.optim.SGD(m.parameters(), lr=LR) for m in (plain, ours, theirs)}
-                # Two-rank sums are order-independent, so ours and torch FSDP1 agree bit for bit;
-                # with four ranks gloo may round differently. torch FSDP1 computes the total norm
-                # as a norm of per-parameter norms, so once a clip coefficient derived from it was
-                # applied, results may differ from ours in the last bit.
-                exact = ws <= 2
+                # Same flat layout and reduction order as torch FSDP1: bit for bit throughout.
+                exact = True
                 clipped_any = False
                 for step in range(STEPS):
                     for m in (plain, ours, theirs):
@@ -97,13 +99,9 @@ def _check_clip(strategies: tuple[str, ...], max_norms: tuple[float, ...]) -> li
                     torch.testing.assert_close(
                         our_norm, ref_norm, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: norm vs plain: {m}"
                     )
-                    torch.testing.assert_close(
-                        our_norm, their_norm.to(our_norm.dtype), rtol=1e-6, atol=1e-7,
-                        msg=lambda m: f"{what}: norm vs torch FSDP1: {m}",
-                    )
+                    assert torch.equal(our_norm, their_norm), f"{what}: norm {our_norm} vs torch FSDP1 {their_norm}"
                     clips = bool(ref_norm > max_norm)
                     clipped_any |= clips
-                    exact = exact and not clips
                     # Gradients are scaled by max_norm / (norm + 1e-6) when clipping, else unchanged.
                     grads_after = flat_params(ours, grads=True)
                     for before, after in zip(grads_before, grads_after):
@@ -130,11 +128,38 @@ def _check_clip(strategies: tuple[str, ...], max_norms: tuple[float, ...]) -> li
     return seen
 
 
+def _no_grads_warning(model: nn.Module) -> tuple[torch.Tensor, list[str]]:
+    """``clip_grad_norm_`` on a model without gradients: the norm and the warnings' texts.
+
+    Our warnings must point at the caller's line, this file (torch FSDP1 means to, with
+    ``stacklevel=2``, but its ``no_grad`` decorator adds a frame: it points into torch).
+    """
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        norm = model.clip_grad_norm_(1.0)
+    for w in caught:
+        assert w.category is UserWarning, w.category
+        assert w.filename == __file__ or not isinstance(model, FSDP), w.filename
+    return norm, [str(w.message) for w in caught]
+
+
 def _check_errors_and_no_grads() -> bool:
+    rank = dist.get_rank()
+    # No gradients yet, sharded: a zero fp32 norm and torch FSDP1's warning, word for word.
+    ours_norm, ours_warnings = _no_grads_warning(_ours("FULL_SHARD"))
+    their_norm, their_warnings = _no_grads_warning(_theirs("FULL_SHARD"))
+    assert torch.equal(ours_norm, their_norm) and ours_norm.dtype == torch.float32
+    assert ours_warnings == their_warnings == [
+        f"Called FSDP.clip_grad_norm_() on rank {rank} with no gradients -- returning the total norm "
+        f"in the default dtype torch.float32"
+    ]
+    with pytest.warns(UserWarning, match=rf"on rank {rank} with no gradients -- returning the total norm"):
+        _ours("FULL_SHARD").clip_grad_norm_(1.0)
+    # NO_SHARD everywhere: torch.nn.utils.clip_grad_norm_'s zero and no warning, as in torch.
+    ours_norm, ours_warnings = _no_grads_warning(_ours("NO_SHARD"))
+    their_norm, their_warnings = _no_grads_warning(_theirs("NO_SHARD"))
+    assert torch.equal(ours_norm, their_norm) and ours_warnings == their_warnings == []
     model = _ours("FULL_SHARD")
-    # No gradients yet: the norm is zero and nothing breaks.
-    norm = model.clip_grad_norm_(1.0)
-    assert float(norm) == 0.0
     x, y = _local_batch(0)
     F.mse_loss(model(x), y).backward()
     with pytest.raises(RuntimeError, match="root"):
@@ -143,6 +168,195 @@ def _check_errors_and_no_grads() -> bool:
     norm_int = model.clip_grad_norm_(10**6, 2)
     assert norm_int > 0
     return True
+
+
+
+# ---------------------------------------------------------------------------------------------
+# Bit-for-bit parity with torch FSDP1 ([Note: Clip-norm arithmetic] in fsdp/runtime/_clip_grad.py)
+# ---------------------------------------------------------------------------------------------
+
+EXACT_NORM_TYPES = (0.0, 1.0, 2.0, 3.5, math.inf)
+EXACT_STEPS = 3
+EXACT_MAX_NORM = 0.05  # below every norm seen here: every step clips
+EXACT_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
+_BF16 = torch.bfloat16
+MIXED_PRECISION: dict[str, dict[str, Any] | None] = {
+    "fp32": None,
+    "bf16": dict(param_dtype=_BF16, reduce_dtype=_BF16, buffer_dtype=_BF16),
+    "bf16_keep_low_precision_grads": dict(param_dtype=_BF16, reduce_dtype=_BF16, keep_low_precision_grads=True),
+}
+
+_HYBRID_GROUPS: dict[int, tuple[Any, Any]] = {}
+
+
+def _hybrid_groups() -> tuple[Any, Any]:
+    """(shard group, replicate group): shard in pairs of consecutive ranks, replicate across them.
+
+    Made once per rank process (every rank must create every group, in the same order).
+    """
+    ws = dist.get_world_size()
+    if ws not in _HYBRID_GROUPS:
+        pairs = [[r, r + 1] for r in range(0, ws, 2)]
+        across = [[r + i for r in range(0, ws, 2)] for i in range(2)]
+        shard, _ = dist.new_subgroups_by_enumeration(pairs)
+        replicate, _ = dist.new_subgroups_by_enumeration(across)
+        _HYBRID_GROUPS[ws] = (shard, replicate)
+    return _HYBRID_GROUPS[ws]
+
+
+def _wrap_both(strategy: str, use_orig_params: bool, precision: str) -> tuple[FSDP, nn.Module]:
+    """:class:`Net` wrapped by us and by torch FSDP1 the same way (nested ``Block`` units)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+    from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision
+    from torch.distributed.fsdp import ShardingStrategy as TorchShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchModuleWrapPolicy
+
+    from fsdp import MixedPrecision
+    from fsdp.api import ShardingStrategy
+    from fsdp.wrap import ModuleWrapPolicy
+
+    config = MIXED_PRECISION[precision]
+    groups = {"process_group": _hybrid_groups()} if strategy == "HYBRID_SHARD" else {}
+    ours = FSDP(
+        _plain(),
+        sharding_strategy=ShardingStrategy[strategy],
+        auto_wrap_policy=ModuleWrapPolicy({Block}),
+        use_orig_params=use_orig_params,
+        mixed_precision=None if config is None else MixedPrecision(**config),
+        **groups,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # world size 1 -> NO_SHARD warning
+        theirs = TorchFSDP(
+            _plain(),
+            sharding_strategy=TorchShardingStrategy[strategy],
+            auto_wrap_policy=TorchModuleWrapPolicy({Block}),
+            use_orig_params=use_orig_params,
+            mixed_precision=None if config is None else TorchMixedPrecision(**config),
+            device_id=CPU,
+            **groups,
+        )
+    return ours, theirs
+
+
+def _full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    with type(model).summon_full_params(model, writeback=False):
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _compare(
+    ours: FSDP, theirs: nn.Module, use_orig_params: bool, grads: bool, what: str, atol: float | None = None
+) -> None:
+    """Each unit's local flat parameter (or gradient) equals torch FSDP1's bit for bit.
+
+    With use_orig_params torch FSDP1 pads each original parameter to a 16-byte boundary inside
+    the flat parameter and ours does not, so shards are cut elsewhere: the full parameters are
+    compared instead (gradients then only through the parameters the optimizer makes of them),
+    within ``atol`` where given (see :func:`_orig_params_tolerances`), else bit for bit.
+    """
+    if not use_orig_params:
+        compare_flat(flat_params(ours, grads=grads), flat_params(theirs, grads=grads), True, what)
+    elif not grads:
+        mine, torch_full = _full_params(ours), _full_params(theirs)
+        assert sorted(mine) == sorted(torch_full), what
+        for name in mine:
+            if atol is None:
+                assert torch.equal(mine[name], torch_full[name]), f"{what}: {name} differs from torch FSDP1"
+            else:
+                torch.testing.assert_close(mine[name], torch_full[name], rtol=0, atol=atol, msg=lambda m: f"{what}: {name}: {m}")
+
+
+def _upcast_grads(model: nn.Module) -> None:
+    """keep_low_precision_grads leaves bf16 gradients on fp32 parameters; AdamW needs fp32."""
+    for p in model.parameters():
+        if p.grad is not None and p.grad.dtype != p.dtype:
+            p.grad = p.grad.to(p.dtype)
+
+
+_U = 2.0**-24  # fp32 unit roundoff
+_N_GRAD_ELEMENTS = sum(p.numel() for p in _NET.plain().parameters())  # 251
+_ADAMW_LR = 0.01
+
+
+def _orig_params_tolerances(world_size: int, precision: str, sharded: bool) -> tuple[float, float]:
+    """(norm rtol, parameter atol per step) with use_orig_params; (0, 0) where bit for bit.
+
+    torch FSDP1 pads each original parameter to a 16-byte boundary inside the flat parameter
+    with use_orig_params and ours does not, so elements sit at other positions:
+
+    * Beyond two ranks gloo's reduce-scatter and all-reduce add an element's contributions in
+      an order that depends on the element's position, so each reduced gradient element may
+      differ by the roundings of its world_size - 1 additions in the reduce dtype (u = 2^-8 for
+      bf16, 2^-24 for fp32), and so may any norm of them. With two ranks the one addition
+      a + b is the same in any order.
+    * Sharded units are cut elsewhere, so each rank's partial p-th power sums different
+      elements: N exact-up-to-one-rounding terms in any order lose at most N - 1 roundings, the
+      p-th power and root two more, (N + 2) u relative in fp32.
+    * AdamW's update m / (sqrt(v) + eps) is invariant to a common scale of the gradients (eps =
+      1e-8 is far below sqrt(v) here), so a clip coefficient off by the norm's error moves an
+      update only by that error, twice the gradients' own relative error (through m and
+      sqrt(v)) and its own rounding (about 10 operations); an update is at most
+      lr (1 - beta1) / sqrt(1 - beta2) < 3.2 lr.
+    """
+    reduce_u = 2.0**-8 if MIXED_PRECISION[precision] is not None else _U
+    reduce_rel = (world_size - 1) * reduce_u if world_size > 2 else 0.0
+    norm_rtol = reduce_rel + ((_N_GRAD_ELEMENTS + 2) * _U if sharded else 0.0)
+    if norm_rtol == 0:
+        return 0.0, 0.0
+    return norm_rtol, 3.2 * _ADAMW_LR * (norm_rtol + 2 * reduce_rel + 10 * _U)
+
+
+def _check_exact(strategies: tuple[str, ...], orig_params: tuple[bool, ...], precisions: tuple[str, ...]) -> int:
+    """Every config: the returned norm (value and dtype), the clipped gradients and the
+    parameters after each AdamW step equal torch FSDP1's bit for bit (with
+    use_orig_params, where torch FSDP1 lays out flat parameters differently, up to the
+    rounding that explains, see :func:`_orig_params_tolerances`). Returns how many
+    (config, step) pairs compared."""
+    ws = dist.get_world_size()
+    compared = 0
+    for strategy in strategies:
+        if strategy == "HYBRID_SHARD" and ws == 1:
+            continue  # nothing to shard nor replicate
+        sharded = ws > 1 and strategy != "NO_SHARD"
+        for use_orig_params in orig_params:
+            for precision in precisions:
+                for norm_type in EXACT_NORM_TYPES:
+                    what = f"{strategy} use_orig_params={use_orig_params} {precision} norm_type={norm_type}"
+                    ours, theirs = _wrap_both(strategy, use_orig_params, precision)
+                    norm_rtol, step_atol = _orig_params_tolerances(ws, precision, sharded) if use_orig_params else (0.0, 0.0)
+                    opts = [torch.optim.AdamW(m.parameters(), lr=_ADAMW_LR) for m in (ours, theirs)]
+                    for step in range(EXACT_STEPS):
+                        for model in (ours, theirs):
+                            x, y = _local_batch(step)
+                            F.mse_loss(model(x), y).backward()
+                        _compare(ours, theirs, use_orig_params, True, f"{what}: step {step}: grads")
+                        if norm_type == 0 and sharded:
+                            # torch FSDP1 fails with a bare ZeroDivisionError; ours says why.
+                            with pytest.raises(ZeroDivisionError):
+                                theirs.clip_grad_norm_(EXACT_MAX_NORM, norm_type)
+                            with pytest.raises(ZeroDivisionError, match="not defined when gradients are sharded"):
+                                ours.clip_grad_norm_(EXACT_MAX_NORM, norm_type)
+                            break
+                        our_norm = ours.clip_grad_norm_(EXACT_MAX_NORM, norm_type)
+                        their_norm = theirs.clip_grad_norm_(EXACT_MAX_NORM, norm_type)
+                        assert our_norm.dtype == their_norm.dtype, f"{what}: step {step}: {our_norm.dtype} vs {their_norm.dtype}"
+                        norm_msg = f"{what}: step {step}: norm {our_norm.item()!r} vs torch FSDP1 {their_norm.item()!r}"
+                        if norm_rtol and not (norm_type == math.inf and ws <= 2):  # a maximum of the same values is exact
+                            torch.testing.assert_close(our_norm, their_norm, rtol=norm_rtol, atol=0, msg=norm_msg)
+                        else:
+                            assert torch.equal(our_norm, their_norm), norm_msg
+                        assert float(our_norm) > EXACT_MAX_NORM, f"{what}: step {step}: did not clip"
+                        _compare(ours, theirs, use_orig_params, True, f"{what}: step {step}: clipped grads")
+                        for model, opt in zip((ours, theirs), opts):
+                            _upcast_grads(model)
+                            opt.step()
+                            # (torch FSDP1 cannot summon use_orig_params with low-precision
+                            # gradients, so they go before the parameters are compared.)
+                            opt.zero_grad(set_to_none=True)
+                        atol = (step + 1) * step_atol if step_atol else None
+                        _compare(ours, theirs, use_orig_params, False, f"{what}: step {step}: params", atol)
+                        compared += 1
+    return compared
 
 
 # ---------------------------------------------------------------------------------------------
@@ -169,3 +383,9 @@ def test_clip_grad_norm_matches_reference(dist_pool: RankPool) -> None:
 
 def test_clip_grad_norm_edge_cases(pool2: RankPool) -> None:
     assert pool2.run(_check_errors_and_no_grads) == [True, True]
+
+
+@pytest.mark.parametrize("dist_pool", [1, 2, 4], indirect=True)
+def test_clip_grad_norm_bit_identical_to_torch(dist_pool: RankPool) -> None:
+    compared = dist_pool.run(_check_exact, EXACT_STRATEGIES, (False, True), tuple(MIXED_PRECISION), _timeout=600)
+    assert len(set(compared)) == 1 and compared[0] > 0

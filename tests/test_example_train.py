@@ -12,12 +12,16 @@ import pytest
 
 @pytest.mark.parametrize("precision", ["none", "bf16"])
 def test_trainer_command_line(precision: str) -> None:
+    # The collective timeout: the default once, a chosen one once; the log says which.
+    timeout = ["--timeout", "90"] if precision == "bf16" else []
     cmd = [
         sys.executable, "-m", "fsdp.examples.train", "--steps", "8", "--batch-size", "4",
-        "--log-every", "4", "--checkpoint-dir", "", "--mixed-precision", precision,
+        "--log-every", "4", "--checkpoint-dir", "", "--mixed-precision", precision, *timeout,
     ]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    seconds = "90" if timeout else "600"
+    assert f"collective timeout {seconds} s (--timeout): a rank stuck longer" in run.stdout, run.stdout[:2000]
     match = re.search(r"OK: loss fell from ([0-9.]+) to ([0-9.]+)", run.stdout)
     assert match, run.stdout[-3000:]
     first, last = map(float, match.groups())
@@ -52,3 +56,13 @@ def test_trainer_checkpoint_dir_resume_and_refusal(tmp_path: object) -> None:
     assert "the global batch changes from 512 to 256 tokens/step" in resumed.stdout
     assert "pass --batch-size 8 to keep it" in resumed.stdout
     assert "FutureWarning" not in resumed.stderr, resumed.stderr[-3000:]
+
+
+def test_trainer_timeout_argument() -> None:
+    """``--timeout`` (seconds, default 600) is validated before any rank starts."""
+    from fsdp.examples.train import parse_args
+
+    assert parse_args([]).timeout == 600
+    assert parse_args(["--timeout", "2.5"]).timeout == 2.5
+    bad = _train("--timeout", "0")
+    assert bad.returncode == 2 and "--timeout must be positive (seconds)" in bad.stderr, bad.stderr[-2000:]

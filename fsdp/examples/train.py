@@ -24,6 +24,7 @@ import resource
 import sys
 import tempfile
 import time
+from datetime import timedelta
 from typing import TYPE_CHECKING, List, Optional, Sequence
 
 import torch
@@ -47,6 +48,8 @@ __all__ = ["parse_args", "main", "train_worker"]
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
 #: The loss counts as "fallen" when the smoothed last loss is below this fraction of the first.
 REQUIRED_LOSS_RATIO = 0.99
+#: Seconds a rank waits in a collective for a peer (see ``--timeout``).
+DEFAULT_TIMEOUT_S = 600
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -102,6 +105,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         help="continue from the latest complete checkpoint in --checkpoint-dir (any world size)",
     )
     parser.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT_S,
+        help="seconds a rank waits in a collective for a stalled or dead peer before it fails "
+        "with an error naming the FSDP unit and phase (passed to init_process_group). 10 minutes "
+        "covers this script's longest legitimate wait, a checkpoint save on a slow disk, many "
+        "times over, and reports a stuck rank 3x sooner than torch's 30-minute default",
+    )
+    parser.add_argument(
         "--overwrite",
         action="store_true",
         help="start from step 0 even though --checkpoint-dir holds checkpoints (they are "
@@ -117,6 +129,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be positive")
     if args.lr <= 0:
         parser.error("--lr must be positive")
+    if not args.timeout > 0:
+        parser.error("--timeout must be positive (seconds)")
     if args.resume and args.overwrite:
         parser.error("--resume and --overwrite exclude each other")
     return args
@@ -198,7 +212,13 @@ def train_worker(
     else:
         device = torch.device("cpu")
     backend = "nccl" if use_cuda else "gloo"
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+    dist.init_process_group(
+        backend,
+        init_method=init_method,
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=args.timeout),
+    )
     try:
         fell = _train(rank, world_size, device, backend, args)
         # Leave together: rank 0 hosts the rendezvous store, and tearing gloo down while a
@@ -251,7 +271,9 @@ def _train(
             f"corpus {data.numel():,} chars\n"
             f"  {world_size} ranks ({backend}, {device.type}), strategy {strategy.name}, "
             f"batch {args.batch_size}x{args.seq_len} per rank ({tokens_per_step:,} tokens/step), "
-            f"lr {args.lr:g}, {args.steps} steps",
+            f"lr {args.lr:g}, {args.steps} steps\n"
+            f"  collective timeout {args.timeout:g} s (--timeout): a rank stuck longer than that "
+            f"makes the others fail with an error naming the FSDP unit and phase",
             flush=True,
         )
         if args.checkpoint_dir:

@@ -1,8 +1,33 @@
-"""``clip_grad_norm_`` over sharded gradients: the norm of the whole model, across all ranks."""
+"""``clip_grad_norm_`` over sharded gradients: the norm of the whole model, across all ranks.
+
+[Note: Clip-norm arithmetic]
+The returned norm and the clipped gradients are bit-identical to torch FSDP1's, because a norm
+that differs in the last place is amplified by adaptive optimizers over a run. That fixes the
+order of every operation:
+
+* Every unit unsharded (NO_SHARD, or world size 1): the result is
+  ``torch.nn.utils.clip_grad_norm_`` over the root's ``parameters()``, as torch FSDP1 does.
+* Otherwise the gradients are split into *sharded* ones (units that shard) and *replicated*
+  ones (NO_SHARD units, parameters no unit manages), in unit pre-order then ``parameters()``
+  order. A gradient is the FlatParameter's, or with ``use_orig_params`` each original
+  parameter's part on this rank (parameters without a part or without a gradient are left
+  out). Each group's local norm is the p-norm of the stacked per-gradient p-norms, each taken
+  in fp32. For p = inf the two local norms' maximum is max-reduced over the group; otherwise the
+  sharded norm's p-th power is sum-reduced, the replicated norm's p-th power added on each rank
+  (it is the same everywhere) and the p-th root taken.
+* The clip coefficient ``min(max_norm / (norm + 1e-6), 1)`` is cast to each gradient's dtype
+  and multiplied in; the norm is returned in the gradients' promoted dtype.
+
+The 0-"norm" of the sharded case has no p-th root (torch FSDP1 fails with a bare
+``ZeroDivisionError`` after its all-reduce); ours raises the same type before communicating,
+saying why.
+"""
 
 from __future__ import annotations
 
+import functools
 import math
+import warnings
 
 import torch
 from torch import nn
@@ -16,70 +41,88 @@ def clip_grad_norm_(
 ) -> torch.Tensor:
     """Clips the gradients of every parameter under ``root`` to a total norm of ``max_norm``.
 
-    Sharded gradients contribute their local part and are summed (max for ``inf``) across the
-    group; replicated gradients (NO_SHARD units, parameters FSDP does not manage) are counted
-    once. The result equals ``torch.nn.utils.clip_grad_norm_`` on the unsharded model.
+    The norm covers the gradients of every rank, computed in the same order as torch FSDP1
+    ([Note: Clip-norm arithmetic]), so the result is bit-identical to it.
+
+    Args:
+        root: The root FSDP instance.
+        state: Its state (lazily initialized).
+        max_norm: The largest total norm the gradients keep.
+        norm_type: The p of the p-norm (``inf`` for the largest absolute value).
 
     Returns:
-        The total norm before clipping (fp32 or the gradients' common dtype).
+        The total norm before clipping, in the gradients' promoted dtype (fp32 without gradients).
+
+    Raises:
+        ZeroDivisionError: ``norm_type`` 0 with a sharded unit.
     """
-    assert state.ctx is not None
-    norm_type = float(norm_type)
-    if norm_type < 0 or math.isnan(norm_type):
-        raise ValueError(f"fsdp: clip_grad_norm_ needs norm_type >= 0 or inf, got {norm_type}")
+    assert state.ctx is not None, "clip_grad_norm_ runs after lazy init"
+    handles = [handle for unit in state.ctx.states for handle in unit.handles]
+    if not any(handle.uses_sharding for handle in handles):
+        return torch.nn.utils.clip_grad_norm_(root.parameters(), max_norm, norm_type)
+    if norm_type == 0:
+        raise ZeroDivisionError(
+            "fsdp: clip_grad_norm_(norm_type=0) is not defined when gradients are sharded: the "
+            "0-'norm' (a count) has no 0-th root to combine the ranks' parts (torch FSDP1 fails "
+            "here with 'float division by zero'). Use norm_type 1, 2 or inf."
+        )
     sharded: list[torch.Tensor] = []
     replicated: list[torch.Tensor] = []
+    grads: list[torch.Tensor] = []  # every gradient, for the clipping and the result's dtype
     managed: set[int] = set()
-    for unit in state.ctx.states:
-        for handle in unit.handles:
-            managed.add(id(handle.flat_param))
-            managed.update(id(p) for p in handle.managed_orig_params())
-            grad = handle.sync_flat_grad_from_orig()
-            if grad is None:
-                continue
-            (sharded if handle.uses_sharding else replicated).append(grad)
+    for handle in handles:
+        target = sharded if handle.uses_sharding else replicated
+        flat_grad = handle.sync_flat_grad_from_orig()
+        managed.add(id(handle.flat_param))
+        if handle.use_orig_params:
+            orig_params = handle.managed_orig_params()
+            managed.update(id(p) for p in orig_params)
+            for param in orig_params:
+                if param.grad is not None and param.grad.numel() > 0:
+                    target.append(param.grad)
+        elif flat_grad is not None:
+            target.append(flat_grad)
+        if flat_grad is not None:
+            grads.append(flat_grad)
     for param in root.parameters():
         if id(param) not in managed and param.grad is not None:
             replicated.append(param.grad)
-    grads = sharded + replicated
+            grads.append(param.grad)
+
     device = state.compute_device
-    dtype = torch.float32
-    if grads:
-        dtype = _promoted_dtype(grads)
-    if math.isinf(norm_type):
-        local = _max_abs(sharded, device)
-        comm.all_reduce_max(local, state.process_group)
-        total = torch.maximum(local, _max_abs(replicated, device))
+    local_sharded = _local_norm(sharded, norm_type, device)
+    local_replicated = _local_norm(replicated, norm_type, device) if replicated else None
+    if norm_type == math.inf:
+        total = local_sharded if local_replicated is None else torch.maximum(local_sharded, local_replicated)
+        comm.all_reduce_max(total, state.process_group)
     else:
-        local = _sum_pow(sharded, norm_type, device)
-        comm.all_reduce_sum(local, state.process_group)
-        total = local + _sum_pow(replicated, norm_type, device)
-        if norm_type != 0:  # the 0-"norm" counts non-zero elements: no root
-            total = total ** (1.0 / norm_type)
+        total = local_sharded**norm_type
+        comm.all_reduce_sum(total, state.process_group)
+        if local_replicated is not None:
+            total += local_replicated**norm_type
+        total = total ** (1.0 / norm_type)
+    if any(handle.offload_params for handle in handles):
+        total = total.cpu()
+
     clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for grad in grads:
-        grad.mul_(clip_coef.to(grad.dtype))
-    return total.to(dtype)
+        grad.mul_(clip_coef.to(grad.device, grad.dtype))
+    if not grads:
+        warnings.warn(
+            f"Called FSDP.clip_grad_norm_() on rank {state.rank} with no gradients -- returning "
+            f"the total norm in the default dtype {total.dtype}",
+            stacklevel=3,  # the caller of FullyShardedDataParallel.clip_grad_norm_
+        )
+        return total
+    return total.to(functools.reduce(torch.promote_types, [grad.dtype for grad in grads]))
 
 
-def _promoted_dtype(grads: list[torch.Tensor]) -> torch.dtype:
-    dtype = grads[0].dtype
-    for grad in grads[1:]:
-        dtype = torch.promote_types(dtype, grad.dtype)
-    return dtype
+def _local_norm(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
+    """The fp32 p-norm of the stacked per-gradient fp32 p-norms, on ``device`` (0 without any).
 
-
-def _max_abs(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    result = torch.zeros((), dtype=torch.float32, device=device)
-    for grad in grads:
-        if grad.numel():  # gradients may live on CPU (CPU offload)
-            result = torch.maximum(result, grad.detach().abs().max().float().to(device))
-    return result
-
-
-def _sum_pow(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
-    result = torch.zeros((), dtype=torch.float32, device=device)
-    for grad in grads:
-        norm = torch.linalg.vector_norm(grad.detach(), norm_type, dtype=torch.float32).to(device)
-        result = result + (norm if norm_type == 0 else norm**norm_type)
-    return result
+    Gradients may live on CPU (CPU offload); each norm is taken where its gradient lives.
+    """
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    per_grad = [torch.linalg.vector_norm(grad.detach(), norm_type, dtype=torch.float32) for grad in grads]
+    return torch.linalg.vector_norm(torch.stack(per_grad), norm_type, dtype=torch.float32).to(device=device)

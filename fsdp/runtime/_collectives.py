@@ -4,6 +4,10 @@ One place to count, trace, or swap communication. Functions look ``torch.distrib
 call time, so tests that patch ``torch.distributed.<collective>`` see every call. On gloo
 (CPU) the flat all-gather and the two-rank reduce-scatter run as point-to-point exchanges
 ([Note: Point-to-point collectives on gloo] in ``_p2p.py``); counters count these functions.
+
+A collective that fails or times out, here or in the ``wait()`` of the work it returned, raises
+the same exception type again with the unit, the phase, the collective and the group's ranks
+([Note: Collective errors] in ``_comm_errors.py``); that costs a ``try`` on the hot path.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp._common import group_size
-
+from fsdp.runtime._comm_errors import raise_collective_error
 from fsdp.runtime._p2p import (
     P2PWork,
     all_gather_p2p,
@@ -38,7 +42,11 @@ def all_gather_flat(
     if uses_p2p(input, group) and group_size(group) > 1:
         return _complete_unless_async(all_gather_p2p(output, input, group), async_op)
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(output, input, group=group, async_op=async_op)
+    try:
+        work = fn(output, input, group=group, async_op=async_op)
+    except RuntimeError as err:
+        raise_collective_error(err, "all-gather", group)
+    return _checked(work, "all-gather", group)
 
 
 def reduce_scatter_flat(
@@ -56,7 +64,11 @@ def reduce_scatter_flat(
     if uses_p2p(input, group) and group_size(group) == 2:
         return _complete_unless_async(reduce_scatter_p2p(output, input, group), async_op)
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return fn(output, input, group=group, async_op=async_op)
+    try:
+        work = fn(output, input, group=group, async_op=async_op)
+    except RuntimeError as err:
+        raise_collective_error(err, "reduce-scatter", group)
+    return _checked(work, "reduce-scatter", group)
 
 
 def reduce_scatter_halves(
@@ -101,30 +113,80 @@ def _complete_unless_async(work: P2PWork, async_op: bool) -> Optional[Any]:
     return None
 
 
+class CheckedWork:
+    """A ``torch.distributed`` work whose ``wait()`` failure carries FSDP's context."""
+
+    __slots__ = ("_work", "_collective", "_group")
+
+    def __init__(self, work: Any, collective: str, group: Optional[dist.ProcessGroup]) -> None:
+        self._work = work
+        self._collective = collective
+        self._group = group
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return self._work.wait(*args, **kwargs)
+        except RuntimeError as err:
+            raise_collective_error(err, self._collective, self._group)
+
+    def __getattr__(self, name: str) -> Any:  # is_completed, get_future, ...
+        return getattr(self._work, name)
+
+
+def _checked(work: Optional[Any], collective: str, group: Optional[dist.ProcessGroup]) -> Optional[Any]:
+    """``work`` (None for a completed synchronous call) with a checked ``wait()``."""
+    return None if work is None else CheckedWork(work, collective, group)
+
+
 def all_reduce_sum(tensor: torch.Tensor, group: Optional[dist.ProcessGroup]) -> None:
     """Sum-reduces ``tensor`` in place across ranks."""
-    dist.all_reduce(tensor, group=group)
+    try:
+        dist.all_reduce(tensor, group=group)
+    except RuntimeError as err:
+        raise_collective_error(err, "all-reduce", group)
 
 
 def all_reduce_max(tensor: torch.Tensor, group: Optional[dist.ProcessGroup]) -> None:
     """Max-reduces ``tensor`` in place across ranks."""
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    try:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    except RuntimeError as err:
+        raise_collective_error(err, "all-reduce (max)", group)
 
 
 def broadcast_from_rank0(tensor: torch.Tensor, group: Optional[dist.ProcessGroup]) -> None:
     """Overwrites ``tensor`` with the value of group-rank 0."""
-    dist.broadcast(tensor, group=group, group_src=0)
+    try:
+        dist.broadcast(tensor, group=group, group_src=0)
+    except RuntimeError as err:
+        raise_collective_error(err, "broadcast", group)
+
+
+def all_gather_tensors(tensor: torch.Tensor, group: Optional[dist.ProcessGroup]) -> list[torch.Tensor]:
+    """Every rank's ``tensor`` (same shape and dtype everywhere), in rank order."""
+    out = [torch.empty_like(tensor) for _ in range(group_size(group))]
+    try:
+        dist.all_gather(out, tensor, group=group)
+    except RuntimeError as err:
+        raise_collective_error(err, "all-gather", group)
+    return out
 
 
 def all_gather_object(obj: Any, group: Optional[dist.ProcessGroup]) -> list[Any]:
     """Every rank's picklable ``obj``, in rank order."""
     out: list[Any] = [None] * group_size(group)
-    dist.all_gather_object(out, obj, group=group)
+    try:
+        dist.all_gather_object(out, obj, group=group)
+    except RuntimeError as err:
+        raise_collective_error(err, "all-gather (objects)", group)
     return out
 
 
 def broadcast_object_from_rank0(obj: Any, group: Optional[dist.ProcessGroup]) -> Any:
     """Group-rank 0's picklable ``obj`` on every rank."""
     box = [obj]
-    dist.broadcast_object_list(box, group=group, group_src=0)
+    try:
+        dist.broadcast_object_list(box, group=group, group_src=0)
+    except RuntimeError as err:
+        raise_collective_error(err, "broadcast (objects)", group)
     return box[0]

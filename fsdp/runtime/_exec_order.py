@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp._common import describe_group_rank, group_size
+from fsdp.runtime import _collectives as comm
 from fsdp.runtime._prefetch import record_phase_orders
 from fsdp.runtime._state import RootContext, UnitState
 
@@ -57,9 +58,7 @@ def check_execution_order(state: UnitState, phase: str) -> None:
             continue
         codes = _all_gather_int(code, group, ctx.root.compute_device)
         if any(c != code for c in codes):
-            mine = f"{phase} of unit '{state.unit_name}'"
-            described: list[Any] = [None] * world
-            dist.all_gather_object(described, mine, group=group)
+            described = comm.all_gather_object(f"{phase} of unit '{state.unit_name}'", group)
             ranks = [describe_group_rank(group, r) for r in range(world)]
             listing = "; ".join(f"{rank}: {what}" for rank, what in zip(ranks, described))
             raise RuntimeError(
@@ -73,9 +72,7 @@ def check_execution_order(state: UnitState, phase: str) -> None:
 
 
 def _all_gather_int(value: int, group: dist.ProcessGroup, device: torch.device) -> list[int]:
-    mine = torch.tensor([value], dtype=torch.int64, device=device)
-    everyone = [torch.empty_like(mine) for _ in range(group_size(group))]
-    dist.all_gather(everyone, mine, group=group)
+    everyone = comm.all_gather_tensors(torch.tensor([value], dtype=torch.int64, device=device), group)
     return [int(t.item()) for t in everyone]
 
 
@@ -110,8 +107,7 @@ def check_same_layout(ctx: RootContext) -> None:
         digest = _digest(layout)
         if all(d == digest for d in _all_gather_int(digest, group, ctx.root.compute_device)):
             continue
-        layouts: list[Any] = [None] * world
-        dist.all_gather_object(layouts, layout, group=group)
+        layouts: list[Any] = comm.all_gather_object(layout, group)
         ranks = [describe_group_rank(group, r) for r in range(world)]
         longest = max(len(lay) for lay in layouts)
         first = next(

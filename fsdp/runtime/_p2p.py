@@ -29,6 +29,17 @@ import torch
 import torch.distributed as dist
 
 from fsdp._common import group_backend, group_rank, group_size
+from fsdp.runtime._comm_errors import raise_collective_error
+
+
+def _global_rank(group: Optional[dist.ProcessGroup], peer: int) -> int:
+    """``peer``'s global rank for error messages (its group rank when c10d does not know the group)."""
+    if group is None:
+        return peer
+    try:
+        return dist.get_global_rank(group, peer)
+    except (ValueError, RuntimeError, KeyError):
+        return peer
 
 __all__ = [
     "P2PWork",
@@ -50,16 +61,42 @@ def uses_p2p(tensor: torch.Tensor, group: Optional[dist.ProcessGroup]) -> bool:
 
 
 class P2PWork:
-    """A work handle over point-to-point requests; ``finish`` runs once they all completed."""
+    """A work handle over point-to-point requests; ``finish`` runs once they all completed.
 
-    def __init__(self, requests: list[Any], finish: Optional[Callable[[], None]] = None) -> None:
+    A request that fails or times out raises from :meth:`wait` with FSDP's context and the
+    peer it waited for ([Note: Collective errors] in ``_comm_errors.py``).
+
+    Args:
+        requests: The ``isend``/``irecv`` works.
+        peers: The global rank each request exchanges with.
+        collective: What the requests make up, for error messages ("all-gather", ...).
+        group: Their process group.
+        finish: Runs after the last request completed.
+    """
+
+    def __init__(
+        self,
+        requests: list[Any],
+        peers: list[int],
+        collective: str,
+        group: Optional[dist.ProcessGroup],
+        finish: Optional[Callable[[], None]] = None,
+    ) -> None:
         self._requests = requests
+        self._peers = peers
+        self._collective = collective
+        self._group = group
         self._finish = finish
 
     def wait(self) -> bool:
-        for request in self._requests:
-            request.wait()
+        for request, peer in zip(self._requests, self._peers):
+            try:
+                request.wait()
+            except RuntimeError as err:
+                self._requests, self._peers, self._finish = [], [], None
+                raise_collective_error(err, self._collective, self._group, peer)
         self._requests = []
+        self._peers = []
         if self._finish is not None:
             finish, self._finish = self._finish, None
             finish()
@@ -73,15 +110,20 @@ def all_gather_p2p(
     world_size, rank = group_size(group), group_rank(group)
     numel = input.numel()
     requests: list[Any] = []
-    for peer in range(world_size):
-        if peer == rank:
-            continue
-        requests.append(dist.isend(input, group=group, tag=_ALL_GATHER_TAG, group_dst=peer))
-        requests.append(
-            dist.irecv(output[peer * numel : (peer + 1) * numel], group=group, tag=_ALL_GATHER_TAG, group_src=peer)
-        )
+    peers: list[int] = []
+    try:
+        for peer in range(world_size):
+            if peer == rank:
+                continue
+            peers += [_global_rank(group, peer)] * 2
+            requests.append(dist.isend(input, group=group, tag=_ALL_GATHER_TAG, group_dst=peer))
+            requests.append(
+                dist.irecv(output[peer * numel : (peer + 1) * numel], group=group, tag=_ALL_GATHER_TAG, group_src=peer)
+            )
+    except RuntimeError as err:
+        raise_collective_error(err, "all-gather", group, peers[len(requests)] if len(requests) < len(peers) else None)
     output[rank * numel : (rank + 1) * numel].copy_(input)
-    return P2PWork(requests)
+    return P2PWork(requests, peers, "all-gather", group)
 
 
 def reduce_scatter_p2p(
@@ -97,16 +139,20 @@ def reduce_scatter_p2p(
     assert world_size == 2, "point-to-point reduce-scatter is bit-identical to gloo's only for 2 ranks"
     numel = output.numel()
     peer = 1 - rank
-    requests = [
-        dist.isend(input[peer * numel : (peer + 1) * numel], group=group, tag=_REDUCE_SCATTER_TAG, group_dst=peer),
-        dist.irecv(output, group=group, tag=_REDUCE_SCATTER_TAG, group_src=peer),
-    ]
+    peer_global = _global_rank(group, peer)
+    try:
+        requests = [
+            dist.isend(input[peer * numel : (peer + 1) * numel], group=group, tag=_REDUCE_SCATTER_TAG, group_dst=peer),
+            dist.irecv(output, group=group, tag=_REDUCE_SCATTER_TAG, group_src=peer),
+        ]
+    except RuntimeError as err:
+        raise_collective_error(err, "reduce-scatter", group, peer_global)
     own = input[rank * numel : (rank + 1) * numel]
 
     def finish() -> None:
         output.add_(own)
 
-    return P2PWork(requests, finish)
+    return P2PWork(requests, [peer_global, peer_global], "reduce-scatter", group, finish)
 
 
 def gather_p2p(
@@ -119,16 +165,26 @@ def gather_p2p(
     """
     rank, world_size = group_rank(group), group_size(group)
     if rank != dst:
-        return P2PWork([dist.isend(input, group=group, tag=_GATHER_TAG, group_dst=dst)])
+        dst_global = _global_rank(group, dst)
+        try:
+            request = dist.isend(input, group=group, tag=_GATHER_TAG, group_dst=dst)
+        except RuntimeError as err:
+            raise_collective_error(err, "gather", group, dst_global)
+        return P2PWork([request], [dst_global], "gather", group)
     assert output is not None, "the receiving rank of a gather needs an output tensor"
     numel = input.numel()
-    requests = [
-        dist.irecv(output[src * numel : (src + 1) * numel], group=group, tag=_GATHER_TAG, group_src=src)
-        for src in range(world_size)
-        if src != dst
-    ]
+    sources = [src for src in range(world_size) if src != dst]
+    peers = [_global_rank(group, src) for src in sources]
+    requests: list[Any] = []
+    try:
+        for src in sources:
+            requests.append(
+                dist.irecv(output[src * numel : (src + 1) * numel], group=group, tag=_GATHER_TAG, group_src=src)
+            )
+    except RuntimeError as err:
+        raise_collective_error(err, "gather", group, peers[len(requests)])
     output[dst * numel : (dst + 1) * numel].copy_(input)
-    return P2PWork(requests)
+    return P2PWork(requests, peers, "gather", group)
 
 
 def reduce_scatter_halves_p2p(
@@ -148,13 +204,17 @@ def reduce_scatter_halves_p2p(
     """
     world_size, rank = group_size(group), group_rank(group)
     assert world_size == 2, "point-to-point reduce-scatter is bit-identical to gloo's only for 2 ranks"
-    requests = [
-        dist.irecv(output, group=group, tag=_REDUCE_SCATTER_TAG, group_src=1 - rank),
-        dist.isend(peer_half, group=group, tag=_REDUCE_SCATTER_TAG, group_dst=1 - rank),
-    ]
+    peer_global = _global_rank(group, 1 - rank)
+    try:
+        requests = [
+            dist.irecv(output, group=group, tag=_REDUCE_SCATTER_TAG, group_src=1 - rank),
+            dist.isend(peer_half, group=group, tag=_REDUCE_SCATTER_TAG, group_dst=1 - rank),
+        ]
+    except RuntimeError as err:
+        raise_collective_error(err, "reduce-scatter", group, peer_global)
 
     def finish() -> None:
         for offset, values in own_parts:
             output[offset : offset + values.numel()].add_(values, alpha=own_scale)
 
-    return P2PWork(requests, finish)
+    return P2PWork(requests, [peer_global, peer_global], "reduce-scatter", group, finish)

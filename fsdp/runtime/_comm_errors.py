@@ -1,0 +1,186 @@
+"""A failed or timed-out collective, re-raised with what FSDP was doing.
+
+[Note: Collective errors]
+A rank that stalls (alive but stuck: a slow data loader, a deadlock, a debugger) or dies makes
+its peers wait in their next collective for the process group's timeout (30 minutes by default)
+and then fail with the backend's bare words, e.g. gloo's "Timed out waiting 1800000ms for recv
+operation to complete". Every collective ``fsdp`` issues (``_collectives.py``, and the
+point-to-point works of ``_p2p.py``, whose ``wait()`` raises) catches a ``RuntimeError`` (the
+base of ``torch.distributed``'s ``DistError`` family and of what gloo raises) and raises one of
+the *same type*, chained to the original, saying:
+
+* the collective and the global ranks of its group (for point-to-point, the peer it waited
+  for: usually the stalled rank);
+* the phase and the FSDP unit: found only when failing, by walking the Python stack for the
+  runtime functions of each phase and the innermost object that names its unit (a
+  FlatParamHandle or a unit state), so the hot path pays nothing beyond the ``try``;
+* for a timeout or a lost peer, a hint: which timeout elapsed, and how to set it.
+
+Code that catches torch's exception types keeps working; ``__cause__`` holds the original.
+"""
+
+from __future__ import annotations
+
+import sys
+from datetime import timedelta
+from types import FrameType
+from typing import Any, NoReturn, Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["raise_collective_error"]
+
+# (module, function) -> the phase it is; the innermost match names the phase, outer ones add
+# "within ...". Names are matched as strings so this file imports nothing above it.
+_PHASE_OF_FUNCTION: dict[tuple[str, str], str] = {
+    ("fsdp.runtime._hooks", "_pre_forward"): "forward unshard",
+    ("fsdp.runtime._hooks", "_unshard_for_recompute"): "backward unshard for a recomputed forward",
+    ("fsdp.runtime._hooks", "_pre_backward_hook"): "backward unshard",
+    ("fsdp.runtime._hooks", "_post_backward_hook"): "backward reduce",
+    ("fsdp.runtime._hooks", "_finish_inflight_reductions"): "backward reduce",
+    ("fsdp.runtime._hooks", "_final_callback"): "end of backward",
+    ("fsdp.runtime._hooks", "_recover_if_backward_interrupted"): "recovery from an interrupted backward",
+    ("fsdp.runtime._prefetch", "prefetch_after"): "prefetch",
+    ("fsdp.runtime._summon", "summon_full_params"): "summon_full_params",
+    ("fsdp.runtime._clip_grad", "clip_grad_norm_"): "clip_grad_norm_",
+    ("fsdp.runtime._exec_order", "check_same_layout"): "lazy-init layout check",
+    ("fsdp.runtime._exec_order", "check_execution_order"): "first-iteration execution-order check",
+    ("fsdp.state_dict._model_state_dict", "save_state_dict"): "state_dict",
+    ("fsdp.state_dict._model_state_dict", "load_state_dict"): "load_state_dict",
+    ("fsdp.sharded_grad_scaler", "_agree_on_found_inf"): "ShardedGradScaler's overflow check",
+}
+# Modules whose every function belongs to one phase (checked after the functions above).
+_PHASE_OF_MODULE: dict[str, str] = {
+    "fsdp.state_dict._optim_state_dict": "optimizer state dict",
+    "fsdp.init._sync": "sync_module_states at construction",
+}
+# Locals that may hold the object whose unit is communicating, innermost frame first; a
+# function that loops over every unit's handles names the unit it works for (the root) instead.
+_UNIT_HOLDERS = ("self", "handle", "state")
+_UNIT_HOLDERS_OF_FUNCTION: dict[tuple[str, str], tuple[str, ...]] = {
+    ("fsdp.runtime._clip_grad", "clip_grad_norm_"): ("state",),
+}
+# Words of a timed-out wait or a lost peer in gloo's and NCCL's messages.
+_TIMEOUT_WORDS = ("timed out", "timeout", "pair closure", "connection closed", "connection reset", "broken pipe")
+_CONTEXT_ATTR = "_fsdp_collective_context"
+
+
+def raise_collective_error(
+    err: RuntimeError,
+    collective: str,
+    group: Optional[dist.ProcessGroup],
+    peer: Optional[int] = None,
+) -> NoReturn:
+    """Raises ``err`` again as the same type with FSDP's context, chained from ``err``.
+
+    Call it from the ``except`` clause that caught ``err`` around a collective.
+
+    Args:
+        err: What the collective raised.
+        collective: Its name for people ("all-gather", "reduce-scatter", ...).
+        group: The process group it ran on (None: the default group).
+        peer: Point to point: the global rank this rank sent to or waited for.
+
+    Raises:
+        RuntimeError: Of ``err``'s type (``err`` itself, annotated, if that type cannot be
+            built from a message), with ``err`` as ``__cause__``.
+    """
+    if getattr(err, _CONTEXT_ATTR, False):
+        raise err  # an inner collective (a work's wait) already said it
+    message = _describe(err, collective, group, peer, sys._getframe(1))
+    try:
+        new = type(err)(message)
+    except Exception:  # an exception type that takes other arguments
+        new = None
+    if new is None or type(new) is not type(err):
+        if hasattr(err, "add_note"):
+            err.add_note(message)
+        setattr(err, _CONTEXT_ATTR, True)
+        raise err
+    setattr(new, _CONTEXT_ATTR, True)
+    raise new from err
+
+
+def _describe(
+    err: RuntimeError,
+    collective: str,
+    group: Optional[dist.ProcessGroup],
+    peer: Optional[int],
+    frame: Optional[FrameType],
+) -> str:
+    phase, unit = _phase_and_unit(frame)
+    where = f" during {phase}" if phase else ""
+    if unit is not None:
+        where += f" of FSDP unit '{unit}'"
+    ranks = _global_ranks(group)
+    waiting = f", waiting for rank {peer}" if peer is not None else ""
+    original = str(err).strip()
+    message = f"fsdp: {collective} over the process group of global ranks {ranks} failed{where}{waiting}: {original}"
+    if any(word in original.lower() for word in _TIMEOUT_WORDS):
+        timeout = _group_timeout(group)
+        after = f" ({timeout} for this group)" if timeout is not None else ""
+        suspect = f"rank {peer}" if peer is not None else "another rank of the group"
+        message += (
+            f"\nfsdp hint: {suspect} probably stalled (alive but stuck: a slow data loader, a "
+            f"deadlock, uneven work or a debugger) or died, and this rank waited for the process "
+            f"group's timeout{after}; look at that rank's output for its own error or stack. "
+            f"The timeout is set where the group is made: "
+            f"dist.init_process_group(timeout=datetime.timedelta(seconds=...)) for the default "
+            f"group, dist.new_group(..., timeout=...) for your own."
+        )
+    return message
+
+
+def _phase_and_unit(frame: Optional[FrameType]) -> tuple[Optional[str], Optional[str]]:
+    """The phase (innermost first, "within" the outer ones) and the innermost unit's name."""
+    phases: list[str] = []
+    unit: Optional[str] = None
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if module.startswith("fsdp."):
+            name = frame.f_code.co_name
+            phase = _PHASE_OF_FUNCTION.get((module, name)) or _PHASE_OF_MODULE.get(module)
+            if phase == "prefetch":
+                moment = frame.f_locals.get("moment")
+                phase = "forward prefetch" if moment == "forward" else "backward prefetch"
+            if phase is not None and phase not in phases:
+                phases.append(phase)
+            if unit is None:
+                unit = _unit_name(frame, _UNIT_HOLDERS_OF_FUNCTION.get((module, name), _UNIT_HOLDERS))
+        frame = frame.f_back
+    if not phases:
+        return None, unit
+    within = f" (within {', '.join(phases[1:])})" if len(phases) > 1 else ""
+    return phases[0] + within, unit
+
+
+def _unit_name(frame: FrameType, holders: tuple[str, ...]) -> Optional[str]:
+    local_vars = frame.f_locals
+    for holder in holders:
+        name = getattr(local_vars.get(holder), "unit_name", None)
+        if isinstance(name, str):
+            return name
+    return None
+
+
+def _resolved(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
+    return group if group is not None else dist.group.WORLD
+
+
+def _global_ranks(group: Optional[dist.ProcessGroup]) -> Any:
+    try:
+        return dist.get_process_group_ranks(_resolved(group))  # type: ignore[arg-type]
+    except Exception:  # describing must never hide the original error
+        return "?"
+
+
+def _group_timeout(group: Optional[dist.ProcessGroup]) -> Optional[timedelta]:
+    """The timeout the group's backend waits for (None where it cannot be read)."""
+    resolved = _resolved(group)
+    for device_type in ("cpu", "cuda"):
+        try:
+            return resolved._get_backend(torch.device(device_type)).options._timeout  # type: ignore[union-attr]
+        except Exception:
+            continue
+    return None
