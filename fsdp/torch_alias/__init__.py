@@ -10,7 +10,7 @@ short:
   FSDP1 names; its public submodules (``api``, ``wrap``, ``fully_sharded_data_parallel``,
   ``sharded_grad_scaler``) are ``fsdp``'s modules, entered in ``sys.modules`` under torch's names
   (``wrap`` with the private helpers torch's own code imports from it added, see
-  :mod:`fsdp._torch_wrap_compat`).
+  :mod:`fsdp.torch_alias._wrap_compat`).
 * Its ``__path__`` is torch's package directory, so torch's private submodules (the ones torch's
   own code imports: ``_fully_shard``, ``_common_utils``, ``_shard_utils``, ...) still load from
   torch's files, on demand, and keep working.
@@ -33,7 +33,7 @@ import types
 import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
-from fsdp._torch_wrap_compat import build_wrap_alias
+from fsdp.torch_alias._wrap_compat import build_wrap_alias
 
 __all__ = ["TorchFSDPRedirect", "redirect_torch_fsdp"]
 
@@ -218,7 +218,7 @@ def _build_alias_package(search_path: List[str]) -> _AliasPackage:
         setattr(alias, name, getattr(fsdp, name))
     for sub in _PUBLIC_SUBMODULES:
         setattr(alias, sub, sys.modules[f"fsdp.{sub}"])
-    # torch's own code imports private helpers from the wrap module: see fsdp/_torch_wrap_compat.py.
+    # torch's own code imports private helpers from the wrap module: see fsdp/torch_alias/_wrap_compat.py.
     alias.wrap = build_wrap_alias(f"{_TORCH_FSDP}.wrap")
     return alias
 
@@ -292,3 +292,4 @@ def redirect_torch_fsdp() -> TorchFSDPRedirect:
     sys.meta_path.insert(0, finder)
     _active = TorchFSDPRedirect(saved_modules, saved_attr, had_attr, finder)
     return _active
+
