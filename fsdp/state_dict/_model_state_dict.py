@@ -435,7 +435,9 @@ def _load_managed(param: _ManagedParam, value: Any) -> None:
     handle = param.handle
     if _is_dtensor(value):
         value = value.full_tensor()
-    flat_value = value.detach().reshape(-1).to(handle._local_shard.device, handle._local_shard.dtype)
+    # ``torch.flatten`` rather than ``value.reshape``: a tensor-like with ``__torch_function__``
+    # (Lightning's lazily loaded checkpoint tensors) is accepted, as torch's ``copy_`` accepts it.
+    flat_value = torch.flatten(value).detach().to(handle._local_shard.device, handle._local_shard.dtype)
     numels = [info.numel for info in handle.param_infos]
     if not handle.uses_sharding:
         offset = sum(numels[: param.index])
