@@ -9,10 +9,11 @@ is, and on ``fsdp`` unchanged through the runner (see docs/stacks.md)::
 (or ``python docs/examples/stacks/lightning_fsdp.py --out /tmp/pl``: Lightning then starts the
 two CPU ranks itself). What it does:
 
-* Fabric (``FSDPStrategy`` with an auto-wrap policy on the blocks, FULL_SHARD): trains
+* Fabric (``FSDPStrategy`` with an auto-wrap policy on the blocks, FULL_SHARD, flat parameters
+  with ``use_orig_params=False``): trains
   ``--steps`` steps, saves with ``fabric.save`` as a sharded and as a full checkpoint, trains
   ``--steps`` more, then ``fabric.load``-s each checkpoint and trains those steps again;
-* Trainer: fits one epoch of ``--steps`` batches and ``trainer.save_checkpoint``-s it (sharded
+* Trainer (Lightning's default ``use_orig_params=True``): fits one epoch of ``--steps`` batches and ``trainer.save_checkpoint``-s it (sharded
   and full); fits two epochs straight through with a new Trainer; then a new Trainer resumes
   from each checkpoint (``fit(ckpt_path=...)``) and fits the second epoch, which must repeat
   the straight run's second epoch.
@@ -102,8 +103,10 @@ class CPUTrainerFSDPStrategy(TrainerFSDPStrategy):
 
 def fabric_part(args: argparse.Namespace) -> Dict[str, Any]:
     if args.strategy == "fsdp":
+        # Flat parameters here (Lightning's default is use_orig_params=True, which the Trainer
+        # part below keeps): the optimizer then holds FSDP's flat parameters.
         strategy = CPUFabricFSDPStrategy(
-            auto_wrap_policy={Block}, sharding_strategy="FULL_SHARD", state_dict_type="sharded"
+            auto_wrap_policy={Block}, sharding_strategy="FULL_SHARD", state_dict_type="sharded", use_orig_params=False
         )
     else:
         strategy = DDPStrategy()
