@@ -1,8 +1,9 @@
 """Lightning's ``FSDPStrategy`` (Fabric and Trainer) runs on fsdp unchanged.
 
 docs/examples/stacks/lightning_fsdp.py (a plain Lightning script: FSDPStrategy with an
-auto-wrap policy, FULL_SHARD; ``fabric.save``/``fabric.load`` and ``trainer.save_checkpoint``/
-``fit(ckpt_path=...)`` with sharded and full state dicts) runs on 2 CPU ranks through
+auto-wrap policy, FULL_SHARD; Fabric with flat parameters (``use_orig_params=False``) and
+``fabric.save``/``fabric.load``, the Trainer with Lightning's default ``use_orig_params=True`` and
+``trainer.save_checkpoint``/``fit(ckpt_path=...)``; sharded and full state dicts) runs on 2 CPU ranks through
 ``python -m fsdp.torch_alias``. Lightning's FSDPStrategy reads ``param._fsdp_flattened``,
 imports ``fsdp.api``/``wrap`` names, rekeys optimizer state with ``OptimStateKeyType`` and
 ``rekey_optim_state_dict``, and loads full checkpoints from lazily loaded tensors.
