@@ -233,7 +233,7 @@ def redirect_torch_fsdp() -> TorchFSDPRedirect:
         fsdp.redirect_torch_fsdp()
         import accelerate  # its FSDP1 path now wraps with fsdp.FullyShardedDataParallel
 
-    Afterwards ``import torch.distributed.fsdp`` (and ``from ... import``) gives an alias
+    Afterwards importing torch's fsdp package (``import``, ``from ... import``) gives an alias
     package whose FSDP1 names (``FullyShardedDataParallel``, ``ShardingStrategy``, the
     configs, ...) are fsdp's, and whose submodules ``api``, ``wrap``,
     ``fully_sharded_data_parallel`` and ``sharded_grad_scaler`` are fsdp's modules. torch's
