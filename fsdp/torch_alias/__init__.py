@@ -105,9 +105,6 @@ class _AliasPackage(types.ModuleType):
             "subpackage)"
         )
 
-    def __dir__(self) -> List[str]:
-        return sorted(set(super().__dir__()))
-
 
 class TorchFSDPRedirect:
     """The handle of an installed redirect (see :func:`redirect_torch_fsdp`).
