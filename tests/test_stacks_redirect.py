@@ -12,9 +12,11 @@ import os
 import subprocess
 import sys
 import textwrap
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 import pytest
+import torch
+from torch import nn
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCH_FSDP = "torch.distributed" + ".fsdp"
@@ -287,3 +289,94 @@ def test_runner_runs_a_script_unchanged(tmp_path: Any) -> None:
         timeout=120,
     )
     assert help_out.returncode == 0 and "usage: python -m fsdp.torch_alias" in help_out.stdout
+
+
+# ------------------------------------------------------------------------------------------------
+# The private wrap helpers the alias's wrap module adds, against torch's own (in this process:
+# importing fsdp.torch_alias._wrap_compat installs nothing).
+# ------------------------------------------------------------------------------------------------
+
+
+class _Marker(nn.Module):
+    """A stand-in wrapper that records the kwargs it was built with."""
+
+    def __init__(self, module: Any, **kwargs: Any) -> None:
+        super().__init__()
+        self.inner = module
+        self.kwargs = kwargs
+
+
+def _tree() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(8, 8),
+        nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Sequential(nn.Linear(16, 4), nn.LayerNorm(4))),
+        nn.LayerNorm(8),
+    )
+
+
+def _layout(model: Any) -> List[Tuple[str, str, Dict[str, Any]]]:
+    return [
+        (name, type(module.inner).__name__, module.kwargs)
+        for name, module in model.named_modules()
+        if isinstance(module, _Marker)
+    ]
+
+
+def test_wrap_compat_helpers_match_torch() -> None:
+    import functools
+
+    import torch.distributed.fsdp.wrap as torch_wrap
+
+    from fsdp.torch_alias import _wrap_compat as ours
+
+    # _recursive_wrap (torch's signature): the same wrapped modules, kwargs and wrapped numel.
+    policy = functools.partial(torch_wrap.size_based_auto_wrap_policy, min_num_params=100)
+    for only_children in (True, False):
+        results = []
+        for impl in (torch_wrap._recursive_wrap, ours._recursive_wrap):
+            model = _tree()
+            wrapped, numel = impl(
+                module=model,
+                auto_wrap_policy=policy,
+                wrapper_cls=_Marker,
+                ignored_modules=set(),
+                ignored_params=set(),
+                only_wrap_children=only_children,
+                tag="x",
+            )
+            results.append((type(wrapped).__name__, numel, _layout(wrapped)))
+        assert results[0] == results[1], only_children
+        assert results[0][2], "the policy wraps something"
+
+    # _post_order_apply + _construct_wrap_fn with policy targets (apply_activation_checkpointing's path).
+    layouts = []
+    for impl in (torch_wrap, ours):
+        model = _tree()
+        targets = {m: {"k": i} for i, m in enumerate(model.modules()) if isinstance(m, (nn.Linear, nn.Sequential))}
+        impl._post_order_apply(model, impl._construct_wrap_fn(model, targets, _Marker))
+        layouts.append(_layout(model))
+    assert layouts[0] == layouts[1] and len(layouts[0]) == 5  # 3 Linears, 2 inner Sequentials; never the root
+
+    # _run_mixed_precision_override_policy: the same targets, mixed_precision=None on each.
+    overrides = []
+    for impl in (torch_wrap, ours):
+        model = _tree()
+        names = {m: n for n, m in model.named_modules()}
+        ignored = {model[1][2]}
+        out = impl._run_mixed_precision_override_policy(
+            model, {nn.LayerNorm}, ignored, {"mixed_precision": "bf16", "a": 1}, {model[0]: {"b": 2}}
+        )
+        overrides.append(sorted((names[m], sorted(kw.items())) for m, kw in out.items()))
+    assert overrides[0] == overrides[1]
+
+    # The functional policies.
+    linear, norm = nn.Linear(2, 2), nn.LayerNorm(2)
+    for module in (linear, norm):
+        for recurse in (True, False):
+            args = dict(module=module, recurse=recurse, nonwrapped_numel=6)
+            assert ours._wrap_module_cls_individually(
+                module_classes={nn.Linear}, **args
+            ) == torch_wrap._wrap_module_cls_individually(module_classes={nn.Linear}, **args)
+            policies = [functools.partial(torch_wrap._wrap_module_cls_individually, module_classes={nn.Linear})]
+            assert ours._or_policy(policies=policies, **args) == torch_wrap._or_policy(policies=policies, **args)
