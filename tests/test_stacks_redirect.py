@@ -264,7 +264,7 @@ def test_torch_package_already_imported_warns() -> None:
     assert out["fsdp2_torchs"] is True
 
 
-def test_runner_runs_a_script_unchanged(tmp_path: Any) -> None:
+def test_runner_runs_a_script_unchanged(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     script = tmp_path / "user_script.py"
     script.write_text(
         textwrap.dedent(
@@ -280,7 +280,16 @@ def test_runner_runs_a_script_unchanged(tmp_path: Any) -> None:
     (tmp_path / "helper_next_to_script.py").write_text("VALUE = 7\n")
     out = _run_child("", args=["-m", "fsdp.torch_alias", str(script), "--flag", "x"])
     assert out == {"module": "fsdp.fully_sharded_data_parallel", "argv": [str(script), "--flag", "x"], "value": 7}
-    # -m MODULE form: json.tool reads stdin... use a module that prints: the runner's own help.
+    # The -m MODULE form: the module runs as __main__ with its arguments.
+    (tmp_path / "probe_module.py").write_text(
+        "import json, sys\n"
+        "from torch.distributed.fsdp.wrap import ModuleWrapPolicy\n"
+        "if __name__ == '__main__':\n"
+        "    print(json.dumps({'module': ModuleWrapPolicy.__module__, 'argv': sys.argv[1:]}))\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    out = _run_child("", args=["-m", "fsdp.torch_alias", "-m", "probe_module", "a", "b"])
+    assert out == {"module": "fsdp.wrap", "argv": ["a", "b"]}
     help_out = subprocess.run(
         [sys.executable, "-m", "fsdp.torch_alias", "--help"],
         env={**os.environ, "PYTHONPATH": REPO_ROOT},
