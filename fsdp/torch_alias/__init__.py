@@ -18,6 +18,9 @@ short:
   fetched from torch's ``_fully_shard`` subpackage by the alias's ``__getattr__``, only when
   asked for. Nothing of torch's FSDP is imported by the call itself.
 
+``python -m fsdp.torch_alias SCRIPT [ARGS...]`` (``__main__.py``) makes the call and runs an
+unchanged script; launchers take it as a module (``torchrun ... -m fsdp.torch_alias train.py``).
+
 This module names torch's package only through :data:`_TORCH_FSDP` (built at run time) and
 imports nothing from it: ``fsdp`` never depends on torch's FSDP implementation.
 """
