@@ -22,5 +22,11 @@ setup(
     # the optimizer/sharded state dicts and the demo's checkpoints) need it at run time, and
     # torch's wheel does not declare it.
     install_requires=["torch>=2.13", "typing-extensions>=4.0", "packaging>=21.0", "numpy"],
-    extras_require={"test": ["pytest>=7"]},
+    extras_require={
+        "test": ["pytest>=7"],
+        # The training stacks that tests/test_stacks_*.py run on fsdp (through
+        # fsdp.redirect_torch_fsdp); pinned to the versions tested. About 65 MB and 20 s on top
+        # of torch; see docs/stacks.md.
+        "stacks": ["accelerate==1.15.0", "lightning==2.6.6"],
+    },
 )

@@ -26,6 +26,7 @@ from fsdp.api import (
 )
 from fsdp.flat_param.flat_param import FlatParameter
 from fsdp.fully_sharded_data_parallel import FullyShardedDataParallel
+from fsdp.torch_alias import redirect_torch_fsdp
 
 __version__ = "0.1.0"
 

@@ -36,6 +36,10 @@ __all__ = [
 
 # Set on an original Parameter once a handle has flattened it: (weakref to the handle, its name).
 FLATTENED_ATTR = "_fsdp_flattened_into"
+# torch's FSDP1 sets this to True on every FlatParameter and on the original parameters it
+# flattened; stacks read it (Lightning's FSDP strategy checks that an optimizer holds FSDP's
+# parameters with ``getattr(param, "_fsdp_flattened", False)``).
+FSDP_FLATTENED = "_fsdp_flattened"
 
 
 class FlatParameter(nn.Parameter):
@@ -48,7 +52,9 @@ class FlatParameter(nn.Parameter):
 
     def __new__(cls, data: torch.Tensor, requires_grad: bool = True) -> "FlatParameter":
         p_assert(data.dim() == 1, f"FlatParameter data must be 1-D, got shape {tuple(data.shape)}")
-        return super().__new__(cls, data, requires_grad)
+        flat_param = super().__new__(cls, data, requires_grad)
+        setattr(flat_param, FSDP_FLATTENED, True)
+        return flat_param
 
 
 class ParamInfo(NamedTuple):
@@ -324,6 +330,7 @@ class FlatParamHandle:
         # not the original is still alive elsewhere (see check_not_flattened_elsewhere).
         for param, info in zip(unique_params, self.param_infos):
             setattr(param, FLATTENED_ATTR, (weakref.ref(self), info.fqn))
+            setattr(param, FSDP_FLATTENED, True)
         self.dtype = unique_params[0].dtype
         self.precision = HandlePrecision.resolve(mixed_precision, self.dtype)
         self.unpadded_unsharded_numel = sum(info.numel for info in self.param_infos)

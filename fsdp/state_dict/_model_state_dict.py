@@ -436,7 +436,9 @@ def _raise_unless_agreed(error: Optional[_LoadError], state: UnitState, what: st
 def _load_managed(param: _ManagedParam, full: torch.Tensor) -> None:
     """Copies this rank's part of a full value into the handle's local shard."""
     handle = param.handle
-    flat_value = full.detach().reshape(-1).to(handle._local_shard.device, handle._local_shard.dtype)
+    # ``torch.flatten`` rather than ``full.reshape``: a tensor-like with ``__torch_function__``
+    # (Lightning's lazily loaded checkpoint tensors) is accepted, as torch's ``copy_`` accepts it.
+    flat_value = torch.flatten(full).detach().to(handle._local_shard.device, handle._local_shard.dtype)
     numels = [info.numel for info in handle.param_infos]
     if not handle.uses_sharding:
         offset = sum(numels[: param.index])
