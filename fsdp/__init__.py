@@ -26,6 +26,7 @@ from fsdp.api import (
 )
 from fsdp.flat_param.flat_param import FlatParameter
 from fsdp.fully_sharded_data_parallel import FullyShardedDataParallel
+from fsdp.plan import MemoryEstimate, estimate_memory
 
 __version__ = "0.1.0"
 
@@ -47,4 +48,6 @@ __all__ = [
     "StateDictSettings",
     "OptimStateKeyType",
     "FlatParameter",
+    "estimate_memory",
+    "MemoryEstimate",
 ]
