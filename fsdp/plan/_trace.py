@@ -6,7 +6,7 @@ dtypes and a device, no data) with a ``TorchDispatchMode`` on top that sees ever
 outputs. Each new storage an operator returns is an ``alloc`` event; a weak-reference finalizer
 on the storage object emits its ``free`` when the last tensor using it dies (autograd keeping a
 saved tensor keeps it alive, exactly as in a real run). Parameters are fake copies in the
-compute dtype (``param_dtype`` under mixed precision), swapped in with ``functional_call``, so
+compute dtype (``param_dtype`` under mixed precision), swapped in (as ``torch.func.functional_call`` does) for the whole trace, so
 the user's module (meta or real) is neither copied nor changed.
 
 Fake tensors on the CPU device, not meta tensors: operators such as
@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
-from torch.func import functional_call
+from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -183,9 +183,11 @@ def trace_forward_backward(
                 )
             args = fake_inputs if isinstance(fake_inputs, tuple) else (fake_inputs,)
             tracker[0] = _StorageTracker(trace, external)
-            with tracker[0]:
+            # The fake parameters stay in place through backward: activation checkpointing
+            # re-runs forwards there.
+            with _reparametrize_module(model, replacements, tie_weights=True), tracker[0]:
                 trace.events.append(("phase", "forward"))
-                output = functional_call(model, replacements, args)
+                output = model(*args)
                 loss = (loss_fn or _default_loss)(output)
                 del output
                 trace.events.append(("phase", "backward"))
