@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from fsdp.api import BackwardPrefetch, ShardingStrategy
+from fsdp.flat_param._sharding import param_slices_in_shard
 from fsdp.init._validate import validate_init_args
 from fsdp.plan._estimate import MemoryEstimate, UnitEstimate
 from fsdp.plan._optimizer import trace_optimizer
@@ -40,6 +41,7 @@ def estimate_memory(
     optimizer_kwargs: Optional[dict[str, Any]] = None,
     loss_fn: Optional[Callable[[Any], torch.Tensor]] = None,
     intra_node_size: Optional[int] = None,
+    _trace_cache: Optional[dict[Any, Any]] = None,
     **fsdp_kwargs: Any,
 ) -> MemoryEstimate:
     """Predicts the busiest rank's peak memory of one training step under FSDP.
@@ -56,6 +58,7 @@ def estimate_memory(
         optimizer_kwargs: Keyword arguments for ``optimizer``.
         loss_fn: Turns the model's output into a scalar loss; default: the output's sum.
         intra_node_size: Hybrid strategies: ranks per shard group (the node size).
+        _trace_cache: Internal: reuse traces across calls on the same model (the search).
         **fsdp_kwargs: ``FullyShardedDataParallel``'s keyword arguments, meaning the same
             (``device_id`` picks the training device; default CUDA).
 
@@ -144,13 +147,35 @@ def estimate_memory(
     )
     mixed_precision = kwargs.get("mixed_precision")
     buffer_dtype = getattr(mixed_precision, "buffer_dtype", None) if mixed_precision is not None else None
-    trace = trace_forward_backward(model, example_inputs, units, ignored_params, loss_fn, buffer_dtype)
+    # The trace depends on the compute dtypes and the unit modules, not on the world size: a
+    # search over world sizes and strategies (python -m fsdp.plan --budget) traces once.
+    cache_key = (
+        getattr(mixed_precision, "param_dtype", None),
+        buffer_dtype,
+        tuple(id(u.module) for u in units),
+    )
+    trace = _trace_cache.get(cache_key) if _trace_cache is not None else None
+    if trace is None:
+        trace = trace_forward_backward(model, example_inputs, units, ignored_params, loss_fn, buffer_dtype)
+        if _trace_cache is not None:
+            _trace_cache[cache_key] = trace
     cpu_offload = kwargs.get("cpu_offload")
     offload = bool(cpu_offload and cpu_offload.offload_params) and device.type != "cpu"
     # The optimizer sees each trainable shard in full precision, and ignored parameters whole.
-    shapes = [
-        (h.sharded_numel, h.precision.full_dtype) for u in units for h in u.handles if h.requires_grad
-    ]
+    # With use_orig_params it sees each original parameter's slice of the shard instead (rank
+    # 0's: the first ranks hold no padding), which changes the step's per-tensor temporaries.
+    shapes: list[tuple[int, torch.dtype]] = []
+    for u in units:
+        for h in u.handles:
+            if not h.requires_grad:
+                continue
+            if not kwargs.get("use_orig_params"):
+                shapes.append((h.sharded_numel, h.precision.full_dtype))
+                continue
+            numels = [p.numel() for p in h.params]
+            if h.uses_sharding:
+                numels = [s.numel for s in param_slices_in_shard(numels, 0, shard_ws)]
+            shapes += [(n, h.precision.full_dtype) for n in numels]
     shapes += [(p.numel(), p.dtype) for p in ignored_params if p.requires_grad]
     state_bytes, temp_bytes = trace_optimizer(optimizer, optimizer_kwargs or {}, shapes)
     static = sum(b.numel() * b.element_size() for b in model.buffers())
