@@ -177,7 +177,9 @@ def estimate_memory(
                 numels = [s.numel for s in param_slices_in_shard(numels, 0, shard_ws)]
             shapes += [(n, h.precision.full_dtype) for n in numels]
     shapes += [(p.numel(), p.dtype) for p in ignored_params if p.requires_grad]
-    state_bytes, temp_bytes = trace_optimizer(optimizer, optimizer_kwargs or {}, shapes)
+    state_bytes, temp_bytes = trace_optimizer(
+        optimizer, optimizer_kwargs or {}, shapes, foreach=device.type == "cuda"
+    )
     static = sum(b.numel() * b.element_size() for b in model.buffers())
     static += sum(p.numel() * p.element_size() for p in ignored_params)
     cfg = ScheduleConfig(

@@ -24,14 +24,19 @@ def _live_bytes(trace: Trace) -> int:
 
 
 def trace_optimizer(
-    optimizer_cls: type, optimizer_kwargs: dict[str, Any], shard_shapes: list[tuple[int, torch.dtype]]
+    optimizer_cls: type,
+    optimizer_kwargs: dict[str, Any],
+    shard_shapes: list[tuple[int, torch.dtype]],
+    foreach: bool,
 ) -> tuple[int, int]:
     """Returns ``(state_bytes, step_temporary_peak_bytes)`` for parameters of the given sizes.
 
     The optimizer sees what FSDP gives it: one full-precision tensor per trainable sharded
     FlatParameter (with use_orig_params, views of it; element-wise optimizers hold the same
     state either way). The first step creates the state; the peak above the state during the
-    second is the step's temporaries.
+    second is the step's temporaries. ``foreach`` is torch's default on the training device
+    (True on CUDA, where the multi-tensor kernels allocate each temporary for all shards at
+    once; False on CPU), used unless ``optimizer_kwargs`` says otherwise.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -44,7 +49,7 @@ def trace_optimizer(
             p.grad = torch.empty_like(p)
         kwargs = dict(optimizer_kwargs)
         if "foreach" in inspect.signature(optimizer_cls).parameters:
-            kwargs.setdefault("foreach", False)  # the CPU default (the fake device is CPU)
+            kwargs.setdefault("foreach", foreach)
         try:
             optimizer = optimizer_cls(params, **kwargs)
         except TypeError as exc:
