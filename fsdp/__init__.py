@@ -26,7 +26,9 @@ from fsdp.api import (
 )
 from fsdp.flat_param.flat_param import FlatParameter
 from fsdp.fully_sharded_data_parallel import FullyShardedDataParallel
-from fsdp.plan import MemoryEstimate, estimate_memory
+# The memory planner (docs/memory.md): importable as fsdp.estimate_memory, but outside __all__,
+# which lists exactly torch.distributed.fsdp's names.
+from fsdp.plan import MemoryEstimate, estimate_memory  # noqa: F401
 
 __version__ = "0.1.0"
 
@@ -48,6 +50,4 @@ __all__ = [
     "StateDictSettings",
     "OptimStateKeyType",
     "FlatParameter",
-    "estimate_memory",
-    "MemoryEstimate",
 ]
