@@ -26,7 +26,11 @@ from fsdp.api import (
 )
 from fsdp.flat_param.flat_param import FlatParameter
 from fsdp.fully_sharded_data_parallel import FullyShardedDataParallel
-from fsdp.torch_alias import redirect_torch_fsdp
+# Beyond torch's names (so outside __all__, which lists exactly torch.distributed.fsdp's):
+# the redirect for stacks that import torch's FSDP1 (docs/stacks.md) and the memory planner
+# (docs/memory.md).
+from fsdp.plan import MemoryEstimate, estimate_memory  # noqa: F401
+from fsdp.torch_alias import redirect_torch_fsdp  # noqa: F401
 
 __version__ = "0.1.0"
 

@@ -124,6 +124,10 @@ def _pre_forward(state: UnitState) -> None:
     """Postcondition: the unit's parameters are unsharded and its names are views into them."""
     for handle in state.handles:
         handle.writeback_orig_params()  # may raise a user error: before any state change
+        # use_orig_params: after zero_grad(set_to_none=True) on the original parameters, drop
+        # the sharded flat gradient now (as torch FSDP1 does in its pre-forward), not at the
+        # next backward: it would otherwise stay alive through the whole forward.
+        handle.sync_flat_grad_from_orig()
     check_execution_order(state, "forward")  # first iteration: raises instead of hanging
     transition(state, TrainingState.FORWARD)
     for handle in state.handles:

@@ -1,0 +1,315 @@
+"""Replays FSDP's unshard / reshard / prefetch / reduction schedule on an activation trace.
+
+[Note: Schedule replay]
+The trace ([Note: Activation trace]) says when each unit's forward and backward start and
+end, and when each parameter gradient is ready. On top of its activations this replay adds,
+per handle, what ``FlatParamHandle`` and the hooks in ``fsdp/runtime/_hooks.py`` allocate
+and free in a steady-state step (the second on, when prefetching is on):
+
+- pre-forward / pre-backward: the padded unsharded parameter (``param_dtype``), plus, while
+  the all-gather runs, the shard cast to ``param_dtype`` and (offload) its device copy;
+  ``forward_prefetch`` / ``BACKWARD_PRE`` gather the next unit of the recorded order too.
+- post-forward: FULL_SHARD and HYBRID_SHARD free it (never the root); SHARD_GRAD_OP keeps it.
+- gradients: each parameter's gradient lives until the handle's last one is ready; then
+  either they are concatenated into the padded unsharded gradient (cast to ``reduce_dtype``
+  if it differs) and reduce-scattered into a new sharded gradient, or (two ranks on gloo)
+  reduced from the pieces with one half-size send buffer. The reduction stays in flight
+  (its buffers alive) until the next handle's first gradient or post-backward, one at a time;
+  then the sharded gradient is cast to full precision (offload: copied to CPU) and kept.
+- post-backward: the unit's unsharded parameters are freed; ``BACKWARD_POST`` gathers next.
+- optimizer step: shards, sharded gradients and optimizer state plus the step's temporaries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from fsdp.api import BackwardPrefetch
+from fsdp.plan._trace import Trace
+from fsdp.plan._units import HandleSpec, UnitSpec
+
+__all__ = ["ScheduleConfig", "ReplayResult", "replay"]
+
+SHARDED_PARAMS = "sharded parameters"
+BUFFERS = "buffers and ignored parameters"
+OPTIM_STATE = "optimizer state"
+OPTIM_TEMP = "optimizer step temporaries"
+GRADS = "sharded gradients"
+UNSHARDED_GRADS = "unsharded gradients"
+GATHERED = "gathered units"
+PREFETCHED = "prefetched units"
+SAVED = "saved activations"
+TEMPS = "backward temporaries"
+COMM = "communication buffers"
+LOW = "low-precision copies"
+INPUTS = "inputs"
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype, device="meta").element_size()
+
+
+@dataclass
+class ScheduleConfig:
+    """What the replay needs to know besides the units.
+
+    Attributes:
+        device_is_cpu: The training device is the CPU (one memory; gloo point-to-point
+            collectives; offload is a no-op there, as in ``FlatParamHandle``).
+        offload_params: ``CPUOffload(offload_params=True)`` on an accelerator.
+        backward_prefetch: As given to the wrapper.
+        forward_prefetch: As given to the wrapper.
+        shard_world_size: Ranks a parameter is sharded over.
+        replicate_world_size: Hybrid replicas (1 otherwise).
+        static_bytes: Buffers and ignored parameters (device).
+        optim_state_bytes: Optimizer state.
+        optim_temp_bytes: Peak temporaries of one optimizer step.
+    """
+
+    device_is_cpu: bool
+    offload_params: bool
+    backward_prefetch: Optional[BackwardPrefetch]
+    forward_prefetch: bool
+    shard_world_size: int
+    replicate_world_size: int
+    static_bytes: int = 0
+    optim_state_bytes: int = 0
+    optim_temp_bytes: int = 0
+
+
+@dataclass
+class ReplayResult:
+    peak_bytes: int = 0
+    peak_phase: str = "forward"
+    breakdown: dict[str, int] = field(default_factory=dict)
+    cpu_peak_bytes: int = 0
+
+
+class _Replay:
+    def __init__(self, units: list[UnitSpec], trace: Trace, cfg: ScheduleConfig) -> None:
+        self.units, self.trace, self.cfg = units, trace, cfg
+        self.device: dict[str, int] = {}
+        self.cpu: dict[str, int] = {}
+        self.result = ReplayResult()
+        self.phase = "forward"
+        self.gathered: dict[tuple[int, int], str] = {}  # handle -> GATHERED / PREFETCHED
+        self.pending_comm: dict[tuple[int, int], int] = {}  # prefetch: cast shard kept until used
+        self.act_sizes: dict[int, tuple[int, str]] = {}
+        self.held: dict[tuple[int, int], list[int]] = {}  # per-parameter gradients awaiting reduction
+        self.held_keys: set[int] = set()
+        self.inflight: Optional[tuple[tuple[int, int], list[tuple[str, int]], int]] = None
+        self.ran_pre_backward: set[int] = set()
+        self.forward_order: list[int] = []
+        self.backward_order: list[int] = []
+        for event in trace.events:
+            if event[0] == "fwd_pre" and event[1] not in self.forward_order:
+                self.forward_order.append(event[1])
+            elif event[0] == "bwd_pre" and event[1] not in self.backward_order:
+                self.backward_order.append(event[1])
+
+    # ------------------------------------------------------------------ accounting
+    def add(self, kind: str, nbytes: int, cpu: bool = False) -> None:
+        pool = self.cpu if cpu else self.device
+        pool[kind] = pool.get(kind, 0) + nbytes
+        self.observe()
+
+    def observe(self) -> None:
+        total = sum(self.device.values())
+        merged = dict(self.device)
+        if self.cfg.device_is_cpu:
+            total += sum(self.cpu.values())
+            for k, v in self.cpu.items():
+                merged[k] = merged.get(k, 0) + v
+        if total > self.result.peak_bytes:
+            self.result.peak_bytes = total
+            self.result.peak_phase = self.phase
+            self.result.breakdown = {k: v for k, v in merged.items() if v}
+        self.result.cpu_peak_bytes = max(self.result.cpu_peak_bytes, sum(self.cpu.values()))
+
+    def handle(self, hid: tuple[int, int]) -> HandleSpec:
+        return self.units[hid[0]].handles[hid[1]]
+
+    # ------------------------------------------------------------------ parameters
+    def unshard(self, u: int, kind: str) -> None:
+        for h, spec in enumerate(self.units[u].handles):
+            hid = (u, h)
+            if not spec.has_unsharded_buffer:
+                continue
+            if hid in self.gathered:
+                if kind == GATHERED and self.gathered[hid] == PREFETCHED:
+                    self.add(PREFETCHED, -spec.unsharded_bytes())
+                    self.add(GATHERED, spec.unsharded_bytes())
+                    self.gathered[hid] = GATHERED
+                    self.add(COMM, -self.pending_comm.pop(hid, 0))  # prefetch's cast shard
+                continue
+            self.add(kind, spec.unsharded_bytes())
+            self.gathered[hid] = kind
+            comm = 0
+            if self.cfg.offload_params:
+                comm += spec.shard_bytes()  # the shard copied to the device
+            if spec.precision.low_precision_params:
+                comm += spec.sharded_numel * _itemsize(spec.precision.param_dtype)
+            if comm:
+                self.add(COMM, comm)
+                if kind == PREFETCHED:
+                    self.pending_comm[hid] = comm  # held by the pending gather until used
+                else:
+                    self.add(COMM, -comm)
+
+    def reshard(self, u: int, only_frozen_besides: Optional[int] = None) -> None:
+        for h, spec in enumerate(self.units[u].handles):
+            hid = (u, h)
+            if only_frozen_besides is not None and h != only_frozen_besides and spec.requires_grad:
+                continue
+            kind = self.gathered.pop(hid, None)
+            if kind is not None:
+                self.add(kind, -spec.unsharded_bytes())
+                self.add(COMM, -self.pending_comm.pop(hid, 0))
+
+    def prefetch(self, u: int, order: list[int], backward: bool) -> None:
+        if u not in order:
+            return
+        position = order.index(u)
+        if position + 1 >= len(order):
+            return
+        target = order[position + 1]
+        if backward and target in self.ran_pre_backward:
+            return
+        self.unshard(target, PREFETCHED)
+
+    # ------------------------------------------------------------------ gradients
+    def wait_reduction(self) -> None:
+        if self.inflight is None:
+            return
+        hid, buffers, sharded_reduce_bytes = self.inflight
+        self.inflight = None
+        for kind, nbytes in buffers:
+            self.add(kind, -nbytes)
+        self.accumulate(hid, sharded_reduce_bytes)
+
+    def accumulate(self, hid: tuple[int, int], sharded_reduce_bytes: int) -> None:
+        """A reduced sharded gradient in reduce_dtype becomes the full-precision sharded grad."""
+        spec = self.handle(hid)
+        full = spec.sharded_numel * _itemsize(spec.precision.full_dtype)
+        if sharded_reduce_bytes != full or self.cfg.offload_params:
+            self.add(GRADS, full, cpu=self.cfg.offload_params)
+            self.add(GRADS, -sharded_reduce_bytes)
+        # (else the reduced tensor itself is kept)
+
+    def on_grad(self, hid: tuple[int, int], key: int, nbytes: int) -> None:
+        if self.inflight is not None and self.inflight[0] != hid:
+            self.wait_reduction()  # the view hook of the next unit's gradient
+        self.held.setdefault(hid, []).append(key)
+        self.held_keys.add(key)
+        # The gradient was counted as a temporary when the operator made it; it now belongs to
+        # the unit's pending reduction.
+        size, kind = self.act_sizes.get(key, (nbytes, TEMPS))
+        self.act_sizes[key] = (size, UNSHARDED_GRADS)
+        self.add(kind, -size)
+        self.add(UNSHARDED_GRADS, size)
+
+    def post_backward(self, hid: tuple[int, int]) -> None:
+        cfg = self.cfg
+        spec = self.handle(hid)
+        self.wait_reduction()
+        held_bytes = 0
+        for key in self.held.pop(hid, []):
+            self.held_keys.discard(key)
+            size, _ = self.act_sizes.pop(key, (0, ""))
+            held_bytes += size
+        param_b = _itemsize(spec.precision.param_dtype)
+        reduce_b = _itemsize(spec.precision.reduce_dtype)
+        sharded_reduce = spec.sharded_numel * reduce_b
+        pieces = (
+            cfg.device_is_cpu
+            and spec.uses_sharding
+            and cfg.replicate_world_size == 1
+            and cfg.shard_world_size == 2
+            and param_b == reduce_b
+        )
+        if pieces:  # [Note: Per-parameter gradient reduction]
+            self.add(COMM, sharded_reduce)  # the half sent to the peer
+            self.add(GRADS, sharded_reduce)
+            self.inflight = (hid, [(UNSHARDED_GRADS, held_bytes), (COMM, sharded_reduce)], sharded_reduce)
+        else:
+            unsharded = spec.padded_unsharded_numel * param_b
+            self.add(UNSHARDED_GRADS, unsharded)  # the concatenation
+            self.add(UNSHARDED_GRADS, -held_bytes)
+            if reduce_b != param_b:
+                self.add(LOW, spec.padded_unsharded_numel * reduce_b)
+                self.add(UNSHARDED_GRADS, -unsharded)
+                unsharded_kind, unsharded = LOW, spec.padded_unsharded_numel * reduce_b
+            else:
+                unsharded_kind = UNSHARDED_GRADS
+            if spec.uses_sharding:
+                self.add(GRADS, sharded_reduce)
+                if cfg.replicate_world_size == 1:
+                    self.inflight = (hid, [(unsharded_kind, unsharded)], sharded_reduce)
+                else:  # hybrid: reduce-scatter and all-reduce synchronously
+                    self.add(unsharded_kind, -unsharded)
+                    self.accumulate(hid, sharded_reduce)
+            else:  # NO_SHARD: the all-reduced unsharded gradient is the gradient
+                self.add(unsharded_kind, -unsharded)
+                self.add(GRADS, unsharded)
+                self.accumulate(hid, unsharded)
+        self.reshard(hid[0], only_frozen_besides=hid[1])
+        if cfg.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
+            self.prefetch(hid[0], self.backward_order, backward=True)
+
+    # ------------------------------------------------------------------ the stream
+    def run(self) -> ReplayResult:
+        cfg = self.cfg
+        shards = sum(h.shard_bytes() for u in self.units for h in u.handles)
+        self.add(SHARDED_PARAMS, shards, cpu=cfg.offload_params)
+        self.add(BUFFERS, cfg.static_bytes)
+        self.add(OPTIM_STATE, cfg.optim_state_bytes, cpu=cfg.offload_params)
+        self.add(INPUTS, self.trace.input_bytes)
+        for event in self.trace.events:
+            kind = event[0]
+            if kind == "alloc":
+                category = SAVED if self.phase == "forward" else TEMPS
+                self.act_sizes[event[1]] = (event[2], category)
+                self.add(category, event[2])
+            elif kind == "free":
+                if event[1] in self.held_keys:
+                    continue  # a parameter gradient: freed by the reduction
+                size, category = self.act_sizes.pop(event[1], (0, SAVED))
+                if size:
+                    self.add(category, -size)
+            elif kind == "fwd_pre":
+                u = event[1]
+                self.unshard(u, GATHERED)
+                if self.phase == "forward" and cfg.forward_prefetch:
+                    self.prefetch(u, self.forward_order, backward=False)
+            elif kind == "fwd_post":
+                u = event[1]
+                if self.phase == "forward" and self.units[u].reshards_after_forward:
+                    self.reshard(u)
+            elif kind == "bwd_pre":
+                u = event[1]
+                self.ran_pre_backward.add(u)
+                self.unshard(u, GATHERED)
+                if cfg.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
+                    self.prefetch(u, self.backward_order, backward=True)
+            elif kind == "grad":
+                self.on_grad((event[1], event[2]), event[3], event[4])
+            elif kind == "bwd_post":
+                self.post_backward((event[1], event[2]))
+            elif kind == "phase":
+                self.phase = event[1]
+        # Final callback: finish the reduction in flight, free what is still gathered.
+        self.wait_reduction()
+        for u in range(len(self.units)):
+            self.reshard(u)
+        self.phase = "optimizer step"
+        self.add(OPTIM_TEMP, cfg.optim_temp_bytes, cpu=cfg.offload_params)
+        self.add(OPTIM_TEMP, -cfg.optim_temp_bytes, cpu=cfg.offload_params)
+        return self.result
+
+
+def replay(units: list[UnitSpec], trace: Trace, cfg: ScheduleConfig) -> ReplayResult:
+    """Replays one steady-state step (see [Note: Schedule replay])."""
+    return _Replay(units, trace, cfg).run()

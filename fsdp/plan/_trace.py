@@ -1,0 +1,243 @@
+"""One forward and backward of the user's model on fake tensors, as a stream of memory events.
+
+[Note: Activation trace]
+The model runs once, forward then backward, under ``FakeTensorMode`` (tensors have shapes,
+dtypes and a device, no data) with a ``TorchDispatchMode`` on top that sees every operator's
+outputs. Each new storage an operator returns is an ``alloc`` event; a weak-reference finalizer
+on the storage object emits its ``free`` when the last tensor using it dies (autograd keeping a
+saved tensor keeps it alive, exactly as in a real run). Parameters are fake copies in the
+compute dtype (``param_dtype`` under mixed precision), swapped in (as ``torch.func.functional_call`` does) for the whole trace, so
+the user's module (meta or real) is neither copied nor changed.
+
+Fake tensors on the CPU device, not meta tensors: operators such as
+``scaled_dot_product_attention`` choose their kernel by device, and on ``meta`` the choice is
+the math fallback that materializes the whole attention matrix, which no real run does.
+
+Markers interleave with the allocations: ``fwd_pre``/``fwd_post`` from module hooks on every
+unit's module, ``bwd_pre`` from a hook on the unit's outputs (where FSDP's pre-backward hook
+sits), ``grad`` when autograd finishes one parameter's gradient (where FSDP's hooks on the
+parameter views run) and ``bwd_post`` when the last one of a FlatParameter is done (FSDP's
+post-backward hook). :mod:`fsdp.plan._schedule` replays FSDP's unshard, reshard, prefetch and
+reduction on this stream.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from fsdp.plan._units import UnitSpec
+
+__all__ = ["Trace", "trace_forward_backward"]
+
+Event = tuple[Any, ...]
+
+
+@dataclass
+class Trace:
+    """The event stream of one forward and backward.
+
+    Attributes:
+        events: ``("alloc", key, nbytes)``, ``("free", key)``, ``("fwd_pre", unit)``,
+            ``("fwd_post", unit)``, ``("bwd_pre", unit)``, ``("grad", unit, handle, key,
+            nbytes)``, ``("bwd_post", unit, handle)``, ``("phase", name)``.
+        input_bytes: Bytes of the example inputs (alive throughout).
+        op_count: Operators seen (for the docs' timing notes).
+    """
+
+    events: list[Event] = field(default_factory=list)
+    input_bytes: int = 0
+    op_count: int = 0
+
+
+class _StorageTracker(TorchDispatchMode):
+    """Emits ``alloc``/``free`` events for every storage an operator creates."""
+
+    def __init__(self, trace: Trace, external: set[int]) -> None:
+        super().__init__()
+        self.trace = trace
+        self.external = external
+        self.live: dict[int, int] = {}  # storage address -> serial number
+        self.serial = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        self.trace.op_count += 1
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.track(t)
+        return out
+
+    def track(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        cdata = storage._cdata
+        if cdata in self.live or cdata in self.external:
+            return
+        # Events name a storage by a serial number: a freed storage's address is reused.
+        self.serial += 1
+        self.live[cdata] = self.serial
+        self.trace.events.append(("alloc", self.serial, storage.nbytes()))
+        weakref.finalize(storage, self._free, cdata, self.serial)
+
+    def key_of(self, t: torch.Tensor) -> int:
+        """The serial number of ``t``'s storage (0 when it was not made inside the trace)."""
+        return self.live.get(t.untyped_storage()._cdata, 0)
+
+    def _free(self, cdata: int, serial: int) -> None:
+        if self.live.get(cdata) == serial:
+            del self.live[cdata]
+            self.trace.events.append(("free", serial))
+
+
+def _default_loss(output: Any) -> torch.Tensor:
+    leaves = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not leaves:
+        raise ValueError(
+            "fsdp.estimate_memory: the model's output has no tensor that requires grad, so there "
+            "is no backward to plan; pass loss_fn=... that turns the output into a scalar loss."
+        )
+    loss = leaves[0].sum()
+    for t in leaves[1:]:
+        loss = loss + t.sum()
+    return loss
+
+
+def trace_forward_backward(
+    model: nn.Module,
+    example_inputs: Any,
+    units: list[UnitSpec],
+    ignored_params: set[nn.Parameter],
+    loss_fn: Optional[Callable[[Any], torch.Tensor]],
+    buffer_dtype: Optional[torch.dtype],
+) -> Trace:
+    """Traces one forward and backward (see [Note: Activation trace]).
+
+    Args:
+        model: The user's model (any device, meta included); left unchanged.
+        example_inputs: One micro-batch: a tensor or a tuple of tensors (meta allowed).
+        units: The planned units (forward order, root last).
+        ignored_params: Parameters no unit manages (they keep ordinary ``.grad``).
+        loss_fn: Turns the model's output into a scalar; default: the sum of the outputs.
+        buffer_dtype: Mixed precision's ``buffer_dtype``, if any.
+
+    Returns:
+        The event stream.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    trace = Trace()
+    owner: dict[int, tuple[int, int]] = {}
+    for u, unit in enumerate(units):
+        for h, handle in enumerate(unit.handles):
+            for p in handle.params:
+                owner[id(p)] = (u, h)
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+    hooks: list[Any] = []
+    in_backward = [False]
+    ran_pre_backward: set[int] = set()
+    tracker: list[Any] = [None]
+    try:
+        with fake_mode:
+            replacements: dict[str, torch.Tensor] = {}
+            remaining: dict[tuple[int, int], int] = {}
+            for name, p in model.named_parameters(remove_duplicate=False):
+                if name in replacements:
+                    continue
+                u_h = owner.get(id(p))
+                dtype = p.dtype
+                if u_h is not None:
+                    dtype = units[u_h[0]].handles[u_h[1]].precision.param_dtype
+                fake = nn.Parameter(torch.empty(p.shape, dtype=dtype), requires_grad=p.requires_grad)
+                replacements[name] = fake
+                if u_h is not None and p.requires_grad:
+                    remaining[u_h] = remaining.get(u_h, 0) + 1
+                    hooks.append(fake.register_post_accumulate_grad_hook(_grad_hook(trace, u_h, remaining, tracker)))
+            for name, b in model.named_buffers(remove_duplicate=False):
+                dtype = buffer_dtype if (buffer_dtype is not None and b.is_floating_point()) else b.dtype
+                replacements[name] = torch.empty(b.shape, dtype=dtype)
+            fake_inputs = tree_map(
+                lambda t: torch.empty(t.shape, dtype=t.dtype) if isinstance(t, torch.Tensor) else t,
+                example_inputs,
+            )
+            trace.input_bytes = sum(
+                t.untyped_storage().nbytes() for t in tree_flatten(fake_inputs)[0] if isinstance(t, torch.Tensor)
+            )
+            external = {
+                t.untyped_storage()._cdata
+                for t in list(replacements.values()) + tree_flatten(fake_inputs)[0]
+                if isinstance(t, torch.Tensor)
+            }
+            for u, unit in enumerate(units):
+                hooks.append(unit.module.register_forward_pre_hook(_fwd_pre_hook(trace, u)))
+                hooks.append(
+                    unit.module.register_forward_hook(
+                        _fwd_post_hook(trace, u, in_backward, ran_pre_backward)
+                    )
+                )
+            args = fake_inputs if isinstance(fake_inputs, tuple) else (fake_inputs,)
+            tracker[0] = _StorageTracker(trace, external)
+            # The fake parameters stay in place through backward: activation checkpointing
+            # re-runs forwards there.
+            with _reparametrize_module(model, replacements, tie_weights=True), tracker[0]:
+                trace.events.append(("phase", "forward"))
+                output = model(*args)
+                loss = (loss_fn or _default_loss)(output)
+                del output
+                trace.events.append(("phase", "backward"))
+                in_backward[0] = True
+                loss.backward()
+                del loss
+                trace.events.append(("phase", "end"))
+            del replacements, fake_inputs, args
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return trace
+
+
+def _grad_hook(
+    trace: Trace, u_h: tuple[int, int], remaining: dict[tuple[int, int], int], tracker: list[Any]
+) -> Callable[[torch.Tensor], None]:
+    def hook(param: torch.Tensor) -> None:
+        grad = param.grad
+        if grad is not None:
+            trace.events.append(("grad", u_h[0], u_h[1], tracker[0].key_of(grad), grad.untyped_storage().nbytes()))
+        param.grad = None  # FSDP hands it to the reduction; the replay decides how long it lives
+        remaining[u_h] -= 1
+        if remaining[u_h] == 0:
+            trace.events.append(("bwd_post", u_h[0], u_h[1]))
+
+    return hook
+
+
+def _fwd_pre_hook(trace: Trace, u: int) -> Callable[..., None]:
+    def hook(module: nn.Module, args: Any) -> None:
+        trace.events.append(("fwd_pre", u))
+
+    return hook
+
+
+def _fwd_post_hook(
+    trace: Trace, u: int, in_backward: list[bool], ran_pre_backward: set[int]
+) -> Callable[..., None]:
+    def on_grad(grad: torch.Tensor) -> None:
+        if u not in ran_pre_backward:
+            ran_pre_backward.add(u)
+            trace.events.append(("bwd_pre", u))
+
+    def hook(module: nn.Module, args: Any, output: Any) -> None:
+        trace.events.append(("fwd_post", u))
+        if in_backward[0] or not torch.is_grad_enabled():
+            return  # a recomputation (activation checkpointing): FSDP registers nothing then
+        for t in tree_flatten(output)[0]:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(on_grad)
+
+    return hook

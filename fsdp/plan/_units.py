@@ -1,0 +1,171 @@
+"""The units and flat-parameter sizes the wrapper would build, worked out without a process group.
+
+One source of truth: the units come from :func:`fsdp.init._validate.plan_units` (the wrap
+policy run without wrapping, tied-parameter owners, ignored modules), the parameters of each
+handle from :func:`fsdp.init._unit_params.unit_params` and ``split_by_requires_grad``, and the
+padding from :mod:`fsdp.flat_param._sharding`, exactly as ``FullyShardedDataParallel.__init__``
+and ``FlatParamHandle.__init__`` call them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from fsdp.api import ShardingStrategy
+from fsdp.flat_param._precision import HandlePrecision
+from fsdp.flat_param._sharding import padded_unsharded_numel
+from fsdp.init._unit_params import mark_tied_owners, split_by_requires_grad, unit_params
+from fsdp.init._validate import plan_units
+
+__all__ = ["HandleSpec", "UnitSpec", "plan_unit_specs"]
+
+
+@dataclass
+class HandleSpec:
+    """One FlatParameter of a unit, as the busiest rank holds it.
+
+    Attributes:
+        params: The unique original Parameters, in flat order.
+        unpadded_unsharded_numel: Elements of all parameters back to back.
+        padded_unsharded_numel: Padded to a multiple of the shard world size (when sharding).
+        sharded_numel: Elements of one rank's shard (the whole parameter when not sharding).
+        uses_sharding: False for NO_SHARD and for a shard group of one rank.
+        precision: The resolved dtypes (full, param, reduce).
+        requires_grad: Whether the handle is trainable.
+    """
+
+    params: list[nn.Parameter]
+    unpadded_unsharded_numel: int
+    padded_unsharded_numel: int
+    sharded_numel: int
+    uses_sharding: bool
+    precision: HandlePrecision
+    requires_grad: bool
+
+    @property
+    def has_unsharded_buffer(self) -> bool:
+        """Whether forward and backward use a separate unsharded buffer (gathered or cast)."""
+        return self.uses_sharding or self.precision.low_precision_params
+
+    def unsharded_bytes(self) -> int:
+        """Bytes of the padded unsharded buffer forward and backward use (0 if none)."""
+        if not self.has_unsharded_buffer:
+            return 0
+        return self.padded_unsharded_numel * _itemsize(self.precision.param_dtype)
+
+    def shard_bytes(self) -> int:
+        """Bytes of the local (full-precision) shard."""
+        return self.sharded_numel * _itemsize(self.precision.full_dtype)
+
+
+@dataclass
+class UnitSpec:
+    """One FSDP unit: its module, name, handles and strategy.
+
+    Attributes:
+        name: The module's qualified name (``""`` for the root).
+        module: The unit's module in the user's (unwrapped) model.
+        handles: Its FlatParameters (two with use_orig_params and mixed requires_grad).
+        reshards_after_forward: FULL_SHARD / HYBRID_SHARD (never the root, which keeps its
+            parameters for the backward that follows).
+        is_root: Whether this is the root unit.
+    """
+
+    name: str
+    module: nn.Module
+    handles: list[HandleSpec]
+    reshards_after_forward: bool
+    is_root: bool
+
+    @property
+    def label(self) -> str:
+        return self.name or f"<root {type(self.module).__name__}>"
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype, device="meta").element_size()
+
+
+def plan_unit_specs(
+    module: nn.Module,
+    *,
+    auto_wrap_policy: Optional[Callable[..., Any]],
+    root_kwargs: dict[str, Any],
+    ignored_modules: Any,
+    ignored_states: Any,
+    shard_world_size: int,
+    replicate_world_size: int,
+) -> tuple[list[UnitSpec], set[nn.Module], set[nn.Parameter]]:
+    """Plans the units as the wrapper would, and sizes every FlatParameter.
+
+    Args:
+        module: The user's model (any device, meta included).
+        auto_wrap_policy: As given to ``FullyShardedDataParallel``.
+        root_kwargs: The constructor's other keyword arguments (what nested units inherit).
+        ignored_modules: As given to ``FullyShardedDataParallel``.
+        ignored_states: As given to ``FullyShardedDataParallel``.
+        shard_world_size: Ranks a parameter is sharded over (the intra-node size for hybrid).
+        replicate_world_size: Ranks that hold the same shard (hybrid); 1 otherwise.
+
+    Returns:
+        The units in forward (post-order, root last) order, the ignored modules and the
+        ignored parameters.
+    """
+    plan = plan_units(module, auto_wrap_policy, root_kwargs, ignored_modules, ignored_states)
+    names = {m: n for n, m in module.named_modules()}
+    targets = list(plan.targets)
+    target_set = set(targets)
+    specs: list[UnitSpec] = []
+    with mark_tied_owners(plan.tied_owner):
+        for unit in targets + [module]:
+            kwargs = plan.targets.get(unit, root_kwargs)
+            strategy = kwargs.get("sharding_strategy") or ShardingStrategy.FULL_SHARD
+            if shard_world_size == 1 and strategy not in (
+                ShardingStrategy.HYBRID_SHARD,
+                ShardingStrategy._HYBRID_SHARD_ZERO2,
+            ):
+                strategy = ShardingStrategy.NO_SHARD  # as the wrapper does at world size 1
+            use_orig_params = bool(kwargs.get("use_orig_params"))
+
+            def is_other_unit(m: nn.Module, unit: nn.Module = unit) -> bool:
+                return (m in target_set and m is not unit) or m in plan.ignored_modules
+
+            params = unit_params(unit, is_other_unit, plan.ignored_params)
+            handles: list[HandleSpec] = []
+            for handle_params in split_by_requires_grad(params, use_orig_params):
+                unique: list[nn.Parameter] = []
+                seen: set[int] = set()
+                for _, _, _, p in handle_params:
+                    if id(p) not in seen:
+                        seen.add(id(p))
+                        unique.append(p)
+                uses_sharding = strategy is not ShardingStrategy.NO_SHARD and shard_world_size > 1
+                unpadded = sum(p.numel() for p in unique)
+                padded = padded_unsharded_numel(unpadded, shard_world_size) if uses_sharding else unpadded
+                handles.append(
+                    HandleSpec(
+                        params=unique,
+                        unpadded_unsharded_numel=unpadded,
+                        padded_unsharded_numel=padded,
+                        sharded_numel=padded // (shard_world_size if uses_sharding else 1),
+                        uses_sharding=uses_sharding,
+                        precision=HandlePrecision.resolve(kwargs.get("mixed_precision"), unique[0].dtype),
+                        requires_grad=unique[0].requires_grad,
+                    )
+                )
+            is_root = unit is module
+            specs.append(
+                UnitSpec(
+                    name=names.get(unit, ""),
+                    module=unit,
+                    handles=handles,
+                    reshards_after_forward=(not is_root)
+                    and strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD),
+                    is_root=is_root,
+                )
+            )
+    return specs, plan.ignored_modules, plan.ignored_params
