@@ -67,7 +67,7 @@ def warn_optim_input(optim_input: object) -> None:
     if optim_input is None:
         return
     warnings.warn(
-        "fsdp: the `optim_input` argument is deprecated (as in torch.distributed.fsdp) and will be "
+        "fsdp: the `optim_input` argument is deprecated (as in torch FSDP1) and will be "
         "removed. Pass the optimizer as `optim=` instead, or drop `optim_input` when the "
         "optimizer was built from model.parameters() in their order.",
         FutureWarning,
@@ -78,7 +78,7 @@ def warn_optim_input(optim_input: object) -> None:
 def warn_legacy_api(current: str, replacement: str) -> None:
     """Warns (``FutureWarning``, as torch FSDP1) that a legacy optimizer state-dict API is used."""
     warnings.warn(
-        f"fsdp: FullyShardedDataParallel.{current} is deprecated (as in torch.distributed.fsdp); "
+        f"fsdp: FullyShardedDataParallel.{current} is deprecated (as in torch FSDP1); "
         f"use FullyShardedDataParallel.{replacement} with FullyShardedDataParallel.state_dict_type "
         f"instead.",
         FutureWarning,
