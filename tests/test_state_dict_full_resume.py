@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, Optional, Sequence
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -122,6 +123,14 @@ def _run(library: str, orig: bool, directory: str) -> dict[str, dict[str, torch.
         for step in range(2, 4):
             _step(model, opt, step)
         result[f"resumed_{kind}"] = values(model)
+    # Neither a tensor nor a tensor-like: nn.Module's error; we check before copying anything
+    # (torch FSDP1 copies the other entries first), so nothing changes.
+    bad: dict[str, Any] = dict(result["saved"])
+    bad[next(iter(bad))] = "not a tensor"
+    with full(model, rank0_only=False), pytest.raises(RuntimeError, match="expected torch.Tensor or Tensor-like"):
+        model.load_state_dict(bad)
+    if library == "ours":
+        assert all(torch.equal(value, result["resumed_lazy"][key]) for key, value in values(model).items())
     return result
 
 
