@@ -78,20 +78,10 @@ def _check_trainer_resume(got: Dict[str, Any], kind: str) -> None:
     assert got[f"resumed_{kind}"] == got["straight"][int(STEPS):], kind
 
 
-_FULL_RESUME_OPEN = pytest.mark.xfail(
-    strict=True,
-    reason="open (issue 'Drop-in for real'): since model state dicts load through per-unit hooks, "
-    "resuming Lightning's FULL checkpoint (torch.load(mmap=True) + FSDP.load_state_dict under "
-    "FULL_STATE_DICT) does not restore the trained state; the sharded checkpoint resumes exactly",
-)
-
-
-@_FULL_RESUME_OPEN
 def test_fabric_full_checkpoint_resumes_exactly(runs: Tuple[Dict[str, Any], Dict[str, Any]]) -> None:
     _check_fabric_resume(runs[1]["fabric"], "full")
 
 
-@_FULL_RESUME_OPEN
 def test_trainer_full_checkpoint_resumes_exactly(runs: Tuple[Dict[str, Any], Dict[str, Any]]) -> None:
     _check_trainer_resume(runs[1]["trainer"], "full")
 

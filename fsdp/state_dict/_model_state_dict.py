@@ -392,10 +392,28 @@ class _LoadError(Exception):
         self.error_type = error_type
 
 
+def _is_tensor_like(value: Any) -> bool:
+    """Whether ``nn.Module`` would copy ``value``: a tensor, or a tensor-like with
+    ``__torch_function__`` (Lightning's lazily loaded checkpoint tensors, which are no
+    ``torch.Tensor``), read through torch functions ([Note: Tensor-like values])."""
+    return torch.overrides.is_tensor_like(value)
+
+
+# [Note: Tensor-like values]
+# nn.Module's load copies any tensor-like value (``torch.overrides.is_tensor_like``: a tensor or an
+# object with ``__torch_function__``), and so does torch FSDP1's load. Lightning's FULL checkpoint
+# resume hands such objects (its lazily loaded tensors: not ``torch.Tensor`` instances; shape and
+# dtype as attributes, the values read when a torch function is applied). Managed entries are
+# checked and loaded here, not by nn.Module, so the same test decides, and the values are only
+# ever used through torch functions (``torch.flatten`` in _load_managed). Anything else gets
+# nn.Module's error message.
 def _check_managed(key: str, param: _ManagedParam, value: Any, state: UnitState) -> Optional[str]:
     """FULL/SHARDED: a size-mismatch message for ``value`` (None if fine); raises on bad layouts."""
-    if not isinstance(value, torch.Tensor):
-        return None  # nn.Module ignores non-tensors too
+    if not _is_tensor_like(value):
+        return (
+            f'While copying the parameter named "{key}", expected torch.Tensor or Tensor-like '
+            f"object from checkpoint but received {type(value)}"
+        )
     mismatch = _size_mismatch(key, value, param.shape)
     if mismatch is not None:
         return mismatch
@@ -532,9 +550,8 @@ def _load_full_or_sharded_entries(
     if mismatches:  # nn.Module raises them at the end; this unit stays as it was
         error_msgs.extend(mismatches)
         return
-    for (_, param), value in zip(present, values):
-        if isinstance(value, torch.Tensor):
-            _load_managed(param, full_value(value, param.shape, state))
+    for (_, param), value in zip(present, values):  # all tensor-like: checked above
+        _load_managed(param, full_value(value, param.shape, state))
 
 
 def _load_local_entries(
@@ -617,7 +634,7 @@ def _check_tree(module: nn.Module, state_dict: dict[str, Any], strict: bool) -> 
             elif key in local:
                 _check_local(key, local[key][0], value, local[key][1])
                 mismatch = None
-            elif key in others and isinstance(value, torch.Tensor) and not is_sharded_tensor(value):
+            elif key in others and _is_tensor_like(value) and not is_sharded_tensor(value):
                 mismatch = _size_mismatch(key, value, others[key].shape)
             else:
                 mismatch = None
