@@ -150,3 +150,39 @@ def full_resume_like_lightning(orig: bool, directory: str) -> None:
 def test_full_resume_like_lightning(pool2: RankPool, tmp_path: Any) -> None:
     for orig in (False, True):
         pool2.run(full_resume_like_lightning, orig, str(tmp_path))
+
+
+class _WithBuffer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("scale", torch.full((4,), 1.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.scale
+
+
+def lazy_buffer_under_mixed_precision() -> None:
+    """A buffer cast by ``MixedPrecision(buffer_dtype=...)`` keeps its full-precision value for
+    state dicts; a lazily loaded (tensor-like) value must become that kept value, as a tensor does."""
+    from fsdp import FullStateDictConfig, MixedPrecision, StateDictType
+    from fsdp import FullyShardedDataParallel as FSDP
+
+    torch.manual_seed(0)
+    model = FSDP(_WithBuffer(), mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16))
+    model(torch.ones(2, 4)).sum().backward()  # lazy init: the buffer is now bf16 on the module
+    # 1 + 2**-12 rounds to 1.0 in bf16 (8 bits of mantissa): only the kept value can carry it.
+    loaded = torch.full((4,), 1.0 + 2.0**-12)
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=False)):
+        state = {key: value.clone() for key, value in model.state_dict().items()}
+        for kind in ("tensor", "lazy"):
+            state["scale"] = LazyTensor(loaded) if kind == "lazy" else loaded.clone()
+            model.load_state_dict(state)
+            saved = model.state_dict()["scale"]
+            assert saved.dtype == torch.float32 and torch.equal(saved, loaded), (kind, saved)
+            state["scale"] = torch.ones(4)
+            model.load_state_dict(state)  # back to 1.0 before the next kind
+
+
+def test_lazy_buffer_under_mixed_precision(pool2: RankPool) -> None:
+    pool2.run(lazy_buffer_under_mixed_precision)

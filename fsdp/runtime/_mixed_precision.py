@@ -148,6 +148,10 @@ def refresh_cast_buffers(
             continue
         key = clean_fqn(f"{module_name}.{record.name}" if module_name else record.name)
         value = by_clean_key.get(key)
+        if value is not None and not isinstance(value, torch.Tensor) and torch.overrides.is_tensor_like(value):
+            # A lazily loaded checkpoint value (Lightning's); read it through a torch function,
+            # as the load did ([Note: Tensor-like values] in state_dict/_model_state_dict.py).
+            value = torch.flatten(value).view(tuple(value.shape))
         if isinstance(value, torch.Tensor) and value.shape == record.full_value.shape:
             full = getattr(value, "full_tensor", None)
             value = full() if callable(full) else value
