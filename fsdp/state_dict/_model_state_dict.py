@@ -54,7 +54,7 @@ from fsdp.flat_param._sharding import param_slices_in_shard
 from fsdp.flat_param.flat_param import FlatParamHandle, HandleState
 from fsdp.runtime._lazy_init import check_idle, lazy_init, named_fsdp_states, unit_state
 from fsdp.runtime._mixed_precision import refresh_cast_buffers
-from fsdp.runtime._state import TrainingState, UnitState, transition
+from fsdp.runtime._state import HandleTrainingState, UnitState, transition
 from fsdp.runtime._summon import _summon_unit, deregister_params, register_params
 from fsdp.state_dict._gather import gather
 from fsdp.state_dict._local_values import check_local_value, load_local_value, local_value
@@ -195,7 +195,7 @@ def _gathers_directly(state: UnitState) -> bool:
     First adopts original Parameters the user replaced (use_orig_params), as
     summon_full_params does, which may reshard a stale unsharded copy.
     """
-    if not state.handles or state.training_state is not TrainingState.IDLE:
+    if not state.handles or state.training_state is not HandleTrainingState.IDLE:
         return False
     for handle in state.handles:
         handle.writeback_orig_params()
@@ -248,7 +248,7 @@ def _save_full_gathered(
 ) -> None:
     """FULL_STATE_DICT entries of one sharded unit (see [Note: Full state dict of a sharded unit])."""
     start = len(destination)
-    transition(state, TrainingState.SUMMON_FULL_PARAMS)  # nested units and hooks see the unit busy
+    transition(state, HandleTrainingState.SUMMON_FULL_PARAMS)  # nested units and hooks see the unit busy
     try:
         gathered = [_gather_unsharded(handle, rank0_only, offload) for handle in state.handles]
         padded = [p for p in gathered if p is not None]
@@ -262,7 +262,7 @@ def _save_full_gathered(
         owned = frozenset(p.untyped_storage().data_ptr() for p in padded if p.numel() > 0)
         _materialize_entries(destination, start, set(), state, True, offload, owned)
     finally:
-        state.training_state = TrainingState.IDLE
+        state.training_state = HandleTrainingState.IDLE
 
 
 def _materialize_entries(
