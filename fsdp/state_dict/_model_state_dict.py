@@ -462,11 +462,15 @@ class _PendingLoad:
         cast_buffer_values: The entries under the unit (keys relative to it) when it has
             mixed-precision buffers, whose kept full-precision values the post-hook refreshes
             from them ([Note: Full-precision buffers in state dicts]).
+        prefix: The unit's prefix in this load.
+        missing_start: How many missing keys were reported before the unit's subtree.
     """
 
     own_keys: set[str] = field(default_factory=set)
     absent_keys: list[str] = field(default_factory=list)
     cast_buffer_values: dict[str, Any] = field(default_factory=dict)
+    prefix: str = ""
+    missing_start: int = 0
 
 
 _PENDING: dict[int, _PendingLoad] = {}
@@ -491,7 +495,7 @@ def load_pre_hook(
         check_idle(module, "load_state_dict()")
     _move_prefix(state_dict, prefix, prefix + FSDP_PREFIX)
     inner = prefix + FSDP_PREFIX
-    pending = _PendingLoad()
+    pending = _PendingLoad(prefix=prefix, missing_start=len(missing_keys))
     _PENDING[id(module)] = pending
     if state.cast_buffers:
         pending.cast_buffer_values = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
@@ -550,6 +554,28 @@ def _load_local_entries(
         load_local_value(state.handles[index], state_dict.pop(key))
 
 
+def _in_module_order(module: nn.Module, prefix: str, keys: list[str]) -> list[str]:
+    """``keys`` (clean, under ``module`` at ``prefix``) in the order nn.Module reports them.
+
+    That is the unwrapped model's order, which torch FSDP1 reports (it registers the original
+    parameters for a load): modules in pre-order, each one's parameters before its buffers.
+    Keys of one module and kind keep their relative order.
+    """
+    module_index: dict[str, tuple[int, nn.Module]] = {}
+    root_name = prefix[:-1] if prefix else ""
+    for name, sub in module.named_modules(remove_duplicate=False, prefix=root_name):
+        module_index.setdefault(clean_fqn(name), (len(module_index), sub))
+
+    def order(item: tuple[int, str]) -> tuple[int, int, int]:
+        position, key = item
+        path, _, local = key.rpartition(".")
+        index, owner = module_index.get(path, (len(module_index), None))
+        is_buffer = owner is not None and local in owner._buffers
+        return index, int(is_buffer), position
+
+    return [key for _, key in sorted(enumerate(keys), key=order)]
+
+
 def load_post_hook(module: nn.Module, incompatible_keys: Any) -> None:
     """Load post-hook of every unit: the missing keys under the names the state dict uses."""
     pending = _PENDING.pop(id(module), None)
@@ -557,13 +583,10 @@ def load_post_hook(module: nn.Module, incompatible_keys: Any) -> None:
     if pending is not None:
         if pending.cast_buffer_values:  # loaded: those values are the new full-precision ones
             refresh_cast_buffers(module, [unit_state(module)], pending.cast_buffer_values)
-        position = None
-        for i in reversed(range(len(missing))):
-            if clean_fqn(missing[i]) in pending.own_keys:
-                del missing[i]
-                position = i
-        insert_at = len(missing) if position is None else position
-        missing[insert_at:insert_at] = pending.absent_keys
+        start = pending.missing_start
+        inside = [clean_fqn(k) for k in missing[start:] if clean_fqn(k) not in pending.own_keys]
+        if len(missing) > start or pending.absent_keys:
+            missing[start:] = _in_module_order(module, pending.prefix, inside + pending.absent_keys)
     missing[:] = [clean_fqn(k) for k in missing]
     unexpected[:] = [clean_fqn(k) for k in unexpected]
 
