@@ -63,7 +63,13 @@ from fsdp.runtime._mixed_precision import (
     full_precision_in_eval_requested,
     refresh_cast_buffers,
 )
-from fsdp.runtime._state import TrainingState, UnitState
+from fsdp.runtime._state import (
+    HandleTrainingState,
+    TrainingState,
+    UnitState,
+    coarse_training_state,
+    set_reported_ignored,
+)
 from fsdp.runtime._summon import summon_full_params as _summon_full_params
 from fsdp.state_dict import _model_state_dict, _settings
 from fsdp.wrap import (
@@ -185,6 +191,7 @@ class FullyShardedDataParallel(nn.Module):
             _apply_mixed_precision_overrides(module, _mixed_precision_classes(root_kwargs))
 
         # 2. Materialize (meta) in pre-order and wrap nested units bottom-up, then this unit.
+        wrapped_before = [unit_state(sub) for sub in module.modules() if is_fsdp(sub)]
         super().__init__()
         with mark_tied_owners(plan.tied_owner):
             materialize_and_wrap(
@@ -251,6 +258,11 @@ class FullyShardedDataParallel(nn.Module):
         for sub in module.modules():
             if is_fsdp(sub):
                 unit_state(sub).has_fsdp_parent = True
+        set_reported_ignored(
+            self._fsdp_state,
+            wrapped_before,
+            [unit_state(sub) for sub in module.modules() if is_fsdp(sub) and sub.module in plan.targets],
+        )
         register_flat_param_hooks(self._fsdp_state)
         self._state_dict_settings = _settings.default_settings()
         _model_state_dict.register_state_dict_hooks(self)  # [Note: State dict hooks]
@@ -288,8 +300,13 @@ class FullyShardedDataParallel(nn.Module):
     # ``cpu_offload`` are default configs, never None.
     @property
     def training_state(self) -> TrainingState:
-        """What this unit is doing right now (IDLE, FORWARD, ...)."""
-        return self._fsdp_state.training_state
+        """What this unit is doing right now, as torch FSDP1 reports it.
+
+        ``IDLE``, ``FORWARD_BACKWARD`` (from the unit's pre-forward to its post-forward, and
+        from its pre-backward to the end of backward) or ``SUMMON_FULL_PARAMS``; the handle's
+        ``_training_state`` has the finer phase (``FORWARD``, ``BACKWARD_PRE``, ...).
+        """
+        return coarse_training_state(self._fsdp_state.training_state)
 
     @property
     def sharding_strategy(self) -> ShardingStrategy:
@@ -373,11 +390,13 @@ class FullyShardedDataParallel(nn.Module):
 
     @property
     def _ignored_modules(self) -> set[nn.Module]:
-        return self._fsdp_state.ignored_modules
+        """Torch FSDP1's value ([Note: Reported ignored states])."""
+        return self._fsdp_state.reported_ignored_modules
 
     @property
     def _ignored_params(self) -> set[nn.Parameter]:
-        return self._fsdp_state.ignored_params
+        """Torch FSDP1's value ([Note: Reported ignored states])."""
+        return self._fsdp_state.reported_ignored_params
 
     @property
     def _device_mesh(self) -> Any:
@@ -429,7 +448,7 @@ class FullyShardedDataParallel(nn.Module):
         reset_lazy_init(self)
 
     def _in_summon(self) -> bool:
-        return self._fsdp_state.training_state is TrainingState.SUMMON_FULL_PARAMS
+        return self._fsdp_state.training_state is HandleTrainingState.SUMMON_FULL_PARAMS
 
     def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
         """As ``nn.Module.named_parameters``; inside ``summon_full_params`` names carry no FSDP prefix."""
@@ -475,7 +494,7 @@ class FullyShardedDataParallel(nn.Module):
         """
         uninitialized = self._fsdp_state.is_root is None
         check_idle(self, "apply()", allow_summon=True, error=ValueError)
-        if self._fsdp_state.training_state is TrainingState.SUMMON_FULL_PARAMS:
+        if self._fsdp_state.training_state is HandleTrainingState.SUMMON_FULL_PARAMS:
             # (Nested units' apply, called by this apply's recursion, finds them idle.)
             raise ValueError(
                 f"fsdp: apply() cannot be called inside summon_full_params on unit "

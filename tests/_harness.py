@@ -334,7 +334,17 @@ def _default_start_method() -> str:
     return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
 
 
-_FORKSERVER_PRELOAD = ["torch", "torch.distributed"]
+# Imported once in the fork server, so every rank (and every restart after a failed job) starts
+# with them loaded: torch, fsdp, and the heavy torch packages the tests use (torch's FSDP1 as the
+# oracle pulls in DTensor; DCP for checkpoints). Importing them in each fresh rank instead costs
+# seconds of CPU per rank. None of them starts threads or touches a device at import.
+_FORKSERVER_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch.distributed.fsdp",
+    "torch.distributed.checkpoint",
+    "fsdp",
+]
 
 
 def _watch_parent(parent_pid: int) -> None:

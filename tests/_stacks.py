@@ -16,7 +16,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Dict, List, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES_DIR = os.path.join(REPO_ROOT, "docs", "examples", "stacks")
@@ -113,3 +114,47 @@ def run_example(
         raise AssertionError(f"{script} ({backend}) failed: {' '.join(cmd)}\n" + "\n".join(outputs))
     with open(os.path.join(out_dir, "result.json"), encoding="utf-8") as f:
         return json.load(f)
+
+
+@dataclass
+class BackendRuns:
+    """One example run on torch's FSDP1 and one through the redirect on fsdp.
+
+    Attributes:
+        torch_result, fsdp_result: The ``result.json`` of each run.
+        torch_out, fsdp_out: Each run's output folder (checkpoints).
+    """
+
+    torch_result: Dict[str, Any]
+    fsdp_result: Dict[str, Any]
+    torch_out: str
+    fsdp_out: str
+
+
+def run_on_both_backends(
+    script: str,
+    tmp_path_factory: Any,
+    torch_args: List[str],
+    fsdp_args: Callable[[str], List[str]],
+) -> BackendRuns:
+    """Runs ``script`` on torch's FSDP1, then (the script unchanged) on fsdp.
+
+    Args:
+        script: The example's file name.
+        tmp_path_factory: pytest's, for the two output folders.
+        torch_args: The torch run's arguments.
+        fsdp_args: The fsdp run's arguments, given the torch run's output folder (to resume
+            from its checkpoints).
+    """
+    stem = os.path.splitext(script)[0]
+    torch_out = str(tmp_path_factory.mktemp(f"{stem}-torch"))
+    fsdp_out = str(tmp_path_factory.mktemp(f"{stem}-fsdp"))
+    torch_result = run_example(script, torch_args, backend="torch", out_dir=torch_out)
+    fsdp_result = run_example(script, fsdp_args(torch_out), backend="fsdp", out_dir=fsdp_out)
+    return BackendRuns(torch_result, fsdp_result, torch_out, fsdp_out)
+
+
+def assert_each_backend_ran(runs: BackendRuns) -> None:
+    """The wrapper the script built, by its class's module: torch's, then fsdp's via the redirect."""
+    assert runs.torch_result["backend"].startswith("torch.distributed."), runs.torch_result["backend"]
+    assert runs.fsdp_result["backend"] == "fsdp.fully_sharded_data_parallel", runs.fsdp_result["backend"]

@@ -170,6 +170,7 @@ def corrupt_phase(directory: str) -> None:
 
 def test_resume_bit_exact_and_interrupted_save(tmp_path: Any) -> None:
     get_pool(2).run(save_phase, str(tmp_path))
+    _keep_as_kill_base(str(tmp_path))  # the phases below read it; corrupt_phase truncates it
     get_pool(2).run(resume_phase, str(tmp_path))
     get_pool(4).run(reshard_phase, str(tmp_path))  # another world size
     get_pool(1).run(reshard_phase, str(tmp_path))
@@ -265,14 +266,23 @@ _KILL_BASE: dict[str, str] = {}
 
 
 def _kill_base(tmp_path: Any) -> str:
-    """A directory with one complete save of step 2, made once per session and copied per test."""
+    """A directory with one complete save of step 2, made once per session and copied per test
+    (from the resume test's save_phase when that ran first: the same save)."""
     if "path" not in _KILL_BASE:
-        base = str(tmp_path.parent / "kill-base")
-        os.makedirs(base, exist_ok=True)
-        get_pool(2).run(save_phase, base)
-        shutil.rmtree(os.path.join(base, "step_000004.partial"))
-        _KILL_BASE["path"] = base
+        saved = str(tmp_path.parent / "kill-save")
+        os.makedirs(saved, exist_ok=True)
+        get_pool(2).run(save_phase, saved)
+        _keep_as_kill_base(saved)
     return _KILL_BASE["path"]
+
+
+def _keep_as_kill_base(saved: str) -> None:
+    """Keeps a copy of ``saved`` (save_phase's directory) without its half-written step 4."""
+    if "path" in _KILL_BASE:
+        return
+    base = saved + "-kill-base"
+    shutil.copytree(saved, base, ignore=shutil.ignore_patterns("step_000004.partial"))
+    _KILL_BASE["path"] = base
 
 
 def keep_phase(directory: str) -> list[str]:

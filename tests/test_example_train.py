@@ -10,22 +10,24 @@ import sys
 import pytest
 
 
-@pytest.mark.parametrize("precision", ["none", "bf16"])
-def test_trainer_command_line(precision: str) -> None:
-    # The collective timeout: the default once, a chosen one once; the log says which.
-    timeout = ["--timeout", "90"] if precision == "bf16" else []
+def _assert_loss_fell(stdout: str) -> None:
+    match = re.search(r"OK: loss fell from ([0-9.]+) to ([0-9.]+)", stdout)
+    assert match, stdout[-3000:]
+    first, last = map(float, match.groups())
+    assert last < first
+
+
+def test_trainer_command_line_bf16() -> None:
+    """bf16 mixed precision, no checkpoints, a chosen collective timeout (full precision with
+    checkpoints and the default timeout: the first run of the checkpoint test below)."""
     cmd = [
         sys.executable, "-m", "fsdp.examples.train", "--steps", "8", "--batch-size", "4",
-        "--log-every", "4", "--checkpoint-dir", "", "--mixed-precision", precision, *timeout,
+        "--log-every", "4", "--checkpoint-dir", "", "--mixed-precision", "bf16", "--timeout", "90",
     ]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    seconds = "90" if timeout else "600"
-    assert f"collective timeout {seconds} s (--timeout): a rank stuck longer" in run.stdout, run.stdout[:2000]
-    match = re.search(r"OK: loss fell from ([0-9.]+) to ([0-9.]+)", run.stdout)
-    assert match, run.stdout[-3000:]
-    first, last = map(float, match.groups())
-    assert last < first
+    assert "collective timeout 90 s (--timeout): a rank stuck longer" in run.stdout, run.stdout[:2000]
+    _assert_loss_fell(run.stdout)
 
 
 def _train(*args: str) -> subprocess.CompletedProcess:
@@ -33,21 +35,28 @@ def _train(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
 
-def test_trainer_checkpoint_dir_resume_and_refusal(tmp_path: object) -> None:
+def test_trainer_checkpoint_dir_resume_and_refusal(tmp_path: object, capsys: pytest.CaptureFixture[str]) -> None:
     """Where checkpoints go is said; a second run into the same directory without --resume is
     refused before any rank starts; a resume at another world size says how the global batch
     changes; progress lines carry a percentage."""
     ckpt = str(tmp_path)
-    first = _train("--steps", "8", "--checkpoint-dir", ckpt, "--checkpoint-every", "4")
+    # Full precision, the default collective timeout, checkpoints.
+    first = _train("--steps", "8", "--checkpoint-dir", ckpt, "--checkpoint-every", "4", "--log-every", "4")
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert f"checkpoints: {ckpt} every 4 steps and at the end (keeping the newest 3)" in first.stdout
     assert re.search(r"step +8/8 \(100%", first.stdout), first.stdout[-2000:]
+    assert "collective timeout 600 s (--timeout): a rank stuck longer" in first.stdout, first.stdout[:2000]
+    _assert_loss_fell(first.stdout)
 
-    again = _train("--steps", "8", "--checkpoint-dir", ckpt)
-    assert again.returncode == 2
-    assert "already holds checkpoints of an earlier run (latest: step_000008)" in again.stderr
-    assert "Pass --resume to continue from it, --overwrite to start over" in again.stderr
-    assert "step " not in again.stdout  # nothing trained
+    # Refused before any rank starts: main() returns the exit status without spawning, so it
+    # runs in this process (``python -m`` passes that status to sys.exit).
+    from fsdp.examples.train import main
+
+    assert main(["--batch-size", "4", "--steps", "8", "--checkpoint-dir", ckpt]) == 2
+    again = capsys.readouterr()
+    assert "already holds checkpoints of an earlier run (latest: step_000008)" in again.err
+    assert "Pass --resume to continue from it, --overwrite to start over" in again.err
+    assert "step " not in again.out  # nothing trained
 
     resumed = _train("--steps", "10", "--checkpoint-dir", ckpt, "--resume", "--nprocs", "1")
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
@@ -58,11 +67,17 @@ def test_trainer_checkpoint_dir_resume_and_refusal(tmp_path: object) -> None:
     assert "FutureWarning" not in resumed.stderr, resumed.stderr[-3000:]
 
 
-def test_trainer_timeout_argument() -> None:
+def test_trainer_timeout_argument(capsys: pytest.CaptureFixture[str]) -> None:
     """``--timeout`` (seconds, default 600) is validated before any rank starts."""
     from fsdp.examples.train import parse_args
 
     assert parse_args([]).timeout == 600
     assert parse_args(["--timeout", "2.5"]).timeout == 2.5
-    bad = _train("--timeout", "0")
-    assert bad.returncode == 2 and "--timeout must be positive (seconds)" in bad.stderr, bad.stderr[-2000:]
+    # Refused by the argument parser (exit status 2), before any rank starts.
+    from fsdp.examples.train import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--batch-size", "4", "--timeout", "0"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "--timeout must be positive (seconds)" in err, err[-2000:]

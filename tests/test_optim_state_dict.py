@@ -152,6 +152,22 @@ def _assert_value_equal(a: Any, b: Any, where: str, exact: bool = True) -> None:
         assert a == b, (where, a, b)
 
 
+def _settle_torch_after_error() -> None:
+    """After making torch FSDP1 raise mid-call: finalize what that call left behind now.
+
+    torch's optimizer state-dict code profiles itself with a class-level SimpleProfiler whose
+    context managers are generators; one abandoned by an exception is finalized whenever the
+    garbage collector gets to it, and then removes the profiling mark of whatever torch call is
+    running at that moment, which fails with KeyError. Collect now and reset the profiler.
+    """
+    import gc
+
+    from torch.distributed.fsdp._debug_utils import SimpleProfiler
+
+    gc.collect()
+    SimpleProfiler.reset()
+
+
 def _assert_osd_equal(a: dict, b: dict, where: str, ordered: bool = True, exact: bool = True) -> None:
     """Same keys (in order if ``ordered``), parameter groups and values (bit for bit if ``exact``).
 

@@ -30,6 +30,7 @@ from tests.test_optim_state_dict import (
     _full_params,
     _groups,
     _lib,
+    _settle_torch_after_error,
     _torch_full,
     _train,
     _wrap,
@@ -227,21 +228,6 @@ class _Raised(Exception):
     def __str__(self) -> str:
         return str(self.args[0])
 
-
-def _settle_torch_after_error() -> None:
-    """After making torch FSDP1 raise mid-call: finalize what that call left behind now.
-
-    torch's optimizer state-dict code profiles itself with a class-level SimpleProfiler whose
-    context managers are generators; one abandoned by an exception is finalized whenever the
-    garbage collector gets to it, and then removes the profiling mark of whatever torch call is
-    running at that moment, which fails with KeyError. Collect now and reset the profiler.
-    """
-    import gc
-
-    from torch.distributed.fsdp._debug_utils import SimpleProfiler
-
-    gc.collect()
-    SimpleProfiler.reset()
 
 def _optim_lacking(model: nn.Module, uop: bool, lacking_rank: int) -> torch.optim.Optimizer:
     """Adam over the model's parameters; ``lacking_rank``'s leaves out blocks.2 (its

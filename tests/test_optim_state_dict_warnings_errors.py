@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tests._harness import RankPool
-from tests.test_optim_state_dict import _assert_osd_equal, _optim, _train, _wrap
+from tests.test_optim_state_dict import _assert_osd_equal, _optim, _settle_torch_after_error, _train, _wrap
 
 _THIS_FILE = os.path.abspath(__file__)
 
@@ -179,22 +179,6 @@ def test_no_deprecation_warnings_from_sharded_round_trip(pool2: RankPool) -> Non
 
 
 # ----------------------------------------------------------------------------- exception types
-def _settle_torch_after_error() -> None:
-    """After making torch FSDP1 raise mid-call: finalize what that call left behind now.
-
-    torch's optimizer state-dict code profiles itself with a class-level SimpleProfiler whose
-    context managers are generators; one abandoned by an exception is finalized whenever the
-    garbage collector gets to it, and then removes the profiling mark of whatever torch call is
-    running at that moment, which fails with KeyError. Collect now and reset the profiler.
-    """
-    import gc
-
-    from torch.distributed.fsdp._debug_utils import SimpleProfiler
-
-    gc.collect()
-    SimpleProfiler.reset()
-
-
 def _raises_like_torch(ours: Callable[[], Any], theirs: Any, exc: type, match: str) -> None:
     """``ours`` raises ``exc`` with our message; ``theirs`` (torch's same call, or None where
     torch's call is not local) raises ``exc`` too."""

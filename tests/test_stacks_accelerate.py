@@ -18,11 +18,10 @@ checkpoint.
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Tuple
 
 import pytest
 
-from tests._stacks import run_example
+from tests._stacks import BackendRuns, assert_each_backend_ran, run_on_both_backends
 
 pytest.importorskip(
     "accelerate",
@@ -34,32 +33,21 @@ STEPS = "3"
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Tuple[Dict[str, Any], Dict[str, Any]]:
-    torch_out = str(tmp_path_factory.mktemp("accelerate-torch"))
-    torch_result = run_example(
+def runs(tmp_path_factory: pytest.TempPathFactory) -> BackendRuns:
+    return run_on_both_backends(
         SCRIPT,
+        tmp_path_factory,
         ["--cpu", "--steps", STEPS, "--state-dict-types", "SHARDED_STATE_DICT"],
-        backend="torch",
-        out_dir=torch_out,
+        lambda torch_out: ["--cpu", "--steps", STEPS, "--resume-from", os.path.join(torch_out, "sharded_state_dict")],
     )
-    fsdp_result = run_example(
-        SCRIPT,
-        ["--cpu", "--steps", STEPS, "--resume-from", os.path.join(torch_out, "sharded_state_dict")],
-        backend="fsdp",
-        out_dir=str(tmp_path_factory.mktemp("accelerate-fsdp")),
-    )
-    return torch_result, fsdp_result
 
 
-def test_each_backend_really_ran(runs: Tuple[Dict[str, Any], Dict[str, Any]]) -> None:
-    torch_result, fsdp_result = runs
-    # The wrapper accelerate built, by its class's module: torch's, then fsdp's via the redirect.
-    assert torch_result["backend"].startswith("torch.distributed.")
-    assert fsdp_result["backend"] == "fsdp.fully_sharded_data_parallel"
+def test_each_backend_really_ran(runs: BackendRuns) -> None:
+    assert_each_backend_ran(runs)
 
 
-def test_training_is_bit_identical_to_torch_fsdp1(runs: Tuple[Dict[str, Any], Dict[str, Any]]) -> None:
-    torch_result, fsdp_result = runs
+def test_training_is_bit_identical_to_torch_fsdp1(runs: BackendRuns) -> None:
+    torch_result, fsdp_result = runs.torch_result, runs.fsdp_result
     assert len(fsdp_result["losses"]) == int(STEPS)
     assert fsdp_result["losses"] == torch_result["losses"]
     assert fsdp_result["continued"] == torch_result["continued"]
@@ -71,8 +59,8 @@ def test_training_is_bit_identical_to_torch_fsdp1(runs: Tuple[Dict[str, Any], Di
     assert fsdp_result["digest_get_state_dict"] == fsdp_result["digest"]
 
 
-def test_save_state_load_state_resume_exactly(runs: Tuple[Dict[str, Any], Dict[str, Any]]) -> None:
-    torch_result, fsdp_result = runs
+def test_save_state_load_state_resume_exactly(runs: BackendRuns) -> None:
+    torch_result, fsdp_result = runs.torch_result, runs.fsdp_result
     assert torch_result["resumed_SHARDED_STATE_DICT"] == torch_result["continued"]
     for kind in ("SHARDED_STATE_DICT", "FULL_STATE_DICT"):
         assert fsdp_result[f"resumed_{kind}"] == fsdp_result["continued"], kind

@@ -18,34 +18,33 @@ script's default, ``True``. The saved values do not depend on it (a copy to the 
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Tuple
+from typing import Any
 
 import pytest
 import torch
 
-from tests._stacks import run_example
+from tests._stacks import BackendRuns, assert_each_backend_ran, run_on_both_backends
 
 SCRIPT = "torch_fsdp1_script.py"
 STEPS = "3"
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Tuple[Dict[str, Any], Dict[str, Any], str, str]:
-    torch_out = str(tmp_path_factory.mktemp("script-torch"))
-    fsdp_out = str(tmp_path_factory.mktemp("script-fsdp"))
-    torch_result = run_example(SCRIPT, ["--steps", STEPS, "--no-offload-to-cpu"], backend="torch", out_dir=torch_out)
-    fsdp_result = run_example(SCRIPT, ["--steps", STEPS, "--resume-from", torch_out], backend="fsdp", out_dir=fsdp_out)
-    return torch_result, fsdp_result, torch_out, fsdp_out
+def runs(tmp_path_factory: pytest.TempPathFactory) -> BackendRuns:
+    return run_on_both_backends(
+        SCRIPT,
+        tmp_path_factory,
+        ["--steps", STEPS, "--no-offload-to-cpu"],
+        lambda torch_out: ["--steps", STEPS, "--resume-from", torch_out],
+    )
 
 
-def test_each_backend_really_ran(runs: Tuple[Dict[str, Any], Dict[str, Any], str, str]) -> None:
-    torch_result, fsdp_result, _, _ = runs
-    assert torch_result["backend"].startswith("torch.distributed.")
-    assert fsdp_result["backend"] == "fsdp.fully_sharded_data_parallel"
+def test_each_backend_really_ran(runs: BackendRuns) -> None:
+    assert_each_backend_ran(runs)
 
 
-def test_losses_bit_identical_and_resumes_exact(runs: Tuple[Dict[str, Any], Dict[str, Any], str, str]) -> None:
-    torch_result, fsdp_result, _, _ = runs
+def test_losses_bit_identical_and_resumes_exact(runs: BackendRuns) -> None:
+    torch_result, fsdp_result = runs.torch_result, runs.fsdp_result
     assert len(fsdp_result["losses"]) == int(STEPS)
     assert fsdp_result["losses"] == torch_result["losses"]
     assert fsdp_result["continued"] == torch_result["continued"]
@@ -74,8 +73,8 @@ def _assert_same(actual: Any, expected: Any, where: str) -> None:
         assert actual == expected, where
 
 
-def test_full_checkpoint_bit_identical(runs: Tuple[Dict[str, Any], Dict[str, Any], str, str]) -> None:
-    _, _, torch_out, fsdp_out = runs
+def test_full_checkpoint_bit_identical(runs: BackendRuns) -> None:
+    torch_out, fsdp_out = runs.torch_out, runs.fsdp_out
     name = "full_checkpoint.pt"
     expected = torch.load(os.path.join(torch_out, name), weights_only=False)
     actual = torch.load(os.path.join(fsdp_out, name), weights_only=False)

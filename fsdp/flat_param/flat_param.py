@@ -300,6 +300,9 @@ class FlatParamHandle:
         mixed_precision: Optional[Any] = None,
     ) -> None:
         self.device = device
+        # torch FSDP1's handle attribute: the owning unit's HandleTrainingState
+        # (fsdp/runtime/_state.py), kept in step by UnitState.training_state.
+        self._training_state: Any = None
         self.process_group = process_group
         self.replicate_group = replicate_group
         self.rank = group_rank(process_group)  # [Note: Only the unit's group]

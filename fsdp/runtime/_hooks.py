@@ -20,7 +20,7 @@ from fsdp.runtime._exec_order import check_execution_order, finish_first_iterati
 from fsdp.runtime._lazy_init import lazy_init
 from fsdp.runtime._mixed_precision import cast_forward_inputs, set_buffers_full_precision
 from fsdp.runtime._prefetch import prefetch_after, record_free_event
-from fsdp.runtime._state import RootContext, TrainingState, UnitState, transition
+from fsdp.runtime._state import HandleTrainingState, RootContext, UnitState, transition
 
 
 # Gradient reductions a backward keeps in flight (see [Note: Overlapped gradient reduction]).
@@ -50,7 +50,7 @@ def unit_forward(wrapper: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     try:
         output = wrapper._fsdp_wrapped_module(*args, **kwargs)  # type: ignore[operator]
     except BaseException:
-        state.training_state = TrainingState.IDLE
+        state.training_state = HandleTrainingState.IDLE
         raise
     return _post_forward(state, output)
 
@@ -83,7 +83,7 @@ def _recover_if_backward_interrupted(state: UnitState) -> None:
     """
     ctx = state.ctx
     assert ctx is not None
-    stuck = [s for s in ctx.states if s.training_state in (TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST) or s.ran_pre_backward]
+    stuck = [s for s in ctx.states if s.training_state in (HandleTrainingState.BACKWARD_PRE, HandleTrainingState.BACKWARD_POST) or s.ran_pre_backward]
     if not stuck and not ctx.final_callback_queued:
         return
     warnings.warn(
@@ -97,7 +97,7 @@ def _recover_if_backward_interrupted(state: UnitState) -> None:
         for handle in unit.handles:
             handle.abandon_backward()
         unit.ran_pre_backward = False
-        unit.training_state = TrainingState.IDLE
+        unit.training_state = HandleTrainingState.IDLE
     ctx.final_callback_queued = False
 
 
@@ -129,7 +129,7 @@ def _pre_forward(state: UnitState) -> None:
         # next backward: it would otherwise stay alive through the whole forward.
         handle.sync_flat_grad_from_orig()
     check_execution_order(state, "forward")  # first iteration: raises instead of hanging
-    transition(state, TrainingState.FORWARD)
+    transition(state, HandleTrainingState.FORWARD)
     for handle in state.handles:
         handle.unshard(full_precision=state.forward_in_full_precision)
         handle.piecewise_reduction_allowed = _reduction_takes_pieces(state)
@@ -197,7 +197,7 @@ def _post_forward(state: UnitState, output: Any) -> Any:
     hook = functools.partial(_pre_backward_hook, state)
     for t in grad_outputs:
         t.register_hook(hook)
-    transition(state, TrainingState.IDLE)
+    transition(state, HandleTrainingState.IDLE)
     return output
 
 
@@ -222,7 +222,7 @@ def _pre_backward_hook(state: UnitState, grad: torch.Tensor) -> torch.Tensor:
         handle.check_params_not_replaced_since_forward()  # user error: before any state change
     state.ran_pre_backward = True
     check_execution_order(state, "backward")
-    transition(state, TrainingState.BACKWARD_PRE)
+    transition(state, HandleTrainingState.BACKWARD_PRE)
     for handle in state.handles:
         handle.piecewise_reduction_allowed = _reduction_takes_pieces(state)
         handle.unshard(full_precision=state.forward_in_full_precision)
@@ -257,7 +257,7 @@ def _post_backward_hook(
         f"unit '{state.unit_name}': gradient arrived while the parameters are sharded "
         f"(the pre-backward hook did not run)",
     )
-    transition(state, TrainingState.BACKWARD_POST)
+    transition(state, HandleTrainingState.BACKWARD_POST)
     ctx = state.ctx
     # Finish the oldest reductions first, so at most MAX_INFLIGHT_REDUCTIONS stay in flight.
     while len(ctx.inflight_reductions) >= MAX_INFLIGHT_REDUCTIONS:
@@ -320,6 +320,6 @@ def _final_callback(ctx: RootContext) -> None:
             if not handle.is_unsharded or not handle.has_unsharded_buffer:
                 handle.finalize_grad()
         state.ran_pre_backward = False
-        state.training_state = TrainingState.IDLE
+        state.training_state = HandleTrainingState.IDLE
     ctx.final_callback_queued = False
     finish_first_iteration(ctx)

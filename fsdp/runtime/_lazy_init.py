@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from fsdp._common import clean_fqn
-from fsdp.runtime._state import RootContext, TrainingState, UnitState
+from fsdp.runtime._state import HandleTrainingState, RootContext, UnitState
 
 
 def is_fsdp(module: nn.Module) -> bool:
@@ -87,9 +87,9 @@ def check_idle(
     """
     state: UnitState = unit_state(module)
     states = state.ctx.states if state.ctx is not None else [s for _, _, s in named_fsdp_states(module)]
-    allowed = {TrainingState.IDLE}
+    allowed = {HandleTrainingState.IDLE}
     if allow_summon:
-        allowed.add(TrainingState.SUMMON_FULL_PARAMS)
+        allowed.add(HandleTrainingState.SUMMON_FULL_PARAMS)
     busy = [s for s in states if s.training_state not in allowed]
     if busy:
         desc = ", ".join(f"'{s.unit_name}' ({s.training_state.name})" for s in busy)

@@ -21,8 +21,13 @@ if TYPE_CHECKING:
     from fsdp.runtime._mixed_precision import CastBuffer
 
 
-class TrainingState(Enum):
-    """What a unit is doing right now."""
+class HandleTrainingState(Enum):
+    """What a unit (and so each of its FlatParamHandles) is doing right now.
+
+    This is the runtime's state machine (transitions checked by :func:`transition`). Its
+    members carry torch FSDP1's ``HandleTrainingState`` names, and a unit's handles report
+    it as ``handle._training_state``, as torch's handles do.
+    """
 
     IDLE = auto()
     FORWARD = auto()
@@ -31,20 +36,47 @@ class TrainingState(Enum):
     SUMMON_FULL_PARAMS = auto()
 
 
+class TrainingState(Enum):
+    """What an FSDP instance is doing, as torch FSDP1's instance-level ``TrainingState`` says it.
+
+    ``FullyShardedDataParallel.training_state`` gives this coarse view of the unit's
+    :class:`HandleTrainingState`: forward and both backward phases fold into
+    ``FORWARD_BACKWARD``.
+    """
+
+    IDLE = auto()
+    FORWARD_BACKWARD = auto()
+    SUMMON_FULL_PARAMS = auto()
+
+
+_COARSE_STATE: dict[HandleTrainingState, TrainingState] = {
+    HandleTrainingState.IDLE: TrainingState.IDLE,
+    HandleTrainingState.FORWARD: TrainingState.FORWARD_BACKWARD,
+    HandleTrainingState.BACKWARD_PRE: TrainingState.FORWARD_BACKWARD,
+    HandleTrainingState.BACKWARD_POST: TrainingState.FORWARD_BACKWARD,
+    HandleTrainingState.SUMMON_FULL_PARAMS: TrainingState.SUMMON_FULL_PARAMS,
+}
+
+
+def coarse_training_state(fine: HandleTrainingState) -> TrainingState:
+    """The instance-level :class:`TrainingState` for a unit in ``fine``."""
+    return _COARSE_STATE[fine]
+
+
 # Allowed transitions: from -> the states that may follow.
-_TRANSITIONS: dict[TrainingState, frozenset[TrainingState]] = {
-    TrainingState.IDLE: frozenset(
+_TRANSITIONS: dict[HandleTrainingState, frozenset[HandleTrainingState]] = {
+    HandleTrainingState.IDLE: frozenset(
         {
-            TrainingState.FORWARD,
-            TrainingState.BACKWARD_PRE,
-            TrainingState.BACKWARD_POST,
-            TrainingState.SUMMON_FULL_PARAMS,
+            HandleTrainingState.FORWARD,
+            HandleTrainingState.BACKWARD_PRE,
+            HandleTrainingState.BACKWARD_POST,
+            HandleTrainingState.SUMMON_FULL_PARAMS,
         }
     ),
-    TrainingState.FORWARD: frozenset({TrainingState.IDLE}),
-    TrainingState.BACKWARD_PRE: frozenset({TrainingState.BACKWARD_POST, TrainingState.IDLE}),
-    TrainingState.BACKWARD_POST: frozenset({TrainingState.BACKWARD_PRE, TrainingState.IDLE}),
-    TrainingState.SUMMON_FULL_PARAMS: frozenset({TrainingState.IDLE}),
+    HandleTrainingState.FORWARD: frozenset({HandleTrainingState.IDLE}),
+    HandleTrainingState.BACKWARD_PRE: frozenset({HandleTrainingState.BACKWARD_POST, HandleTrainingState.IDLE}),
+    HandleTrainingState.BACKWARD_POST: frozenset({HandleTrainingState.BACKWARD_PRE, HandleTrainingState.IDLE}),
+    HandleTrainingState.SUMMON_FULL_PARAMS: frozenset({HandleTrainingState.IDLE}),
 }
 
 
@@ -63,7 +95,8 @@ class UnitState:
         sharding_strategy: The strategy in effect (FULL_SHARD becomes NO_SHARD at world size 1).
         compute_device: Where the unit computes and its parameters live.
         unit_name: Qualified name of the wrapped module in the root (set at lazy init).
-        training_state: See :class:`TrainingState`.
+        training_state: See :class:`HandleTrainingState` (a property: setting it also sets
+            each handle's ``_training_state``, torch FSDP1's handle attribute).
         is_root: None until lazy init, then whether this unit is the root.
         ctx: The root's shared context (set at lazy init).
         sync_gradients: False inside ``no_sync``.
@@ -85,6 +118,9 @@ class UnitState:
         use_orig_params: The ``use_orig_params`` construction argument.
         ignored_modules: Modules this unit leaves alone (closed under descendants).
         ignored_params: Parameters this unit leaves alone.
+        reported_ignored_modules, reported_ignored_params: What the wrapper's
+            ``_ignored_modules``/``_ignored_params`` report: torch FSDP1's values, which differ
+            from what the unit leaves alone for nested units ([Note: Reported ignored states]).
         device_mesh: The ``device_mesh`` construction argument (None: not given).
     """
 
@@ -96,7 +132,7 @@ class UnitState:
     sharding_strategy: ShardingStrategy
     compute_device: torch.device
     unit_name: str
-    training_state: TrainingState = TrainingState.IDLE
+    _training_state: HandleTrainingState = field(default=HandleTrainingState.IDLE, init=False)
     is_root: Optional[bool] = None
     ctx: Optional["RootContext"] = None
     sync_gradients: bool = True
@@ -115,7 +151,23 @@ class UnitState:
     use_orig_params: bool = False
     ignored_modules: set[torch.nn.Module] = field(default_factory=set)
     ignored_params: set[torch.nn.Parameter] = field(default_factory=set)
+    reported_ignored_modules: set[torch.nn.Module] = field(default_factory=set)
+    reported_ignored_params: set[torch.nn.Parameter] = field(default_factory=set)
     device_mesh: Any = None
+
+    def __post_init__(self) -> None:
+        self.training_state = self._training_state
+
+    @property
+    def training_state(self) -> HandleTrainingState:
+        """What the unit is doing (its handles report the same as ``_training_state``)."""
+        return self._training_state
+
+    @training_state.setter
+    def training_state(self, new: HandleTrainingState) -> None:
+        self._training_state = new
+        for handle in self.handles:
+            handle._training_state = new
 
     @property
     def handle(self) -> Optional["FlatParamHandle"]:
@@ -176,7 +228,36 @@ class RootContext:
     buffers_in_full_precision: bool = False
 
 
-def transition(state: UnitState, new: TrainingState) -> None:
+def set_reported_ignored(
+    state: UnitState, wrapped_before: list[UnitState], auto_wrapped: list[UnitState]
+) -> None:
+    """Sets the ignored modules and parameters ``state``'s wrapper reports, as torch FSDP1's.
+
+    [Note: Reported ignored states]
+    Torch FSDP1's ``_ignored_modules`` of an instance is its own argument's modules (closed
+    under descendants) plus those of the FSDP instances already nested in it when it is
+    built; ``_ignored_params`` likewise. Units it auto-wraps get all of its ignored
+    *parameters* as their ``ignored_states``, so they report no ignored modules and every
+    ignored parameter of the root, inside them or not. The runtime does not use these sets: a
+    unit leaves alone ``ignored_modules``/``ignored_params`` (the ignored modules and
+    parameters inside it, buffers included), which torch's nested units do not.
+
+    Args:
+        state: The unit just built.
+        wrapped_before: The units nested in it that existed before it was built (by hand).
+        auto_wrapped: The units its auto-wrap policy built.
+    """
+    state.reported_ignored_modules = set(state.ignored_modules)
+    state.reported_ignored_params = set(state.ignored_params)
+    for nested in wrapped_before:
+        state.reported_ignored_modules |= nested.reported_ignored_modules
+        state.reported_ignored_params |= nested.reported_ignored_params
+    for nested in auto_wrapped:
+        nested.reported_ignored_modules = set()
+        nested.reported_ignored_params = set(state.reported_ignored_params)
+
+
+def transition(state: UnitState, new: HandleTrainingState) -> None:
     """Moves ``state`` to ``new``, checking that the transition is allowed."""
     if new is state.training_state:
         return

@@ -19,7 +19,7 @@ from fsdp._common import FLAT_PARAM, FSDPStateAssertionError
 from fsdp.flat_param.flat_param import FlatParamHandle, HandleState, assign_grad
 from fsdp.runtime import _collectives as comm
 from fsdp.runtime._lazy_init import check_idle, is_fsdp, lazy_init, named_fsdp_states, unit_state
-from fsdp.runtime._state import TrainingState, UnitState, transition
+from fsdp.runtime._state import HandleTrainingState, UnitState, transition
 
 
 def _validate_args(writeback: bool, rank0_only: bool, offload_to_cpu: bool, with_grads: bool) -> None:
@@ -73,10 +73,10 @@ def _summon_unit(
     offload_to_cpu: bool,
     with_grads: bool,
 ) -> Iterator[None]:
-    if state.training_state is TrainingState.SUMMON_FULL_PARAMS:
+    if state.training_state is HandleTrainingState.SUMMON_FULL_PARAMS:
         yield  # already summoned by an enclosing context
         return
-    transition(state, TrainingState.SUMMON_FULL_PARAMS)
+    transition(state, HandleTrainingState.SUMMON_FULL_PARAMS)
     try:
         with contextlib.ExitStack() as stack:
             for handle in state.handles:
@@ -87,7 +87,7 @@ def _summon_unit(
                 )
             yield
     finally:
-        state.training_state = TrainingState.IDLE
+        state.training_state = HandleTrainingState.IDLE
 
 
 @contextlib.contextmanager

@@ -54,7 +54,7 @@ from fsdp.flat_param._sharding import param_slices_in_shard
 from fsdp.flat_param.flat_param import FlatParamHandle, HandleState
 from fsdp.runtime._lazy_init import check_idle, lazy_init, named_fsdp_states, unit_state
 from fsdp.runtime._mixed_precision import refresh_cast_buffers
-from fsdp.runtime._state import TrainingState, UnitState, transition
+from fsdp.runtime._state import HandleTrainingState, UnitState, transition
 from fsdp.runtime._summon import _summon_unit, deregister_params, register_params
 from fsdp.state_dict._gather import gather
 from fsdp.state_dict._local_values import check_local_value, load_local_value, local_value
@@ -195,7 +195,7 @@ def _gathers_directly(state: UnitState) -> bool:
     First adopts original Parameters the user replaced (use_orig_params), as
     summon_full_params does, which may reshard a stale unsharded copy.
     """
-    if not state.handles or state.training_state is not TrainingState.IDLE:
+    if not state.handles or state.training_state is not HandleTrainingState.IDLE:
         return False
     for handle in state.handles:
         handle.writeback_orig_params()
@@ -248,7 +248,7 @@ def _save_full_gathered(
 ) -> None:
     """FULL_STATE_DICT entries of one sharded unit (see [Note: Full state dict of a sharded unit])."""
     start = len(destination)
-    transition(state, TrainingState.SUMMON_FULL_PARAMS)  # nested units and hooks see the unit busy
+    transition(state, HandleTrainingState.SUMMON_FULL_PARAMS)  # nested units and hooks see the unit busy
     try:
         gathered = [_gather_unsharded(handle, rank0_only, offload) for handle in state.handles]
         padded = [p for p in gathered if p is not None]
@@ -262,7 +262,7 @@ def _save_full_gathered(
         owned = frozenset(p.untyped_storage().data_ptr() for p in padded if p.numel() > 0)
         _materialize_entries(destination, start, set(), state, True, offload, owned)
     finally:
-        state.training_state = TrainingState.IDLE
+        state.training_state = HandleTrainingState.IDLE
 
 
 def _materialize_entries(
@@ -480,11 +480,15 @@ class _PendingLoad:
         cast_buffer_values: The entries under the unit (keys relative to it) when it has
             mixed-precision buffers, whose kept full-precision values the post-hook refreshes
             from them ([Note: Full-precision buffers in state dicts]).
+        prefix: The unit's prefix in this load.
+        missing_start: How many missing keys were reported before the unit's subtree.
     """
 
     own_keys: set[str] = field(default_factory=set)
     absent_keys: list[str] = field(default_factory=list)
     cast_buffer_values: dict[str, Any] = field(default_factory=dict)
+    prefix: str = ""
+    missing_start: int = 0
 
 
 _PENDING: dict[int, _PendingLoad] = {}
@@ -509,7 +513,7 @@ def load_pre_hook(
         check_idle(module, "load_state_dict()")
     _move_prefix(state_dict, prefix, prefix + FSDP_PREFIX)
     inner = prefix + FSDP_PREFIX
-    pending = _PendingLoad()
+    pending = _PendingLoad(prefix=prefix, missing_start=len(missing_keys))
     _PENDING[id(module)] = pending
     if state.cast_buffers:
         pending.cast_buffer_values = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
@@ -567,6 +571,28 @@ def _load_local_entries(
         load_local_value(state.handles[index], state_dict.pop(key))
 
 
+def _in_module_order(module: nn.Module, prefix: str, keys: list[str]) -> list[str]:
+    """``keys`` (clean, under ``module`` at ``prefix``) in the order nn.Module reports them.
+
+    That is the unwrapped model's order, which torch FSDP1 reports (it registers the original
+    parameters for a load): modules in pre-order, each one's parameters before its buffers.
+    Keys of one module and kind keep their relative order.
+    """
+    module_index: dict[str, tuple[int, nn.Module]] = {}
+    root_name = prefix[:-1] if prefix else ""
+    for name, sub in module.named_modules(remove_duplicate=False, prefix=root_name):
+        module_index.setdefault(clean_fqn(name), (len(module_index), sub))
+
+    def order(item: tuple[int, str]) -> tuple[int, int, int]:
+        position, key = item
+        path, _, local = key.rpartition(".")
+        index, owner = module_index.get(path, (len(module_index), None))
+        is_buffer = owner is not None and local in owner._buffers
+        return index, int(is_buffer), position
+
+    return [key for _, key in sorted(enumerate(keys), key=order)]
+
+
 def load_post_hook(module: nn.Module, incompatible_keys: Any) -> None:
     """Load post-hook of every unit: the missing keys under the names the state dict uses."""
     pending = _PENDING.pop(id(module), None)
@@ -574,13 +600,10 @@ def load_post_hook(module: nn.Module, incompatible_keys: Any) -> None:
     if pending is not None:
         if pending.cast_buffer_values:  # loaded: those values are the new full-precision ones
             refresh_cast_buffers(module, [unit_state(module)], pending.cast_buffer_values)
-        position = None
-        for i in reversed(range(len(missing))):
-            if clean_fqn(missing[i]) in pending.own_keys:
-                del missing[i]
-                position = i
-        insert_at = len(missing) if position is None else position
-        missing[insert_at:insert_at] = pending.absent_keys
+        start = pending.missing_start
+        inside = [clean_fqn(k) for k in missing[start:] if clean_fqn(k) not in pending.own_keys]
+        if len(missing) > start or pending.absent_keys:
+            missing[start:] = _in_module_order(module, pending.prefix, inside + pending.absent_keys)
     missing[:] = [clean_fqn(k) for k in missing]
     unexpected[:] = [clean_fqn(k) for k in unexpected]
 
