@@ -242,6 +242,8 @@ class _UnflattenParams(torch.autograd.Function):
     saves the concatenation, a division pass and a padded-size allocation per unit, with the
     same arithmetic (``b + a / 2`` for every element), so results stay bit-identical.
     Elsewhere the backward returns the concatenated gradient, exactly like ``split``'s.
+    Where the runtime takes the gradients as autograd computes them ([Note: Early
+    per-parameter gradients] in ``_early_grads.py``), this node receives None for them.
     """
 
     @staticmethod

@@ -154,7 +154,9 @@ def _register_early_reduction_wait(state: UnitState) -> None:
     views' backward node (the concatenation, or the per-parameter reduction): the unit's compute
     has overlapped the reduce-scatter by then, and waiting there rather than at the unit's
     post-backward frees the previous unit's buffers before this unit's own gradient buffers are
-    allocated, the step's memory peak.
+    allocated, the step's memory peak. Where the gradients are taken early ([Note: Gradient
+    hooks on the views' consumers] in ``_early_grads.py``) those hooks wait sooner, and these
+    find nothing left to wait for.
     """
     if not torch.is_grad_enabled() or state.ctx is None:
         return
@@ -231,10 +233,11 @@ def _pre_backward_hook(state: UnitState, grad: torch.Tensor) -> torch.Tensor:
         # Names become views again (not placeholders): a checkpointed submodule of this unit
         # re-runs its forward during backward and reads them.
         handle.use_unsharded_views()
-    # [Note: Early per-parameter gradients]: the reduction launched by the unit before this one
-    # completes before the next unit's prefetch allocates its buffer, so that buffer and the
-    # previous unit's kept gradients are never alive together (that was the step's peak).
-    finish_inflight_reductions(state.ctx)
+    # [Note: Overlapped gradient reduction]: on CPU the reduction launched by the unit before
+    # this one completes before this unit's prefetch allocates its buffer, so that buffer and
+    # the previous unit's gradients are never alive together (that was the step's peak).
+    if any(pending.device.type == "cpu" for pending in state.ctx.inflight_reductions):
+        finish_inflight_reductions(state.ctx)
     prefetch_after(state, "backward_pre")
     return grad
 
