@@ -50,9 +50,13 @@ def _train(model_kind: str, strategy: str, orig: bool, accumulate_no_sync: bool)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     for step in range(3):
         tokens, targets = global_batch(step, ws)
-        if accumulate_no_sync:
+        if accumulate_no_sync and step == 0:
+            # This step's synchronized backward reduces the held gradient (the collecting
+            # path); the later steps take the early path again.
             with model.no_sync():
                 lm_loss(model(local_rows(tokens, rank, ws)), local_rows(targets, rank, ws)).backward()
+        elif accumulate_no_sync:  # plain accumulation: two synchronized backwards
+            lm_loss(model(local_rows(tokens, rank, ws)), local_rows(targets, rank, ws)).backward()
         lm_loss(model(local_rows(tokens, rank, ws)), local_rows(targets, rank, ws)).backward()
         opt.step()
         opt.zero_grad()
