@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp._common import FLAT_PARAM, group_rank, group_size, p_assert
+from fsdp.flat_param._early_grads import takes_early_grads_at_forward
 from fsdp.flat_param._precision import HandlePrecision
 from fsdp.flat_param._sharding import (
     gradient_divide_factors,
@@ -241,21 +242,28 @@ class _UnflattenParams(torch.autograd.Function):
     saves the concatenation, a division pass and a padded-size allocation per unit, with the
     same arithmetic (``b + a / 2`` for every element), so results stay bit-identical.
     Elsewhere the backward returns the concatenated gradient, exactly like ``split``'s.
+    Where the runtime takes the gradients as autograd computes them ([Note: Early
+    per-parameter gradients] in ``_early_grads.py``), this node receives None for them.
     """
 
     @staticmethod
-    def forward(ctx: Any, flat: torch.Tensor, handle: "FlatParamHandle") -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+    def forward(ctx: Any, flat: torch.Tensor, handle: "FlatParamHandle", early: bool = False) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         ctx.handle_ref = weakref.ref(handle)
+        # [Note: Early per-parameter gradients]: the runtime's hooks take the gradients before
+        # this node runs; without materializing, autograd then passes None, not zeros.
+        ctx.set_materialize_grads(not early)
         return tuple(handle._unsharded_views(flat))
 
     @staticmethod
-    def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], None]:  # type: ignore[override]
+    def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], None, None]:  # type: ignore[override]
         handle: Optional[FlatParamHandle] = ctx.handle_ref()
         if handle is None:
-            return None, None
+            return None, None, None
+        if handle._param_grads is not None and all(g is None for g in grads):
+            return None, None, None  # [Note: Early per-parameter gradients]: all taken already
         if handle.collect_param_grads(list(grads)):
-            return None, None
-        return handle.flatten_param_grads(list(grads)), None
+            return None, None, None
+        return handle.flatten_param_grads(list(grads)), None, None
 
 
 class FlatParamHandle:
@@ -410,6 +418,9 @@ class FlatParamHandle:
         # backward's reduction may take that form (synchronized, default reduction).
         self._param_grads: Optional[list[Optional[torch.Tensor]]] = None
         self.piecewise_reduction_allowed = False
+        # The views node of this forward when the runtime may take its gradients early
+        # ([Note: Early per-parameter gradients]), else None.
+        self.early_grads_views_node: Optional[Any] = None
         # A prefetched all-gather not yet waited for (see [Note: Prefetch]).
         self._pending_unshard: Optional[_PendingUnshard] = None
         # CUDA: the side stream prefetched all-gathers run on (set at lazy init); None on CPU.
@@ -662,7 +673,9 @@ class FlatParamHandle:
             f"unit '{self.unit_name}': use_unsharded_views needs UNSHARDED, state is {self.state}",
         )
         if not as_params and torch.is_grad_enabled() and self.flat_param.requires_grad:
-            views = list(_UnflattenParams.apply(self.flat_param, self))
+            early = takes_early_grads_at_forward(self)  # [Note: Early per-parameter gradients]
+            views = list(_UnflattenParams.apply(self.flat_param, self, early))
+            self.early_grads_views_node = views[0].grad_fn if early and views else None
         else:
             views = self._unsharded_views(self.flat_param)
         if as_params:

@@ -16,6 +16,7 @@ from torch.autograd import Variable
 
 from fsdp._common import apply_to_tensors, eager_only, p_assert
 from fsdp.flat_param.flat_param import FlatParameter, FlatParamHandle
+from fsdp.runtime._early_grads import finish_inflight_reductions, hook_view_consumers
 from fsdp.runtime._exec_order import check_execution_order, finish_first_iteration
 from fsdp.runtime._lazy_init import lazy_init
 from fsdp.runtime._mixed_precision import cast_forward_inputs, set_buffers_full_precision
@@ -153,7 +154,9 @@ def _register_early_reduction_wait(state: UnitState) -> None:
     views' backward node (the concatenation, or the per-parameter reduction): the unit's compute
     has overlapped the reduce-scatter by then, and waiting there rather than at the unit's
     post-backward frees the previous unit's buffers before this unit's own gradient buffers are
-    allocated, the step's memory peak.
+    allocated, the step's memory peak. Where the gradients are taken early ([Note: Gradient
+    hooks on the views' consumers] in ``_early_grads.py``) those hooks wait sooner, and these
+    find nothing left to wait for.
     """
     if not torch.is_grad_enabled() or state.ctx is None:
         return
@@ -197,6 +200,7 @@ def _post_forward(state: UnitState, output: Any) -> Any:
     hook = functools.partial(_pre_backward_hook, state)
     for t in grad_outputs:
         t.register_hook(hook)
+    hook_view_consumers(state, grad_outputs)  # [Note: Gradient hooks on the views' consumers]
     transition(state, HandleTrainingState.IDLE)
     return output
 
@@ -229,6 +233,11 @@ def _pre_backward_hook(state: UnitState, grad: torch.Tensor) -> torch.Tensor:
         # Names become views again (not placeholders): a checkpointed submodule of this unit
         # re-runs its forward during backward and reads them.
         handle.use_unsharded_views()
+    # [Note: Overlapped gradient reduction]: on CPU the reduction launched by the unit before
+    # this one completes before this unit's prefetch allocates its buffer, so that buffer and
+    # the previous unit's gradients are never alive together (that was the step's peak).
+    if any(pending.device.type == "cpu" for pending in state.ctx.inflight_reductions):
+        finish_inflight_reductions(state.ctx)
     prefetch_after(state, "backward_pre")
     return grad
 
@@ -262,6 +271,11 @@ def _post_backward_hook(
     # Finish the oldest reductions first, so at most MAX_INFLIGHT_REDUCTIONS stay in flight.
     while len(ctx.inflight_reductions) >= MAX_INFLIGHT_REDUCTIONS:
         ctx.inflight_reductions.pop(0).wait_reduction()
+    reshard_first = state.reshards_after_backward() and handle._param_grads is not None
+    if reshard_first:
+        # The reduction from kept per-parameter gradients does not read the unsharded
+        # parameter: free it before the reduction allocates its buffers (lower peak).
+        _reshard_after_backward(state, handle)
     handle.reduce_grad(
         state.sync_gradients,
         state.comm_hook,
@@ -271,14 +285,18 @@ def _post_backward_hook(
     )
     if handle._inflight is not None:
         ctx.inflight_reductions.append(handle)
-    if state.reshards_after_backward():
-        # A frozen handle of the same unit was needed for this unit's backward only; it is
-        # done now too (its gradient-less parameters fire no hook of their own).
-        for unit_handle in state.handles:
-            if unit_handle is handle or not unit_handle.flat_param.requires_grad:
-                unit_handle.reshard()
-        record_free_event(state)
+    if state.reshards_after_backward() and not reshard_first:
+        _reshard_after_backward(state, handle)
     prefetch_after(state, "backward_post")
+
+
+def _reshard_after_backward(state: UnitState, handle: FlatParamHandle) -> None:
+    # A frozen handle of the same unit was needed for this unit's backward only; it is done
+    # now too (its gradient-less parameters fire no hook of their own).
+    for unit_handle in state.handles:
+        if unit_handle is handle or not unit_handle.flat_param.requires_grad:
+            unit_handle.reshard()
+    record_free_event(state)
 
 
 def register_flat_param_hooks(state: UnitState) -> None:
