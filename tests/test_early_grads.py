@@ -34,16 +34,48 @@ class _TwiceToy(nn.Module):
         return self.toy.head(x)
 
 
+class _Reuse(nn.Module):
+    """One weight used twice per call."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.lin(torch.tanh(self.lin(x))))
+
+
+class _ReuseTwiceToy(_TwiceToy):
+    """A unit whose weight has two users per call, called twice per forward: the order in
+    which its gradient contributions are summed (within each call first, then the calls) must be
+    the collecting path's (and torch FSDP1's), not their arrival order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reuse = _Reuse(self.toy.embed.embedding_dim)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.reuse(self.reuse(self.toy.embed(tokens)))
+        for i in range(self.toy.n_blocks):
+            x = self.toy.blocks[i](x)
+        return self.toy.head(x)
+
+
 def _train(model_kind: str, strategy: str, orig: bool, accumulate_no_sync: bool) -> dict[str, torch.Tensor]:
     from fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
     from fsdp.wrap import ModuleWrapPolicy
     from tests._models import Block, global_batch, lm_loss, local_rows, make_toy
 
     rank, ws = dist.get_rank(), dist.get_world_size()
-    module = _TwiceToy() if model_kind == "twice" else make_toy(tie=model_kind == "tied", unused=True)
+    if model_kind == "reuse_twice":
+        module: nn.Module = _ReuseTwiceToy()
+    elif model_kind == "twice":
+        module = _TwiceToy()
+    else:
+        module = make_toy(tie=model_kind == "tied", unused=True)
     model = FSDP(
         module,
-        auto_wrap_policy=ModuleWrapPolicy({Block}),
+        auto_wrap_policy=ModuleWrapPolicy({Block, _Reuse}),
         sharding_strategy=ShardingStrategy[strategy],
         use_orig_params=orig,
     )
@@ -101,6 +133,7 @@ def early_equals_late(model_kind: str, strategy: str, orig: bool, accumulate_no_
         ("tied", "FULL_SHARD", False, False),
         ("twice", "FULL_SHARD", False, True),
         ("twice", "SHARD_GRAD_OP", True, False),
+        ("reuse_twice", "FULL_SHARD", False, False),
         ("plain", "FULL_SHARD", True, True),
     ],
 )
@@ -115,6 +148,7 @@ def early_gradients_leave_views_node_nothing() -> None:
     and each unit's gradients are kept one parameter at a time (none held by autograd)."""
     import fsdp.flat_param.flat_param as flat_param_mod
     from fsdp import FullyShardedDataParallel as FSDP
+    from fsdp.flat_param._early_grads import settle_open_run
     from fsdp.wrap import ModuleWrapPolicy
     from tests._models import Block, global_batch, lm_loss, local_rows, make_toy
 
@@ -124,6 +158,7 @@ def early_gradients_leave_views_node_nothing() -> None:
 
     def recording_backward(ctx: Any, *grads: Any) -> Any:
         handle = ctx.handle_ref()
+        settle_open_run(handle)  # what the views node's backward does first
         kept = sum(g is not None for g in handle._param_grads) if handle._param_grads else 0
         seen.append((all(g is None for g in grads), kept))
         return original_backward(ctx, *grads)

@@ -37,7 +37,7 @@ from fsdp.runtime import _collectives as comm
 if TYPE_CHECKING:
     from fsdp.flat_param.flat_param import FlatParamHandle
 
-__all__ = ["can_take_early", "take_param_grad", "takes_early_grads_at_forward"]
+__all__ = ["can_take_early", "keeps_param_grads", "settle_open_run", "take_param_grad", "takes_early_grads_at_forward"]
 
 
 def can_take_early(handle: "FlatParamHandle") -> bool:
@@ -57,11 +57,36 @@ def takes_early_grads_at_forward(handle: "FlatParamHandle") -> bool:
     return handle.flat_param.dtype == handle.precision.reduce_dtype and can_take_early(handle)
 
 
-def take_param_grad(handle: "FlatParamHandle", index: int, grad: torch.Tensor) -> None:
-    """Keeps parameter ``index``'s gradient for the reduction (added to one kept before)."""
-    grads = handle._param_grads
-    if grads is None:
-        grads = [None] * len(handle.param_infos)
-        handle._param_grads = grads
+def take_param_grad(handle: "FlatParamHandle", index: int, grad: torch.Tensor, run: int) -> None:
+    """Keeps parameter ``index``'s gradient from forward call ``run`` of the unit.
+
+    A unit called several times in one forward has one views node per call. Autograd (and so
+    the collecting path, and torch FSDP1) sums a parameter's contributions within each call
+    first (in arrival order), then adds the calls' sums to each other; the contributions are kept
+    per call here and :func:`settle_open_run` adds a finished call's sum to the unit's total,
+    so the sums are the same, bit for bit, whatever the users of a parameter.
+    """
+    if handle._open_run != run:
+        settle_open_run(handle)
+        handle._open_run = run
+        handle._open_run_grads = [None] * len(handle.param_infos)
+    grads = handle._open_run_grads
+    assert grads is not None
     previous = grads[index]
     grads[index] = grad if previous is None else previous + grad
+
+
+def settle_open_run(handle: "FlatParamHandle") -> None:
+    """Adds the gradients kept for the current forward call to the unit's kept total."""
+    grads, handle._open_run_grads, handle._open_run = handle._open_run_grads, None, None
+    if grads is None:
+        return
+    total = handle._param_grads
+    handle._param_grads = grads if total is None else [
+        b if a is None else a if b is None else a + b for a, b in zip(total, grads)
+    ]
+
+
+def keeps_param_grads(handle: "FlatParamHandle") -> bool:
+    """Whether any gradient of this backward is kept per parameter (settled or not)."""
+    return handle._param_grads is not None or handle._open_run_grads is not None

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp._common import FLAT_PARAM, group_rank, group_size, p_assert
-from fsdp.flat_param._early_grads import takes_early_grads_at_forward
+from fsdp.flat_param._early_grads import settle_open_run, takes_early_grads_at_forward
 from fsdp.flat_param._precision import HandlePrecision
 from fsdp.flat_param._sharding import (
     gradient_divide_factors,
@@ -259,8 +259,9 @@ class _UnflattenParams(torch.autograd.Function):
         handle: Optional[FlatParamHandle] = ctx.handle_ref()
         if handle is None:
             return None, None, None
+        settle_open_run(handle)  # this call's early gradients first ([Note: Early per-parameter gradients])
         if handle._param_grads is not None and all(g is None for g in grads):
-            return None, None, None  # [Note: Early per-parameter gradients]: all taken already
+            return None, None, None  # all taken already
         if handle.collect_param_grads(list(grads)):
             return None, None, None
         return handle.flatten_param_grads(list(grads)), None, None
@@ -417,6 +418,11 @@ class FlatParamHandle:
         # ([Note: Per-parameter gradient reduction]); set by the runtime: whether the next
         # backward's reduction may take that form (synchronized, default reduction).
         self._param_grads: Optional[list[Optional[torch.Tensor]]] = None
+        # Early gradients of the forward call being backpropagated, not yet in _param_grads
+        # (fsdp/flat_param/_early_grads.py: take_param_grad).
+        self._open_run_grads: Optional[list[Optional[torch.Tensor]]] = None
+        self._open_run: Optional[int] = None
+        self.early_grads_runs = 0  # forward calls whose views' consumers were hooked
         self.piecewise_reduction_allowed = False
         # The views node of this forward when the runtime may take its gradients early
         # ([Note: Early per-parameter gradients]), else None.
@@ -919,6 +925,7 @@ class FlatParamHandle:
         Postcondition: ``.grad`` is None; the reduced sharded gradient waits in
         ``_pending_sharded_grad`` (or in flight) until :meth:`finalize_grad`.
         """
+        settle_open_run(self)
         if self._param_grads is not None:
             p_assert(
                 sync and comm_hook is None and async_op,
@@ -1235,6 +1242,7 @@ class FlatParamHandle:
         self.wait_reduction()  # never leave a collective in flight
         self._pending_sharded_grad = None
         self._param_grads = None
+        self._open_run_grads, self._open_run = None, None
         grad = self.flat_param.grad
         if grad is not None and grad.shape != self._local_shard.shape:
             self.flat_param.grad = None  # an unreduced unsharded gradient

@@ -31,7 +31,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from fsdp.flat_param._early_grads import can_take_early, take_param_grad
+from fsdp.flat_param._early_grads import can_take_early, keeps_param_grads, take_param_grad
 from fsdp.flat_param.flat_param import FlatParamHandle
 from fsdp.runtime._state import RootContext, UnitState
 
@@ -56,6 +56,8 @@ def hook_view_consumers(state: UnitState, outputs: Sequence[torch.Tensor]) -> No
         if views_node is None or ctx is None:
             continue
         handle_ref, ctx_ref = weakref.ref(handle), weakref.ref(ctx)
+        handle.early_grads_runs += 1
+        run = handle.early_grads_runs
         for node in _consumers(views_node, outputs):
             # (edge index, index of the view whose gradient that edge carries)
             edges = [
@@ -63,7 +65,7 @@ def hook_view_consumers(state: UnitState, outputs: Sequence[torch.Tensor]) -> No
                 for edge, (next_node, view_index) in enumerate(node.next_functions)
                 if next_node is views_node
             ]
-            node.register_hook(functools.partial(_take_consumer_grads, handle_ref, ctx_ref, edges))
+            node.register_hook(functools.partial(_take_consumer_grads, handle_ref, ctx_ref, run, edges))
 
 
 def _consumers(views_node: Any, outputs: Sequence[torch.Tensor]) -> list[Any]:
@@ -93,6 +95,7 @@ def _consumers(views_node: Any, outputs: Sequence[torch.Tensor]) -> list[Any]:
 def _take_consumer_grads(
     handle_ref: "weakref.ref[FlatParamHandle]",
     ctx_ref: "weakref.ref[RootContext]",
+    run: int,
     edges: list[tuple[int, int]],
     grad_inputs: tuple[Optional[torch.Tensor], ...],
     grad_outputs: tuple[Optional[torch.Tensor], ...],
@@ -103,12 +106,12 @@ def _take_consumer_grads(
         return None
     if all(grad_inputs[edge] is None for edge, _ in edges):
         return None
-    if handle._param_grads is None:
+    if not keeps_param_grads(handle):
         finish_inflight_reductions(ctx)  # release the previous unit's gradients first
     replaced = list(grad_inputs)
     for edge, view_index in edges:
         grad = grad_inputs[edge]
         if grad is not None:
-            take_param_grad(handle, view_index, grad)
+            take_param_grad(handle, view_index, grad, run)
             replaced[edge] = None
     return tuple(replaced)

@@ -16,6 +16,7 @@ from torch.autograd import Variable
 
 from fsdp._common import apply_to_tensors, eager_only, p_assert
 from fsdp.flat_param.flat_param import FlatParameter, FlatParamHandle
+from fsdp.flat_param._early_grads import keeps_param_grads
 from fsdp.runtime._early_grads import finish_inflight_reductions, hook_view_consumers
 from fsdp.runtime._exec_order import check_execution_order, finish_first_iteration
 from fsdp.runtime._lazy_init import lazy_init
@@ -271,7 +272,7 @@ def _post_backward_hook(
     # Finish the oldest reductions first, so at most MAX_INFLIGHT_REDUCTIONS stay in flight.
     while len(ctx.inflight_reductions) >= MAX_INFLIGHT_REDUCTIONS:
         ctx.inflight_reductions.pop(0).wait_reduction()
-    reshard_first = state.reshards_after_backward() and handle._param_grads is not None
+    reshard_first = state.reshards_after_backward() and keeps_param_grads(handle)
     if reshard_first:
         # The reduction from kept per-parameter gradients does not read the unsharded
         # parameter: free it before the reduction allocates its buffers (lower peak).
