@@ -23,7 +23,7 @@ from fsdp.flat_param._sharding import (
     param_slices_in_shard,
     shard_bounds,
 )
-from fsdp.runtime import _collectives as comm
+from fsdp._comm import _collectives as comm
 
 __all__ = [
     "FlatParameter",

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp.init._process_group import ShardingGroups
-from fsdp.runtime import _collectives as comm
+from fsdp._comm import _collectives as comm
 
 
 def broadcast_from_group_rank0(tensor: torch.Tensor, groups: ShardingGroups) -> None:

@@ -17,7 +17,7 @@ from torch import nn
 
 from fsdp._common import FLAT_PARAM, FSDPStateAssertionError
 from fsdp.flat_param.flat_param import FlatParamHandle, HandleState, assign_grad
-from fsdp.runtime import _collectives as comm
+from fsdp._comm import _collectives as comm
 from fsdp.runtime._lazy_init import check_idle, is_fsdp, lazy_init, named_fsdp_states, unit_state
 from fsdp.runtime._state import TrainingState, UnitState, transition
 
