@@ -56,14 +56,14 @@ from fsdp.init._unit_params import (
 from fsdp.init._validate import plan_units, validate_init_args, warn_construction
 from fsdp.runtime._clip_grad import clip_grad_norm_ as _clip_grad_norm
 from fsdp.runtime._hooks import register_flat_param_hooks, unit_forward
-from fsdp.runtime._lazy_init import check_idle, is_fsdp, lazy_init, reset_lazy_init, unit_state
+from fsdp.runtime._lazy_init import lazy_init, reset_lazy_init
 from fsdp.runtime._optimizer_check import note_replaced_params
 from fsdp.runtime._mixed_precision import (
     cast_unit_buffers,
     full_precision_in_eval_requested,
     refresh_cast_buffers,
 )
-from fsdp.runtime._state import TrainingState, UnitState
+from fsdp.runtime._state import TrainingState, UnitState, check_idle, is_fsdp, unit_state
 from fsdp.runtime._summon import summon_full_params as _summon_full_params
 from fsdp.state_dict import _model_state_dict, _settings
 from fsdp.wrap import (

@@ -35,7 +35,7 @@ from fsdp.init._unit_params import (
     unit_params,
     validate_unit_params,
 )
-from fsdp.runtime._lazy_init import is_fsdp, unit_state
+from fsdp.runtime._state import is_fsdp, unit_state
 
 
 def validate_init_args(

@@ -63,7 +63,7 @@ from fsdp._common import clean_fqn, p_assert
 from fsdp.api import OptimStateKeyType, StateDictType
 from fsdp.flat_param.flat_param import FlatParamHandle
 from fsdp._comm import _collectives as comm
-from fsdp.runtime._lazy_init import check_idle, is_fsdp, unit_state
+from fsdp.runtime._state import check_idle, is_fsdp, unit_state
 from fsdp.state_dict._gather import NOBODY, PendingGather, gather, start_gather
 from fsdp.state_dict._optim_agreement import (
     RankOptimState,
