@@ -26,16 +26,13 @@ back the same full-precision numbers.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 from torch import nn
 
 from fsdp._common import apply_to_tensors, clean_fqn
-
-if TYPE_CHECKING:
-    from fsdp.runtime._state import UnitState
+from fsdp.runtime._state import CastBuffer, UnitState
 
 __all__ = [
     "FULL_PRECISION_IN_EVAL_ENV",
@@ -72,33 +69,6 @@ def cast_forward_inputs(
         return t.to(dtype) if torch.is_floating_point(t) and t.dtype != dtype else t
 
     return apply_to_tensors(cast, args), apply_to_tensors(cast, kwargs)
-
-
-@dataclass
-class CastBuffer:
-    """A buffer mixed precision cast: where it lives and its full-precision value.
-
-    Attributes:
-        module: The module the buffer is registered on.
-        name: Its name there.
-        full_value: The value in the original dtype (see [Note: Full-precision buffers in
-            state dicts]).
-    """
-
-    module: nn.Module
-    name: str
-    full_value: torch.Tensor
-    compute_dtype: torch.dtype
-
-    def state_dict_value(self) -> torch.Tensor:
-        """The value a state dict holds: the kept full-precision value while still current."""
-        current = self.module._buffers[self.name]
-        assert current is not None
-        if current.dtype == self.full_value.dtype:  # full precision in eval right now
-            return current.detach().clone()
-        if torch.equal(self.full_value.to(current.dtype), current):
-            return self.full_value.clone()
-        return current.detach().to(self.full_value.dtype)
 
 
 def cast_unit_buffers(modules: list[nn.Module], buffer_dtype: Optional[torch.dtype]) -> list[CastBuffer]:

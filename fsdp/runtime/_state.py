@@ -19,7 +19,6 @@ from fsdp.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrat
 
 if TYPE_CHECKING:
     from fsdp.flat_param.flat_param import FlatParamHandle
-    from fsdp.runtime._mixed_precision import CastBuffer
 
 
 class TrainingState(Enum):
@@ -47,6 +46,33 @@ _TRANSITIONS: dict[TrainingState, frozenset[TrainingState]] = {
     TrainingState.BACKWARD_POST: frozenset({TrainingState.BACKWARD_PRE, TrainingState.IDLE}),
     TrainingState.SUMMON_FULL_PARAMS: frozenset({TrainingState.IDLE}),
 }
+
+
+@dataclass
+class CastBuffer:
+    """A buffer mixed precision cast (see ``fsdp/runtime/_mixed_precision.py``): where it lives and its full-precision value.
+
+    Attributes:
+        module: The module the buffer is registered on.
+        name: Its name there.
+        full_value: The value in the original dtype (see [Note: Full-precision buffers in
+            state dicts]).
+    """
+
+    module: nn.Module
+    name: str
+    full_value: torch.Tensor
+    compute_dtype: torch.dtype
+
+    def state_dict_value(self) -> torch.Tensor:
+        """The value a state dict holds: the kept full-precision value while still current."""
+        current = self.module._buffers[self.name]
+        assert current is not None
+        if current.dtype == self.full_value.dtype:  # full precision in eval right now
+            return current.detach().clone()
+        if torch.equal(self.full_value.to(current.dtype), current):
+            return self.full_value.clone()
+        return current.detach().to(self.full_value.dtype)
 
 
 @dataclass
