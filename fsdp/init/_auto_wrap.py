@@ -232,6 +232,7 @@ def policy_targets(
 
     Raises:
         ValueError: A module in the tree is already an FSDP instance.
+        TypeError: A policy object's ``_run_policy`` returned something other than a dict.
     """
     if policy is None:
         return {}
@@ -242,13 +243,22 @@ def policy_targets(
     full_precision_classes = mixed_precision_classes(root_kwargs)
     if isinstance(policy, _Policy):
         picked = policy._run_policy(module, ignored_modules, dict(child_kwargs))
+        if not isinstance(picked, dict):
+            raise TypeError(
+                f"{type(policy).__name__}._run_policy must return a dict mapping modules to "
+                f"kwargs dicts, but returned an object of type {type(picked).__name__}."
+            )
         add_full_precision_units(module, picked, full_precision_classes, ignored_modules, child_kwargs)
         order = [m for m in module.modules() if m in picked and m is not module][::-1]
         return {m: {**picked[m], "auto_wrap_policy": None} for m in order}
     planned: dict[nn.Module, dict[str, Any]] = {}
 
     def record(m: nn.Module) -> nn.Module:
-        planned[m] = full_precision_kwargs(m, dict(child_kwargs), full_precision_classes)
+        kwargs = full_precision_kwargs(m, dict(child_kwargs), full_precision_classes)
+        overrides = getattr(m, "_wrap_overrides", None)
+        if isinstance(overrides, dict):  # honoured by functional policies, as torch FSDP1 does
+            kwargs = {**kwargs, **overrides}
+        planned[m] = kwargs
         return m  # returning the module itself leaves the tree unchanged
 
     if full_precision_classes:
