@@ -127,7 +127,7 @@ def materialize_and_wrap(
                 continue
             if id(child) in visited:
                 continue
-            visit(f"{prefix}.{child_name}" if prefix else child_name, child)
+            visit(f"{prefix}.{child_name}" if prefix else child_name, child)  # noqa: F821 (deleted below)
             if child in targets:
                 wrappers[id(child)] = wrapper_cls(child, **targets[child])
                 setattr(module, child_name, wrappers[id(child)])
