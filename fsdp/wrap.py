@@ -105,7 +105,7 @@ def _is_class_wrap_decision(module: nn.Module, recurse: bool, classes: Tuple[typ
 def always_wrap_policy(*args: Any, **kwargs: Any) -> bool:
     """Wrap every submodule.
 
-    Always returns ``True``: the driver descends into every module and wraps every submodule
+    Always returns ``True``: the planner descends into every module and wraps every submodule
     (the root is wrapped by the caller), so each module becomes its own sharded unit.
 
     Args:
@@ -128,7 +128,7 @@ def lambda_auto_wrap_policy(
 
     Args:
         module: The module being considered.
-        recurse: ``True`` while the driver decides whether to descend into ``module``; ``False``
+        recurse: ``True`` while the planner decides whether to descend into ``module``; ``False``
             when it decides whether to wrap ``module`` itself.
         nonwrapped_numel: Numel of ``module``'s parameters not yet owned by a wrapped descendant
             (unused by this policy).
@@ -157,7 +157,7 @@ def transformer_auto_wrap_policy(
 
     Args:
         module: The module being considered.
-        recurse: ``True`` while the driver decides whether to descend into ``module``; ``False``
+        recurse: ``True`` while the planner decides whether to descend into ``module``; ``False``
             when it decides whether to wrap ``module`` itself.
         nonwrapped_numel: Numel of ``module``'s parameters not yet owned by a wrapped descendant
             (unused by this policy).
@@ -190,13 +190,13 @@ def size_based_auto_wrap_policy(
 
     Args:
         module: The module being considered.
-        recurse: ``True`` while the driver decides whether to descend into ``module``; ``False``
+        recurse: ``True`` while the planner decides whether to descend into ``module``; ``False``
             when it decides whether to wrap ``module`` itself.
         nonwrapped_numel: Numel of ``module``'s parameters not yet owned by a wrapped
             descendant (when ``recurse`` is ``True``: all of its parameters).
         min_num_params: The numel threshold (kept under this name for compatibility; it counts
             elements, not tensors).
-        force_leaf_modules: Module classes whose children are never considered (the driver does
+        force_leaf_modules: Module classes whose children are never considered (the planner does
             not descend into them). ``None`` means
             ``size_based_auto_wrap_policy.FORCE_LEAF_MODULES`` (``{nn.MultiheadAttention}``).
         exclude_wrap_modules: Module classes that are never wrapped themselves. ``None`` means
@@ -242,7 +242,7 @@ class _Policy(ABC):
         """Return a map from each module to wrap to the kwargs its wrapper is built with.
 
         Args:
-            root_module: The root of the module tree (it may appear in the result; the driver
+            root_module: The root of the module tree (it may appear in the result; the planner
                 never wraps it, the caller does).
             ignored_modules: Modules that must not appear in the result.
             root_kwargs: The root wrapper's keyword arguments, the default for every unit.
@@ -298,7 +298,7 @@ class ModuleWrapPolicy(_Policy):
 
         Args:
             module: The module being considered.
-            recurse: Whether the driver is deciding to descend (``True``) or to wrap (``False``).
+            recurse: Whether the planner is deciding to descend (``True``) or to wrap (``False``).
             *args: Ignored (``nonwrapped_numel``).
             **kwargs: Ignored (``nonwrapped_numel``).
 
@@ -389,7 +389,7 @@ class CustomPolicy(_Policy):
 
         Args:
             module: The module being considered.
-            recurse: Whether the driver is deciding to descend (``True``) or to wrap (``False``).
+            recurse: Whether the planner is deciding to descend (``True``) or to wrap (``False``).
             *args: Ignored (``nonwrapped_numel``).
             **kwargs: Ignored (``nonwrapped_numel``).
 

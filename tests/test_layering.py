@@ -31,7 +31,10 @@ LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
     # Constructor steps (planning included) and state dicts: siblings, both above runtime.
     ("init/state_dict", ("fsdp.init", "fsdp.state_dict")),
     # The wrapper and the public modules that mirror torch's (comm hooks, grad scaler).
-    ("wrapper", ("fsdp.fully_sharded_data_parallel", "fsdp.comm_hooks", "fsdp.sharded_grad_scaler")),
+    (
+        "wrapper",
+        ("fsdp.fully_sharded_data_parallel", "fsdp.comm_hooks", "fsdp.sharded_grad_scaler"),
+    ),
     # Built on the wrapper and re-exported by the package: the memory planner, the torch alias.
     ("tools", ("fsdp.plan", "fsdp.torch_alias")),
     # The package's public names.
@@ -242,7 +245,9 @@ def test_file_and_function_sizes() -> None:
                 long_functions[f"{rel}::{name}"] = length
     new_files = sorted(set(long_files) - set(FILES_OVER_LIMIT))
     new_functions = sorted(set(long_functions) - set(FUNCTIONS_OVER_LIMIT))
-    assert new_files == [], f"files over {MAX_FILE_LINES} lines: {[(f, long_files[f]) for f in new_files]}"
+    assert new_files == [], (
+        f"files over {MAX_FILE_LINES} lines: {[(f, long_files[f]) for f in new_files]}"
+    )
     assert new_functions == [], (
         f"functions over {MAX_FUNCTION_LINES} lines: "
         f"{[(f, long_functions[f]) for f in new_functions]}"

@@ -629,7 +629,9 @@ def test_mixed_precision_wraps_batchnorm_separately_like_torch(kind: str) -> Non
         our_policy, ref_policy = ModuleWrapPolicy({Block}), torch_wrap.ModuleWrapPolicy({Block})
     else:
         def fn(m: nn.Module) -> Any:
-            return {"mixed_precision": mp, "z": 1} if isinstance(m, nn.BatchNorm1d) else isinstance(m, Block)
+            if isinstance(m, nn.BatchNorm1d):
+                return {"mixed_precision": mp, "z": 1}
+            return isinstance(m, Block)
 
         our_policy, ref_policy = CustomPolicy(fn), torch_wrap.CustomPolicy(fn)
     ours_model, ref_model = fresh_pair()

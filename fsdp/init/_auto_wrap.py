@@ -47,7 +47,7 @@ def _policy_function_name(policy: Any) -> Optional[str]:
 
 
 def validate_auto_wrap_policy(policy: Any) -> None:
-    """Check that ``policy`` is something the planner (:func:`policy_targets`) can use, before any work is done.
+    """Check that :func:`policy_targets` can use ``policy``, before any work is done.
 
     Args:
         policy: The ``auto_wrap_policy`` argument.
