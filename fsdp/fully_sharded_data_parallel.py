@@ -42,6 +42,7 @@ from fsdp.api import (  # the config names are re-exported here too, as torch's 
     StateDictType,
 )
 from fsdp.flat_param.flat_param import FlatParameter, FlatParamHandle
+from fsdp.init._auto_wrap import mixed_precision_classes
 from fsdp.init._device import move_modules_to_device, resolve_compute_device
 from fsdp.init._materialize import materialize_and_wrap
 from fsdp.init._sync import sync_buffers
@@ -56,9 +57,10 @@ from fsdp.init._unit_params import (
 from fsdp.init._validate import plan_units, validate_init_args, warn_construction
 from fsdp.runtime._clip_grad import clip_grad_norm_ as _clip_grad_norm
 from fsdp.runtime._hooks import register_flat_param_hooks, unit_forward
-from fsdp.runtime._lazy_init import check_idle, is_fsdp, lazy_init, reset_lazy_init, unit_state
+from fsdp.runtime._lazy_init import lazy_init, reset_lazy_init
 from fsdp.runtime._optimizer_check import note_replaced_params
 from fsdp.runtime._mixed_precision import (
+    apply_mixed_precision_overrides,
     cast_unit_buffers,
     full_precision_in_eval_requested,
     refresh_cast_buffers,
@@ -67,17 +69,15 @@ from fsdp.runtime._state import (
     HandleTrainingState,
     TrainingState,
     UnitState,
+    check_idle,
     coarse_training_state,
+    is_fsdp,
     set_reported_ignored,
+    unit_state,
 )
 from fsdp.runtime._summon import summon_full_params as _summon_full_params
 from fsdp.state_dict import _model_state_dict, _settings
-from fsdp.wrap import (
-    CustomPolicy,
-    ModuleWrapPolicy,
-    _apply_mixed_precision_overrides,
-    _mixed_precision_classes,
-)
+from fsdp.wrap import CustomPolicy, ModuleWrapPolicy
 
 # Torch's module of the same name exports these two; its other public names (the configs and
 # enums above, ``FlatParameter``, ``FLAT_PARAM``, ``FSDP_PREFIX``, the wrap policies) are
@@ -188,7 +188,7 @@ class FullyShardedDataParallel(nn.Module):
         )
         plan = plan_units(module, auto_wrap_policy, root_kwargs, ignored_modules, ignored_states)
         if auto_wrap_policy is not None and mixed_precision is not None:
-            _apply_mixed_precision_overrides(module, _mixed_precision_classes(root_kwargs))
+            apply_mixed_precision_overrides(module, mixed_precision_classes(root_kwargs))
 
         # 2. Materialize (meta) in pre-order and wrap nested units bottom-up, then this unit.
         wrapped_before = [unit_state(sub) for sub in module.modules() if is_fsdp(sub)]

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.amp.grad_scaler import GradScaler, OptState
 
-from fsdp.runtime import _collectives as comm
+from fsdp._comm import _collectives as comm
 
 __all__ = ["ShardedGradScaler"]
 

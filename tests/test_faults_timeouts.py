@@ -190,7 +190,7 @@ class _TwoArgError(RuntimeError):
 def test_collective_error_keeps_torch_type(error: RuntimeError) -> None:
     """Whatever RuntimeError a collective raises comes back as its own type, with the context:
     a new exception chained to it, or (a type not built from a message) itself with a note."""
-    from fsdp.runtime._comm_errors import raise_collective_error
+    from fsdp._comm._errors import raise_collective_error
 
     with pytest.raises(type(error)) as info:
         try:

@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fsdp.runtime import _collectives as comm
-from fsdp.runtime._p2p import P2PWork
+from fsdp._comm import _collectives as comm
+from fsdp._comm._p2p import P2PWork
 from tests._harness import RankPool
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]

@@ -27,7 +27,7 @@ def _inputs() -> torch.Tensor:
 
 def _wrapper_units() -> list[tuple[int, int, int]]:
     """Rank function: (unpadded, padded, sharded) numels of every handle the wrapper builds."""
-    from fsdp.runtime._lazy_init import is_fsdp, unit_state
+    from fsdp.runtime._state import is_fsdp, unit_state
 
     torch.manual_seed(0)
     wrapped = FSDP(_gpt("cpu"), auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"))

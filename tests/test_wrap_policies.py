@@ -1,9 +1,12 @@
-"""Auto-wrap policies and the auto-wrap driver, checked against torch's own choices.
+"""Auto-wrap policies and the constructor's auto-wrap planning, checked against torch's choices.
 
-torch's FSDP is used here only as a reference oracle: its private ``_recursive_wrap`` (functional
-policies), ``_Policy._run_policy`` + ``_post_order_apply`` (policy objects) and
+fsdp's side runs the constructor's own steps (:func:`plan_and_wrap`): the policy check of
+``validate_init_args``, the one planner ``plan_units``, the mixed-precision overrides and
+``materialize_and_wrap``, with a dummy wrapper class instead of FSDP, so no process group is
+needed. torch's FSDP is used only as a reference oracle: its private ``_recursive_wrap``
+(functional policies), ``_Policy._run_policy`` + ``_post_order_apply`` (policy objects) and
 ``_wrap_utils._auto_wrap`` (mixed precision) run on an identical copy of the model with the same
-dummy wrapper class, so no process group is needed. ``fsdp`` itself never imports torch FSDP.
+dummy wrapper class. ``fsdp`` itself never imports torch FSDP.
 """
 
 from __future__ import annotations
@@ -21,12 +24,16 @@ from torch import nn
 from torch.distributed.fsdp import _wrap_utils as torch_wrap_utils
 
 import fsdp.wrap as ours
+from fsdp.init._auto_wrap import mixed_precision_classes
+from fsdp.init._auto_wrap import validate_auto_wrap_policy as _validate_auto_wrap_policy
+from fsdp.init._materialize import materialize_and_wrap
+from fsdp.init._validate import UnitPlan, plan_units
+from fsdp.runtime._mixed_precision import apply_mixed_precision_overrides
+from fsdp.runtime._state import is_fsdp
 from fsdp.wrap import (
     CustomPolicy,
     ModuleWrapPolicy,
-    _auto_wrap,
     _Policy,
-    _validate_auto_wrap_policy,
     always_wrap_policy,
     enable_wrap,
     lambda_auto_wrap_policy,
@@ -90,6 +97,50 @@ def make_recorder() -> Tuple[Type[nn.Module], List[nn.Module]]:
     return Recorder, log
 
 
+def plan_and_wrap(
+    model: nn.Module,
+    policy: Any,
+    wrapper_cls: Type[nn.Module],
+    root_kwargs: Dict[str, Any],
+    ignored_modules: Optional[Set[nn.Module]] = None,
+) -> UnitPlan:
+    """The FSDP constructor's auto-wrap steps, in its order, with ``wrapper_cls`` for FSDP.
+
+    ``validate_init_args`` checks the policy; ``plan_units`` (the one planner, also used by
+    ``fsdp.plan``) plans and checks every unit before anything changes; the modules mixed
+    precision skips get their float32 hooks; ``materialize_and_wrap`` wraps the planned units
+    bottom-up. The root is left unwrapped (the constructor wraps it last).
+    """
+    if policy is not None:
+        _validate_auto_wrap_policy(policy)
+    plan = plan_units(model, policy, root_kwargs, ignored_modules, None)
+    if policy is not None and root_kwargs.get("mixed_precision") is not None:
+        apply_mixed_precision_overrides(model, mixed_precision_classes(root_kwargs))
+    materialize_and_wrap(
+        model,
+        plan.targets,
+        wrapper_cls,
+        torch.device("cpu"),
+        None,
+        is_skipped=lambda m: is_fsdp(m) or m in plan.ignored_modules,
+    )
+    return plan
+
+
+def comparable(kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """A unit's kwargs without the planner's bookkeeping, to compare with torch's.
+
+    fsdp's planner passes ``auto_wrap_policy=None`` to every nested unit (torch leaves it at its
+    default, None, for functional policies) and hands each unit the ignored states inside it
+    (torch hands every unit the root's); neither changes what a unit is built with.
+    """
+    out = dict(kwargs)
+    if "auto_wrap_policy" in out and out["auto_wrap_policy"] is None:
+        del out["auto_wrap_policy"]
+    out.pop("ignored_states", None)
+    return out
+
+
 def names_of(model: nn.Module) -> Dict[nn.Module, str]:
     """Qualified names of the (still unwrapped) model's modules."""
     return {module: name for name, module in model.named_modules()}
@@ -99,7 +150,7 @@ def wrapped_summary(
     log: List[nn.Module], names: Dict[nn.Module, str]
 ) -> List[Tuple[str, Dict[str, Any]]]:
     """``(original qualified name, kwargs)`` of each wrapper, in construction order."""
-    return [(names[w.module], dict(w.kwargs)) for w in log]  # type: ignore[index]
+    return [(names[w.module], comparable(w.kwargs)) for w in log]  # type: ignore[index]
 
 
 def wrapped_names_in_tree(model: nn.Module, recorder: Type[nn.Module]) -> Set[str]:
@@ -120,8 +171,7 @@ def run_ours(
     names = names_of(model)
     recorder, log = make_recorder()
     ignored_modules = {model.get_submodule(n) for n in (ignored or set())}
-    ignored_params = {p for m in ignored_modules for p in m.parameters()}
-    _auto_wrap(model, policy, recorder, dict(root_kwargs or {}), ignored_modules, ignored_params)
+    plan_and_wrap(model, policy, recorder, dict(root_kwargs or {}), ignored_modules or None)
     summary = wrapped_summary(log, names)
     assert wrapped_names_in_tree(model, recorder) == {n for n, _ in summary}
     return summary, recorder
@@ -377,8 +427,10 @@ def test_module_wrap_policy_matches_torch() -> None:
         "encoder.layers.1",
         "heads.bn",
     ]
+    assert all(kwargs == {"sharding_strategy": "FULL"} for _, kwargs in got)  # comparable()
+    wrappers = [w for w in ours_model.modules() if hasattr(w, "kwargs")]
     assert all(
-        kwargs == {"sharding_strategy": "FULL", "auto_wrap_policy": None} for _, kwargs in got
+        w.kwargs == {"sharding_strategy": "FULL", "auto_wrap_policy": None} for w in wrappers
     )
     # Each unit gets its own kwargs dict.
     assert len({id(w.kwargs) for w in ours_model.modules() if hasattr(w, "kwargs")}) == 6
@@ -442,27 +494,14 @@ def test_custom_policy_bool_and_dict_overrides_match_torch() -> None:
     got, _ = run_ours(ours_model, CustomPolicy(fn), root_kwargs)
     want = run_torch_policy(ref_model, torch_wrap.CustomPolicy(fn), root_kwargs)
     assert got == want
+    # (comparable() dropped each unit's auto_wrap_policy=None, which both give.)
     assert got == [
-        (
-            "embed",
-            {"sharding_strategy": "NO_SHARD", "use_orig_params": False, "auto_wrap_policy": None},
-        ),
-        (
-            "blocks.0",
-            {"sharding_strategy": "FULL_SHARD", "use_orig_params": False, "auto_wrap_policy": None},
-        ),
-        (
-            "blocks.1",
-            {"sharding_strategy": "FULL_SHARD", "use_orig_params": False, "auto_wrap_policy": None},
-        ),
+        ("embed", {"sharding_strategy": "NO_SHARD", "use_orig_params": False}),
+        ("blocks.0", {"sharding_strategy": "FULL_SHARD", "use_orig_params": False}),
+        ("blocks.1", {"sharding_strategy": "FULL_SHARD", "use_orig_params": False}),
         (
             "heads.cls.1.inner",
-            {
-                "sharding_strategy": "SHARD_GRAD_OP",
-                "use_orig_params": False,
-                "auto_wrap_policy": None,
-                "extra": 7,
-            },
+            {"sharding_strategy": "SHARD_GRAD_OP", "use_orig_params": False, "extra": 7},
         ),
     ]
     assert root_kwargs == {
@@ -482,7 +521,7 @@ def test_custom_policy_invalid_return_raises_naming_module_and_type() -> None:
     with pytest.raises(
         ValueError, match=r"for module 'blocks\.0' \(Block\) it returned 1 of type int"
     ):
-        _auto_wrap(model, CustomPolicy(fn), make_recorder()[0], {})
+        plan_and_wrap(model, CustomPolicy(fn), make_recorder()[0], {})
     assert repr(model) == before
     with pytest.raises(
         ValueError, match=r"module '<root>' \(Linear\) it returned None of type NoneType"
@@ -500,16 +539,16 @@ def test_custom_policy_invalid_return_raises_naming_module_and_type() -> None:
 def test_root_is_never_wrapped_by_the_driver() -> None:
     model = nn.Sequential(nn.Linear(2, 2))
     recorder, log = make_recorder()
-    _auto_wrap(model, always_wrap_policy, recorder, {})
+    plan_and_wrap(model, always_wrap_policy, recorder, {})
     assert type(model) is nn.Sequential and len(log) == 1 and isinstance(model[0], recorder)
     model = nn.Sequential(nn.Linear(2, 2))
     recorder, log = make_recorder()
-    _auto_wrap(model, CustomPolicy(lambda m: True), recorder, {})
+    plan_and_wrap(model, CustomPolicy(lambda m: True), recorder, {})
     assert [type(w.module) for w in log] == [nn.Linear]  # type: ignore[attr-defined]
     # A leaf root: nothing to wrap.
     leaf = nn.Linear(2, 2)
     recorder, log = make_recorder()
-    _auto_wrap(leaf, always_wrap_policy, recorder, {})
+    plan_and_wrap(leaf, always_wrap_policy, recorder, {})
     assert log == []
 
 
@@ -517,14 +556,17 @@ def test_auto_wrap_policy_kwarg_is_not_passed_to_children() -> None:
     root_kwargs = {"auto_wrap_policy": always_wrap_policy, "x": 1}
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     recorder, log = make_recorder()
-    _auto_wrap(model, always_wrap_policy, recorder, root_kwargs)
+    plan_and_wrap(model, always_wrap_policy, recorder, root_kwargs)
     assert [w.kwargs for w in log] == [{"auto_wrap_policy": None, "x": 1}] * 2  # type: ignore[attr-defined]
     assert root_kwargs["auto_wrap_policy"] is always_wrap_policy  # caller's dict untouched
-    # Functional policy without the key: kwargs passed as given (exactly like torch).
+    # Without the key (the constructor's own root kwargs never hold it): every nested unit gets
+    # auto_wrap_policy=None, which is the constructor's default, as torch's children get.
     model = nn.Sequential(nn.Linear(2, 2))
     recorder, log = make_recorder()
-    _auto_wrap(model, always_wrap_policy, recorder, {"x": 1})
-    assert log[0].kwargs == {"x": 1}  # type: ignore[attr-defined]
+    root_kwargs = {"x": 1}
+    plan_and_wrap(model, always_wrap_policy, recorder, root_kwargs)
+    assert log[0].kwargs == {"x": 1, "auto_wrap_policy": None}  # type: ignore[attr-defined]
+    assert root_kwargs == {"x": 1}
 
 
 def test_wrap_overrides_attribute_is_honoured_by_functional_path() -> None:
@@ -540,14 +582,14 @@ def test_shared_submodule_is_wrapped_once_and_every_parent_points_to_the_wrapper
     shared = nn.Linear(2, 2)
     model = nn.Sequential(nn.Sequential(shared), nn.Sequential(shared), shared)
     recorder, log = make_recorder()
-    _auto_wrap(model, ModuleWrapPolicy({nn.Linear}), recorder, {})
+    plan_and_wrap(model, ModuleWrapPolicy({nn.Linear}), recorder, {})
     assert len(log) == 1
     assert model[0][0] is log[0] and model[1][0] is log[0] and model[2] is log[0]
 
     shared = nn.Linear(2, 2)
     model = nn.Sequential(nn.Sequential(shared), nn.Sequential(shared))
     recorder, log = make_recorder()
-    _auto_wrap(
+    plan_and_wrap(
         model,
         functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: isinstance(m, nn.Linear)),
         recorder,
@@ -586,11 +628,11 @@ def test_mixed_precision_wraps_batchnorm_separately_like_torch(kind: str) -> Non
     elif kind == "module":
         our_policy, ref_policy = ModuleWrapPolicy({Block}), torch_wrap.ModuleWrapPolicy({Block})
     else:
-        fn = lambda m: (
-            {"mixed_precision": mp, "z": 1}
-            if isinstance(m, nn.BatchNorm1d)
-            else isinstance(m, Block)
-        )  # noqa: E731
+        def fn(m: nn.Module) -> Any:
+            if isinstance(m, nn.BatchNorm1d):
+                return {"mixed_precision": mp, "z": 1}
+            return isinstance(m, Block)
+
         our_policy, ref_policy = CustomPolicy(fn), torch_wrap.CustomPolicy(fn)
     ours_model, ref_model = fresh_pair()
     with pytest.warns(UserWarning, match=r"types \['BatchNorm1d'\] that mixed precision skips"):
@@ -610,7 +652,7 @@ def test_mixed_precision_skipped_module_runs_in_fp32_and_returns_input_dtype() -
 
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
     with pytest.warns(UserWarning, match="mixed_precision=None and runs in float32"):
-        _auto_wrap(
+        plan_and_wrap(
             model,
             ModuleWrapPolicy({nn.Linear}),
             make_recorder()[0],
@@ -631,7 +673,7 @@ def test_no_mixed_precision_means_no_batchnorm_special_case() -> None:
     recorder, log = make_recorder()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        _auto_wrap(model, ModuleWrapPolicy({Block}), recorder, {"mixed_precision": None})
+        plan_and_wrap(model, ModuleWrapPolicy({Block}), recorder, {"mixed_precision": None})
     assert len(log) == 2 and not model.heads["bn"]._forward_hooks
 
 
@@ -647,9 +689,10 @@ def test_mixed_requires_grad_in_one_unit_raises_before_changing_anything() -> No
     before = repr(model)
     with pytest.raises(
         ValueError,
-        match=r"Module 'blocks\.0' would be wrapped as one unit holding both .*not supported with use_orig_params=False\..*or pass use_orig_params=True\.",
+        match=r"the FSDP unit 'blocks\.0' mixes frozen and trainable parameters .*"
+        r"requires_grad=False: ff\.0\.weight\)\. With use_orig_params=False .*pass use_orig_params=True",
     ):
-        _auto_wrap(model, ModuleWrapPolicy({Block}), make_recorder()[0], {"use_orig_params": False})
+        plan_and_wrap(model, ModuleWrapPolicy({Block}), make_recorder()[0], {"use_orig_params": False})
     assert repr(model) == before
     with pytest.raises(
         ValueError, match="blocks.0 has both parameters with requires_grad=True and False"
@@ -659,12 +702,11 @@ def test_mixed_requires_grad_in_one_unit_raises_before_changing_anything() -> No
             torch_wrap.ModuleWrapPolicy({Block}),
             {"mixed_precision": None, "use_orig_params": False},
         )
-    # use_orig_params=True: a warning, and wrapping proceeds.
-    with pytest.warns(
-        UserWarning,
-        match=r"(?s)'blocks\.0'.*wastes gradient memory \(856 numel instead of 600 before sharding\)"
-        r".*requires_grad=False: \['blocks\.0\.ff\.0\.weight'\]$",
-    ):
+    # use_orig_params=True: wrapping proceeds. torch warns that the unit wastes gradient memory;
+    # fsdp gives the frozen parameters a handle of their own (no gradient), so nothing is
+    # wasted and there is nothing to warn about.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         got, _ = run_ours(model, ModuleWrapPolicy({Block}), {"use_orig_params": True})
     assert [n for n, _ in got] == ["blocks.0", "blocks.1"]
     # Wrapping the frozen Linear separately makes every unit uniform.
@@ -683,22 +725,27 @@ def test_mixed_requires_grad_in_one_unit_raises_before_changing_anything() -> No
 
 def test_already_wrapped_submodule_raises_naming_it() -> None:
     recorder, _ = make_recorder()
+    # The planner recognises FSDP instances by the wrapper class's marker (fsdp.runtime._state.
+    # is_fsdp), so a recorder carrying it stands for an FSDP unit wrapped by hand.
+    fsdp_like = type("Recorder", (recorder,), {"_is_fsdp_wrapper": True})
     model = Model()
-    model.blocks[1] = recorder(model.blocks[1])
+    model.blocks[1] = fsdp_like(model.blocks[1])
     before = repr(model)
     with pytest.raises(
         ValueError,
         match=r"Auto-wrapping requires modules that do not already have FSDP applied, but 'blocks\.1' "
-        r"is already a Recorder instance\. Either wrap that subtree manually or use auto_wrap_policy, "
-        r"not both on the same subtree\.",
+        r"is already a FullyShardedDataParallel instance\. Either wrap that subtree manually or use "
+        r"auto_wrap_policy, not both on the same subtree\.",
     ):
-        _auto_wrap(model, always_wrap_policy, recorder, {})
+        plan_and_wrap(model, always_wrap_policy, recorder, {})
     assert repr(model) == before
-    with pytest.raises(ValueError, match=r"'<root>' is already a Recorder"):
-        _auto_wrap(recorder(nn.Linear(1, 1)), always_wrap_policy, recorder, {})
-    # Another class is not "already wrapped".
+    with pytest.raises(ValueError, match=r"'<root>' is already a FullyShardedDataParallel"):
+        plan_and_wrap(fsdp_like(nn.Linear(1, 1)), always_wrap_policy, recorder, {})
+    # Another wrapper class (not FSDP) is not "already wrapped".
+    model = Model()
+    model.blocks[1] = recorder(model.blocks[1])
     other, log = make_recorder()
-    _auto_wrap(model, ModuleWrapPolicy({nn.Embedding}), other, {})
+    plan_and_wrap(model, ModuleWrapPolicy({nn.Embedding}), other, {})
     assert [type(w.module) for w in log] == [nn.Embedding]  # type: ignore[attr-defined]
 
 
@@ -713,8 +760,13 @@ def test_non_callable_policy_raises_type_error(bad: Any) -> None:
     )
     with pytest.raises(TypeError, match=msg):
         _validate_auto_wrap_policy(bad)
+    if bad is None:  # the constructor's auto_wrap_policy=None: no nested units
+        recorder, log = make_recorder()
+        plan_and_wrap(Model(), bad, recorder, {})
+        assert log == []
+        return
     with pytest.raises(TypeError, match=msg):
-        _auto_wrap(Model(), bad, make_recorder()[0], {})
+        plan_and_wrap(Model(), bad, make_recorder()[0], {})
 
 
 @pytest.mark.parametrize(
@@ -743,7 +795,7 @@ def test_unbound_transformer_or_lambda_policy_raises(bad: Any, name: str, arg: s
         match=rf"{name} needs its '{arg}' argument bound before it can be used as auto_wrap_policy: "
         rf"bind it with functools\.partial, e\.g\. functools\.partial\({name}, {arg}=\.\.\.\)",
     ):
-        _auto_wrap(model, bad, make_recorder()[0], {})
+        plan_and_wrap(model, bad, make_recorder()[0], {})
     assert repr(model) == before
 
 
@@ -808,7 +860,7 @@ def test_class_collection_arguments_are_validated() -> None:
         TypeError,
         match=r"transformer_layer_cls must be a collection of module classes, but got the single class Block",
     ):
-        _auto_wrap(model, policy, make_recorder()[0], {})
+        plan_and_wrap(model, policy, make_recorder()[0], {})
     assert transformer_auto_wrap_policy(Block(), False, 0, {Block}) is True
     assert transformer_auto_wrap_policy(nn.Linear(1, 1), False, 0, [Block]) is False
     assert transformer_auto_wrap_policy(nn.Linear(1, 1), True, 0, {Block}) is True
@@ -825,7 +877,7 @@ def test_policy_run_policy_returning_non_dict_raises() -> None:
         TypeError,
         match=r"Bad\._run_policy must return a dict mapping modules to kwargs dicts, but returned an object of type list\.",
     ):
-        _auto_wrap(Model(), Bad(), make_recorder()[0], {})
+        plan_and_wrap(Model(), Bad(), make_recorder()[0], {})
 
 
 # ---------------------------------------------------------------------------------------------

@@ -83,7 +83,7 @@ def count_collectives() -> Iterator[CommCounts]:
         setattr(dist, name, _counting(original, kind, counts, depth))
     # fsdp's own flat collectives may run as point-to-point exchanges on gloo: count them as
     # the collectives they are (the torch.distributed calls inside are then not counted).
-    from fsdp.runtime import _collectives as fsdp_comm
+    from fsdp._comm import _collectives as fsdp_comm
 
     fsdp_originals: dict[str, Any] = {}
     for name, kind in (

@@ -28,19 +28,35 @@ and where the views' gradients come in the reduce dtype (:func:`takes_early_grad
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Optional, Protocol, Sequence
 
 import torch
+import torch.distributed as dist
 
-from fsdp.runtime import _collectives as comm
-
-if TYPE_CHECKING:
-    from fsdp.flat_param.flat_param import FlatParamHandle
+from fsdp._comm import _collectives as comm
 
 __all__ = ["can_take_early", "keeps_param_grads", "settle_open_run", "take_param_grad", "takes_early_grads_at_forward"]
 
 
-def can_take_early(handle: "FlatParamHandle") -> bool:
+class FlatParamHandle(Protocol):
+    """What this module reads and writes of a ``flat_param.FlatParamHandle`` (a structural type:
+    ``flat_param.py`` imports this module, so importing the class here would be a cycle)."""
+
+    piecewise_reduction_allowed: bool
+    uses_sharding: bool
+    replicate_world_size: int
+    process_group: Optional[dist.ProcessGroup]
+    flat_param: torch.Tensor
+    precision: Any
+    param_infos: Sequence[Any]
+    _local_shard: torch.Tensor
+    _unsynced_unsharded_grad: Optional[torch.Tensor]
+    _param_grads: Optional[list[Optional[torch.Tensor]]]
+    _open_run_grads: Optional[list[Optional[torch.Tensor]]]
+    _open_run: Optional[int]
+
+
+def can_take_early(handle: FlatParamHandle) -> bool:
     """Whether this backward's reduction of ``handle`` starts from per-parameter gradients."""
     return (
         handle.piecewise_reduction_allowed
@@ -51,13 +67,13 @@ def can_take_early(handle: "FlatParamHandle") -> bool:
     )
 
 
-def takes_early_grads_at_forward(handle: "FlatParamHandle") -> bool:
+def takes_early_grads_at_forward(handle: FlatParamHandle) -> bool:
     """Whether the views made now may have their gradients taken early: the reduction can
     start from the pieces and the gradients will come in the reduce dtype."""
     return handle.flat_param.dtype == handle.precision.reduce_dtype and can_take_early(handle)
 
 
-def take_param_grad(handle: "FlatParamHandle", index: int, grad: torch.Tensor, run: int) -> None:
+def take_param_grad(handle: FlatParamHandle, index: int, grad: torch.Tensor, run: int) -> None:
     """Keeps parameter ``index``'s gradient from forward call ``run`` of the unit.
 
     A unit called several times in one forward has one views node per call. Autograd (and so
@@ -76,7 +92,7 @@ def take_param_grad(handle: "FlatParamHandle", index: int, grad: torch.Tensor, r
     grads[index] = grad if previous is None else previous + grad
 
 
-def settle_open_run(handle: "FlatParamHandle") -> None:
+def settle_open_run(handle: FlatParamHandle) -> None:
     """Adds the gradients kept for the current forward call to the unit's kept total."""
     grads, handle._open_run_grads, handle._open_run = handle._open_run_grads, None, None
     if grads is None:
@@ -87,6 +103,6 @@ def settle_open_run(handle: "FlatParamHandle") -> None:
     ]
 
 
-def keeps_param_grads(handle: "FlatParamHandle") -> bool:
+def keeps_param_grads(handle: FlatParamHandle) -> bool:
     """Whether any gradient of this backward is kept per parameter (settled or not)."""
     return handle._param_grads is not None or handle._open_run_grads is not None

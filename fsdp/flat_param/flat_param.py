@@ -24,7 +24,7 @@ from fsdp.flat_param._sharding import (
     param_slices_in_shard,
     shard_bounds,
 )
-from fsdp.runtime import _collectives as comm
+from fsdp._comm import _collectives as comm
 
 __all__ = [
     "FlatParameter",
@@ -363,8 +363,7 @@ class FlatParamHandle:
         with torch.no_grad():
             flat = torch.cat([p.detach().reshape(-1).to(device) for p in unique_params])
             if sync_module_states:
-                from fsdp.init._process_group import ShardingGroups
-                from fsdp.init._sync import broadcast_from_group_rank0
+                from fsdp._comm._groups import ShardingGroups, broadcast_from_group_rank0
 
                 broadcast_from_group_rank0(flat, ShardingGroups(process_group, replicate_group))
             if self.uses_sharding:

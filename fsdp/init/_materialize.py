@@ -102,6 +102,9 @@ def materialize_and_wrap(
 ) -> None:
     """Materializes ``root``'s subtree in pre-order, wrapping each target when its subtree is done.
 
+    A module reachable through several parents is visited and wrapped once; every parent then
+    points at the same wrapper.
+
     Args:
         root: The root module (materialized, not wrapped here).
         targets: Modules to wrap with their wrapper kwargs.
@@ -111,16 +114,23 @@ def materialize_and_wrap(
         is_skipped: Modules not to descend into (already wrapped units, ignored modules).
     """
     visited: set[int] = set()
+    wrappers: dict[int, nn.Module] = {}
 
     def visit(prefix: str, module: nn.Module) -> None:
         visited.add(id(module))
         materialize_module(prefix, module, device, param_init_fn)
         for child_name, child in list(module.named_children()):
-            if child is None or id(child) in visited or is_skipped(child):
+            if child is None or is_skipped(child):
                 continue
-            visit(f"{prefix}.{child_name}" if prefix else child_name, child)
+            if id(child) in wrappers:  # shared, wrapped through another parent: use that wrapper
+                setattr(module, child_name, wrappers[id(child)])
+                continue
+            if id(child) in visited:
+                continue
+            visit(f"{prefix}.{child_name}" if prefix else child_name, child)  # noqa: F821 (deleted below)
             if child in targets:
-                setattr(module, child_name, wrapper_cls(child, **targets[child]))
+                wrappers[id(child)] = wrapper_cls(child, **targets[child])
+                setattr(module, child_name, wrappers[id(child)])
 
     try:
         visit("", root)

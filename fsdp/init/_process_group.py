@@ -12,10 +12,11 @@ unsynchronized replicas; fsdp raises instead.
 from __future__ import annotations
 
 import os
-from typing import Any, NamedTuple, Optional
+from typing import Any
 
 import torch.distributed as dist
 
+from fsdp._comm._groups import ShardingGroups
 from fsdp._common import group_backend, group_size
 from fsdp.api import ShardingStrategy
 
@@ -23,18 +24,6 @@ HYBRID_STRATEGIES = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHA
 
 # Hybrid groups derived from LOCAL_WORLD_SIZE, built once per (world size, local size).
 _DERIVED_HYBRID_GROUPS: dict[tuple[int, int], "ShardingGroups"] = {}
-
-
-class ShardingGroups(NamedTuple):
-    """The groups one unit communicates over.
-
-    Attributes:
-        shard: Parameters are sharded (all-gathered, reduce-scattered) over this group.
-        replicate: Hybrid strategies only: sharded gradients are all-reduced over this group.
-    """
-
-    shard: dist.ProcessGroup
-    replicate: Optional[dist.ProcessGroup]
 
 
 def _check_initialized() -> None:

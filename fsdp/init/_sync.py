@@ -9,18 +9,9 @@ values of the rank at mesh position (0, 0). Unlike torch FSDP1 this works on CPU
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from fsdp.init._process_group import ShardingGroups
-from fsdp.runtime import _collectives as comm
-
-
-def broadcast_from_group_rank0(tensor: torch.Tensor, groups: ShardingGroups) -> None:
-    """Overwrites ``tensor`` with the value of group-rank 0 of the shard (then replicate) group."""
-    for group in (groups.shard, groups.replicate):
-        if group is not None and dist.get_world_size(group) > 1:
-            comm.broadcast_from_rank0(tensor, group)
+from fsdp._comm._groups import ShardingGroups, broadcast_from_group_rank0
 
 
 def sync_buffers(modules: list[nn.Module], groups: ShardingGroups) -> None:

@@ -8,6 +8,7 @@ from typing import Callable, Iterable, Iterator, Optional
 from torch import nn
 
 from fsdp._common import clean_fqn
+from fsdp.runtime._state import is_fsdp
 
 UnitParam = tuple[str, nn.Module, str, nn.Parameter]
 
@@ -99,8 +100,6 @@ def unit_modules(unit_module: nn.Module, ignored_modules: set[nn.Module]) -> lis
 
     Nested FSDP instances and ignored modules are not descended into.
     """
-    from fsdp.runtime._lazy_init import is_fsdp
-
     result: list[nn.Module] = []
     seen: set[int] = set()
 

@@ -17,7 +17,6 @@ already flattened the parameter, construction fails with an error naming both pl
 
 from __future__ import annotations
 
-import functools
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional
@@ -28,6 +27,7 @@ from torch import nn
 from fsdp._common import clean_fqn
 from fsdp.api import BackwardPrefetch, CPUOffload, ShardingStrategy
 from fsdp.flat_param.flat_param import FLATTENED_ATTR, FlatParameter
+from fsdp.init._auto_wrap import policy_targets, validate_auto_wrap_policy
 from fsdp.init._materialize import check_materializable, validate_param_init_fn
 from fsdp.init._unit_params import (
     UnitParam,
@@ -35,7 +35,7 @@ from fsdp.init._unit_params import (
     unit_params,
     validate_unit_params,
 )
-from fsdp.runtime._lazy_init import is_fsdp, unit_state
+from fsdp.runtime._state import is_fsdp, unit_state
 
 
 def validate_init_args(
@@ -65,9 +65,7 @@ def validate_init_args(
     if cpu_offload is not None and not isinstance(cpu_offload, CPUOffload):
         raise TypeError(f"fsdp: cpu_offload must be a CPUOffload or None, got {cpu_offload!r}")
     if auto_wrap_policy is not None:
-        from fsdp.wrap import _validate_auto_wrap_policy
-
-        _validate_auto_wrap_policy(auto_wrap_policy)
+        validate_auto_wrap_policy(auto_wrap_policy)
     if backward_prefetch is not None and not isinstance(backward_prefetch, BackwardPrefetch):
         raise TypeError(
             f"fsdp: backward_prefetch must be a BackwardPrefetch or None, got {backward_prefetch!r}"
@@ -246,49 +244,6 @@ class UnitPlan:
     tied_owner: dict[int, tuple[nn.Parameter, nn.Module]] = field(default_factory=dict)
 
 
-def _policy_targets(
-    module: nn.Module,
-    policy: Optional[Callable],
-    root_kwargs: dict[str, Any],
-    ignored_modules: set[nn.Module],
-    ignored_params: set[nn.Parameter],
-) -> dict[nn.Module, dict[str, Any]]:
-    """The modules ``policy`` picks (post-order, root excluded) with their kwargs."""
-    if policy is None:
-        return {}
-    from fsdp.fully_sharded_data_parallel import FullyShardedDataParallel
-    from fsdp.wrap import (
-        _add_full_precision_units,
-        _check_no_existing_wrappers,
-        _full_precision_kwargs,
-        _mixed_precision_classes,
-        _or_class_policy,
-        _Policy,
-        _recursive_wrap,
-    )
-
-    _check_no_existing_wrappers(module, FullyShardedDataParallel)
-    child_kwargs = {**root_kwargs, "auto_wrap_policy": None}
-    # Modules mixed precision skips (BatchNorm by default) become units of their own with
-    # mixed_precision=None, as in torch FSDP1 (only under an auto-wrap policy).
-    full_precision_classes = _mixed_precision_classes(root_kwargs)
-    if isinstance(policy, _Policy):
-        picked = policy._run_policy(module, ignored_modules, dict(child_kwargs))
-        _add_full_precision_units(module, picked, full_precision_classes, ignored_modules, child_kwargs)
-        order = [m for m in module.modules() if m in picked and m is not module][::-1]
-        return {m: {**picked[m], "auto_wrap_policy": None} for m in order}
-    planned: dict[nn.Module, dict[str, Any]] = {}
-
-    def record(m: nn.Module) -> nn.Module:
-        planned[m] = _full_precision_kwargs(m, dict(child_kwargs), full_precision_classes)
-        return m  # returning the module itself leaves the tree unchanged
-
-    if full_precision_classes:
-        policy = functools.partial(_or_class_policy, policy=policy, classes=full_precision_classes)
-    _recursive_wrap(module, policy, record, ignored_modules, ignored_params, {}, is_root=True)
-    return planned
-
-
 def _unit_tree(module: nn.Module, unit_modules: set[nn.Module]) -> dict[nn.Module, Optional[nn.Module]]:
     """Maps each unit module to its parent unit module (None for the root)."""
     parent: dict[nn.Module, Optional[nn.Module]] = {module: None}
@@ -338,7 +293,7 @@ def plan_units(
     check_materializable(
         module, root_kwargs.get("param_init_fn"), lambda m: is_fsdp(m) or m in closed
     )
-    plan.targets = _policy_targets(module, policy, root_kwargs, closed, ignored_params)
+    plan.targets = policy_targets(module, policy, root_kwargs, closed, ignored_params)
     unit_modules = set(plan.targets)
     names = {m: name for name, m in module.named_modules()}
 

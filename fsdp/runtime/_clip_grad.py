@@ -32,7 +32,7 @@ import warnings
 import torch
 from torch import nn
 
-from fsdp.runtime import _collectives as comm
+from fsdp._comm import _collectives as comm
 from fsdp.runtime._state import UnitState
 
 

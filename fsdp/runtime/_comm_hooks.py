@@ -5,7 +5,7 @@ A hook replaces FSDP's gradient reduction for every unit: sharded strategies cal
 ``hook(state, grad)`` (reducing in place). The hook divides by the world size itself; the
 states carry torch FSDP1's pre/post-divide factors. Torch's own default hooks and states work
 too; these also run on gloo with bf16 (gloo has no bf16 reductions: the values are rounded to
-bf16, communicated in fp32 and rounded back, see ``fsdp.runtime._collectives``).
+bf16, communicated in fp32 and rounded back, see ``fsdp._comm._collectives``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp.flat_param._sharding import gradient_divide_factors
-from fsdp.runtime import _collectives as comm
+from fsdp._comm import _collectives as comm
 
 __all__ = [
     "DefaultState",

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp._common import describe_group_rank, group_size
-from fsdp.runtime import _collectives as comm
+from fsdp._comm import _collectives as comm
 from fsdp.runtime._prefetch import record_phase_orders
 from fsdp.runtime._state import RootContext, UnitState
 

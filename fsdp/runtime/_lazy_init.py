@@ -7,33 +7,10 @@ their qualified names (for messages).
 
 from __future__ import annotations
 
-from typing import Iterator
-
 import torch
 from torch import nn
 
-from fsdp._common import clean_fqn
-from fsdp.runtime._state import HandleTrainingState, RootContext, UnitState
-
-
-def is_fsdp(module: nn.Module) -> bool:
-    """Whether ``module`` is an FSDP wrapper (without importing the wrapper class)."""
-    return getattr(type(module), "_is_fsdp_wrapper", False)
-
-
-def unit_state(module: nn.Module) -> UnitState:
-    """The runtime state of an FSDP wrapper (typed access to ``unit_state(module)``)."""
-    state = module.__dict__.get("_fsdp_state")
-    if not isinstance(state, UnitState):
-        raise TypeError(f"fsdp: {type(module).__name__} is not a FullyShardedDataParallel instance")
-    return state
-
-
-def named_fsdp_states(module: nn.Module) -> Iterator[tuple[str, nn.Module, UnitState]]:
-    """Yields ``(qualified name, wrapper, state)`` for every FSDP unit in ``module``, pre-order."""
-    for name, sub in module.named_modules():
-        if is_fsdp(sub):
-            yield clean_fqn(name), sub, unit_state(sub)
+from fsdp.runtime._state import RootContext, UnitState, named_fsdp_states, unit_state
 
 
 def lazy_init(module: nn.Module) -> UnitState:
@@ -70,31 +47,3 @@ def reset_lazy_init(module: nn.Module) -> None:
     for _, _, unit in named_fsdp_states(module):
         unit.is_root = None
         unit.ctx = None
-
-
-def check_idle(
-    module: nn.Module, what: str, allow_summon: bool = False, error: type[Exception] = RuntimeError
-) -> None:
-    """Raises if any unit in ``module``'s root tree is in forward or backward (or summon).
-
-    Args:
-        module: An FSDP instance.
-        what: The API being called, for the message.
-        allow_summon: Accept units inside ``summon_full_params`` (it may nest).
-        error: The exception type (torch FSDP1's for the same call: ``ValueError`` for
-            ``apply``, ``no_sync`` and ``clip_grad_norm_``, an ``AssertionError`` for
-            ``summon_full_params``).
-    """
-    state: UnitState = unit_state(module)
-    states = state.ctx.states if state.ctx is not None else [s for _, _, s in named_fsdp_states(module)]
-    allowed = {HandleTrainingState.IDLE}
-    if allow_summon:
-        allowed.add(HandleTrainingState.SUMMON_FULL_PARAMS)
-    busy = [s for s in states if s.training_state not in allowed]
-    if busy:
-        desc = ", ".join(f"'{s.unit_name}' ({s.training_state.name})" for s in busy)
-        raise error(
-            f"fsdp: {what} cannot be called while FSDP units are in forward, backward or "
-            f"summon_full_params: {desc}. Call it between training steps, outside the model's "
-            f"forward and backward."
-        )

@@ -26,21 +26,20 @@ back the same full-precision numbers.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+import warnings
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 from torch import nn
 
 from fsdp._common import apply_to_tensors, clean_fqn
-
-if TYPE_CHECKING:
-    from fsdp.runtime._state import UnitState
+from fsdp.runtime._state import CastBuffer, UnitState
 
 __all__ = [
     "FULL_PRECISION_IN_EVAL_ENV",
     "CastBuffer",
     "cast_forward_inputs",
+    "apply_mixed_precision_overrides",
     "cast_unit_buffers",
     "full_precision_in_eval_requested",
     "refresh_cast_buffers",
@@ -72,33 +71,6 @@ def cast_forward_inputs(
         return t.to(dtype) if torch.is_floating_point(t) and t.dtype != dtype else t
 
     return apply_to_tensors(cast, args), apply_to_tensors(cast, kwargs)
-
-
-@dataclass
-class CastBuffer:
-    """A buffer mixed precision cast: where it lives and its full-precision value.
-
-    Attributes:
-        module: The module the buffer is registered on.
-        name: Its name there.
-        full_value: The value in the original dtype (see [Note: Full-precision buffers in
-            state dicts]).
-    """
-
-    module: nn.Module
-    name: str
-    full_value: torch.Tensor
-    compute_dtype: torch.dtype
-
-    def state_dict_value(self) -> torch.Tensor:
-        """The value a state dict holds: the kept full-precision value while still current."""
-        current = self.module._buffers[self.name]
-        assert current is not None
-        if current.dtype == self.full_value.dtype:  # full precision in eval right now
-            return current.detach().clone()
-        if torch.equal(self.full_value.to(current.dtype), current):
-            return self.full_value.clone()
-        return current.detach().to(self.full_value.dtype)
 
 
 def cast_unit_buffers(modules: list[nn.Module], buffer_dtype: Optional[torch.dtype]) -> list[CastBuffer]:
@@ -171,3 +143,79 @@ def set_buffers_full_precision(states: list["UnitState"], full: bool) -> None:
             elif not full and buffer.dtype != record.compute_dtype:
                 record.full_value = buffer.detach().clone()
                 buffer.data = buffer.data.to(record.compute_dtype)
+
+
+# ----------------------------------------------------------------------------- skipped modules
+# [Note: Modules mixed precision skips] Under an auto-wrap policy, every instance of
+# ``MixedPrecision._module_classes_to_ignore`` (``_BatchNorm`` by default) becomes its own unit
+# with ``mixed_precision=None`` (planned in fsdp/init/_auto_wrap.py) and runs in float32 between
+# low-precision neighbours, through the forward hooks below, as in torch FSDP1.
+
+
+def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
+    """Apply ``fn`` to every tensor inside nested lists / tuples / namedtuples / dicts."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(_map_tensors(fn, item) for item in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map_tensors(fn, item) for item in obj)
+    if isinstance(obj, dict):
+        mapped = {key: _map_tensors(fn, value) for key, value in obj.items()}
+        try:
+            out = type(obj)()
+            out.update(mapped)
+            return out
+        except TypeError:
+            return mapped
+    return obj
+
+
+def _register_full_precision_hooks(module: nn.Module) -> None:
+    """Run ``module`` in float32 and hand its outputs back in its inputs' floating dtype.
+
+    Modules that mixed precision skips keep float32 parameters but sit between low-precision
+    modules, so their floating-point inputs are upcast before forward and the outputs are cast
+    back to the inputs' dtype afterwards. The hooks are appended so they run after other hooks.
+    """
+    state: dict[str, torch.dtype] = {}
+
+    def cast_to(dtype: torch.dtype, tensor: torch.Tensor, record: bool) -> torch.Tensor:
+        if not torch.is_floating_point(tensor) or tensor.dtype == dtype:
+            return tensor
+        if record:
+            state["input_dtype"] = tensor.dtype
+        return tensor.to(dtype)
+
+    def pre_hook(_module: nn.Module, args: Any) -> Any:
+        state.pop("input_dtype", None)
+        return _map_tensors(lambda t: cast_to(torch.float32, t, True), args)
+
+    def post_hook(_module: nn.Module, args: Any, output: Any) -> Any:
+        input_dtype = state.pop("input_dtype", None)
+        if input_dtype is None:  # no low-precision floating input: leave the output alone
+            return None
+        return _map_tensors(lambda t: cast_to(input_dtype, t, False), output)
+
+    module.register_forward_pre_hook(pre_hook, prepend=False)
+    module.register_forward_hook(post_hook, prepend=False)
+
+
+def apply_mixed_precision_overrides(
+    root_module: nn.Module, classes: tuple[type, ...]
+) -> set[type[nn.Module]]:
+    """Register full-precision hooks on every instance of ``classes``; return the found types."""
+    found: set[type[nn.Module]] = set()
+    for module in root_module.modules():
+        if isinstance(module, classes):
+            found.add(type(module))
+            _register_full_precision_hooks(module)
+    if found:
+        warnings.warn(
+            "Both mixed_precision and auto_wrap_policy were given, and the model contains "
+            f"modules of types {sorted(cls.__name__ for cls in found)} that mixed precision "
+            "skips (MixedPrecision._module_classes_to_ignore). Each of them is wrapped as its own "
+            "unit with mixed_precision=None and runs in float32.",
+            stacklevel=3,
+        )
+    return found

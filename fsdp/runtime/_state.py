@@ -8,17 +8,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum, auto
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from fsdp._common import p_assert
+from fsdp._common import clean_fqn, p_assert
 from fsdp.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 
 if TYPE_CHECKING:
     from fsdp.flat_param.flat_param import FlatParamHandle
-    from fsdp.runtime._mixed_precision import CastBuffer
 
 
 class HandleTrainingState(Enum):
@@ -78,6 +78,33 @@ _TRANSITIONS: dict[HandleTrainingState, frozenset[HandleTrainingState]] = {
     HandleTrainingState.BACKWARD_POST: frozenset({HandleTrainingState.BACKWARD_PRE, HandleTrainingState.IDLE}),
     HandleTrainingState.SUMMON_FULL_PARAMS: frozenset({HandleTrainingState.IDLE}),
 }
+
+
+@dataclass
+class CastBuffer:
+    """A buffer mixed precision cast (see ``fsdp/runtime/_mixed_precision.py``): where it lives and its full-precision value.
+
+    Attributes:
+        module: The module the buffer is registered on.
+        name: Its name there.
+        full_value: The value in the original dtype (see [Note: Full-precision buffers in
+            state dicts]).
+    """
+
+    module: nn.Module
+    name: str
+    full_value: torch.Tensor
+    compute_dtype: torch.dtype
+
+    def state_dict_value(self) -> torch.Tensor:
+        """The value a state dict holds: the kept full-precision value while still current."""
+        current = self.module._buffers[self.name]
+        assert current is not None
+        if current.dtype == self.full_value.dtype:  # full precision in eval right now
+            return current.detach().clone()
+        if torch.equal(self.full_value.to(current.dtype), current):
+            return self.full_value.clone()
+        return current.detach().to(self.full_value.dtype)
 
 
 @dataclass
@@ -267,3 +294,56 @@ def transition(state: UnitState, new: HandleTrainingState) -> None:
         f"{state.training_state.name} -> {new.name}",
     )
     state.training_state = new
+
+
+# ----------------------------------------------------------------------------- unit lookups
+# Which modules are FSDP units and their states: needed by every layer above this one (init,
+# state_dict, the wrapper), so they live next to the state rather than in one of those layers.
+
+
+def is_fsdp(module: nn.Module) -> bool:
+    """Whether ``module`` is an FSDP wrapper (without importing the wrapper class)."""
+    return getattr(type(module), "_is_fsdp_wrapper", False)
+
+
+def unit_state(module: nn.Module) -> UnitState:
+    """The runtime state of an FSDP wrapper (typed access to ``unit_state(module)``)."""
+    state = module.__dict__.get("_fsdp_state")
+    if not isinstance(state, UnitState):
+        raise TypeError(f"fsdp: {type(module).__name__} is not a FullyShardedDataParallel instance")
+    return state
+
+
+def named_fsdp_states(module: nn.Module) -> Iterator[tuple[str, nn.Module, UnitState]]:
+    """Yields ``(qualified name, wrapper, state)`` for every FSDP unit in ``module``, pre-order."""
+    for name, sub in module.named_modules():
+        if is_fsdp(sub):
+            yield clean_fqn(name), sub, unit_state(sub)
+
+
+def check_idle(
+    module: nn.Module, what: str, allow_summon: bool = False, error: type[Exception] = RuntimeError
+) -> None:
+    """Raises if any unit in ``module``'s root tree is in forward or backward (or summon).
+
+    Args:
+        module: An FSDP instance.
+        what: The API being called, for the message.
+        allow_summon: Accept units inside ``summon_full_params`` (it may nest).
+        error: The exception type (torch FSDP1's for the same call: ``ValueError`` for
+            ``apply``, ``no_sync`` and ``clip_grad_norm_``, an ``AssertionError`` for
+            ``summon_full_params``).
+    """
+    state: UnitState = unit_state(module)
+    states = state.ctx.states if state.ctx is not None else [s for _, _, s in named_fsdp_states(module)]
+    allowed = {HandleTrainingState.IDLE}
+    if allow_summon:
+        allowed.add(HandleTrainingState.SUMMON_FULL_PARAMS)
+    busy = [s for s in states if s.training_state not in allowed]
+    if busy:
+        desc = ", ".join(f"'{s.unit_name}' ({s.training_state.name})" for s in busy)
+        raise error(
+            f"fsdp: {what} cannot be called while FSDP units are in forward, backward or "
+            f"summon_full_params: {desc}. Call it between training steps, outside the model's "
+            f"forward and backward."
+        )

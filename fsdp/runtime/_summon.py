@@ -17,9 +17,17 @@ from torch import nn
 
 from fsdp._common import FLAT_PARAM, FSDPStateAssertionError
 from fsdp.flat_param.flat_param import FlatParamHandle, HandleState, assign_grad
-from fsdp.runtime import _collectives as comm
-from fsdp.runtime._lazy_init import check_idle, is_fsdp, lazy_init, named_fsdp_states, unit_state
-from fsdp.runtime._state import HandleTrainingState, UnitState, transition
+from fsdp._comm import _collectives as comm
+from fsdp.runtime._lazy_init import lazy_init
+from fsdp.runtime._state import (
+    HandleTrainingState,
+    UnitState,
+    check_idle,
+    is_fsdp,
+    named_fsdp_states,
+    transition,
+    unit_state,
+)
 
 
 def _validate_args(writeback: bool, rank0_only: bool, offload_to_cpu: bool, with_grads: bool) -> None:

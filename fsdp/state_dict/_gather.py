@@ -18,7 +18,7 @@ Who receives:
   gloo this is about 3x faster than an all-gather of the same size, which goes through a
   temporary flat buffer on every rank and moves every shard to every rank.
 
-The point-to-point exchange is ``fsdp.runtime._collectives.gather_flat_to`` (with its own
+The point-to-point exchange is ``fsdp._comm._collectives.gather_flat_to`` (with its own
 message tag, see [Note: Point-to-point collectives on gloo]); each call's sends and receives are
 matched by order on every rank pair, and the callers issue them in the same order on every
 rank of the group (as any collective).
@@ -31,7 +31,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from fsdp.runtime import _collectives as comm
+from fsdp._comm import _collectives as comm
 
 __all__ = ["NOBODY", "PendingGather", "start_gather", "gather"]
 

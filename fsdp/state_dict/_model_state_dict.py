@@ -52,9 +52,9 @@ from fsdp._common import FLAT_PARAM, FSDP_PREFIX, clean_fqn
 from fsdp.api import FullStateDictConfig, ShardingStrategy, StateDictType
 from fsdp.flat_param._sharding import param_slices_in_shard
 from fsdp.flat_param.flat_param import FlatParamHandle, HandleState
-from fsdp.runtime._lazy_init import check_idle, lazy_init, named_fsdp_states, unit_state
+from fsdp.runtime._lazy_init import lazy_init
 from fsdp.runtime._mixed_precision import refresh_cast_buffers
-from fsdp.runtime._state import HandleTrainingState, UnitState, transition
+from fsdp.runtime._state import HandleTrainingState, UnitState, check_idle, named_fsdp_states, transition, unit_state
 from fsdp.runtime._summon import _summon_unit, deregister_params, register_params
 from fsdp.state_dict._gather import gather
 from fsdp.state_dict._local_values import check_local_value, load_local_value, local_value

@@ -36,7 +36,7 @@ from typing import Any, Callable, Optional, TypeVar
 import torch
 import torch.distributed as dist
 
-from fsdp.runtime import _collectives as comm
+from fsdp._comm import _collectives as comm
 
 __all__ = ["RankOptimState", "describe_state", "agree", "check_save_flat", "check_save_orig"]
 

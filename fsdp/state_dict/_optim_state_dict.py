@@ -62,8 +62,9 @@ from torch import nn
 from fsdp._common import clean_fqn, p_assert
 from fsdp.api import OptimStateKeyType, StateDictType
 from fsdp.flat_param.flat_param import FlatParamHandle
-from fsdp.runtime import _collectives as comm
-from fsdp.runtime._lazy_init import check_idle, is_fsdp, unit_state
+from fsdp._comm import _collectives as comm
+from fsdp.runtime._state import check_idle, is_fsdp, unit_state
+from fsdp.state_dict import _settings
 from fsdp.state_dict._gather import NOBODY, PendingGather, gather, start_gather
 from fsdp.state_dict._optim_agreement import (
     RankOptimState,
@@ -1080,12 +1081,11 @@ def to_load(
 
 # ----------------------------------------------------------------------------- public entry points
 def _settings_of(model: nn.Module) -> Any:
-    from fsdp.fully_sharded_data_parallel import FullyShardedDataParallel
-
-    if not any(is_fsdp(m) for m in model.modules()):
+    units = [m for m in model.modules() if is_fsdp(m)]
+    if not units:
         # torch FSDP1 fails with an AttributeError (its settings are None).
         raise OptimStateAttributeError(_NO_FSDP)
-    return FullyShardedDataParallel.get_state_dict_type(model)
+    return _settings.get_state_dict_type(units)  # what FSDP.get_state_dict_type(model) returns
 
 
 def optim_state_dict_api(

@@ -17,7 +17,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from fsdp.runtime import _collectives as comm
+from fsdp._comm import _collectives as comm
 from fsdp.runtime._state import UnitState
 
 __all__ = ["to_dtensor", "check_sharded_value", "full_value", "is_dtensor", "is_sharded_tensor"]

@@ -259,7 +259,7 @@ def redirect_torch_fsdp() -> TorchFSDPRedirect:
     global _active
     if _active is not None and _active.active:
         return _active
-    import torch.distributed  # the parent package must exist; this does not import its fsdp
+    import torch.distributed  # noqa: F401 (the parent package must exist; this does not import its fsdp)
 
     search_path = _torch_fsdp_dir()
     alias = _build_alias_package(search_path)

@@ -6,8 +6,8 @@ wrap module. torch's own code outside FSDP1 imports a few *private* helpers from
 ``_Policy``, ``_recursive_wrap`` and ``lambda_auto_wrap_policy`` from it and, through torch's
 private ``_wrap_utils``, ``_construct_wrap_fn``, ``_or_policy``, ``_post_order_apply``,
 ``_run_mixed_precision_override_policy`` and ``_wrap_module_cls_individually``. fsdp's own wrap
-module keeps its internal helpers (``fsdp.wrap._recursive_wrap`` has another signature), so the
-alias's wrap module is :func:`build_wrap_alias`'s module: fsdp's wrap names (the same objects)
+module keeps only its public names (fsdp's planner walk, ``fsdp.init._auto_wrap.recursive_wrap``,
+has another signature), so the alias's wrap module is :func:`build_wrap_alias`'s module: fsdp's wrap names (the same objects)
 plus the helpers below, which behave as torch's do when called with torch's arguments.
 """
 
@@ -20,6 +20,7 @@ from torch import nn
 
 import fsdp.wrap as _fsdp_wrap
 from fsdp._common import p_assert
+from fsdp.init._auto_wrap import recursive_wrap
 
 __all__ = ["build_wrap_alias"]
 
@@ -141,7 +142,7 @@ def _recursive_wrap(
     """
     if auto_wrap_policy is None or wrapper_cls is None:
         raise ValueError("_recursive_wrap needs both an auto_wrap_policy and a wrapper_cls")
-    return _fsdp_wrap._recursive_wrap(
+    return recursive_wrap(
         module,
         auto_wrap_policy,
         lambda target: wrapper_cls(target, **kwargs),

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp._common import group_backend, group_rank, group_size
-from fsdp.runtime._comm_errors import raise_collective_error
+from fsdp._comm._errors import raise_collective_error
 
 
 def _global_rank(group: Optional[dist.ProcessGroup], peer: int) -> int:

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from fsdp._common import group_size
-from fsdp.runtime._comm_errors import raise_collective_error
-from fsdp.runtime._p2p import (
+from fsdp._comm._errors import raise_collective_error
+from fsdp._comm._p2p import (
     P2PWork,
     all_gather_p2p,
     gather_p2p,
@@ -80,7 +80,7 @@ def reduce_scatter_halves(
 ) -> Any:
     """Launches a two-rank reduce-scatter given as (peer half, own pieces); returns its work.
 
-    Gloo only (see :func:`fsdp.runtime._p2p.reduce_scatter_halves_p2p`); the caller checks
+    Gloo only (see :func:`fsdp._comm._p2p.reduce_scatter_halves_p2p`); the caller checks
     :func:`can_reduce_scatter_halves` first.
     """
     return reduce_scatter_halves_p2p(output, peer_half, own_parts, own_scale, group)

@@ -1,0 +1,33 @@
+"""The groups a unit communicates over, and the broadcast from their rank 0.
+
+[Note: Hybrid sharding layout] (in ``fsdp/init/_process_group.py``, which resolves the groups
+from the constructor's arguments) describes what the two groups are.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+import torch.distributed as dist
+
+from fsdp._comm import _collectives as comm
+
+
+class ShardingGroups(NamedTuple):
+    """The groups one unit communicates over.
+
+    Attributes:
+        shard: Parameters are sharded (all-gathered, reduce-scattered) over this group.
+        replicate: Hybrid strategies only: sharded gradients are all-reduced over this group.
+    """
+
+    shard: dist.ProcessGroup
+    replicate: Optional[dist.ProcessGroup]
+
+
+def broadcast_from_group_rank0(tensor: torch.Tensor, groups: ShardingGroups) -> None:
+    """Overwrites ``tensor`` with the value of group-rank 0 of the shard (then replicate) group."""
+    for group in (groups.shard, groups.replicate):
+        if group is not None and dist.get_world_size(group) > 1:
+            comm.broadcast_from_rank0(tensor, group)
