@@ -17,6 +17,7 @@ from torch import nn
 
 from fsdp._common import FLAT_PARAM, group_rank, group_size, p_assert
 from fsdp.flat_param._precision import HandlePrecision
+from fsdp.flat_param._recast import check_not_recast_since_forward
 from fsdp.flat_param._sharding import (
     gradient_divide_factors,
     padded_unsharded_numel,
@@ -414,6 +415,10 @@ class FlatParamHandle:
 
         self._placeholders: Optional[list[_ShardedParamPlaceholder]] = None
         self.wrapped_module = wrapped_module
+        # Casts after wrapping ([Note: Casting after wrapping] in _recast.py): how many, and how
+        # many had happened when the last forward that autograd may backpropagate took views.
+        self.cast_generation = 0
+        self.forward_cast_generation = 0
         # With use_orig_params the original Parameters stay registered (optimizers hold them);
         # otherwise the FlatParameter replaces them on the wrapped module.
         self._orig_params: list[nn.Parameter] = list(unique_params) if use_orig_params else []
@@ -660,6 +665,7 @@ class FlatParamHandle:
         )
         if not as_params and torch.is_grad_enabled() and self.flat_param.requires_grad:
             views = list(_UnflattenParams.apply(self.flat_param, self))
+            self.forward_cast_generation = self.cast_generation
         else:
             views = self._unsharded_views(self.flat_param)
         if as_params:
@@ -1109,8 +1115,10 @@ class FlatParamHandle:
         for) the old values, so this raises instead (torch FSDP1 fails with a RuntimeError).
 
         Raises:
-            RuntimeError: A parameter was replaced; the message names it and the remedy.
+            RuntimeError: A parameter was replaced (or the unit cast since that forward); the
+                message names it and the remedy.
         """
+        check_not_recast_since_forward(self)
         if not self.use_orig_params:
             return
         for index, info in enumerate(self.param_infos):
