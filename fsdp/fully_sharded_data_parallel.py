@@ -512,7 +512,7 @@ class FullyShardedDataParallel(nn.Module):
         if changing:
             check_idle(
                 self,
-                "Casting the parameters of an FSDP model (nn.Module.to(), half(), float(), ...)",
+                "model.half(), .float(), .to(dtype) or another cast of the parameters",
                 error=RuntimeError,
             )
         own = self._fsdp_state.handles
@@ -520,7 +520,7 @@ class FullyShardedDataParallel(nn.Module):
             super()._apply(fn, recurse)
         for handle in own:
             if any(handle is h for h in changing):
-                recast_handle(handle, fn, self._fsdp_state.mixed_precision)
+                recast_handle(handle, fn, handle.mixed_precision_config)
         return self
 
     # ------------------------------------------------------------------ training API

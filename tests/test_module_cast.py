@@ -46,8 +46,15 @@ CASTS: dict[str, Callable[[nn.Module], Any]] = {
     "to_float64": lambda m: m.to(torch.float64),
     "bfloat16": lambda m: m.bfloat16(),
     "double": lambda m: m.double(),
+    # Around the wrapper: nn.Module._apply on the wrapped module (the root unit's parameters
+    # change behind its handle; the nested units see their own wrapper's _apply).
+    "module_half": lambda m: m.module.half(),
 }
-CAST_DTYPE = {"half": torch.float16, "to_float64": torch.float64, "bfloat16": torch.bfloat16, "double": torch.float64}
+# What torch FSDP1 is told for the same cast: the wrapped module's cast around the wrapper works
+# there without use_orig_params only (with it, the cast is undone at lazy init), so the oracle
+# casts through the wrapper.
+REF_CAST = {"module_half": "half"}
+CAST_DTYPE = {"module_half": torch.float16, "half": torch.float16, "to_float64": torch.float64, "bfloat16": torch.bfloat16, "double": torch.float64}
 
 
 class CastNet(Net):
@@ -131,7 +138,7 @@ def _check_cast_before_first_forward(strategy: str, uop: bool, cast: str, mp: bo
     what = f"{strategy} use_orig_params={uop} {cast} mp={mp}"
     ours, theirs = _ours(strategy, uop, mp), _theirs(strategy, uop, mp)
     CASTS[cast](ours)
-    CASTS[cast](theirs)
+    CASTS[REF_CAST.get(cast, cast)](theirs)
     dtype = CAST_DTYPE[cast]
     assert _dtypes(ours.parameters()) == _dtypes(theirs.parameters()) and all(
         d == dtype for d in _dtypes(ours.parameters())
@@ -159,7 +166,7 @@ def _check_cast_after_training(strategy: str, uop: bool, cast: str, mp: bool, ba
     # first forward (the cast it supports).
     reference = _theirs(strategy, uop, mp, state=_full_state(theirs))
     CASTS[cast](ours)
-    CASTS[cast](reference)
+    CASTS[REF_CAST.get(cast, cast)](reference)
     dtype = CAST_DTYPE[cast]
     assert _dtypes(ours.parameters()) == _dtypes(reference.parameters()), what
     _assert_same_state(_full_state(ours), _full_state(reference), what + ", right after the cast")
@@ -236,6 +243,16 @@ def _check_rejected_casts(strategy: str, uop: bool) -> None:
         ours.to("meta")
     unchanged()
 
+    if uop:
+        # Part of a unit cast on its own (around the wrapper): one FlatParameter has one dtype.
+        saved = [p.detach().clone() for p in ours.module.inp.parameters()]
+        ours.module.inp.half()
+        with pytest.raises(RuntimeError, match=r"the parameters of FSDP unit '<root>' no longer share one dtype: 'inp.weight' \(torch.float16\)"):
+            ours(x)
+        for param, value in zip(ours.module.inp.parameters(), saved):
+            param.data = value  # (inp.float() would keep the values rounded to float16)
+        unchanged()
+
     # A cast between forward and backward: that backward would use the parameters of before.
     loss = nn.functional.mse_loss(ours(x), y)
     ours.double()
@@ -264,6 +281,7 @@ BEFORE_2 = [
     ("NO_SHARD", False, "half", False),
     ("NO_SHARD", True, "to_float64", True),
     ("NO_SHARD", False, "bfloat16", True),
+    ("SHARD_GRAD_OP", True, "module_half", False),
 ]
 AFTER_2 = [
     ("FULL_SHARD", False, "half", False, True),
@@ -272,6 +290,8 @@ AFTER_2 = [
     ("SHARD_GRAD_OP", False, "bfloat16", True),
     ("NO_SHARD", False, "double", False),
     ("NO_SHARD", True, "bfloat16", True),
+    ("FULL_SHARD", False, "module_half", True),
+    ("NO_SHARD", True, "module_half", False),
 ]
 # World size 1 runs NO_SHARD whatever the strategy asked (in both implementations).
 BEFORE_1 = [("FULL_SHARD", False, "half", False), ("FULL_SHARD", True, "to_float64", True)]

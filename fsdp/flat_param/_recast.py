@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from fsdp.flat_param.flat_param import FlatParamHandle
 
 __all__ = [
+    "adopt_external_cast",
     "check_not_recast_since_forward",
     "hidden_from_module_apply",
     "planned_local_shard",
@@ -198,6 +199,64 @@ def recast_handle(
     else:
         handle.use_sharded_grad_views()
     handle.cast_generation += 1
+
+
+def adopt_external_cast(handle: "FlatParamHandle") -> None:
+    """Honours a cast that reached the handle's Parameters around the FSDP wrapper.
+
+    ``model.module.half()`` (the wrapped module rather than the wrapper) or a cast of a plain
+    module holding the unit runs ``nn.Module._apply`` without the wrapper's override: it swaps
+    the FlatParameter's ``.data`` (or, with use_orig_params, each original Parameter's) for a
+    cast copy behind the handle's back. Called before the handle is next used (pre-forward,
+    summon_full_params, state dicts), this rebuilds the handle around the cast values, as
+    :func:`recast_handle` does for a cast through the wrapper.
+
+    Raises:
+        RuntimeError: Only some of a unit's original parameters were cast (a unit keeps its
+            parameters in one FlatParameter of one dtype), or the cast moved them to another
+            device. Nothing is changed.
+        TypeError: They were cast to a non-floating-point dtype. Nothing is changed.
+    """
+    if handle.use_orig_params:
+        _adopt_orig_params_cast(handle)
+        return
+    flat_param = handle.flat_param
+    at_rest = handle.state.name == "SHARDED" or not handle.has_unsharded_buffer
+    if not at_rest or flat_param.dtype == handle.dtype:
+        return
+    cast_data = flat_param.data
+    planned_local_shard(handle, lambda _: cast_data)  # validates dtype and device
+    flat_param.data = handle._local_shard  # the handle's view again, until recast
+    recast_handle(handle, lambda _: cast_data, handle.mixed_precision_config)
+
+
+def _adopt_orig_params_cast(handle: "FlatParamHandle") -> None:
+    current = [info.module._parameters.get(info.param_name) for info in handle.param_infos]
+    params = [p for p in current if isinstance(p, nn.Parameter)]
+    if not params or all(p.dtype == handle.dtype for p in params):
+        return
+    cast_dtypes = {p.dtype for p in params}
+    if len(cast_dtypes) > 1 or len(params) != len(handle.param_infos):
+        names = ", ".join(
+            f"'{info.fqn}' ({p.dtype})" for info, p in zip(handle.param_infos, current) if p is not None
+        )
+        raise RuntimeError(
+            f"fsdp: the parameters of FSDP unit '{handle.unit_name}' no longer share one dtype: "
+            f"{names}. A unit keeps its parameters in one FlatParameter, so it is cast as a "
+            f"whole: cast the FSDP-wrapped module (model.half(), model.to(dtype)), or wrap the "
+            f"submodule to cast as its own FSDP unit."
+        )
+    (new_dtype,) = cast_dtypes
+    planned_local_shard(handle, lambda t: t.to(new_dtype))  # validates dtype and device
+    with torch.no_grad():
+        for index, param in enumerate(params):
+            expected = handle._orig_sharded_view(handle._local_shard, index)
+            if param.shape != expected.shape:
+                return  # not the shape a cast keeps: writeback_orig_params reports it
+            if param.data_ptr() != expected.data_ptr():
+                expected.copy_(param.detach())  # exact: the values came from this dtype
+            param.data = expected
+    recast_handle(handle, lambda t: t.to(new_dtype), handle.mixed_precision_config)
 
 
 def check_not_recast_since_forward(handle: "FlatParamHandle") -> None:

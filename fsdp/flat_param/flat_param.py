@@ -17,7 +17,7 @@ from torch import nn
 
 from fsdp._common import FLAT_PARAM, group_rank, group_size, p_assert
 from fsdp.flat_param._precision import HandlePrecision
-from fsdp.flat_param._recast import check_not_recast_since_forward
+from fsdp.flat_param._recast import adopt_external_cast, check_not_recast_since_forward
 from fsdp.flat_param._sharding import (
     gradient_divide_factors,
     padded_unsharded_numel,
@@ -419,6 +419,7 @@ class FlatParamHandle:
         # many had happened when the last forward that autograd may backpropagate took views.
         self.cast_generation = 0
         self.forward_cast_generation = 0
+        self.mixed_precision_config = mixed_precision
         # With use_orig_params the original Parameters stay registered (optimizers hold them);
         # otherwise the FlatParameter replaces them on the wrapped module.
         self._orig_params: list[nn.Parameter] = list(unique_params) if use_orig_params else []
@@ -1176,7 +1177,10 @@ class FlatParamHandle:
 
         Raises:
             ValueError: The new value has neither shape.
+            RuntimeError, TypeError: A cast that reached the parameters around the wrapper
+                cannot be honoured (see ``adopt_external_cast``).
         """
+        adopt_external_cast(self)
         if not self.use_orig_params:
             return
         changed = False
