@@ -267,6 +267,12 @@ def _check_rejected_casts(strategy: str, uop: bool) -> None:
         ours_losses = _train(ours, torch.optim.SGD(ours.parameters(), lr=LR), torch.float64, 2, DATA_SEED)
     assert ours_losses == _train(reference, torch.optim.SGD(reference.parameters(), lr=LR), torch.float64, 2, DATA_SEED), what
     _assert_same_state(_full_state(ours), _full_state(reference), what)
+    if not uop:
+        # The same around the wrapper: the root unit's FlatParameter cast behind its handle.
+        loss = nn.functional.mse_loss(ours(x.double()), y.double())
+        ours.module.half()
+        with pytest.raises(RuntimeError, match="FSDP unit '<root>' was cast to torch.float16 .* between its forward"):
+            loss.backward()
 
 
 # (strategy, use_orig_params, cast, mixed precision) per world size. Every strategy, both

@@ -24,11 +24,17 @@ fsdp honours the cast at any time between training steps, as a plain module does
 - gradients held between steps (the sharded ``.grad``, a ``no_sync`` accumulation) are cast
   along, to the dtypes the handle gives them after a backward.
 
+A cast that goes around the wrapper (``model.module.half()``, or a cast of a submodule inside
+a unit) reaches the Parameters through ``nn.Module._apply`` alone; the handle notices it before
+its next use (pre-forward, summon_full_params, state dicts) and adopts it the same way
+(:func:`adopt_external_cast`).
+
 What cannot be honoured raises before anything changes: a cast inside forward, backward or
 ``summon_full_params`` (the wrapper checks the training states), a result that is not a
-floating-point tensor on the device the handle keeps it on (:func:`planned_local_shard`), and
-a backward through a forward that ran before the cast (:func:`check_not_recast_since_forward`,
-called by the pre-backward hook before the stale views are read).
+floating-point tensor on the device the handle keeps it on (:func:`planned_local_shard`), a
+cast of only some of a unit's parameters (one FlatParameter has one dtype), and a backward
+through a forward that ran before the cast (:func:`check_not_recast_since_forward`, called by
+the pre-backward hook before the stale views are read).
 """
 
 from __future__ import annotations
@@ -259,8 +265,25 @@ def _adopt_orig_params_cast(handle: "FlatParamHandle") -> None:
     recast_handle(handle, lambda t: t.to(new_dtype), handle.mixed_precision_config)
 
 
+def _cast_around_wrapper(handle: "FlatParamHandle") -> Optional[torch.dtype]:
+    """The dtype a cast around the wrapper gave the handle's Parameters since it last used
+    them, or None."""
+    if handle.use_orig_params:
+        for info in handle.param_infos:
+            param = info.module._parameters.get(info.param_name)
+            if isinstance(param, nn.Parameter) and param.dtype != handle.dtype:
+                return param.dtype
+        return None
+    unsharded = handle.state.name == "UNSHARDED" and handle.has_unsharded_buffer
+    expected = handle.precision.param_dtype if unsharded else handle.dtype
+    return handle.flat_param.dtype if handle.flat_param.dtype != expected else None
+
+
 def check_not_recast_since_forward(handle: "FlatParamHandle") -> None:
     """Raises if the handle was cast after the forward whose backward is starting.
+
+    Either through the wrapper (the cast generation moved on) or around it (its Parameters'
+    dtype is not the one the handle keeps them in).
 
     That forward's autograd graph holds views of the old unsharded parameter (old dtype, freed
     storage); running its backward would read freed memory or mix dtypes.
@@ -268,10 +291,11 @@ def check_not_recast_since_forward(handle: "FlatParamHandle") -> None:
     Raises:
         RuntimeError: Names the unit and the remedy.
     """
-    if handle.forward_cast_generation == handle.cast_generation:
+    cast_dtype = _cast_around_wrapper(handle)
+    if handle.forward_cast_generation == handle.cast_generation and cast_dtype is None:
         return
     raise RuntimeError(
-        f"fsdp: FSDP unit '{handle.unit_name}' was cast to {handle.dtype} (model.half(), "
+        f"fsdp: FSDP unit '{handle.unit_name}' was cast to {cast_dtype or handle.dtype} (model.half(), "
         f".to(dtype), ...) between its forward and this backward; the backward would use the "
         f"parameters of before the cast. Cast the model between training steps (after "
         f"backward, or before the forward), then run the forward again."
