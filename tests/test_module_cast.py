@@ -10,11 +10,14 @@ Cast after training has started, torch FSDP1 breaks (the next forward or backwar
 with MixedPrecision the cast is silently undone at the next reshard). fsdp honours the cast
 there too. The oracle is torch FSDP1 doing what it does support: a fresh wrapper of the same
 weights (taken from torch FSDP1's own fp32 training), cast before its first forward. fsdp's
-optimizer, created before the cast, keeps stepping the same Parameter objects.
+optimizer, created before the cast, keeps stepping the same Parameter objects. A cast around the
+wrapper (``model.module.half()``: the root unit's parameters change behind its handle) is
+adopted the same way; torch FSDP1 undoes it with use_orig_params, so its oracle casts through
+the wrapper.
 
 Casts that cannot be honoured raise before anything changes: inside summon_full_params or
-forward, to a non-floating-point dtype or another device; a backward through a forward taken
-before the cast raises instead of reading freed memory. (torch FSDP1 accepts all of these and
+forward, to a non-floating-point dtype or another device, of only part of a unit (use_orig_params);
+a backward through a forward taken before the cast raises instead of reading freed memory. (torch FSDP1 accepts all of these and
 fails later, or silently.)
 """
 
