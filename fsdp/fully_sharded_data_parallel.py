@@ -41,6 +41,7 @@ from fsdp.api import (  # the config names are re-exported here too, as torch's 
     StateDictSettings,
     StateDictType,
 )
+from fsdp.flat_param._recast import hidden_from_module_apply, planned_local_shard, recast_handle
 from fsdp.flat_param.flat_param import FlatParameter, FlatParamHandle
 from fsdp.init._auto_wrap import mixed_precision_classes
 from fsdp.init._device import move_modules_to_device, resolve_compute_device
@@ -507,6 +508,39 @@ class FullyShardedDataParallel(nn.Module):
         if uninitialized:
             reset_lazy_init(self)
         return ret  # type: ignore[return-value]
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "FullyShardedDataParallel":
+        """``nn.Module._apply`` (behind ``to``, ``half``, ``float``, ``double``, ``bfloat16``, ...).
+
+        The units' parameters are cast as a plain module's would be: each handle's local shard
+        goes through ``fn`` and the handle is rebuilt around it, at any time between training
+        steps (torch FSDP1 honours a cast only before the first forward). Buffers, unmanaged
+        parameters and nested units go through ``nn.Module._apply``. See [Note: Casting after
+        wrapping] in ``fsdp/flat_param/_recast.py``.
+
+        Raises:
+            RuntimeError: The cast would change parameters while a unit of the tree is in
+                forward, backward or ``summon_full_params``, or would move them to another
+                device than the one the unit keeps them on. Nothing is changed.
+            TypeError: The cast would give a non-floating-point dtype. Nothing is changed.
+        """
+        if not recurse:
+            return super()._apply(fn, recurse)  # type: ignore[return-value]
+        units = [unit_state(m) for m in self.fsdp_modules(self)]
+        changing = [h for unit in units for h in unit.handles if planned_local_shard(h, fn) is not None]
+        if changing:
+            check_idle(
+                self,
+                "model.half(), .float(), .to(dtype) or another cast of the parameters",
+                error=RuntimeError,
+            )
+        own = self._fsdp_state.handles
+        with hidden_from_module_apply(own):
+            super()._apply(fn, recurse)
+        for handle in own:
+            if any(handle is h for h in changing):
+                recast_handle(handle, fn, handle.mixed_precision_config)
+        return self
 
     # ------------------------------------------------------------------ training API
     def _require_root(self, what: str, error: type[Exception] = RuntimeError) -> UnitState:

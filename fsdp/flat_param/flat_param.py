@@ -433,6 +433,11 @@ class FlatParamHandle:
 
         self._placeholders: Optional[list[_ShardedParamPlaceholder]] = None
         self.wrapped_module = wrapped_module
+        # Casts after wrapping ([Note: Casting after wrapping] in _recast.py): how many, and how
+        # many had happened when the last forward that autograd may backpropagate took views.
+        self.cast_generation = 0
+        self.forward_cast_generation = 0
+        self.mixed_precision_config = mixed_precision
         # With use_orig_params the original Parameters stay registered (optimizers hold them);
         # otherwise the FlatParameter replaces them on the wrapped module.
         self._orig_params: list[nn.Parameter] = list(unique_params) if use_orig_params else []
@@ -681,6 +686,7 @@ class FlatParamHandle:
             early = takes_early_grads_at_forward(self)  # [Note: Early per-parameter gradients]
             views = list(_UnflattenParams.apply(self.flat_param, self, early))
             self.early_grads_views_node = views[0].grad_fn if early and views else None
+            self.forward_cast_generation = self.cast_generation
         else:
             views = self._unsharded_views(self.flat_param)
         if as_params:
@@ -1131,7 +1137,8 @@ class FlatParamHandle:
         for) the old values, so this raises instead (torch FSDP1 fails with a RuntimeError).
 
         Raises:
-            RuntimeError: A parameter was replaced; the message names it and the remedy.
+            RuntimeError: A parameter was replaced (or the unit cast since that forward); the
+                message names it and the remedy.
         """
         if not self.use_orig_params:
             return
@@ -1190,6 +1197,8 @@ class FlatParamHandle:
 
         Raises:
             ValueError: The new value has neither shape.
+            RuntimeError, TypeError: A cast that reached the parameters around the wrapper
+                cannot be honoured (see ``adopt_external_cast``).
         """
         if not self.use_orig_params:
             return

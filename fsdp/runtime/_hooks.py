@@ -17,6 +17,7 @@ from torch.autograd import Variable
 from fsdp._common import apply_to_tensors, eager_only, p_assert
 from fsdp.flat_param.flat_param import FlatParameter, FlatParamHandle
 from fsdp.flat_param._early_grads import keeps_param_grads
+from fsdp.flat_param._recast import adopt_external_cast, check_not_recast_since_forward
 from fsdp.runtime._early_grads import finish_inflight_reductions, hook_view_consumers
 from fsdp.runtime._exec_order import check_execution_order, finish_first_iteration
 from fsdp.runtime._lazy_init import lazy_init
@@ -125,6 +126,7 @@ def _root_pre_forward(
 def _pre_forward(state: UnitState) -> None:
     """Postcondition: the unit's parameters are unsharded and its names are views into them."""
     for handle in state.handles:
+        adopt_external_cast(handle)  # [Note: Casting after wrapping]; may raise a user error
         handle.writeback_orig_params()  # may raise a user error: before any state change
         # use_orig_params: after zero_grad(set_to_none=True) on the original parameters, drop
         # the sharded flat gradient now (as torch FSDP1 does in its pre-forward), not at the
@@ -224,6 +226,7 @@ def _pre_backward_hook(state: UnitState, grad: torch.Tensor) -> torch.Tensor:
     if state.ran_pre_backward:
         return grad
     for handle in state.handles:
+        check_not_recast_since_forward(handle)  # user error: before any state change
         handle.check_params_not_replaced_since_forward()  # user error: before any state change
     state.ran_pre_backward = True
     check_execution_order(state, "backward")

@@ -17,6 +17,7 @@ from torch import nn
 
 from fsdp._common import FLAT_PARAM, FSDPStateAssertionError
 from fsdp.flat_param.flat_param import FlatParamHandle, HandleState, assign_grad
+from fsdp.flat_param._recast import adopt_external_cast
 from fsdp._comm import _collectives as comm
 from fsdp.runtime._lazy_init import lazy_init
 from fsdp.runtime._state import (
@@ -108,6 +109,7 @@ def _summon_handle(
     offload_to_cpu: bool,
     with_grads: bool,
 ) -> Iterator[None]:
+    adopt_external_cast(handle)  # [Note: Casting after wrapping]
     handle.writeback_orig_params()
     state_before = handle.state
     was_sharded = state_before is HandleState.SHARDED

@@ -52,6 +52,7 @@ from fsdp._common import FLAT_PARAM, FSDP_PREFIX, clean_fqn
 from fsdp.api import FullStateDictConfig, ShardingStrategy, StateDictType
 from fsdp.flat_param._sharding import param_slices_in_shard
 from fsdp.flat_param.flat_param import FlatParamHandle, HandleState
+from fsdp.flat_param._recast import adopt_external_cast
 from fsdp.runtime._lazy_init import lazy_init
 from fsdp.runtime._mixed_precision import refresh_cast_buffers
 from fsdp.runtime._state import HandleTrainingState, UnitState, check_idle, named_fsdp_states, transition, unit_state
@@ -198,6 +199,7 @@ def _gathers_directly(state: UnitState) -> bool:
     if not state.handles or state.training_state is not HandleTrainingState.IDLE:
         return False
     for handle in state.handles:
+        adopt_external_cast(handle)  # [Note: Casting after wrapping]
         handle.writeback_orig_params()
     return all(handle.uses_sharding and handle.state is HandleState.SHARDED for handle in state.handles)
 
