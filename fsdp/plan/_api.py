@@ -16,7 +16,7 @@ from fsdp.plan._estimate import MemoryEstimate, UnitEstimate
 from fsdp.plan._optimizer import trace_optimizer
 from fsdp.plan._schedule import ScheduleConfig, replay
 from fsdp.plan._trace import trace_forward_backward
-from fsdp.plan._units import plan_unit_specs
+from fsdp.plan._units import plan_unit_layouts, size_unit_specs
 
 __all__ = ["PlanCache", "estimate_memory"]
 
@@ -43,12 +43,32 @@ class PlanCache:
     unit modules' ids, so it must not outlive the model.
 
     Attributes:
+        layouts: ``(wrapper kwargs) -> (unit layouts, ignored modules, ignored parameters)``:
+            the wrap policy's units and each FlatParameter's parameters (sizes come later,
+            per world size).
         traces: ``(param dtype, buffer dtype, unit module ids) -> Trace``.
         optimizer: ``(optimizer class, its kwargs, shard shapes, foreach) -> (state, temporaries)``.
     """
 
+    layouts: dict[Any, Any] = field(default_factory=dict)
     traces: dict[Any, Any] = field(default_factory=dict)
     optimizer: dict[Any, tuple[int, int]] = field(default_factory=dict)
+
+
+def _kwargs_key(kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """A cache key for wrapper kwargs: config dataclasses by value, other objects by identity."""
+    import dataclasses
+
+    def key(value: Any) -> Any:
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            return (type(value), repr(value))
+        try:
+            hash(value)
+        except TypeError:
+            return (type(value), id(value))
+        return value
+
+    return tuple(sorted((name, key(value)) for name, value in kwargs.items()))
 
 
 def _fsdp_keywords() -> set[str]:
@@ -163,15 +183,20 @@ def estimate_memory(
     }
     kwargs = {**{k: v for k, v in defaults.items() if k in known}, **fsdp_kwargs}
     root_kwargs = {k: v for k, v in kwargs.items() if k not in ("auto_wrap_policy", "ignored_modules", "ignored_states")}
-    units, _ignored_modules, ignored_params = plan_unit_specs(
-        model,
-        auto_wrap_policy=kwargs.get("auto_wrap_policy"),
-        root_kwargs=root_kwargs,
-        ignored_modules=kwargs.get("ignored_modules"),
-        ignored_states=kwargs.get("ignored_states"),
-        shard_world_size=shard_ws,
-        replicate_world_size=replicate_ws,
-    )
+    layout_key = _kwargs_key(kwargs)
+    planned = _cache.layouts.get(layout_key) if _cache is not None else None
+    if planned is None:
+        planned = plan_unit_layouts(
+            model,
+            auto_wrap_policy=kwargs.get("auto_wrap_policy"),
+            root_kwargs=root_kwargs,
+            ignored_modules=kwargs.get("ignored_modules"),
+            ignored_states=kwargs.get("ignored_states"),
+        )
+        if _cache is not None:
+            _cache.layouts[layout_key] = planned
+    layouts, _ignored_modules, ignored_params = planned
+    units = size_unit_specs(layouts, shard_ws)
     mixed_precision = kwargs.get("mixed_precision")
     buffer_dtype = getattr(mixed_precision, "buffer_dtype", None) if mixed_precision is not None else None
     # The trace depends on the compute dtypes and the unit modules, not on the world size: a
