@@ -342,7 +342,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if unknown:
         parser.error(f"unknown point(s) {unknown}; choose from {list(POINTS)}")
 
-    print("| point | model and configuration | predicted | measured | error | first step (construction) |")
+    print("| point | model and configuration | predicted | measured | error | construction + first step |")
     print("|---|---|---:|---:|---:|---:|")
     worst = 0.0
     for name in names:
