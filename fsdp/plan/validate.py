@@ -230,6 +230,7 @@ def _train(point: ValidationPoint, model: nn.Module, steps: int, on_step: Callab
 
 
 def _rank_main(rank: int, point_fields: dict[str, Any], workdir: str) -> None:
+    """One spawned rank: warm up, measure two steps, write ``rank{N}.json`` into ``workdir``."""
     import torch.distributed as dist
 
     from fsdp.plan._measure import peak_rss_bytes, reset_peak_rss, rss_bytes, set_mmap_threshold
@@ -246,8 +247,7 @@ def _rank_main(rank: int, point_fields: dict[str, Any], workdir: str) -> None:
         # one-off allocations (kernel libraries' buffers, gloo's threads, lazy imports) are in
         # the baseline, not in the measurement.
         tiny = dataclasses.replace(point, layers=2, d_model=64, heads=4, vocab=128, seq_len=16, batch_size=1)
-        del_me = _train(tiny, _build_model(tiny), 2, lambda step: None)
-        del del_me
+        _train(tiny, _build_model(tiny), 2, lambda step: None)  # the wrapper is dropped at once
         gc.collect()
         dist.barrier()
         base = rss_bytes()
