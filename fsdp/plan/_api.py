@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
@@ -15,14 +16,59 @@ from fsdp.plan._estimate import MemoryEstimate, UnitEstimate
 from fsdp.plan._optimizer import trace_optimizer
 from fsdp.plan._schedule import ScheduleConfig, replay
 from fsdp.plan._trace import trace_forward_backward
-from fsdp.plan._units import plan_unit_specs
+from fsdp.plan._units import plan_unit_layouts, size_unit_specs
 
-__all__ = ["estimate_memory"]
+__all__ = ["PlanCache", "estimate_memory"]
 
 _HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
 # Constructor arguments that need a process group or a device mesh: planning takes the world
 # size (and intra_node_size) instead.
 _NEEDS_GROUP = ("process_group", "device_mesh")
+
+
+@dataclass
+class PlanCache:
+    """What one model's estimates share across world sizes and strategies (the ``--budget`` search).
+
+    [Note: Plan cache]
+    The activation trace depends on the model, its inputs, the loss and the compute dtypes, not
+    on the world size, the strategy, offload or prefetching; the optimizer's state and step
+    temporaries depend only on the shapes of what it steps. A search over hundreds of
+    configurations therefore traces each model and precision once and each distinct set of
+    shard shapes once, and only the cheap parts (unit sizes, the schedule replay) run per
+    configuration. Nothing is approximated: an estimate made with a cache equals the one made
+    without (``tests/test_plan_api.py`` checks it).
+
+    A cache belongs to one model object and one ``example_inputs``/``loss_fn``; keys hold the
+    unit modules' ids, so it must not outlive the model.
+
+    Attributes:
+        layouts: ``(wrapper kwargs) -> (unit layouts, ignored modules, ignored parameters)``:
+            the wrap policy's units and each FlatParameter's parameters (sizes come later,
+            per world size).
+        traces: ``(param dtype, buffer dtype, unit module ids) -> Trace``.
+        optimizer: ``(optimizer class, its kwargs, shard shapes, foreach) -> (state, temporaries)``.
+    """
+
+    layouts: dict[Any, Any] = field(default_factory=dict)
+    traces: dict[Any, Any] = field(default_factory=dict)
+    optimizer: dict[Any, tuple[int, int]] = field(default_factory=dict)
+
+
+def _kwargs_key(kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """A cache key for wrapper kwargs: config dataclasses by value, other objects by identity."""
+    import dataclasses
+
+    def key(value: Any) -> Any:
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            return (type(value), repr(value))
+        try:
+            hash(value)
+        except TypeError:
+            return (type(value), id(value))
+        return value
+
+    return tuple(sorted((name, key(value)) for name, value in kwargs.items()))
 
 
 def _fsdp_keywords() -> set[str]:
@@ -41,7 +87,7 @@ def estimate_memory(
     optimizer_kwargs: Optional[dict[str, Any]] = None,
     loss_fn: Optional[Callable[[Any], torch.Tensor]] = None,
     intra_node_size: Optional[int] = None,
-    _trace_cache: Optional[dict[Any, Any]] = None,
+    _cache: Optional[PlanCache] = None,
     **fsdp_kwargs: Any,
 ) -> MemoryEstimate:
     """Predicts the busiest rank's peak memory of one training step under FSDP.
@@ -58,7 +104,8 @@ def estimate_memory(
         optimizer_kwargs: Keyword arguments for ``optimizer``.
         loss_fn: Turns the model's output into a scalar loss; default: the output's sum.
         intra_node_size: Hybrid strategies: ranks per shard group (the node size).
-        _trace_cache: Internal: reuse traces across calls on the same model (the search).
+        _cache: Internal: reuse traces and optimizer results across calls on the same model
+            (the search; see [Note: Plan cache]).
         **fsdp_kwargs: ``FullyShardedDataParallel``'s keyword arguments, meaning the same
             (``device_id`` picks the training device; default CUDA).
 
@@ -136,15 +183,20 @@ def estimate_memory(
     }
     kwargs = {**{k: v for k, v in defaults.items() if k in known}, **fsdp_kwargs}
     root_kwargs = {k: v for k, v in kwargs.items() if k not in ("auto_wrap_policy", "ignored_modules", "ignored_states")}
-    units, _ignored_modules, ignored_params = plan_unit_specs(
-        model,
-        auto_wrap_policy=kwargs.get("auto_wrap_policy"),
-        root_kwargs=root_kwargs,
-        ignored_modules=kwargs.get("ignored_modules"),
-        ignored_states=kwargs.get("ignored_states"),
-        shard_world_size=shard_ws,
-        replicate_world_size=replicate_ws,
-    )
+    layout_key = _kwargs_key(kwargs)
+    planned = _cache.layouts.get(layout_key) if _cache is not None else None
+    if planned is None:
+        planned = plan_unit_layouts(
+            model,
+            auto_wrap_policy=kwargs.get("auto_wrap_policy"),
+            root_kwargs=root_kwargs,
+            ignored_modules=kwargs.get("ignored_modules"),
+            ignored_states=kwargs.get("ignored_states"),
+        )
+        if _cache is not None:
+            _cache.layouts[layout_key] = planned
+    layouts, _ignored_modules, ignored_params = planned
+    units = size_unit_specs(layouts, shard_ws)
     mixed_precision = kwargs.get("mixed_precision")
     buffer_dtype = getattr(mixed_precision, "buffer_dtype", None) if mixed_precision is not None else None
     # The trace depends on the compute dtypes and the unit modules, not on the world size: a
@@ -154,11 +206,11 @@ def estimate_memory(
         buffer_dtype,
         tuple(id(u.module) for u in units),
     )
-    trace = _trace_cache.get(cache_key) if _trace_cache is not None else None
+    trace = _cache.traces.get(cache_key) if _cache is not None else None
     if trace is None:
         trace = trace_forward_backward(model, example_inputs, units, ignored_params, loss_fn, buffer_dtype)
-        if _trace_cache is not None:
-            _trace_cache[cache_key] = trace
+        if _cache is not None:
+            _cache.traces[cache_key] = trace
     cpu_offload = kwargs.get("cpu_offload")
     offload = bool(cpu_offload and cpu_offload.offload_params) and device.type != "cpu"
     # The optimizer sees each trainable shard in full precision, and ignored parameters whole.
@@ -177,9 +229,14 @@ def estimate_memory(
                 numels = [s.numel for s in param_slices_in_shard(numels, 0, shard_ws)]
             shapes += [(n, h.precision.full_dtype) for n in numels]
     shapes += [(p.numel(), p.dtype) for p in ignored_params if p.requires_grad]
-    state_bytes, temp_bytes = trace_optimizer(
-        optimizer, optimizer_kwargs or {}, shapes, foreach=device.type == "cuda"
-    )
+    foreach = device.type == "cuda"
+    optimizer_key = (optimizer, repr(sorted((optimizer_kwargs or {}).items())), tuple(shapes), foreach)
+    optimizer_result = _cache.optimizer.get(optimizer_key) if _cache is not None else None
+    if optimizer_result is None:
+        optimizer_result = trace_optimizer(optimizer, optimizer_kwargs or {}, shapes, foreach=foreach)
+        if _cache is not None:
+            _cache.optimizer[optimizer_key] = optimizer_result
+    state_bytes, temp_bytes = optimizer_result
     static = sum(b.numel() * b.element_size() for b in model.buffers())
     static += sum(p.numel() * p.element_size() for p in ignored_params)
     cfg = ScheduleConfig(

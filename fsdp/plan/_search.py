@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from fsdp.api import CPUOffload, MixedPrecision, ShardingStrategy
-from fsdp.plan._api import estimate_memory
+from fsdp.plan._api import PlanCache, estimate_memory
 from fsdp.plan._estimate import MemoryEstimate
 
 __all__ = ["Candidate", "search_configurations"]
@@ -81,7 +81,7 @@ def search_configurations(
     world_sizes = [1 << i for i in range(max_world_size.bit_length()) if (1 << i) <= max_world_size]
     for checkpointing in (False, True):
         model, inputs = build(checkpointing)
-        cache: dict[Any, Any] = {}
+        cache = PlanCache()  # [Note: Plan cache]: one per model object
         for world_size in world_sizes:
             for strategy in _STRATEGY_COST:
                 if world_size == 1 and strategy is not ShardingStrategy.NO_SHARD:
@@ -107,7 +107,7 @@ def search_configurations(
                             world_size=world_size,
                             loss_fn=loss_fn,
                             intra_node_size=intra,
-                            _trace_cache=cache,
+                            _cache=cache,
                             **kwargs,
                         )
                         if estimate.peak_bytes <= budget_bytes:

@@ -21,7 +21,7 @@ from fsdp.flat_param._sharding import padded_unsharded_numel
 from fsdp.init._unit_params import mark_tied_owners, split_by_requires_grad, unit_params
 from fsdp.init._validate import plan_units
 
-__all__ = ["HandleSpec", "UnitSpec", "plan_unit_specs"]
+__all__ = ["HandleSpec", "UnitSpec", "UnitLayout", "plan_unit_layouts", "size_unit_specs", "plan_unit_specs"]
 
 
 @dataclass
@@ -90,6 +90,117 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype, device="meta").element_size()
 
 
+@dataclass
+class UnitLayout:
+    """One unit as planned before any world size is known: its module, kwargs and parameters.
+
+    Attributes:
+        name: The module's qualified name (``""`` for the root).
+        module: The unit's module.
+        kwargs: The unit's constructor kwargs (the root's, with the policy's overrides).
+        handle_params: Per FlatParameter, the unique original Parameters in flat order.
+        is_root: Whether this is the root unit.
+    """
+
+    name: str
+    module: nn.Module
+    kwargs: dict[str, Any]
+    handle_params: list[list[nn.Parameter]]
+    is_root: bool
+
+
+def plan_unit_layouts(
+    module: nn.Module,
+    *,
+    auto_wrap_policy: Optional[Callable[..., Any]],
+    root_kwargs: dict[str, Any],
+    ignored_modules: Any,
+    ignored_states: Any,
+) -> tuple[list[UnitLayout], set[nn.Module], set[nn.Parameter]]:
+    """Plans the units and their parameters as the wrapper would; no world size involved.
+
+    Args:
+        module: The user's model (any device, meta included).
+        auto_wrap_policy: As given to ``FullyShardedDataParallel``.
+        root_kwargs: The constructor's other keyword arguments (what nested units inherit).
+        ignored_modules: As given to ``FullyShardedDataParallel``.
+        ignored_states: As given to ``FullyShardedDataParallel``.
+
+    Returns:
+        The units in forward (post-order, root last) order, the ignored modules and the
+        ignored parameters.
+    """
+    plan = plan_units(module, auto_wrap_policy, root_kwargs, ignored_modules, ignored_states)
+    names = {m: n for n, m in module.named_modules()}
+    targets = list(plan.targets)
+    target_set = set(targets)
+    layouts: list[UnitLayout] = []
+    with mark_tied_owners(plan.tied_owner):
+        for unit in targets + [module]:
+            kwargs = plan.targets.get(unit, root_kwargs)
+
+            def is_other_unit(m: nn.Module, unit: nn.Module = unit) -> bool:
+                return (m in target_set and m is not unit) or m in plan.ignored_modules
+
+            params = unit_params(unit, is_other_unit, plan.ignored_params)
+            handle_params: list[list[nn.Parameter]] = []
+            for group in split_by_requires_grad(params, bool(kwargs.get("use_orig_params"))):
+                unique: list[nn.Parameter] = []
+                seen: set[int] = set()
+                for _, _, _, p in group:
+                    if id(p) not in seen:
+                        seen.add(id(p))
+                        unique.append(p)
+                handle_params.append(unique)
+            layouts.append(UnitLayout(names.get(unit, ""), unit, kwargs, handle_params, unit is module))
+    return layouts, plan.ignored_modules, plan.ignored_params
+
+
+def size_unit_specs(layouts: list[UnitLayout], shard_world_size: int) -> list[UnitSpec]:
+    """Sizes every FlatParameter of the planned units for one shard world size.
+
+    Args:
+        layouts: From :func:`plan_unit_layouts`.
+        shard_world_size: Ranks a parameter is sharded over (the intra-node size for hybrid).
+    """
+    specs: list[UnitSpec] = []
+    for layout in layouts:
+        strategy = layout.kwargs.get("sharding_strategy") or ShardingStrategy.FULL_SHARD
+        if shard_world_size == 1 and strategy not in (
+            ShardingStrategy.HYBRID_SHARD,
+            ShardingStrategy._HYBRID_SHARD_ZERO2,
+        ):
+            strategy = ShardingStrategy.NO_SHARD  # as the wrapper does at world size 1
+        uses_sharding = strategy is not ShardingStrategy.NO_SHARD and shard_world_size > 1
+        handles: list[HandleSpec] = []
+        for unique in layout.handle_params:
+            # As FlatParamHandle.__init__ sizes its FlatParameter.
+            unpadded = sum(p.numel() for p in unique)
+            padded = padded_unsharded_numel(unpadded, shard_world_size) if uses_sharding else unpadded
+            handles.append(
+                HandleSpec(
+                    params=unique,
+                    unpadded_unsharded_numel=unpadded,
+                    padded_unsharded_numel=padded,
+                    sharded_numel=padded // (shard_world_size if uses_sharding else 1),
+                    uses_sharding=uses_sharding,
+                    precision=HandlePrecision.resolve(layout.kwargs.get("mixed_precision"), unique[0].dtype),
+                    requires_grad=unique[0].requires_grad,
+                )
+            )
+        specs.append(
+            UnitSpec(
+                name=layout.name,
+                module=layout.module,
+                handles=handles,
+                reshards_after_forward=(not layout.is_root)
+                and strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD),
+                is_root=layout.is_root,
+            )
+        )
+    return specs
+
+
 def plan_unit_specs(
     module: nn.Module,
     *,
@@ -102,6 +213,8 @@ def plan_unit_specs(
 ) -> tuple[list[UnitSpec], set[nn.Module], set[nn.Parameter]]:
     """Plans the units as the wrapper would, and sizes every FlatParameter.
 
+    :func:`plan_unit_layouts` then :func:`size_unit_specs` (the search caches the first).
+
     Args:
         module: The user's model (any device, meta included).
         auto_wrap_policy: As given to ``FullyShardedDataParallel``.
@@ -109,63 +222,18 @@ def plan_unit_specs(
         ignored_modules: As given to ``FullyShardedDataParallel``.
         ignored_states: As given to ``FullyShardedDataParallel``.
         shard_world_size: Ranks a parameter is sharded over (the intra-node size for hybrid).
-        replicate_world_size: Ranks that hold the same shard (hybrid); 1 otherwise.
+        replicate_world_size: Ranks that hold the same shard (hybrid); 1 otherwise. Sizes do
+            not depend on it.
 
     Returns:
         The units in forward (post-order, root last) order, the ignored modules and the
         ignored parameters.
     """
-    plan = plan_units(module, auto_wrap_policy, root_kwargs, ignored_modules, ignored_states)
-    names = {m: n for n, m in module.named_modules()}
-    targets = list(plan.targets)
-    target_set = set(targets)
-    specs: list[UnitSpec] = []
-    with mark_tied_owners(plan.tied_owner):
-        for unit in targets + [module]:
-            kwargs = plan.targets.get(unit, root_kwargs)
-            strategy = kwargs.get("sharding_strategy") or ShardingStrategy.FULL_SHARD
-            if shard_world_size == 1 and strategy not in (
-                ShardingStrategy.HYBRID_SHARD,
-                ShardingStrategy._HYBRID_SHARD_ZERO2,
-            ):
-                strategy = ShardingStrategy.NO_SHARD  # as the wrapper does at world size 1
-            use_orig_params = bool(kwargs.get("use_orig_params"))
-
-            def is_other_unit(m: nn.Module, unit: nn.Module = unit) -> bool:
-                return (m in target_set and m is not unit) or m in plan.ignored_modules
-
-            params = unit_params(unit, is_other_unit, plan.ignored_params)
-            handles: list[HandleSpec] = []
-            for handle_params in split_by_requires_grad(params, use_orig_params):
-                unique: list[nn.Parameter] = []
-                seen: set[int] = set()
-                for _, _, _, p in handle_params:
-                    if id(p) not in seen:
-                        seen.add(id(p))
-                        unique.append(p)
-                uses_sharding = strategy is not ShardingStrategy.NO_SHARD and shard_world_size > 1
-                unpadded = sum(p.numel() for p in unique)
-                padded = padded_unsharded_numel(unpadded, shard_world_size) if uses_sharding else unpadded
-                handles.append(
-                    HandleSpec(
-                        params=unique,
-                        unpadded_unsharded_numel=unpadded,
-                        padded_unsharded_numel=padded,
-                        sharded_numel=padded // (shard_world_size if uses_sharding else 1),
-                        uses_sharding=uses_sharding,
-                        precision=HandlePrecision.resolve(kwargs.get("mixed_precision"), unique[0].dtype),
-                        requires_grad=unique[0].requires_grad,
-                    )
-                )
-            is_root = unit is module
-            specs.append(
-                UnitSpec(
-                    name=names.get(unit, ""),
-                    module=unit,
-                    handles=handles,
-                    reshards_after_forward=(not is_root)
-                    and strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD),
-                    is_root=is_root,
-                )
-            )
-    return specs, plan.ignored_modules, plan.ignored_params
+    layouts, ignored, ignored_params = plan_unit_layouts(
+        module,
+        auto_wrap_policy=auto_wrap_policy,
+        root_kwargs=root_kwargs,
+        ignored_modules=ignored_modules,
+        ignored_states=ignored_states,
+    )
+    return size_unit_specs(layouts, shard_world_size), ignored, ignored_params
