@@ -45,8 +45,8 @@ and an unmanaged parameter's own name. The optimizer's parameter order (its IDs)
 - Loading with ``is_named_optimizer=True`` keys the result by these names, and each group's
   ``params`` are the sorted names (a named optimizer's ``state_dict()`` sorts them too). torch
   FSDP1 fills the state of a parameter this rank holds no part of (use_orig_params) from the
-  optimizer's current state; we do not need to: that rank gets the loaded state, empty (see
-  ``_shard_orig_state``).
+  optimizer's current state; we do not need to: that rank gets no state for it, which is what
+  its optimizer holds (the parameter's gradient is None there; see ``_shard_orig_state``).
 """
 
 from __future__ import annotations
@@ -451,11 +451,8 @@ def _gather_flat_states(
 
 
 def _split(handle: FlatParamHandle, flat: torch.Tensor) -> list[torch.Tensor]:
-    views, offset = [], 0
-    for info in handle.param_infos:
-        views.append(flat[offset : offset + info.numel].view(info.shape))
-        offset += info.numel
-    return views
+    """Each parameter's view of an unpadded unsharded flat value (alignment padding skipped)."""
+    return handle.unsharded_views(flat)
 
 
 def _unflatten_flat_param_state(
@@ -882,20 +879,20 @@ def _flatten_for_handle(handle: FlatParamHandle, fqns: list[str], state: dict[st
 def _shard_orig_state(handle: FlatParamHandle, index: int, entry: dict[str, Any]) -> dict[str, Any]:
     """use_orig_params: this rank's part of one parameter's state.
 
-    A rank that holds no part of the parameter gets empty tensors (and the scalars): between
-    steps its Parameter is an empty 1-D view with an empty gradient, so the optimizer keeps
-    (empty) state for it, and resuming then matches training straight on exactly. torch FSDP1
-    gives such a rank no state at all (its gradient there is None).
+    A rank that holds no part of the parameter gets no state at all (an empty dict), as in
+    torch FSDP1: its gradient there is None, so its optimizer never makes state for it, and
+    resuming then matches training straight on exactly.
     """
-    offset, numel = handle._orig_sharded_ranges[index]
+    piece = handle.shard_slices[index]
+    if piece is None:
+        return {}
     out: dict[str, Any] = {}
-    param_start = sum(i.numel for i in handle.param_infos[:index])
-    start = handle.rank * handle.sharded_numel + offset - param_start
     for name, value in entry.items():
         if _is_pos_dim(value):
             value = value.detach().to(handle.device)
             if handle.uses_sharding:
-                value = value.reshape(-1)[start : start + numel].clone()
+                start = piece.offset_in_param
+                value = value.reshape(-1)[start : start + piece.numel].clone()
             else:
                 value = value.clone()
         elif _is_zero_dim(value):
