@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any
 
 import pytest
 import torch
