@@ -123,15 +123,9 @@ def roots_parity(wrapping: str, orig: bool) -> None:
     for kind in KINDS:
         ours, theirs = _build("ours", wrapping, 1, orig), _build("torch", wrapping, 1, orig)
         mine, torchs = _sd(ours, "ours", kind), _sd(theirs, "torch", kind)
-        # With use_orig_params torch FSDP1 aligns every original parameter to 16 bytes inside
-        # its FlatParameter (fsdp packs them back to back), so LOCAL flat shards differ in size:
-        # the same keys and format, but no LOCAL interchange (the other kinds are unaffected).
-        local_differs = orig and kind == "LOCAL_STATE_DICT"
-        if local_differs:
-            assert list(mine) == list(torchs)
-            assert mine["blocks.0._flat_param"].metadata().size != torchs["blocks.0._flat_param"].metadata().size
-        else:
-            _assert_same_values(mine, torchs, kind)
+        # With use_orig_params both align every original parameter to 16 bytes inside the
+        # FlatParameter (torch FSDP1's layout), so LOCAL flat shards are the same too.
+        _assert_same_values(mine, torchs, kind)
         expected = _sd(ours, "ours", "FULL_STATE_DICT")
         assert list(expected) == list(make_toy().state_dict())  # the unwrapped model's keys
 
@@ -142,8 +136,6 @@ def roots_parity(wrapping: str, orig: bool) -> None:
         assert list(result.missing_keys) == [] and list(result.unexpected_keys) == [], (kind, result)
         loaded = _sd(target, "ours", "FULL_STATE_DICT")
         assert all(torch.equal(loaded[k], expected[k]) for k in expected), kind
-        if local_differs:
-            continue
         # Torch FSDP1's state dict (ShardedTensors for SHARDED and LOCAL) loads into ours.
         target = _build("ours", wrapping, 8, orig)
         _load(target, "ours", kind, torchs)
