@@ -44,15 +44,17 @@ and an unmanaged parameter's own name. The optimizer's parameter order (its IDs)
   result is the usual FQN-keyed state dict, whatever the optimizer.
 - Loading with ``is_named_optimizer=True`` keys the result by these names, and each group's
   ``params`` are the sorted names (a named optimizer's ``state_dict()`` sorts them too). torch
-  FSDP1 fills the state of a parameter this rank holds no part of (use_orig_params) from the
-  optimizer's current state; we do not need to: that rank gets no state for it, which is what
-  its optimizer holds (the parameter's gradient is None there; see ``_shard_orig_state``).
+  A parameter this rank holds no part of (use_orig_params) gets no loaded state there (its
+  gradient is None there, so a plain optimizer has none; see ``_shard_orig_state``); with
+  ``is_named_optimizer=True``, as in torch FSDP1, it keeps the optimizer's current state for
+  it (``_keep_named_state``).
 """
 
 from __future__ import annotations
 
 import copy
 import math
+import warnings
 from typing import Any, Optional, Union
 
 import torch
@@ -876,6 +878,26 @@ def _flatten_for_handle(handle: FlatParamHandle, fqns: list[str], state: dict[st
     return flat_state
 
 
+def _keep_named_state(
+    optim: Any, param: nn.Parameter, key: ParamKey, fqn: str, out_state: dict[ParamKey, Any]
+) -> None:
+    """A named optimizer's state for a parameter this rank holds none of, as torch FSDP1 gives it.
+
+    torch FSDP1 keeps what the optimizer holds for it now (a named optimizer's ``init_state``
+    makes state for every parameter), and warns when it holds nothing.
+    """
+    current = optim.state.get(param, None)
+    if current is not None:
+        out_state[key] = copy.deepcopy(current)
+        return
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    warnings.warn(
+        f"optim_state[_OptimStateKey(unflat_param_names=({fqn!r},), is_fsdp_managed=True)] is not "
+        f"on rank{rank}.",
+        stacklevel=4,
+    )
+
+
 def _shard_orig_state(handle: FlatParamHandle, index: int, entry: dict[str, Any]) -> dict[str, Any]:
     """use_orig_params: this rank's part of one parameter's state.
 
@@ -1054,6 +1076,7 @@ def to_load(
                 continue
             out_state[key] = _flatten_for_handle(handle, fqns, state)
     else:
+        key_to_param = {key: param for param, key in zip(params, keys)}
         for fqn, entry in state.items():
             key = fqn_to_key.get(fqn)
             if key is None or fqn not in view.fqn_to_slot:
@@ -1062,6 +1085,8 @@ def to_load(
             sharded_entry = _shard_orig_state(view.handles[h], index, entry)
             if sharded_entry:
                 out_state[key] = sharded_entry
+            elif is_named_optimizer and optim is not None:
+                _keep_named_state(optim, key_to_param[key], key, fqn, out_state)
     for fqn, entry in state.items():
         if fqn in view.unmanaged and fqn in fqn_to_key:
             out_state[fqn_to_key[fqn]] = copy.copy(entry)
