@@ -83,7 +83,8 @@ def local_files_interop(directory: str, orig: bool) -> None:
     """LOCAL state dicts saved per rank by each library load into the other, bit-exact.
 
     With ``orig`` (use_orig_params) too: both lay out the FlatParameter with torch FSDP1's
-    16-byte alignment padding, so the files hold the same shards.
+    16-byte alignment padding, so the files hold the same shards and torch's load into ours
+    (torch FSDP1 itself loads no LOCAL state dict with use_orig_params).
     """
     rank = dist.get_rank()
     paths = {lib: os.path.join(directory, f"{lib}_local_{rank}.pt") for lib in ("ours", "torch")}
@@ -95,7 +96,13 @@ def local_files_interop(directory: str, orig: bool) -> None:
         if lib == "ours":  # our own ShardedTensor construction stays quiet
             assert not [w for w in caught if "ShardedTensor" in str(w.message)], [str(w.message) for w in caught]
         torch.save(state, paths[lib])
-    for writer, reader in (("torch", "ours"), ("ours", "torch")):
+    if orig:
+        # torch FSDP1 cannot load any LOCAL state dict with use_orig_params, not even its own
+        # (its _flat_param is no registered parameter then): only ours reads the files.
+        with pytest.raises(RuntimeError, match=r"Unexpected key\(s\) in state_dict: .*_flat_param"):
+            _load(_build("torch", "fsdp_root", seed=23, orig=orig), "torch", "LOCAL_STATE_DICT", torch.load(paths["torch"], weights_only=False))
+    pairs = [("torch", "ours"), ("ours", "ours")] if orig else [("torch", "ours"), ("ours", "torch")]
+    for writer, reader in pairs:
         target = _build(reader, "fsdp_root", seed=23, orig=orig)
         _load(target, reader, "LOCAL_STATE_DICT", torch.load(paths[writer], weights_only=False))
         expected, loaded = _full(sources[writer], writer), _full(target, reader)
