@@ -244,26 +244,24 @@ def _full_params(model: nn.Module) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _compare(
-    ours: FSDP, theirs: nn.Module, use_orig_params: bool, grads: bool, what: str, atol: float | None = None
-) -> None:
+def _compare(ours: FSDP, theirs: nn.Module, use_orig_params: bool, grads: bool, what: str) -> None:
     """Each unit's local flat parameter (or gradient) equals torch FSDP1's bit for bit.
 
-    With use_orig_params torch FSDP1 pads each original parameter to a 16-byte boundary inside
-    the flat parameter and ours does not, so shards are cut elsewhere: the full parameters are
-    compared instead (gradients then only through the parameters the optimizer makes of them),
-    within ``atol`` where given (see :func:`_orig_params_tolerances`), else bit for bit.
+    Both lay out flat parameters alike (with use_orig_params, torch FSDP1's 16-byte alignment
+    padding), so the shards are the same elements. With use_orig_params each original
+    parameter (its local part) and its ``.grad`` must also match, ``None`` where torch's is.
     """
+    compare_flat(flat_params(ours, grads=grads), flat_params(theirs, grads=grads), True, what)
     if not use_orig_params:
-        compare_flat(flat_params(ours, grads=grads), flat_params(theirs, grads=grads), True, what)
-    elif not grads:
-        mine, torch_full = _full_params(ours), _full_params(theirs)
-        assert sorted(mine) == sorted(torch_full), what
-        for name in mine:
-            if atol is None:
-                assert torch.equal(mine[name], torch_full[name]), f"{what}: {name} differs from torch FSDP1"
-            else:
-                torch.testing.assert_close(mine[name], torch_full[name], rtol=0, atol=atol, msg=lambda m: f"{what}: {name}: {m}")
+        return
+    pairs = list(zip(ours.named_parameters(), theirs.named_parameters()))
+    assert len(pairs) == len(list(theirs.parameters())), what
+    for (name, mine), (torch_name, ref) in pairs:
+        assert name == torch_name, what
+        a, b = (mine.grad, ref.grad) if grads else (mine, ref)
+        assert (a is None) == (b is None), f"{what}: {name}: {a is None} vs torch FSDP1 {b is None}"
+        if a is not None:
+            assert torch.equal(a, b), f"{what}: {name} differs from torch FSDP1"
 
 
 def _upcast_grads(model: nn.Module) -> None:
@@ -273,45 +271,14 @@ def _upcast_grads(model: nn.Module) -> None:
             p.grad = p.grad.to(p.dtype)
 
 
-_U = 2.0**-24  # fp32 unit roundoff
-_N_GRAD_ELEMENTS = sum(p.numel() for p in _NET.plain().parameters())  # 251
 _ADAMW_LR = 0.01
-
-
-def _orig_params_tolerances(world_size: int, precision: str, sharded: bool) -> tuple[float, float]:
-    """(norm rtol, parameter atol per step) with use_orig_params; (0, 0) where bit for bit.
-
-    torch FSDP1 pads each original parameter to a 16-byte boundary inside the flat parameter
-    with use_orig_params and ours does not, so elements sit at other positions:
-
-    * Beyond two ranks gloo's reduce-scatter and all-reduce add an element's contributions in
-      an order that depends on the element's position, so each reduced gradient element may
-      differ by the roundings of its world_size - 1 additions in the reduce dtype (u = 2^-8 for
-      bf16, 2^-24 for fp32), and so may any norm of them. With two ranks the one addition
-      a + b is the same in any order.
-    * Sharded units are cut elsewhere, so each rank's partial p-th power sums different
-      elements: N exact-up-to-one-rounding terms in any order lose at most N - 1 roundings, the
-      p-th power and root two more, (N + 2) u relative in fp32.
-    * AdamW's update m / (sqrt(v) + eps) is invariant to a common scale of the gradients (eps =
-      1e-8 is far below sqrt(v) here), so a clip coefficient off by the norm's error moves an
-      update only by that error, twice the gradients' own relative error (through m and
-      sqrt(v)) and its own rounding (about 10 operations); an update is at most
-      lr (1 - beta1) / sqrt(1 - beta2) < 3.2 lr.
-    """
-    reduce_u = 2.0**-8 if MIXED_PRECISION[precision] is not None else _U
-    reduce_rel = (world_size - 1) * reduce_u if world_size > 2 else 0.0
-    norm_rtol = reduce_rel + ((_N_GRAD_ELEMENTS + 2) * _U if sharded else 0.0)
-    if norm_rtol == 0:
-        return 0.0, 0.0
-    return norm_rtol, 3.2 * _ADAMW_LR * (norm_rtol + 2 * reduce_rel + 10 * _U)
 
 
 def _check_exact(strategies: tuple[str, ...], orig_params: tuple[bool, ...], precisions: tuple[str, ...]) -> int:
     """Every config: the returned norm (value and dtype), the clipped gradients and the
-    parameters after each AdamW step equal torch FSDP1's bit for bit (with
-    use_orig_params, where torch FSDP1 lays out flat parameters differently, up to the
-    rounding that explains, see :func:`_orig_params_tolerances`). Returns how many
-    (config, step) pairs compared."""
+    parameters after each AdamW step equal torch FSDP1's bit for bit, with use_orig_params
+    too (the same flat layout, alignment padding included). Returns how many (config, step)
+    pairs compared."""
     ws = dist.get_world_size()
     compared = 0
     for strategy in strategies:
@@ -323,7 +290,6 @@ def _check_exact(strategies: tuple[str, ...], orig_params: tuple[bool, ...], pre
                 for norm_type in EXACT_NORM_TYPES:
                     what = f"{strategy} use_orig_params={use_orig_params} {precision} norm_type={norm_type}"
                     ours, theirs = _wrap_both(strategy, use_orig_params, precision)
-                    norm_rtol, step_atol = _orig_params_tolerances(ws, precision, sharded) if use_orig_params else (0.0, 0.0)
                     opts = [torch.optim.AdamW(m.parameters(), lr=_ADAMW_LR) for m in (ours, theirs)]
                     for step in range(EXACT_STEPS):
                         for model in (ours, theirs):
@@ -341,10 +307,7 @@ def _check_exact(strategies: tuple[str, ...], orig_params: tuple[bool, ...], pre
                         their_norm = theirs.clip_grad_norm_(EXACT_MAX_NORM, norm_type)
                         assert our_norm.dtype == their_norm.dtype, f"{what}: step {step}: {our_norm.dtype} vs {their_norm.dtype}"
                         norm_msg = f"{what}: step {step}: norm {our_norm.item()!r} vs torch FSDP1 {their_norm.item()!r}"
-                        if norm_rtol and not (norm_type == math.inf and ws <= 2):  # a maximum of the same values is exact
-                            torch.testing.assert_close(our_norm, their_norm, rtol=norm_rtol, atol=0, msg=norm_msg)
-                        else:
-                            assert torch.equal(our_norm, their_norm), norm_msg
+                        assert torch.equal(our_norm, their_norm), norm_msg
                         assert float(our_norm) > EXACT_MAX_NORM, f"{what}: step {step}: did not clip"
                         _compare(ours, theirs, use_orig_params, True, f"{what}: step {step}: clipped grads")
                         for model, opt in zip((ours, theirs), opts):
@@ -353,8 +316,7 @@ def _check_exact(strategies: tuple[str, ...], orig_params: tuple[bool, ...], pre
                             # (torch FSDP1 cannot summon use_orig_params with low-precision
                             # gradients, so they go before the parameters are compared.)
                             opt.zero_grad(set_to_none=True)
-                        atol = (step + 1) * step_atol if step_atol else None
-                        _compare(ours, theirs, use_orig_params, False, f"{what}: step {step}: params", atol)
+                        _compare(ours, theirs, use_orig_params, False, f"{what}: step {step}: params")
                         compared += 1
     return compared
 

@@ -8,7 +8,10 @@ import pytest
 import torch
 
 from fsdp.flat_param._sharding import (
+    FlatLayout,
     ParamShardSlice,
+    aligned_numel,
+    flat_layout,
     gradient_divide_factors,
     padded_unsharded_numel,
     param_slices_in_shard,
@@ -41,6 +44,60 @@ def test_slices_reassemble_the_flat_tensor(numels: list[int], world_size: int) -
         start, end = shard_bounds(flat.numel(), rank, world_size)
         shard = padded[start:end]
         for s in param_slices_in_shard(numels, rank, world_size):
+            piece = params[s.param_index][s.offset_in_param : s.offset_in_param + s.numel]
+            assert torch.equal(shard[s.offset_in_shard : s.offset_in_shard + s.numel], piece)
+            seen[s.param_index][s.offset_in_param : s.offset_in_param + s.numel] += 1
+    assert all(torch.equal(c, torch.ones_like(c)) for c in seen)
+
+
+def test_aligned_layout_note_example() -> None:
+    """[Note: Aligned flat parameter layout]: fp32 parameters of 3 and 5 elements, world size 4."""
+    layout = flat_layout([3, 5], 4, aligned_numel(4))
+    assert layout == FlatLayout((3, 5), (0, 4), (3, 1, 5, 3), (False, True, False, True), 12, 4)
+    assert layout.padded_unsharded_numel == 12 and layout.sharded_numel == 3
+    assert [layout.slices_in_shard(r) for r in range(4)] == [
+        [ParamShardSlice(0, 0, 3, 0)],
+        [ParamShardSlice(1, 0, 2, 1)],
+        [ParamShardSlice(1, 2, 3, 0)],
+        [],
+    ]
+    assert layout.padding_runs() == [(3, 1), (9, 3)]
+
+
+def test_aligned_numel_per_dtype() -> None:
+    assert [aligned_numel(n) for n in (1, 2, 4, 8)] == [16, 8, 4, 2]
+    with pytest.raises(ValueError, match="itemsize must be positive"):
+        aligned_numel(0)
+
+
+def test_unaligned_layout_has_no_padding() -> None:
+    """use_orig_params=False: back to back, no padding entries, no world-size padding inside."""
+    layout = flat_layout([3, 4], 3)
+    assert layout.param_offsets == (0, 3) and layout.numels_with_padding == (3, 4)
+    assert layout.unpadded_unsharded_numel == 7 and layout.padded_unsharded_numel == 9
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("align", [2, 4, 8])
+@pytest.mark.parametrize("numels", [[3, 4], [1], [5, 1, 9, 2], [12], [1, 1, 1]])
+def test_aligned_slices_reassemble_the_parameters(numels: list[int], align: int, world_size: int) -> None:
+    """Aligned layout: every parameter starts at a multiple of ``align``, the whole divides by
+    the world size, and every element lands in exactly one shard, at its layout offset."""
+    layout = flat_layout(numels, world_size, align)
+    assert all(offset % align == 0 for offset in layout.param_offsets)
+    assert layout.unpadded_unsharded_numel % world_size == 0
+    assert sum(layout.numels_with_padding) == layout.unpadded_unsharded_numel
+    assert [n for n, pad in zip(layout.numels_with_padding, layout.is_padding_mask) if not pad] == numels
+    assert all(0 < n < max(align, world_size) for n, pad in zip(layout.numels_with_padding, layout.is_padding_mask) if pad)
+    flat = torch.zeros(layout.unpadded_unsharded_numel, dtype=torch.long)
+    params = [torch.arange(1, n + 1) + 100 * i for i, n in enumerate(numels)]
+    for param, offset in zip(params, layout.param_offsets):
+        flat[offset : offset + param.numel()] = param
+    seen = [torch.zeros(n, dtype=torch.long) for n in numels]
+    for rank in range(world_size):
+        start, end = rank * layout.sharded_numel, (rank + 1) * layout.sharded_numel
+        shard = flat[start:end]
+        for s in layout.slices_in_shard(rank):
             piece = params[s.param_index][s.offset_in_param : s.offset_in_param + s.numel]
             assert torch.equal(shard[s.offset_in_shard : s.offset_in_shard + s.numel], piece)
             seen[s.param_index][s.offset_in_param : s.offset_in_param + s.numel] += 1

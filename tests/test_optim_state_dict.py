@@ -108,7 +108,7 @@ def _full_params(model: nn.Module, fsdp_cls: Any) -> dict[str, torch.Tensor]:
 
 
 # ----------------------------------------------------------------------------- comparisons
-def _assert_value_equal(a: Any, b: Any, where: str, exact: bool = True) -> None:
+def _assert_value_equal(a: Any, b: Any, where: str) -> None:
     from torch.distributed._shard.sharded_tensor import ShardedTensor
     from torch.distributed.tensor import DTensor, Shard
 
@@ -125,7 +125,7 @@ def _assert_value_equal(a: Any, b: Any, where: str, exact: bool = True) -> None:
         else:
             assert len(shards) == 1, where
             assert shards[0].metadata.shard_offsets[0] == rows * a.device_mesh.get_local_rank(), where
-            _assert_value_equal(local, shards[0].tensor, where, exact)
+            _assert_value_equal(local, shards[0].tensor, where)
         return
     assert type(a) is type(b), f"{where}: {type(a).__name__} vs torch {type(b).__name__}"
     if isinstance(a, ShardedTensor):
@@ -137,17 +137,14 @@ def _assert_value_equal(a: Any, b: Any, where: str, exact: bool = True) -> None:
         assert len(la) == len(lb), where
         for sa, sb in zip(la, lb):
             assert sa.metadata == sb.metadata, where
-            _assert_value_equal(sa.tensor, sb.tensor, where, exact)
+            _assert_value_equal(sa.tensor, sb.tensor, where)
     elif isinstance(a, DTensor):
         assert a.shape == b.shape and a.placements == b.placements, (where, a.placements, b.placements)
         assert a.device_mesh.mesh.tolist() == b.device_mesh.mesh.tolist(), where
-        _assert_value_equal(a.to_local(), b.to_local(), where, exact)
+        _assert_value_equal(a.to_local(), b.to_local(), where)
     elif isinstance(a, torch.Tensor):
         assert a.dtype == b.dtype and a.shape == b.shape and a.device == b.device, (where, a.shape, b.shape)
-        if exact:
-            assert torch.equal(a, b), f"{where}: values differ from torch FSDP1"
-        else:
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=where)
+        assert torch.equal(a, b), f"{where}: values differ from torch FSDP1"
     else:
         assert a == b, (where, a, b)
 
@@ -168,13 +165,11 @@ def _settle_torch_after_error() -> None:
     SimpleProfiler.reset()
 
 
-def _assert_osd_equal(a: dict, b: dict, where: str, ordered: bool = True, exact: bool = True) -> None:
-    """Same keys (in order if ``ordered``), parameter groups and values (bit for bit if ``exact``).
+def _assert_osd_equal(a: dict, b: dict, where: str, ordered: bool = True) -> None:
+    """Same keys (in order if ``ordered``), parameter groups and values (bit for bit).
 
-    ``exact=False`` is for use_orig_params against torch FSDP1: torch pads each original
-    parameter to a 16-byte boundary inside the FlatParameter (we do not), so shards split at
-    other places, the optimizer's foreach kernels see other tensor lengths and a few elements
-    differ in the last bit (the parameters themselves agree).
+    Bit for bit with use_orig_params too: the FlatParameter layout is torch FSDP1's (16-byte
+    aligned original parameters), so shards, foreach kernels and their roundings are the same.
     """
     assert list(a) == list(b), (where, list(a), list(b))
     if not a:
@@ -189,7 +184,7 @@ def _assert_osd_equal(a: dict, b: dict, where: str, ordered: bool = True, exact:
         if ordered:
             assert list(sa) == list(sb), (where, key, list(sa), list(sb))
         for name in sa:
-            _assert_value_equal(sa[name], sb[name], f"{where} [{key}][{name}]", exact)
+            _assert_value_equal(sa[name], sb[name], f"{where} [{key}][{name}]")
     assert a["param_groups"] == b["param_groups"], (where, a["param_groups"], b["param_groups"])
 
 
@@ -246,17 +241,17 @@ def _full_and_sharded_match_torch() -> int:
         where = f"{strategy} uop={uop} {optim} {extra}"
         (m1, o1), (m2, o2) = _pair(strategy, uop, optim, **dict(extra))
         before = _snapshot(o1)
-        _assert_osd_equal(FSDP.optim_state_dict(m1, o1), _torch_full(m2, o2, uop), "full " + where, exact=not uop)
+        _assert_osd_equal(FSDP.optim_state_dict(m1, o1), _torch_full(m2, o2, uop), "full " + where)
         with FSDP.state_dict_type(m1, StateDictType.SHARDED_STATE_DICT), TorchFSDP.state_dict_type(m2, TSDT.SHARDED_STATE_DICT):
-            _assert_osd_equal(FSDP.optim_state_dict(m1, o1), TorchFSDP.optim_state_dict(m2, o2), "sharded " + where, exact=not uop)
+            _assert_osd_equal(FSDP.optim_state_dict(m1, o1), TorchFSDP.optim_state_dict(m2, o2), "sharded " + where)
         # The legacy APIs.
-        _assert_osd_equal(FSDP.full_optim_state_dict(m1, o1), _torch_full(m2, o2, uop, legacy=True, rank0_only=True), "legacy full " + where, exact=not uop)
+        _assert_osd_equal(FSDP.full_optim_state_dict(m1, o1), _torch_full(m2, o2, uop, legacy=True, rank0_only=True), "legacy full " + where)
         _assert_osd_equal(
             FSDP.full_optim_state_dict(m1, o1, rank0_only=False),
             _torch_full(m2, o2, uop, legacy=True, rank0_only=False),
-            "legacy full all ranks " + where, exact=not uop,
+            "legacy full all ranks " + where,
         )
-        _assert_osd_equal(FSDP.sharded_optim_state_dict(m1, o1), TorchFSDP.sharded_optim_state_dict(m2, o2), "legacy sharded " + where, exact=not uop)
+        _assert_osd_equal(FSDP.sharded_optim_state_dict(m1, o1), TorchFSDP.sharded_optim_state_dict(m2, o2), "legacy sharded " + where)
         checked += 1
         _assert_osd_equal(o1.state_dict(), before, "optimizer after saving " + where)
     # DTensor: torch FSDP1 uses DTensor when built with a device_mesh.
@@ -266,7 +261,7 @@ def _full_and_sharded_match_torch() -> int:
             ours = FSDP.optim_state_dict(m1, o1)
         with TorchFSDP.state_dict_type(m2, TSDT.SHARDED_STATE_DICT):
             theirs = TorchFSDP.optim_state_dict(m2, o2)
-        _assert_osd_equal(ours, theirs, f"dtensor uop={uop}", exact=not uop)
+        _assert_osd_equal(ours, theirs, f"dtensor uop={uop}")
         checked += 1
     return checked
 
@@ -291,14 +286,14 @@ def _rank0_only_and_offload() -> None:
                 torch_offload = offload and not uop
                 with TorchFSDP.state_dict_type(m2, TSDT.FULL_STATE_DICT, None, TFOC(offload_to_cpu=torch_offload, rank0_only=rank0_only)):
                     theirs = TorchFSDP.optim_state_dict(m2, o2)
-                _assert_osd_equal(ours, theirs, f"uop={uop} rank0_only={rank0_only} offload={offload}", exact=not uop)
+                _assert_osd_equal(ours, theirs, f"uop={uop} rank0_only={rank0_only} offload={offload}")
                 if rank0_only and dist.get_rank() != 0:
                     assert ours == {}
         with FSDP.state_dict_type(m1, StateDictType.SHARDED_STATE_DICT, None, ShardedOptimStateDictConfig(offload_to_cpu=False)):
             ours = FSDP.optim_state_dict(m1, o1)
         with TorchFSDP.state_dict_type(m2, TSDT.SHARDED_STATE_DICT, None, TSOC(offload_to_cpu=False)):
             theirs = TorchFSDP.optim_state_dict(m2, o2)
-        _assert_osd_equal(ours, theirs, f"sharded no offload uop={uop}", exact=not uop)
+        _assert_osd_equal(ours, theirs, f"sharded no offload uop={uop}")
         # The state dict does not alias the optimizer's state.
         before = _snapshot(o1)
         full = FSDP.optim_state_dict(m1, o1)
@@ -342,7 +337,7 @@ def _hybrid_rank0_only() -> None:
                 ours = FSDP.optim_state_dict(m1, o1)
             with TorchFSDP.state_dict_type(m2, TSDT.FULL_STATE_DICT, None, TFOC(offload_to_cpu=not uop, rank0_only=rank0_only)):
                 theirs = TorchFSDP.optim_state_dict(m2, o2)
-            _assert_osd_equal(ours, theirs, f"hybrid uop={uop} rank0_only={rank0_only}", exact=not uop)
+            _assert_osd_equal(ours, theirs, f"hybrid uop={uop} rank0_only={rank0_only}")
             assert (ours == {}) == (rank0_only and dist.get_rank() != 0)
 
 
@@ -359,10 +354,9 @@ def _assert_loads_back(out: dict, optim: torch.optim.Optimizer, where: str) -> N
 def _load_matches_torch() -> int:
     """optim_state_dict_to_load and the legacy loaders give what torch's give, from either side.
 
-    use_orig_params=False: the flattened results must equal torch's bit for bit. With
-    use_orig_params=True torch's FlatParameter layout has alignment padding (see
-    _assert_osd_equal), so its per-rank results are shaped differently; there we check that
-    each library's full state dict, loaded through ours, gives back our optimizer's state.
+    The per-rank results must equal torch's bit for bit, with use_orig_params too (the same
+    aligned FlatParameter layout), and torch's full state dict loaded through ours gives back
+    our optimizer's own state.
     """
     from fsdp import FullyShardedDataParallel as FSDP, OptimStateKeyType, StateDictType
     from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
@@ -385,48 +379,46 @@ def _load_matches_torch() -> int:
             sh1, sh2 = FSDP.optim_state_dict(m1, o1), TorchFSDP.optim_state_dict(m2, o2)
             _assert_loads_back(FSDP.optim_state_dict_to_load(m1, o1, sh1), o1, "sharded to_load " + where)
         _assert_loads_back(FSDP.flatten_sharded_optim_state_dict(sh1, m1, o1), o1, "flatten_sharded " + where)
-        if not uop:
-            for src in (full1, full2):
-                _assert_osd_equal(
-                    FSDP.optim_state_dict_to_load(m1, o1, src),
-                    TorchFSDP.optim_state_dict_to_load(m2, o2, src),
-                    "to_load vs torch " + where, ordered=False,
-                )
-                _assert_osd_equal(
-                    FSDP.shard_full_optim_state_dict(src, m1, optim=o1),
-                    TorchFSDP.shard_full_optim_state_dict(src, m2, optim=o2),
-                    "shard_full vs torch " + where, ordered=False,
-                )
-                rank0_src = src if dist.get_rank() == 0 else None
-                _assert_osd_equal(
-                    FSDP.scatter_full_optim_state_dict(rank0_src, m1, optim=o1),
-                    TorchFSDP.scatter_full_optim_state_dict(rank0_src, m2, optim=o2),
-                    "scatter_full vs torch " + where, ordered=False,
-                )
+        for src in (full1, full2):
             _assert_osd_equal(
-                FSDP.flatten_sharded_optim_state_dict(sh1, m1, o1),
-                TorchFSDP.flatten_sharded_optim_state_dict(sh2, m2, o2),
-                "flatten_sharded vs torch " + where, ordered=False,
+                FSDP.optim_state_dict_to_load(m1, o1, src),
+                TorchFSDP.optim_state_dict_to_load(m2, o2, src),
+                "to_load vs torch " + where, ordered=False,
             )
-        else:
-            # torch's full state dict loads through ours to (nearly) our own state.
             _assert_osd_equal(
-                FSDP.optim_state_dict_to_load(m1, o1, full2),
-                FSDP.optim_state_dict_to_load(m1, o1, full1),
-                "torch's state through ours " + where, ordered=False, exact=False,
+                FSDP.shard_full_optim_state_dict(src, m1, optim=o1),
+                TorchFSDP.shard_full_optim_state_dict(src, m2, optim=o2),
+                "shard_full vs torch " + where, ordered=False,
             )
+            rank0_src = src if dist.get_rank() == 0 else None
+            _assert_osd_equal(
+                FSDP.scatter_full_optim_state_dict(rank0_src, m1, optim=o1),
+                TorchFSDP.scatter_full_optim_state_dict(rank0_src, m2, optim=o2),
+                "scatter_full vs torch " + where, ordered=False,
+            )
+        _assert_osd_equal(
+            FSDP.flatten_sharded_optim_state_dict(sh1, m1, o1),
+            TorchFSDP.flatten_sharded_optim_state_dict(sh2, m2, o2),
+            "flatten_sharded vs torch " + where, ordered=False,
+        )
+        # torch's full state dict loads through ours to our own state.
+        _assert_osd_equal(
+            FSDP.optim_state_dict_to_load(m1, o1, full2),
+            FSDP.optim_state_dict_to_load(m1, o1, full1),
+            "torch's state through ours " + where, ordered=False,
+        )
         # rekey: names <-> IDs, for the wrapped model (the optimizer's IDs) and an unwrapped one.
         if uop:
             ids1 = FSDP.rekey_optim_state_dict(full1, OptimStateKeyType.PARAM_ID, m1, optim=o1)
             ids2 = TorchFSDP.rekey_optim_state_dict(full2, TKey.PARAM_ID, m2, optim=o2)
-            _assert_osd_equal(ids1, ids2, "rekey to IDs " + where, exact=False)
+            _assert_osd_equal(ids1, ids2, "rekey to IDs " + where)
             names1 = FSDP.rekey_optim_state_dict(ids1, OptimStateKeyType.PARAM_NAME, m1, optim=o1)
             names2 = TorchFSDP.rekey_optim_state_dict(ids2, TKey.PARAM_NAME, m2, optim=o2)
-            _assert_osd_equal(names1, names2, "rekey to names " + where, exact=False)
+            _assert_osd_equal(names1, names2, "rekey to names " + where)
         plain = make_toy()
         ids1 = FSDP.rekey_optim_state_dict(full1, OptimStateKeyType.PARAM_ID, plain)
         ids2 = TorchFSDP.rekey_optim_state_dict(full2, TKey.PARAM_ID, plain)
-        _assert_osd_equal(ids1, ids2, "rekey unwrapped " + where, exact=not uop)
+        _assert_osd_equal(ids1, ids2, "rekey unwrapped " + where)
         assert FSDP.rekey_optim_state_dict(full1, OptimStateKeyType.PARAM_NAME, m1) is full1
         checked += 1
     return checked
@@ -468,11 +460,10 @@ def _round_trip(strategy: str, uop: bool, optim: str, lib_save: str, lib_load: s
         L.FullyShardedDataParallel.optim_state_dict_to_load(fresh, fopt, osd, load_directly=True)
     _train(fresh, fopt, range(2, 4))
     a, b = _full_params(fresh, cls[lib_load]), _full_params(straight, cls[lib_load])
-    # Bit for bit, except use_orig_params between libraries (see _assert_osd_equal).
-    exact = lib_save == lib_load or not uop
+    # Bit for bit, between libraries too (the same flat layout, also with use_orig_params).
     for name in a:
-        _assert_value_equal(a[name], b[name], f"{name}: resumed training vs training straight", exact)
-    _assert_osd_equal(fopt.state_dict(), so.state_dict(), "resumed optimizer", ordered=False, exact=exact)
+        _assert_value_equal(a[name], b[name], f"{name}: resumed training vs training straight")
+    _assert_osd_equal(fopt.state_dict(), so.state_dict(), "resumed optimizer", ordered=False)
 
 
 @pytest.mark.parametrize(
@@ -545,23 +536,13 @@ def _gathered_pieces(osd: dict) -> dict[str, dict[str, torch.Tensor]]:
 
 
 def _assert_named_uop_like_torch(ours: dict, theirs: dict, where: str) -> None:
-    """use_orig_params: optim_state_dict_to_load's results against torch's.
+    """use_orig_params: optim_state_dict_to_load's results against torch's, rank by rank.
 
-    torch aligns original parameters inside its FlatParameter (see _assert_osd_equal), so each
-    rank holds other pieces: we compare names, groups, state names and the pieces concatenated
-    over ranks (bit for bit: both slice the same loaded state). Scalars are compared where
-    torch's rank holds part of the parameter; elsewhere torch keeps the named optimizer's
-    current state (here ``step`` 1 from ``init_state``) and we give the loaded one.
+    The same flat layout gives each rank the same pieces, bit for bit; where a rank holds no
+    part of a parameter both keep the named optimizer's current state for it (``init_state``).
+    The pieces concatenated over ranks must also be the whole loaded state.
     """
-    assert sorted(ours["state"]) == sorted(theirs["state"]), (where, list(ours["state"]), list(theirs["state"]))
-    assert ours["param_groups"] == theirs["param_groups"], where
-    for key in ours["state"]:
-        sa, sb = ours["state"][key], theirs["state"][key]
-        assert list(sa) == list(sb), (where, key, list(sa), list(sb))
-        torch_holds = any(isinstance(v, torch.Tensor) and v.numel() > 0 and v.dim() > 0 for v in sb.values())
-        for name in sa:
-            if torch_holds and not (isinstance(sa[name], torch.Tensor) and sa[name].dim() > 0):
-                _assert_value_equal(sa[name], sb[name], f"{where} [{key}][{name}]")
+    _assert_osd_equal(ours, theirs, where, ordered=False)
     full_a, full_b = _gathered_pieces(ours), _gathered_pieces(theirs)
     assert list(full_a) == list(full_b), where
     for key in full_a:
@@ -582,7 +563,6 @@ def _named_optimizer_round_trip(uop: bool) -> None:
     from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
     from torch.distributed.fsdp import StateDictType as TSDT
 
-    exact = not uop  # optimizer states between libraries (see _assert_osd_equal)
     straight = _wrap("ours", "FULL_SHARD", uop)
     so = _named_optim(straight, uop)
     _train(straight, so, range(4))
@@ -598,11 +578,11 @@ def _named_optimizer_round_trip(uop: bool) -> None:
     assert all(set(g["params"]) <= set(names) for g in own["param_groups"])
     before = _snapshot(opts["ours"])
     osd = FSDP.optim_state_dict(models["ours"], opts["ours"])
-    _assert_osd_equal(osd, _torch_full(models["torch"], opts["torch"], uop), f"named save uop={uop}", exact=exact)
+    _assert_osd_equal(osd, _torch_full(models["torch"], opts["torch"], uop), f"named save uop={uop}")
     with FSDP.state_dict_type(models["ours"], StateDictType.SHARDED_STATE_DICT), TorchFSDP.state_dict_type(models["torch"], TSDT.SHARDED_STATE_DICT):
         sharded = FSDP.optim_state_dict(models["ours"], opts["ours"])
         theirs = TorchFSDP.optim_state_dict(models["torch"], opts["torch"])
-        _assert_osd_equal(sharded, theirs, f"named sharded save uop={uop}", exact=exact)
+        _assert_osd_equal(sharded, theirs, f"named sharded save uop={uop}")
     _assert_osd_equal(opts["ours"].state_dict(), before, "named optimizer after saving")
     params = _full_params(models["ours"], FSDP)
 
@@ -653,7 +633,16 @@ def _named_optimizer_round_trip(uop: bool) -> None:
     for name in a:
         _assert_value_equal(a[name], b[name], f"{name}: resumed vs straight (uop={uop})")
         _assert_value_equal(a[name], c[name], f"{name}: resumed vs torch resumed (uop={uop})")
-    _assert_osd_equal(fopts["ours"].state_dict(), so.state_dict(), "resumed named optimizer vs straight", ordered=False)
+    resumed, straight_osd = fopts["ours"].state_dict(), so.state_dict()
+    _assert_osd_equal(resumed, fopts["torch"].state_dict(), "resumed named optimizer vs torch's", ordered=False)
+    # As training straight on, except that init_state gave both libraries' resumed named
+    # optimizers state for the parameters this rank holds none of (use_orig_params: their
+    # .grad is None here, so the straight run's optimizer never made any; empty tensors).
+    extra = {k: v for k, v in resumed["state"].items() if k not in straight_osd["state"]}
+    assert not extra or uop, list(extra)
+    assert all(v.numel() == 0 for entry in extra.values() for v in entry.values() if isinstance(v, torch.Tensor) and v.dim() > 0), list(extra)
+    held = {"state": {k: v for k, v in resumed["state"].items() if k not in extra}, "param_groups": resumed["param_groups"]}
+    _assert_osd_equal(held, straight_osd, "resumed named optimizer vs straight", ordered=False)
 
 
 @pytest.mark.parametrize("uop", [False, True])
@@ -702,9 +691,11 @@ def _errors() -> None:
             r"but the parameter has shape \(11, 7\)\. Was it saved from another model\?",
             lambda: FSDP.optim_state_dict_to_load(model, opt, wrong_shape, load_directly=True),
         )
+        # (The first ID with state differs by rank with use_orig_params: a parameter a rank
+        # holds none of has no state there.)
         _expect(
             ValueError,
-            r"fsdp: optimizer state key 0 is not a parameter name\. .*rekey_optim_state_dict\(osd, "
+            r"fsdp: optimizer state key \d+ is not a parameter name\. .*rekey_optim_state_dict\(osd, "
             r"OptimStateKeyType\.PARAM_NAME, model\)",
             lambda: FSDP.optim_state_dict_to_load(model, opt, opt.state_dict()),
         )

@@ -158,11 +158,10 @@ def _no_warnings_in_sharded_round_trip(tmp: str) -> None:
 
         caught = _future_warnings(load_theirs)
         assert not caught, [f"{w.filename}:{w.lineno}: {w.message}" for w in caught]
-        # Their ShardedTensors load through ours to our own state (bit for bit without
-        # use_orig_params; see _assert_osd_equal for torch's alignment padding with it), and
-        # our DTensors load through torch's loader to what its own give.
-        exact = not uop
-        _assert_osd_equal(loaded["theirs"], opt.state_dict(), f"torch's sharded through ours uop={uop}", ordered=False, exact=exact)
+        # Their ShardedTensors load through ours to our own state (bit for bit, with
+        # use_orig_params too: the same flat layout), and our DTensors load through torch's
+        # loader to what its own give.
+        _assert_osd_equal(loaded["theirs"], opt.state_dict(), f"torch's sharded through ours uop={uop}", ordered=False)
         with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
             ours = FSDP.optim_state_dict(model, opt)
         with warnings.catch_warnings():
@@ -170,7 +169,7 @@ def _no_warnings_in_sharded_round_trip(tmp: str) -> None:
             with TorchFSDP.state_dict_type(tmodel, TSDT.SHARDED_STATE_DICT):
                 through_torch = TorchFSDP.optim_state_dict_to_load(tmodel, topt, ours)
                 torch_own = TorchFSDP.optim_state_dict_to_load(tmodel, topt, theirs)
-        _assert_osd_equal(through_torch, torch_own, f"our sharded through torch uop={uop}", ordered=False, exact=exact)
+        _assert_osd_equal(through_torch, torch_own, f"our sharded through torch uop={uop}", ordered=False)
 
 
 def test_no_deprecation_warnings_from_sharded_round_trip(pool2: RankPool) -> None:
@@ -235,10 +234,11 @@ def _exception_types() -> int:
         (lambda: FSDP.rekey_optim_state_dict({"state": {0: {}, "a": {}}, "param_groups": []}, OptimStateKeyType.PARAM_ID, m1, optim=o1),
          lambda: TorchFSDP.rekey_optim_state_dict({"state": {0: {}, "a": {}}, "param_groups": []}, TKey.PARAM_ID, m2, optim=o2),
          ValueError, r"fsdp: invalid parameter keys \(mixed names and IDs\)"),
-        # to_load of an ID-keyed (plain optimizer) state dict: torch AttributeError.
+        # to_load of an ID-keyed (plain optimizer) state dict: torch AttributeError. (The first
+        # ID with state differs by rank: a parameter a rank holds none of has no state there.)
         (lambda: FSDP.optim_state_dict_to_load(m1, o1, o1.state_dict()),
          lambda: TorchFSDP.optim_state_dict_to_load(m2, o2, o2.state_dict()),
-         AttributeError, r"fsdp: optimizer state key 0 is not a parameter name"),
+         AttributeError, r"fsdp: optimizer state key \d+ is not a parameter name"),
         # to_load: a parameter group lists a name of no parameter: torch KeyError.
         (lambda: FSDP.optim_state_dict_to_load(m1, o1, {"state": {}, "param_groups": [{**full1["param_groups"][0], "params": ["nope.weight"]}]}),
          lambda: TorchFSDP.optim_state_dict_to_load(m2, o2, {"state": {}, "param_groups": [{**full2["param_groups"][0], "params": ["nope.weight"]}]}),

@@ -69,17 +69,18 @@ def metadata() -> None:
                     (p.param_name, p.module_name) for p in tflat._param_infos
                 ], where
                 assert {type(m) for m in flat._modules} == {type(m) for m in tflat._modules}, where
-                # torch aligns each parameter to 16 bytes with use_orig_params: other padding.
+                # The layout, torch's alignment padding included under use_orig_params.
                 sizes = ["_unpadded_unsharded_size", "_sharded_size", "_padded_unsharded_size"]
-                if not use_orig:
-                    for attr in sizes + ["_shard_numel_padded"]:
-                        assert hasattr(flat, attr) == hasattr(tflat, attr), (where, attr)
-                        if hasattr(tflat, attr):
-                            assert getattr(flat, attr) == getattr(tflat, attr), (where, attr)
-                            assert type(getattr(flat, attr)) is type(getattr(tflat, attr)), (where, attr)
-                else:
-                    assert flat._unpadded_unsharded_size == torch.Size([sum(flat._numels)])
-                    assert flat._sharded_size == flat.shape
+                for attr in sizes + ["_shard_numel_padded", "_numels_with_padding", "_is_padding_mask"]:
+                    assert hasattr(flat, attr) == hasattr(tflat, attr), (where, attr)
+                    if hasattr(tflat, attr):
+                        assert getattr(flat, attr) == getattr(tflat, attr), (where, attr)
+                        assert type(getattr(flat, attr)) is type(getattr(tflat, attr)), (where, attr)
+                assert type(flat._shard_param_infos) is type(tflat._shard_param_infos) is tuple
+                assert [tuple(i) for i in flat._shard_param_infos] == [tuple(i) for i in tflat._shard_param_infos], where
+                assert [i._fields for i in flat._shard_param_infos] == [i._fields for i in tflat._shard_param_infos]
+                # The same values in the same places, padding included (copies only: exact).
+                assert torch.equal(flat.detach(), tflat.detach()), where
                 # Lightning: param._fsdp_flattened; original params with use_orig_params.
                 if use_orig:
                     assert tflat._params is not None

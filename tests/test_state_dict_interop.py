@@ -3,8 +3,9 @@
 - SHARDED through torch.distributed.checkpoint (DCP) in both directions, at the same and at
   another world size: the loaded parameters equal the saved ones bit for bit (we save DTensors,
   torch FSDP1 ShardedTensors; see [Note: Sharded state dict values]).
-- LOCAL files (torch.save per rank) in both directions, bit-exact; our LOCAL save prints none of
-  torch's ShardedTensor deprecation warnings.
+- LOCAL files (torch.save per rank) in both directions, bit-exact, with use_orig_params too
+  (torch FSDP1's aligned layout); our LOCAL save prints none of torch's ShardedTensor
+  deprecation warnings.
 - A SHARDED state dict written with plain torch.save at world size 2 and loaded at 1 or 4: our
   error naming the parameter, the saved and the current layout and DCP, nothing changed.
 
@@ -78,11 +79,16 @@ def test_dcp_between_libraries(tmp_path: Any, writer: str, save_ws: int, reader:
     get_pool(load_ws).run(dcp_load, reader, str(tmp_path), _timeout=300)
 
 
-def local_files_interop(directory: str) -> None:
-    """LOCAL state dicts saved per rank by each library load into the other, bit-exact."""
+def local_files_interop(directory: str, orig: bool) -> None:
+    """LOCAL state dicts saved per rank by each library load into the other, bit-exact.
+
+    With ``orig`` (use_orig_params) too: both lay out the FlatParameter with torch FSDP1's
+    16-byte alignment padding, so the files hold the same shards and torch's load into ours
+    (torch FSDP1 itself loads no LOCAL state dict with use_orig_params).
+    """
     rank = dist.get_rank()
     paths = {lib: os.path.join(directory, f"{lib}_local_{rank}.pt") for lib in ("ours", "torch")}
-    sources = {lib: _build(lib, "fsdp_root", seed=21 if lib == "ours" else 22) for lib in paths}
+    sources = {lib: _build(lib, "fsdp_root", seed=21 if lib == "ours" else 22, orig=orig) for lib in paths}
     for lib, model in sources.items():
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -90,8 +96,14 @@ def local_files_interop(directory: str) -> None:
         if lib == "ours":  # our own ShardedTensor construction stays quiet
             assert not [w for w in caught if "ShardedTensor" in str(w.message)], [str(w.message) for w in caught]
         torch.save(state, paths[lib])
-    for writer, reader in (("torch", "ours"), ("ours", "torch")):
-        target = _build(reader, "fsdp_root", seed=23)
+    if orig:
+        # torch FSDP1 cannot load any LOCAL state dict with use_orig_params, not even its own
+        # (its _flat_param is no registered parameter then): only ours reads the files.
+        with pytest.raises(RuntimeError, match=r"Unexpected key\(s\) in state_dict: .*_flat_param"):
+            _load(_build("torch", "fsdp_root", seed=23, orig=orig), "torch", "LOCAL_STATE_DICT", torch.load(paths["torch"], weights_only=False))
+    pairs = [("torch", "ours"), ("ours", "ours")] if orig else [("torch", "ours"), ("ours", "torch")]
+    for writer, reader in pairs:
+        target = _build(reader, "fsdp_root", seed=23, orig=orig)
         _load(target, reader, "LOCAL_STATE_DICT", torch.load(paths[writer], weights_only=False))
         expected, loaded = _full(sources[writer], writer), _full(target, reader)
         assert list(loaded) == list(expected)
@@ -105,8 +117,9 @@ def _our_local_sd(model: torch.nn.Module) -> dict[str, Any]:
         return model.state_dict()
 
 
-def test_local_files_between_libraries(tmp_path: Any) -> None:
-    get_pool(2).run(local_files_interop, str(tmp_path), _timeout=300)
+@pytest.mark.parametrize("world_size,orig", [(2, False), (2, True), (4, True)])
+def test_local_files_between_libraries(tmp_path: Any, world_size: int, orig: bool) -> None:
+    get_pool(world_size).run(local_files_interop, str(tmp_path), orig, _timeout=300)
 
 
 def torch_save_sharded(directory: str) -> None:

@@ -14,6 +14,25 @@ the last ranks). Worked example, parameters of 3 and 4 elements, world size 3::
     rank 0 shard:       [a0 a1 a2]                        a[0:3]
     rank 1 shard:       [b0 b1 b2]                        b[0:3]
     rank 2 shard:       [b3 0 0]                          b[3:4], then 2 of padding
+
+[Note: Aligned flat parameter layout]
+With ``use_orig_params=True`` torch FSDP1 starts every parameter at a 16-byte boundary of the
+flat parameter (``16 // itemsize`` elements of the forward/backward dtype: 4 for fp32, 8 for
+bf16/fp16), inserting padding elements in front of a parameter that would not, and then pads
+the flat parameter itself to a multiple of the world size (also for NO_SHARD; a multiple of 1
+at world size 1). Its "unpadded" unsharded numel then counts all of that padding, and the
+shards divide it exactly (no padding at the shards' end). We use the same layout, so shards are
+cut at the same offsets (the same local state dicts, the same reduce-scatter chunks). Worked
+example, fp32 parameters of 3 and 5 elements, world size 4::
+
+    unsharded:    [a0 a1 a2 P b0 b1 b2 b3 b4 P P P]   (12 elements: numels with padding
+                                                     [3, 1, 5, 3], padding mask [F, T, F, T])
+    rank 0 shard: [a0 a1 a2]                         a[0:3]
+    rank 1 shard: [P b0 b1]                          b[0:2]
+    rank 2 shard: [b2 b3 b4]                         b[2:5]
+    rank 3 shard: [P P P]                            nothing (padding only)
+
+Without ``use_orig_params`` nothing is inserted (the layout of [Note: Flat parameter layout]).
 """
 
 from __future__ import annotations
@@ -21,6 +40,10 @@ from __future__ import annotations
 from typing import NamedTuple, Sequence
 
 __all__ = [
+    "ALIGNMENT_BYTES",
+    "aligned_numel",
+    "FlatLayout",
+    "flat_layout",
     "padded_unsharded_numel",
     "sharded_numel",
     "shard_bounds",
@@ -75,19 +98,132 @@ def param_slices_in_shard(
 ) -> list[ParamShardSlice]:
     """Returns, for ``rank``, the slice of each parameter its shard holds (empty ones omitted).
 
-    With the docstring example of this module (``param_numels=[3, 4]``, world size 3), rank 2
-    gets ``[ParamShardSlice(param_index=1, offset_in_param=3, numel=1, offset_in_shard=0)]``.
+    The parameters lie back to back (no alignment; see :meth:`FlatLayout.slices_in_shard` for
+    any layout). With the docstring example of this module (``param_numels=[3, 4]``, world
+    size 3), rank 2 gets ``[ParamShardSlice(param_index=1, offset_in_param=3, numel=1,
+    offset_in_shard=0)]``.
     """
-    start, end = shard_bounds(sum(param_numels), rank, world_size)
-    slices: list[ParamShardSlice] = []
-    param_start = 0
-    for index, numel in enumerate(param_numels):
-        param_end = param_start + numel
-        lo, hi = max(start, param_start), min(end, param_end)
-        if lo < hi:
-            slices.append(ParamShardSlice(index, lo - param_start, hi - lo, lo - start))
-        param_start = param_end
-    return slices
+    return flat_layout(param_numels, world_size, align_numel=0).slices_in_shard(rank)
+
+
+ALIGNMENT_BYTES = 16
+"""Where torch FSDP1 starts each original parameter in the flat parameter with use_orig_params."""
+
+
+def aligned_numel(itemsize: int) -> int:
+    """Elements of ``itemsize`` bytes per alignment step (``ALIGNMENT_BYTES // itemsize``)."""
+    if itemsize <= 0:
+        raise ValueError(f"itemsize must be positive, got {itemsize}")
+    return max(ALIGNMENT_BYTES // itemsize, 1)
+
+
+class FlatLayout(NamedTuple):
+    """Where each original parameter and each run of padding sits in the unsharded flat tensor.
+
+    See [Note: Aligned flat parameter layout].
+
+    Attributes:
+        param_numels: Each parameter's number of elements (torch FSDP1's ``_numels``).
+        param_offsets: Each parameter's start in the unsharded flat tensor.
+        numels_with_padding: Parameters and padding runs in flat order (torch FSDP1's
+            ``_numels_with_padding``); they sum to ``unpadded_unsharded_numel``.
+        is_padding_mask: Whether each entry of ``numels_with_padding`` is padding (torch
+            FSDP1's ``_is_padding_mask``).
+        unpadded_unsharded_numel: Elements of the flat tensor before the shard padding
+            (including any alignment padding; torch FSDP1's ``_unpadded_unsharded_size``).
+        world_size: Ranks the shards are cut for.
+    """
+
+    param_numels: tuple[int, ...]
+    param_offsets: tuple[int, ...]
+    numels_with_padding: tuple[int, ...]
+    is_padding_mask: tuple[bool, ...]
+    unpadded_unsharded_numel: int
+    world_size: int
+
+    @property
+    def padded_unsharded_numel(self) -> int:
+        """Elements once padded to a multiple of the world size (what is sharded)."""
+        return padded_unsharded_numel(self.unpadded_unsharded_numel, self.world_size)
+
+    @property
+    def sharded_numel(self) -> int:
+        """Elements of each rank's shard (padding included)."""
+        return self.padded_unsharded_numel // self.world_size
+
+    @property
+    def param_numel(self) -> int:
+        """Elements of the parameters alone (no padding of any kind)."""
+        return sum(self.param_numels)
+
+    def slices_in_shard(self, rank: int) -> list[ParamShardSlice]:
+        """Returns, for ``rank``, the slice of each parameter its shard holds (empty ones omitted).
+
+        With the example of [Note: Aligned flat parameter layout], rank 1 gets
+        ``[ParamShardSlice(param_index=1, offset_in_param=0, numel=2, offset_in_shard=1)]``.
+        """
+        start, end = shard_bounds(self.unpadded_unsharded_numel, rank, self.world_size)
+        slices: list[ParamShardSlice] = []
+        for index, (param_start, numel) in enumerate(zip(self.param_offsets, self.param_numels)):
+            lo, hi = max(start, param_start), min(end, param_start + numel)
+            if lo < hi:
+                slices.append(ParamShardSlice(index, lo - param_start, hi - lo, lo - start))
+        return slices
+
+    def padding_runs(self) -> list[tuple[int, int]]:
+        """``(offset, numel)`` of every run of padding inside ``unpadded_unsharded_numel``."""
+        runs, offset = [], 0
+        for numel, is_padding in zip(self.numels_with_padding, self.is_padding_mask):
+            if is_padding:
+                runs.append((offset, numel))
+            offset += numel
+        return runs
+
+
+def flat_layout(param_numels: Sequence[int], world_size: int, align_numel: int = 0) -> FlatLayout:
+    """Lays out parameters of ``param_numels`` elements in one flat tensor.
+
+    Args:
+        param_numels: The parameters' numbers of elements, in flat order (each shared
+            parameter once).
+        world_size: The handle's process-group size (torch FSDP1 pads an aligned flat tensor
+            to a multiple of it even when it does not shard).
+        align_numel: 0 for back-to-back parameters (use_orig_params=False); otherwise each
+            parameter starts at a multiple of it and the whole is padded to a multiple of
+            ``world_size`` (see [Note: Aligned flat parameter layout] and
+            :func:`aligned_numel`).
+
+    Returns:
+        The :class:`FlatLayout`. For the note's example, ``flat_layout([3, 5], 4, 4)`` has
+        ``param_offsets == (0, 4)``, ``numels_with_padding == (3, 1, 5, 3)`` and
+        ``unpadded_unsharded_numel == 12``.
+    """
+    _check_world_size(world_size)
+    if align_numel < 0:
+        raise ValueError(f"align_numel must be >= 0, got {align_numel}")
+    offsets: list[int] = []
+    with_padding: list[int] = []
+    mask: list[bool] = []
+    total = 0
+    for numel in param_numels:
+        gap = (-total) % align_numel if align_numel > 0 else 0
+        if gap:
+            with_padding.append(gap)
+            mask.append(True)
+            total += gap
+        offsets.append(total)
+        with_padding.append(numel)
+        mask.append(False)
+        total += numel
+    if align_numel > 0:
+        gap = (-total) % world_size
+        if gap:
+            with_padding.append(gap)
+            mask.append(True)
+            total += gap
+    return FlatLayout(
+        tuple(param_numels), tuple(offsets), tuple(with_padding), tuple(mask), total, world_size
+    )
 
 
 def gradient_divide_factors(world_size: int) -> tuple[float, float]:

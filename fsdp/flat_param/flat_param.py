@@ -19,9 +19,12 @@ from fsdp._common import FLAT_PARAM, group_rank, group_size, p_assert
 from fsdp.flat_param._early_grads import settle_open_run, takes_early_grads_at_forward
 from fsdp.flat_param._precision import HandlePrecision
 from fsdp.flat_param._sharding import (
+    FlatLayout,
+    ParamShardSlice,
+    aligned_numel,
+    flat_layout,
     gradient_divide_factors,
     padded_unsharded_numel,
-    param_slices_in_shard,
     shard_bounds,
 )
 from fsdp._comm import _collectives as comm
@@ -32,8 +35,14 @@ __all__ = [
     "HandleState",
     "ParamInfo",
     "SharedParamInfo",
+    "ShardParamInfo",
     "assign_grad",
 ]
+
+# What torch FSDP1 fills the alignment padding of a use_orig_params flat parameter with (a
+# marker value; no computation reads it). Filling ours alike keeps local state dicts equal bit
+# for bit between the two (see [Note: Aligned flat parameter layout] in _sharding.py).
+ALIGNMENT_PADDING_VALUE = 42.0
 
 # Set on an original Parameter once a handle has flattened it: (weakref to the handle, its name).
 FLATTENED_ATTR = "_fsdp_flattened_into"
@@ -91,6 +100,25 @@ class SharedParamInfo(NamedTuple):
     @property
     def fqn(self) -> str:
         return f"{self.module_name}.{self.param_name}" if self.module_name else self.param_name
+
+
+class ShardParamInfo(NamedTuple):
+    """Which part of one original parameter this rank's shard holds (torch FSDP1's fields).
+
+    Attributes:
+        in_shard: Whether the shard holds any of it; the other fields are None if not.
+        offset_in_shard: Where the part starts in the shard.
+        numel_in_shard: The part's number of elements.
+        intra_param_start_idx: The part's first element within the flattened parameter.
+        intra_param_end_idx: The part's last element within the flattened parameter
+            (inclusive).
+    """
+
+    in_shard: bool
+    offset_in_shard: Optional[int]
+    numel_in_shard: Optional[int]
+    intra_param_start_idx: Optional[int]
+    intra_param_end_idx: Optional[int]
 
 
 class HandleState(Enum):
@@ -213,6 +241,10 @@ def assign_grad(param: nn.Parameter, grad: Optional[torch.Tensor]) -> None:
         param.shape, [0] * param.dim(), dtype=param.dtype, device=param.device
     )
     param.grad.data = grad
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def _set_module_tensor(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
@@ -345,7 +377,14 @@ class FlatParamHandle:
             setattr(param, FSDP_FLATTENED, True)
         self.dtype = unique_params[0].dtype
         self.precision = HandlePrecision.resolve(mixed_precision, self.dtype)
-        self.unpadded_unsharded_numel = sum(info.numel for info in self.param_infos)
+        # use_orig_params: each parameter starts 16-byte aligned in the flat parameter, as in
+        # torch FSDP1 (see [Note: Aligned flat parameter layout] in _sharding.py).
+        self.layout: FlatLayout = flat_layout(
+            [info.numel for info in self.param_infos],
+            self.world_size,
+            aligned_numel(_itemsize(self.precision.param_dtype)) if use_orig_params else 0,
+        )
+        self.unpadded_unsharded_numel = self.layout.unpadded_unsharded_numel
         if self.uses_sharding:
             self.padded_unsharded_numel = padded_unsharded_numel(
                 self.unpadded_unsharded_numel, self.world_size
@@ -361,7 +400,7 @@ class FlatParamHandle:
         )
 
         with torch.no_grad():
-            flat = torch.cat([p.detach().reshape(-1).to(device) for p in unique_params])
+            flat = self._flatten(unique_params, device)
             if sync_module_states:
                 from fsdp._comm._groups import ShardingGroups, broadcast_from_group_rank0
 
@@ -441,6 +480,9 @@ class FlatParamHandle:
         # With use_orig_params the original Parameters stay registered (optimizers hold them);
         # otherwise the FlatParameter replaces them on the wrapped module.
         self._orig_params: list[nn.Parameter] = list(unique_params) if use_orig_params else []
+        # Each parameter's part of the local shard: a ParamShardSlice or None, and as
+        # ``(offset in the shard, numel)`` ((0, 0) where this rank holds none of it).
+        self.shard_slices: list[Optional[ParamShardSlice]] = self._shard_slices()
         self._orig_sharded_ranges = self._sharded_ranges()
         self._set_torch_metadata(unique_params)
         if use_orig_params:
@@ -457,6 +499,17 @@ class FlatParamHandle:
             with torch.no_grad():
                 self.use_unsharded_views()
 
+    def _flatten(self, unique_params: Sequence[nn.Parameter], device: torch.device) -> torch.Tensor:
+        """The unsharded flat tensor of ``unique_params`` in :attr:`layout` (before shard padding)."""
+        pieces: list[torch.Tensor] = []
+        params = iter(unique_params)
+        for numel, is_padding in zip(self.layout.numels_with_padding, self.layout.is_padding_mask):
+            if is_padding:
+                pieces.append(torch.full((numel,), ALIGNMENT_PADDING_VALUE, dtype=self.dtype, device=device))
+            else:
+                pieces.append(next(params).detach().reshape(-1).to(device))
+        return torch.cat(pieces)
+
     def _set_torch_metadata(self, unique_params: Sequence[nn.Parameter]) -> None:
         """Sets the read-only metadata torch FSDP1 keeps on its FlatParameter, under its names.
 
@@ -469,8 +522,10 @@ class FlatParamHandle:
         only) / ``_sharded_size`` (``torch.Size``), ``_shard_numel_padded`` (padding elements in
         this rank's shard), ``_params`` / ``_shared_params`` (the original Parameters with
         use_orig_params, else None) and ``_fsdp_flattened`` (on the FlatParameter, and on the
-        original Parameters with use_orig_params). Our layout has no padding between
-        parameters, so ``_numels_with_padding`` equals ``_numels``.
+        original Parameters with use_orig_params), and the layout: ``_numels_with_padding``
+        (tuple), ``_is_padding_mask`` (list of bool) and ``_shard_param_infos`` (tuple of
+        :class:`ShardParamInfo`, one per parameter), with torch's alignment padding under
+        use_orig_params (see [Note: Aligned flat parameter layout] in ``_sharding.py``).
         """
         flat = self.flat_param
         flat._num_params = len(self.param_infos)  # type: ignore[attr-defined]
@@ -479,7 +534,20 @@ class FlatParamHandle:
         flat._shapes = [info.shape for info in self.param_infos]  # type: ignore[attr-defined]
         flat._strides = [tuple(p.stride()) for p in unique_params]  # type: ignore[attr-defined]
         flat._numels = tuple(info.numel for info in self.param_infos)  # type: ignore[attr-defined]
-        flat._numels_with_padding = flat._numels  # type: ignore[attr-defined]
+        flat._numels_with_padding = self.layout.numels_with_padding  # type: ignore[attr-defined]
+        flat._is_padding_mask = list(self.layout.is_padding_mask)  # type: ignore[attr-defined]
+        flat._shard_param_infos = tuple(  # type: ignore[attr-defined]
+            ShardParamInfo(False, None, None, None, None)
+            if piece is None
+            else ShardParamInfo(
+                True,
+                piece.offset_in_shard,
+                piece.numel,
+                piece.offset_in_param,
+                piece.offset_in_param + piece.numel - 1,
+            )
+            for piece in self.shard_slices
+        )
         flat._modules = {info.module for info in self.param_infos} | {  # type: ignore[attr-defined]
             shared.module for shared in self.shared_param_infos
         }
@@ -663,10 +731,14 @@ class FlatParamHandle:
         # the padding first: the backward of a slice zero-fills a padded-size gradient and
         # copies into it, while split's backward writes each gradient straight into place and
         # zero-fills the padding only.
-        numels = [info.numel for info in self.param_infos]
+        # Alignment padding (use_orig_params) is split off the same way and skipped.
+        sizes = list(self.layout.numels_with_padding)
         padding = source.numel() - self.unpadded_unsharded_numel
-        splits = torch.split(source, numels + [padding] if padding else numels)
-        return [split.view(info.shape) for split, info in zip(splits, self.param_infos)]
+        if padding:
+            sizes.append(padding)
+        splits = torch.split(source, sizes)
+        params = [split for split, is_padding in zip(splits, self.layout.is_padding_mask) if not is_padding]
+        return [split.view(info.shape) for split, info in zip(params, self.param_infos)]
 
     def use_unsharded_views(self, as_params: bool = False) -> None:
         """Points each original parameter name at a view into the unsharded FlatParameter.
@@ -715,19 +787,26 @@ class FlatParamHandle:
             for shared in self.shared_param_infos:
                 shared.module._parameters[shared.param_name] = views[shared.prim_index]  # type: ignore[assignment]
 
+    def _shard_slices(self) -> list[Optional[ParamShardSlice]]:
+        """Each parameter's part of the local shard (None where this rank holds none of it)."""
+        if not self.uses_sharding:  # the local shard is the whole flat parameter
+            return [
+                ParamShardSlice(index, 0, numel, offset)
+                for index, (offset, numel) in enumerate(
+                    zip(self.layout.param_offsets, self.layout.param_numels)
+                )
+            ]
+        slices: list[Optional[ParamShardSlice]] = [None] * len(self.param_infos)
+        for piece in self.layout.slices_in_shard(self.rank):
+            slices[piece.param_index] = piece
+        return slices
+
     def _sharded_ranges(self) -> list[tuple[int, int]]:
         """``(offset in the local shard, numel)`` of each parameter's part on this rank."""
-        if not self.uses_sharding:
-            offsets, start = [], 0
-            for info in self.param_infos:
-                offsets.append((start, info.numel))
-                start += info.numel
-            return offsets
-        ranges = [(0, 0)] * len(self.param_infos)
-        numels = [info.numel for info in self.param_infos]
-        for piece in param_slices_in_shard(numels, self.rank, self.world_size):
-            ranges[piece.param_index] = (piece.offset_in_shard, piece.numel)
-        return ranges
+        return [
+            (0, 0) if piece is None else (piece.offset_in_shard, piece.numel)
+            for piece in self.shard_slices
+        ]
 
     def _orig_sharded_view(self, source: torch.Tensor, index: int) -> torch.Tensor:
         """Parameter ``index``'s part of a shard-shaped tensor (original shape if unsharded)."""
@@ -853,10 +932,11 @@ class FlatParamHandle:
         reference = next((g for g in grads if g is not None), None)
         if reference is None:
             return self.flat_param.new_zeros(self.padded_unsharded_numel)
-        pieces = [
-            g.reshape(-1) if g is not None else reference.new_zeros(info.numel)
-            for g, info in zip(grads, self.param_infos)
-        ]
+        pieces: list[torch.Tensor] = []
+        param_grads = iter(grads)
+        for numel, is_padding in zip(self.layout.numels_with_padding, self.layout.is_padding_mask):
+            grad = None if is_padding else next(param_grads)
+            pieces.append(grad.reshape(-1) if grad is not None else reference.new_zeros(numel))
         padding = self.padded_unsharded_numel - self.unpadded_unsharded_numel
         if padding:
             pieces.append(reference.new_zeros(padding))
@@ -872,8 +952,7 @@ class FlatParamHandle:
         peer_start = (1 - self.rank) * numel
         peer_half = reference.new_zeros(numel) if self._has_gaps(grads, peer_start) else reference.new_empty(numel)
         own_parts: list[tuple[int, torch.Tensor]] = []
-        param_start = 0
-        for grad, info in zip(grads, self.param_infos):
+        for grad, info, param_start in zip(grads, self.param_infos, self.layout.param_offsets):
             param_end = param_start + info.numel
             if grad is not None:
                 flat_grad = grad.reshape(-1)
@@ -887,7 +966,6 @@ class FlatParamHandle:
                 lo, hi = max(param_start, own_start), min(param_end, own_start + numel)
                 if lo < hi:
                     own_parts.append((lo - own_start, flat_grad[lo - param_start : hi - param_start]))
-            param_start = param_end
         sharded_grad = torch.empty(numel, dtype=reference.dtype, device=reference.device)
         work = comm.reduce_scatter_halves(
             sharded_grad, peer_half, own_parts, 1.0 / self.pre_divide, self.process_group
@@ -896,16 +974,17 @@ class FlatParamHandle:
 
     def _has_gaps(self, grads: Sequence[Optional[torch.Tensor]], half_start: int) -> bool:
         """Whether part of ``[half_start, half_start + sharded_numel)`` gets no gradient
-        (padding, or a parameter without one): it must then be sent as zeros."""
+        (padding, alignment padding included, or a parameter without one): it must then be
+        sent as zeros."""
         half_end = half_start + self.sharded_numel
         if half_end > self.unpadded_unsharded_numel:
             return True
-        param_start = 0
-        for grad, info in zip(grads, self.param_infos):
+        if any(offset < half_end and offset + numel > half_start for offset, numel in self.layout.padding_runs()):
+            return True
+        for grad, info, param_start in zip(grads, self.param_infos, self.layout.param_offsets):
             param_end = param_start + info.numel
             if grad is None and param_start < half_end and param_end > half_start:
                 return True
-            param_start = param_end
         return False
 
     def reduce_grad(
@@ -1091,7 +1170,15 @@ class FlatParamHandle:
             return
         grad = self.flat_param.grad
         for index, param in enumerate(self._orig_params):
-            if grad is None or grad.shape != self._local_shard.shape or not param.requires_grad:
+            if (
+                grad is None
+                or grad.shape != self._local_shard.shape
+                or not param.requires_grad
+                or self.shard_slices[index] is None
+            ):
+                # A parameter this rank holds no part of gets no gradient (None, as torch
+                # FSDP1 gives it), not an empty one: code that walks ``.grad`` (an inf-norm
+                # over every gradient, say) must not meet empty tensors.
                 param.grad = None
             else:
                 assign_grad(param, self._orig_sharded_view(grad, index))
@@ -1221,7 +1308,7 @@ class FlatParamHandle:
                     if self.uses_sharding:
                         start, _ = shard_bounds(self.unpadded_unsharded_numel, self.rank, self.world_size)
                         offset, numel = self._orig_sharded_ranges[index]
-                        param_start = sum(i.numel for i in self.param_infos[:index])
+                        param_start = self.layout.param_offsets[index]
                         lo = start + offset - param_start
                         expected.copy_(full[lo : lo + numel])
                     else:

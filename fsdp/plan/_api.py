@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from fsdp.api import BackwardPrefetch, ShardingStrategy
-from fsdp.flat_param._sharding import param_slices_in_shard
+from fsdp.flat_param._sharding import flat_layout
 from fsdp.init._validate import validate_init_args
 from fsdp.plan._estimate import MemoryEstimate, UnitEstimate
 from fsdp.plan._optimizer import trace_optimizer
@@ -226,7 +226,9 @@ def estimate_memory(
                 continue
             numels = [p.numel() for p in h.params]
             if h.uses_sharding:
-                numels = [s.numel for s in param_slices_in_shard(numels, 0, shard_ws)]
+                # The handle's layout (alignment padding skipped): rank 0's parts.
+                layout = h.layout or flat_layout(numels, shard_ws)
+                numels = [s.numel for s in layout.slices_in_shard(0)]
             shapes += [(n, h.precision.full_dtype) for n in numels]
     shapes += [(p.numel(), p.dtype) for p in ignored_params if p.requires_grad]
     foreach = device.type == "cuda"

@@ -17,7 +17,7 @@ from torch import nn
 
 from fsdp.api import ShardingStrategy
 from fsdp.flat_param._precision import HandlePrecision
-from fsdp.flat_param._sharding import padded_unsharded_numel
+from fsdp.flat_param._sharding import FlatLayout, aligned_numel, flat_layout, padded_unsharded_numel
 from fsdp.init._unit_params import mark_tied_owners, split_by_requires_grad, unit_params
 from fsdp.init._validate import plan_units
 
@@ -30,12 +30,14 @@ class HandleSpec:
 
     Attributes:
         params: The unique original Parameters, in flat order.
-        unpadded_unsharded_numel: Elements of all parameters back to back.
+        unpadded_unsharded_numel: Elements of all parameters back to back (with the alignment
+            padding of use_orig_params; see [Note: Aligned flat parameter layout]).
         padded_unsharded_numel: Padded to a multiple of the shard world size (when sharding).
         sharded_numel: Elements of one rank's shard (the whole parameter when not sharding).
         uses_sharding: False for NO_SHARD and for a shard group of one rank.
         precision: The resolved dtypes (full, param, reduce).
         requires_grad: Whether the handle is trainable.
+        layout: Where each parameter sits in the flat parameter (the handle's own layout).
     """
 
     params: list[nn.Parameter]
@@ -45,6 +47,7 @@ class HandleSpec:
     uses_sharding: bool
     precision: HandlePrecision
     requires_grad: bool
+    layout: Optional[FlatLayout] = None
 
     @property
     def has_unsharded_buffer(self) -> bool:
@@ -172,10 +175,17 @@ def size_unit_specs(layouts: list[UnitLayout], shard_world_size: int) -> list[Un
         ):
             strategy = ShardingStrategy.NO_SHARD  # as the wrapper does at world size 1
         uses_sharding = strategy is not ShardingStrategy.NO_SHARD and shard_world_size > 1
+        use_orig_params = bool(layout.kwargs.get("use_orig_params"))
         handles: list[HandleSpec] = []
         for unique in layout.handle_params:
-            # As FlatParamHandle.__init__ sizes its FlatParameter.
-            unpadded = sum(p.numel() for p in unique)
+            precision = HandlePrecision.resolve(layout.kwargs.get("mixed_precision"), unique[0].dtype)
+            # The handle's own flat layout (use_orig_params aligns each parameter to 16 bytes).
+            flat = flat_layout(
+                [p.numel() for p in unique],
+                shard_world_size,
+                aligned_numel(_itemsize(precision.param_dtype)) if use_orig_params else 0,
+            )
+            unpadded = flat.unpadded_unsharded_numel
             padded = padded_unsharded_numel(unpadded, shard_world_size) if uses_sharding else unpadded
             handles.append(
                 HandleSpec(
@@ -184,8 +194,9 @@ def size_unit_specs(layouts: list[UnitLayout], shard_world_size: int) -> list[Un
                     padded_unsharded_numel=padded,
                     sharded_numel=padded // (shard_world_size if uses_sharding else 1),
                     uses_sharding=uses_sharding,
-                    precision=HandlePrecision.resolve(layout.kwargs.get("mixed_precision"), unique[0].dtype),
+                    precision=precision,
                     requires_grad=unique[0].requires_grad,
+                    layout=flat,
                 )
             )
         specs.append(

@@ -4,8 +4,12 @@
 Torch FSDP1 stores one entry per unit, ``<unit prefix>_flat_param``: a 1-D ShardedTensor of the
 unit's *unpadded* flat parameter (``unpadded_unsharded_numel`` elements), whose only local shard
 is a view of this rank's part of the local flat shard without its padding (offset
-``rank * sharded_numel``; a rank that holds only padding has no local shard). We give exactly
-that, so LOCAL checkpoints move between torch FSDP1 and fsdp (same wrapping and world size).
+``rank * sharded_numel``; a rank that holds only padding has no local shard). With
+use_orig_params "unpadded" still counts the alignment padding between parameters and up to a
+multiple of the world size (see [Note: Aligned flat parameter layout] in
+``flat_param/_sharding.py``), so every rank's part is a whole shard, padding values included.
+We give exactly that, with the same layout, so LOCAL checkpoints move between torch FSDP1 and
+fsdp (same wrapping and world size), with or without use_orig_params.
 The ShardedTensor is built from metadata we compute (every rank's offset and size follow from
 the layout), so saving needs no communication, and torch's deprecation warnings about
 ShardedTensor are hidden around our own construction: they concern our internals, not the

@@ -50,7 +50,6 @@ from torch import nn
 
 from fsdp._common import FLAT_PARAM, FSDP_PREFIX, clean_fqn
 from fsdp.api import FullStateDictConfig, ShardingStrategy, StateDictType
-from fsdp.flat_param._sharding import param_slices_in_shard
 from fsdp.flat_param.flat_param import FlatParamHandle, HandleState
 from fsdp.flat_param._recast import adopt_external_cast
 from fsdp.runtime._lazy_init import lazy_init
@@ -459,16 +458,12 @@ def _load_managed(param: _ManagedParam, full: torch.Tensor) -> None:
     # ``torch.flatten`` rather than ``full.reshape``: a tensor-like with ``__torch_function__``
     # (Lightning's lazily loaded checkpoint tensors) is accepted, as torch's ``copy_`` accepts it.
     flat_value = torch.flatten(full).detach().to(handle._local_shard.device, handle._local_shard.dtype)
-    numels = [info.numel for info in handle.param_infos]
-    if not handle.uses_sharding:
-        offset = sum(numels[: param.index])
-        handle._local_shard[offset : offset + numels[param.index]].copy_(flat_value)
-        return
-    for piece in param_slices_in_shard(numels, handle.rank, handle.world_size):
-        if piece.param_index == param.index:
-            handle._local_shard[piece.offset_in_shard : piece.offset_in_shard + piece.numel].copy_(
-                flat_value[piece.offset_in_param : piece.offset_in_param + piece.numel]
-            )
+    # The handle's own slices: they skip any alignment padding (use_orig_params).
+    piece = handle.shard_slices[param.index]
+    if piece is not None:
+        handle._local_shard[piece.offset_in_shard : piece.offset_in_shard + piece.numel].copy_(
+            flat_value[piece.offset_in_param : piece.offset_in_param + piece.numel]
+        )
 
 
 @dataclass

@@ -44,15 +44,17 @@ and an unmanaged parameter's own name. The optimizer's parameter order (its IDs)
   result is the usual FQN-keyed state dict, whatever the optimizer.
 - Loading with ``is_named_optimizer=True`` keys the result by these names, and each group's
   ``params`` are the sorted names (a named optimizer's ``state_dict()`` sorts them too). torch
-  FSDP1 fills the state of a parameter this rank holds no part of (use_orig_params) from the
-  optimizer's current state; we do not need to: that rank gets the loaded state, empty (see
-  ``_shard_orig_state``).
+  A parameter this rank holds no part of (use_orig_params) gets no loaded state there (its
+  gradient is None there, so a plain optimizer has none; see ``_shard_orig_state``); with
+  ``is_named_optimizer=True``, as in torch FSDP1, it keeps the optimizer's current state for
+  it (``_keep_named_state``).
 """
 
 from __future__ import annotations
 
 import copy
 import math
+import warnings
 from typing import Any, Optional, Union
 
 import torch
@@ -452,11 +454,8 @@ def _gather_flat_states(
 
 
 def _split(handle: FlatParamHandle, flat: torch.Tensor) -> list[torch.Tensor]:
-    views, offset = [], 0
-    for info in handle.param_infos:
-        views.append(flat[offset : offset + info.numel].view(info.shape))
-        offset += info.numel
-    return views
+    """Each parameter's view of an unpadded unsharded flat value (alignment padding skipped)."""
+    return handle.unsharded_views(flat)
 
 
 def _unflatten_flat_param_state(
@@ -880,23 +879,43 @@ def _flatten_for_handle(handle: FlatParamHandle, fqns: list[str], state: dict[st
     return flat_state
 
 
+def _keep_named_state(
+    optim: Any, param: nn.Parameter, key: ParamKey, fqn: str, out_state: dict[ParamKey, Any]
+) -> None:
+    """A named optimizer's state for a parameter this rank holds none of, as torch FSDP1 gives it.
+
+    torch FSDP1 keeps what the optimizer holds for it now (a named optimizer's ``init_state``
+    makes state for every parameter), and warns when it holds nothing.
+    """
+    current = optim.state.get(param, None)
+    if current is not None:
+        out_state[key] = copy.deepcopy(current)
+        return
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    warnings.warn(
+        f"optim_state[_OptimStateKey(unflat_param_names=({fqn!r},), is_fsdp_managed=True)] is not "
+        f"on rank{rank}.",
+        stacklevel=4,
+    )
+
+
 def _shard_orig_state(handle: FlatParamHandle, index: int, entry: dict[str, Any]) -> dict[str, Any]:
     """use_orig_params: this rank's part of one parameter's state.
 
-    A rank that holds no part of the parameter gets empty tensors (and the scalars): between
-    steps its Parameter is an empty 1-D view with an empty gradient, so the optimizer keeps
-    (empty) state for it, and resuming then matches training straight on exactly. torch FSDP1
-    gives such a rank no state at all (its gradient there is None).
+    A rank that holds no part of the parameter gets no state at all (an empty dict), as in
+    torch FSDP1: its gradient there is None, so its optimizer never makes state for it, and
+    resuming then matches training straight on exactly.
     """
-    offset, numel = handle._orig_sharded_ranges[index]
+    piece = handle.shard_slices[index]
+    if piece is None:
+        return {}
     out: dict[str, Any] = {}
-    param_start = sum(i.numel for i in handle.param_infos[:index])
-    start = handle.rank * handle.sharded_numel + offset - param_start
     for name, value in entry.items():
         if _is_pos_dim(value):
             value = value.detach().to(handle.device)
             if handle.uses_sharding:
-                value = value.reshape(-1)[start : start + numel].clone()
+                start = piece.offset_in_param
+                value = value.reshape(-1)[start : start + piece.numel].clone()
             else:
                 value = value.clone()
         elif _is_zero_dim(value):
@@ -1058,6 +1077,7 @@ def to_load(
                 continue
             out_state[key] = _flatten_for_handle(handle, fqns, state)
     else:
+        key_to_param = {key: param for param, key in zip(params, keys)}
         for fqn, entry in state.items():
             key = fqn_to_key.get(fqn)
             if key is None or fqn not in view.fqn_to_slot:
@@ -1066,6 +1086,8 @@ def to_load(
             sharded_entry = _shard_orig_state(view.handles[h], index, entry)
             if sharded_entry:
                 out_state[key] = sharded_entry
+            elif is_named_optimizer and optim is not None:
+                _keep_named_state(optim, key_to_param[key], key, fqn, out_state)
     for fqn, entry in state.items():
         if fqn in view.unmanaged and fqn in fqn_to_key:
             out_state[fqn_to_key[fqn]] = copy.copy(entry)
