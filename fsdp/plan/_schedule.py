@@ -16,7 +16,9 @@ and free in a steady-state step (the second on, when prefetching is on):
   reduced from the pieces with one half-size send buffer. The reduction stays in flight
   (its buffers alive) until the next handle's first gradient or post-backward, one at a time;
   then the sharded gradient is cast to full precision (offload: copied to CPU) and kept.
-- post-backward: the unit's unsharded parameters are freed; ``BACKWARD_POST`` gathers next.
+- pre-backward on CPU: the reduction in flight completes before the ``BACKWARD_PRE`` prefetch.
+- post-backward: the unit's unsharded parameters are freed (before the reduction allocates, on
+  the two-rank pieces path); ``BACKWARD_POST`` gathers next.
 - optimizer step: shards, sharded gradients and optimizer state plus the step's temporaries.
 """
 
@@ -230,7 +232,12 @@ class _Replay:
             and cfg.shard_world_size == 2
             and param_b == reduce_b
         )
+        resharded = False
         if pieces:  # [Note: Per-parameter gradient reduction]
+            # The reduction from the kept gradients does not read the unsharded parameter: the
+            # post-backward hook frees it first.
+            self.reshard(hid[0], only_frozen_besides=hid[1])
+            resharded = True
             self.add(COMM, sharded_reduce)  # the half sent to the peer
             self.add(GRADS, sharded_reduce)
             self.inflight = (hid, [(UNSHARDED_GRADS, held_bytes), (COMM, sharded_reduce)], sharded_reduce)
@@ -255,7 +262,8 @@ class _Replay:
                 self.add(unsharded_kind, -unsharded)
                 self.add(GRADS, unsharded)
                 self.accumulate(hid, unsharded)
-        self.reshard(hid[0], only_frozen_besides=hid[1])
+        if not resharded:
+            self.reshard(hid[0], only_frozen_besides=hid[1])
         if cfg.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
             self.prefetch(hid[0], self.backward_order, backward=True)
 
@@ -292,6 +300,10 @@ class _Replay:
                 u = event[1]
                 self.ran_pre_backward.add(u)
                 self.unshard(u, GATHERED)
+                if cfg.device_is_cpu:
+                    # On CPU the pre-backward hook finishes the reduction in flight before the
+                    # prefetch allocates (runtime/_hooks.py, _pre_backward_hook).
+                    self.wait_reduction()
                 if cfg.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
                     self.prefetch(u, self.backward_order, backward=True)
             elif kind == "grad":
