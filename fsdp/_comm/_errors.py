@@ -39,6 +39,7 @@ _PHASE_OF_FUNCTION: dict[tuple[str, str], str] = {
     ("fsdp.runtime._hooks", "_pre_backward_hook"): "backward unshard",
     ("fsdp.runtime._hooks", "_post_backward_hook"): "backward reduce",
     ("fsdp.runtime._hooks", "_finish_inflight_reductions"): "backward reduce",
+    ("fsdp.runtime._early_grads", "finish_inflight_reductions"): "backward reduce",
     ("fsdp.runtime._hooks", "_final_callback"): "end of backward",
     ("fsdp.runtime._hooks", "_recover_if_backward_interrupted"): "recovery from an interrupted backward",
     ("fsdp.runtime._prefetch", "prefetch_after"): "prefetch",
