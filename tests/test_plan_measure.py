@@ -53,7 +53,7 @@ def _gpt_config() -> Any:
 
 
 def _build_model(options: dict[str, Any], device: str) -> torch.nn.Module:
-    from fsdp.examples.model import GPT, Block
+    from fsdp.examples.model import GPT, Block, checkpoint_blocks
 
     with torch.device(device):
         model = GPT(_gpt_config())
@@ -61,17 +61,7 @@ def _build_model(options: dict[str, Any], device: str) -> torch.nn.Module:
         model.tok_emb.weight.requires_grad_(False)
         model.pos_emb.weight.requires_grad_(False)
     if options.get("ckpt"):
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-            CheckpointImpl,
-            apply_activation_checkpointing,
-            checkpoint_wrapper,
-        )
-
-        apply_activation_checkpointing(
-            model,
-            checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
-            check_fn=lambda m: isinstance(m, Block),
-        )
+        checkpoint_blocks(model, Block)
     return model
 
 

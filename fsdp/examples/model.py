@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GPTConfig", "PRESETS", "CausalSelfAttention", "MLP", "Block", "GPT"]
+__all__ = ["GPTConfig", "PRESETS", "CausalSelfAttention", "MLP", "Block", "GPT", "checkpoint_blocks"]
 
 
 #: Named model sizes: ``name -> (n_layer, n_head, d_model)``. ``vocab_size`` comes from the
@@ -199,3 +199,21 @@ class GPT(nn.Module):
     def num_parameters(self) -> int:
         """Total number of parameters (call before wrapping with FSDP)."""
         return sum(p.numel() for p in self.parameters())
+
+
+def checkpoint_blocks(model: nn.Module, block_cls: type = Block) -> None:
+    """Wraps every ``block_cls`` in ``model`` in a non-reentrant activation-checkpoint wrapper
+    (torch's ``apply_activation_checkpointing``), as the planner's and the tests' GPTs do."""
+    import functools
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+
+    apply_activation_checkpointing(
+        model,
+        checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
+        check_fn=lambda m: isinstance(m, block_cls),
+    )

@@ -15,7 +15,6 @@ name of one of its modules), else no auto-wrapping.
 from __future__ import annotations
 
 import argparse
-import functools
 import importlib
 import re
 import sys
@@ -42,7 +41,7 @@ def parse_bytes(text: str) -> int:
 
 
 def _gpt_builder(args: argparse.Namespace) -> Callable[[bool], tuple[nn.Module, Any]]:
-    from fsdp.examples.model import GPT, Block, GPTConfig
+    from fsdp.examples.model import GPT, Block, GPTConfig, checkpoint_blocks
 
     def build(checkpointing: bool) -> tuple[nn.Module, Any]:
         config = GPTConfig(
@@ -51,24 +50,10 @@ def _gpt_builder(args: argparse.Namespace) -> Callable[[bool], tuple[nn.Module, 
         with torch.device("meta"):
             model = GPT(config)
         if checkpointing:
-            _apply_checkpointing(model, Block)
+            checkpoint_blocks(model, Block)
         return model, torch.zeros(args.batch_size, args.seq_len, dtype=torch.long, device="meta")
 
     return build
-
-
-def _apply_checkpointing(model: nn.Module, block_cls: type) -> None:
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-        CheckpointImpl,
-        apply_activation_checkpointing,
-        checkpoint_wrapper,
-    )
-
-    apply_activation_checkpointing(
-        model,
-        checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
-        check_fn=lambda m: isinstance(m, block_cls),
-    )
 
 
 def _user_builder(spec: str, wrap_class: Optional[str]) -> tuple[Callable[[bool], tuple[nn.Module, Any]], Optional[type]]:
@@ -92,7 +77,9 @@ def _user_builder(spec: str, wrap_class: Optional[str]) -> tuple[Callable[[bool]
                 raise SystemExit(f"fsdp.plan: --wrap-class {wrap_class!r}: no module of that class in the model")
             block_cls[0] = classes.pop()
             if checkpointing:
-                _apply_checkpointing(model, block_cls[0])
+                from fsdp.examples.model import checkpoint_blocks
+
+                checkpoint_blocks(model, block_cls[0])
         return model, inputs
 
     build(False)  # resolves the wrap class now

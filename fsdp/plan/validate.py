@@ -133,9 +133,8 @@ POINTS: dict[str, ValidationPoint] = {
 # ---------------------------------------------------------------------- the shared set-up
 def _build_model(point: ValidationPoint) -> nn.Module:
     """The GPT on the meta device, in the point's dtype, checkpointed if asked."""
-    import functools
 
-    from fsdp.examples.model import GPT, Block, GPTConfig
+    from fsdp.examples.model import GPT, Block, GPTConfig, checkpoint_blocks
 
     config = GPTConfig(
         vocab_size=point.vocab, block_size=point.seq_len, n_layer=point.layers, n_head=point.heads, d_model=point.d_model
@@ -143,17 +142,7 @@ def _build_model(point: ValidationPoint) -> nn.Module:
     with torch.device("meta"):
         model = GPT(config).to(getattr(torch, point.model_dtype))
     if point.checkpointing:
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-            CheckpointImpl,
-            apply_activation_checkpointing,
-            checkpoint_wrapper,
-        )
-
-        apply_activation_checkpointing(
-            model,
-            checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
-            check_fn=lambda m: isinstance(m, Block),
-        )
+        checkpoint_blocks(model, Block)
     return model
 
 
