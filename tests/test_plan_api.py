@@ -155,11 +155,11 @@ def test_plan_70b_on_meta() -> None:
 
 
 def _search_model(checkpointing: bool) -> tuple[nn.Module, torch.Tensor]:
-    from fsdp.plan.__main__ import _apply_checkpointing
+    from fsdp.examples.model import checkpoint_blocks
 
     model = _gpt("meta", layers=2, d_model=32)
     if checkpointing:
-        _apply_checkpointing(model, Block)
+        checkpoint_blocks(model, Block)
     return model, _inputs()
 
 
