@@ -77,7 +77,7 @@ from fsdp.runtime._state import (
     unit_state,
 )
 from fsdp.runtime._summon import summon_full_params as _summon_full_params
-from fsdp.state_dict import _model_state_dict, _settings
+from fsdp.state_dict import _model_save, _model_state_dict, _settings
 from fsdp.wrap import CustomPolicy, ModuleWrapPolicy
 
 # Torch's module of the same name exports these two; its other public names (the configs and
@@ -666,7 +666,7 @@ class FullyShardedDataParallel(nn.Module):
             destination = args[0]
             prefix = args[1] if len(args) > 1 else prefix
             keep_vars = args[2] if len(args) > 2 else keep_vars
-        return _model_state_dict.save_state_dict(
+        return _model_save.save_state_dict(
             self, super().state_dict, destination, prefix, keep_vars
         )
 
