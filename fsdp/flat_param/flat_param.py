@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp._common import FLAT_PARAM, group_rank, group_size, p_assert
-from fsdp.flat_param._early_grads import settle_open_run, takes_early_grads_at_forward
+from fsdp.flat_param._early_grads import can_take_early, settle_open_run, takes_early_grads_at_forward
 from fsdp.flat_param._precision import HandlePrecision
 from fsdp.flat_param._sharding import (
     FlatLayout,
@@ -901,11 +901,7 @@ class FlatParamHandle:
 
     def _reduces_from_pieces(self, grads: Sequence[Optional[torch.Tensor]]) -> bool:
         return (
-            self.piecewise_reduction_allowed
-            and self.uses_sharding
-            and self.replicate_world_size == 1
-            and self._unsynced_unsharded_grad is None
-            and comm.can_reduce_scatter_halves(self._local_shard, self.process_group)
+            can_take_early(self)  # the reduction itself takes the pieces this backward
             and any(g is not None for g in grads)
             and all(g is None or (g.dtype == self.precision.reduce_dtype and g.is_contiguous()) for g in grads)
         )
