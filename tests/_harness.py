@@ -76,6 +76,7 @@ __all__ = [
     "RankPool",
     "get_pool",
     "is_worker",
+    "pool_backend",
     "rank",
     "shutdown_all",
     "world_size",
@@ -286,9 +287,24 @@ def _install_assert_support() -> None:
     util._reprcompare = reprcompare
 
 
+def pool_backend(world_size: int, device: str) -> str:
+    """The process-group backend of a pool: gloo on the CPU; on CUDA, NCCL for one rank and
+    gloo (with CUDA tensors) for more, since NCCL refuses two ranks on one GPU ("Duplicate GPU
+    detected") and the CUDA lane has one GPU."""
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    return "nccl" if device == "cuda" and world_size == 1 else "gloo"
+
+
 def _child_env_overrides() -> dict[str, str]:
-    """Environment every rank runs with: one OpenMP/MKL thread, gloo on the loopback device."""
-    env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+    """Environment every rank runs with: one OpenMP/MKL thread, gloo on the loopback device,
+    and cuBLAS's deterministic workspace setting (read when CUDA starts; harmless on the CPU)."""
+    env = {
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "OPENBLAS_NUM_THREADS": "1",
+        "CUBLAS_WORKSPACE_CONFIG": os.environ.get("CUBLAS_WORKSPACE_CONFIG", ":4096:8"),
+    }
     if (
         "GLOO_SOCKET_IFNAME" not in os.environ
         and sys.platform.startswith("linux")
@@ -510,6 +526,7 @@ def _worker_main(
     conn: Connection,
     init_method: str,
     log_path: str,
+    device: str = "cpu",
 ) -> None:
     """Entry point of a rank process: set up, join the process group, then serve jobs forever.
 
@@ -519,6 +536,7 @@ def _worker_main(
         conn: This rank's end of the duplex pipe to the parent.
         init_method: ``file://`` URL of the rendezvous store.
         log_path: File that receives this rank's stdout and stderr.
+        device: ``"cpu"`` (gloo) or ``"cuda"`` (see :func:`pool_backend`).
     """
     _redirect_output(log_path)
     os.environ[_WORKER_ENV_FLAG] = str(rank_)
@@ -538,7 +556,14 @@ def _worker_main(
         torch.set_num_threads(1)
         torch.set_num_interop_threads(1)
         _install_assert_support()
-        dist.init_process_group("gloo", init_method=init_method, rank=rank_, world_size=world_size_)
+        backend = pool_backend(world_size_, device)
+        if device == "cuda":
+            # Every rank of a CUDA pool uses the first GPU (the CUDA lane runs on one GPU).
+            torch.cuda.set_device(0)
+            # Deterministic kernels (embedding backward, cuBLAS workspaces): the lane compares
+            # fsdp with torch FSDP1 bit for bit, which needs the same kernel to give the same bits.
+            torch.use_deterministic_algorithms(True)
+        dist.init_process_group(backend, init_method=init_method, rank=rank_, world_size=world_size_)
     except BaseException as exc:
         _flush_output()
         conn.send_bytes(pickle.dumps(("startup_error", _describe_exception(exc))))
@@ -657,6 +682,8 @@ class RankPool:
             of seconds per rank) or ``"spawn"`` (each rank imports torch itself). The
             ``FSDP_TEST_START_METHOD`` environment variable sets the default. Either way the
             ranks are never forked from the pytest process itself.
+        device: ``"cpu"`` (default: a gloo group, CPU tensors) or ``"cuda"`` (every rank on GPU 0,
+            deterministic algorithms on; the backend is :func:`pool_backend`'s).
     """
 
     def __init__(
@@ -668,9 +695,12 @@ class RankPool:
         failure_grace_s: float = _FAILURE_GRACE_S,
         restart_on_failure: bool = True,
         start_method: str | None = None,
+        device: str = "cpu",
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.backend = pool_backend(world_size, device)
+        self.device = device
         self._world_size = world_size
         self.timeout_s = float(timeout_s)
         self.startup_timeout_s = float(startup_timeout_s)
@@ -710,7 +740,8 @@ class RankPool:
 
     def __repr__(self) -> str:
         state = "ready" if self._ready else ("starting" if self._procs else "stopped")
-        return f"RankPool(world_size={self._world_size}, {state}, starts={self.starts}, jobs={self.jobs})"
+        device = "" if self.device == "cpu" else f", device={self.device}"
+        return f"RankPool(world_size={self._world_size}{device}, {state}, starts={self.starts}, jobs={self.jobs})"
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -733,7 +764,7 @@ class RankPool:
                     parent_conn, child_conn = ctx.Pipe(duplex=True)
                     proc = ctx.Process(
                         target=_worker_main,
-                        args=(r, self._world_size, child_conn, init_method, log_path),
+                        args=(r, self._world_size, child_conn, init_method, log_path, self.device),
                         name=f"rankpool-ws{self._world_size}-rank{r}",
                         daemon=False,
                     )
@@ -1130,12 +1161,13 @@ class RankPool:
 # Process-wide cache
 # --------------------------------------------------------------------------------------------
 
-_POOLS: dict[int, RankPool] = {}
+_POOLS: dict[tuple[int, str], RankPool] = {}
 _POOLS_LOCK = threading.Lock()
 
 
-def get_pool(world_size: int) -> RankPool:
-    """Returns the process-wide :class:`RankPool` for ``world_size``, creating it on first use.
+def get_pool(world_size: int, device: str = "cpu") -> RankPool:
+    """Returns the process-wide :class:`RankPool` for ``world_size`` ranks on ``device``
+    (``"cpu"`` or ``"cuda"``), creating it on first use.
 
     The pool's processes start lazily on its first :meth:`RankPool.run`, so asking for a pool
     (e.g. through a fixture during collection) costs nothing until a job runs.
@@ -1147,9 +1179,9 @@ def get_pool(world_size: int) -> RankPool:
         The shared pool; the same object for every caller in this process.
     """
     with _POOLS_LOCK:
-        pool = _POOLS.get(world_size)
+        pool = _POOLS.get((world_size, device))
         if pool is None:
-            pool = _POOLS[world_size] = RankPool(world_size)
+            pool = _POOLS[(world_size, device)] = RankPool(world_size, device=device)
         return pool
 
 

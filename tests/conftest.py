@@ -7,6 +7,8 @@ ends.
 
 Fixtures:
     pool1, pool2, pool3, pool4: The shared pool with that many ranks.
+    cuda_pool1, cuda_pool2: The CUDA lane's pools (every rank on GPU 0; NCCL for one rank, gloo
+        with CUDA tensors for two), used by ``tests/test_cuda_lane.py`` only.
     dist_pool: The shared pool whose world size is given by indirect parametrization, e.g.
         ``@pytest.mark.parametrize("dist_pool", [1, 2, 4], indirect=True)``; world size 2 when
         not parametrized.
@@ -28,9 +30,50 @@ Example::
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tests._harness import RankPool, get_pool, shutdown_all
+
+
+#: The switch for the CUDA lane: ``FSDP_TEST_DEVICE=cuda python -m pytest tests`` runs
+#: ``tests/test_cuda_lane.py`` on the GPU as well; the default ``cpu`` skips it.
+TEST_DEVICES = ("cpu", "cuda")
+
+
+def test_device() -> str:
+    """The value of ``FSDP_TEST_DEVICE`` (default ``cpu``)."""
+    return os.environ.get("FSDP_TEST_DEVICE", "cpu").strip().lower() or "cpu"
+
+
+test_device.__test__ = False  # type: ignore[attr-defined]  # not a test despite the name
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if test_device() not in TEST_DEVICES:
+        raise pytest.UsageError(
+            f"FSDP_TEST_DEVICE={os.environ['FSDP_TEST_DEVICE']!r} is not one of {list(TEST_DEVICES)} "
+            "(cuda adds the CUDA lane, tests/test_cuda_lane.py, to the CPU suite)"
+        )
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    if test_device() == "cuda":
+        return "fsdp: FSDP_TEST_DEVICE=cuda: CPU suite plus the CUDA lane (tests/test_cuda_lane.py)"
+    return "fsdp: CPU suite (FSDP_TEST_DEVICE=cuda adds the CUDA lane on an NVIDIA GPU)"
+
+
+@pytest.fixture(scope="session")
+def cuda_pool1() -> RankPool:
+    """The CUDA lane's one-rank pool (NCCL, GPU 0)."""
+    return get_pool(1, device="cuda")
+
+
+@pytest.fixture(scope="session")
+def cuda_pool2() -> RankPool:
+    """The CUDA lane's two-rank pool (gloo with CUDA tensors, both ranks on GPU 0)."""
+    return get_pool(2, device="cuda")
 
 
 @pytest.fixture(scope="session")

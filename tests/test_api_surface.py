@@ -15,6 +15,7 @@ import os
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed.fsdp as torch_fsdp
 import torch.distributed.fsdp.wrap as torch_wrap
 from torch import nn
@@ -303,3 +304,27 @@ def test_no_source_file_under_fsdp_imports_torch_fsdp() -> None:
     offenders = [hit for path in sorted(files) for hit in _forbidden_imports(path)]
     assert not offenders, "fsdp/ must not import torch's FSDP:\n" + "\n".join(offenders)
 
+
+
+def _flat_param_types() -> list[tuple[str, str, bool, bool]]:
+    """(our type, torch's type, ours isinstance FlatParameter, torch's foreach eligibility of ours)."""
+    import torch.optim.optimizer as optim_impl
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+
+    from tests._models import make_toy
+
+    ours = FSDP(make_toy())
+    theirs = TorchFSDP(make_toy(), device_id=torch.device("cpu"))
+    rows = []
+    for mine, torchs in zip(ours.parameters(), theirs.parameters()):
+        eligible = type(mine) in optim_impl._foreach_supported_types
+        rows.append((type(mine).__name__, type(torchs).__name__, isinstance(mine, fsdp.FlatParameter), eligible))
+    return rows
+
+
+def test_flat_parameter_type_is_parameter_like_torch(pool1: Any) -> None:
+    """[Note: A FlatParameter's type is nn.Parameter]: found by the CUDA lane, where torch's
+    AdamW took its per-tensor path for our FlatParameter subclass (foreach needs the exact type
+    ``Parameter``) and rounded one ulp differently from torch FSDP1 with foreach."""
+    assert pool1.run(_flat_param_types) == [[("Parameter", "Parameter", True, True)]]
+    assert not isinstance(nn.Parameter(torch.zeros(1)), fsdp.FlatParameter)

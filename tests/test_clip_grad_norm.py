@@ -294,7 +294,9 @@ def _check_exact(strategies: tuple[str, ...], orig_params: tuple[bool, ...], pre
                     for step in range(EXACT_STEPS):
                         for model in (ours, theirs):
                             x, y = _local_batch(step)
-                            F.mse_loss(model(x), y).backward()
+                            out = model(x)  # bf16 with mixed precision; torch 2.11's
+                            # mse_loss backward rejects mixed dtypes, so the target follows it
+                            F.mse_loss(out, y.to(out.dtype)).backward()
                         _compare(ours, theirs, use_orig_params, True, f"{what}: step {step}: grads")
                         if norm_type == 0 and sharded:
                             # torch FSDP1 fails with a bare ZeroDivisionError; ours says why.

@@ -107,7 +107,8 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, dtype: torch.dtype, ste
     losses = []
     for step in range(steps):
         x, y = local_batch(seed + 10 * step)
-        loss = nn.functional.mse_loss(model(x.to(dtype)), y.to(dtype))
+        out = model(x.to(dtype))  # with mixed precision, not ``dtype``: torch 2.11's mse_loss
+        loss = nn.functional.mse_loss(out, y.to(out.dtype))  # backward rejects mixed dtypes
         loss.backward()
         opt.step()
         opt.zero_grad()

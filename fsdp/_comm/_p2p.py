@@ -163,6 +163,8 @@ def gather_p2p(
     The other ranks send their shard from where it lives (``output`` is None there: no copy, no
     allocation); ``dst`` receives every other shard in place and copies its own in.
     """
+    if input.device.type != "cpu" and group_backend(group) == "gloo":
+        return _gather_staged_on_host(output, input, group, dst)
     rank, world_size = group_rank(group), group_size(group)
     if rank != dst:
         dst_global = _global_rank(group, dst)
@@ -185,6 +187,19 @@ def gather_p2p(
         raise_collective_error(err, "gather", group, peers[len(requests)])
     output[dst * numel : (dst + 1) * numel].copy_(input)
     return P2PWork(requests, peers, "gather", group)
+
+
+def _gather_staged_on_host(
+    output: Optional[torch.Tensor], input: torch.Tensor, group: Optional[dist.ProcessGroup], dst: int
+) -> P2PWork:
+    """:func:`gather_p2p` for GPU tensors over gloo, whose send/recv take host memory only (a
+    CUDA tensor aborts the process in gloo's TCP transport): the shard goes through a host copy
+    and ``dst`` copies the gathered host tensor into ``output`` when the work is waited for."""
+    host_output = None if output is None else torch.empty(output.shape, dtype=output.dtype)
+    work = gather_p2p(host_output, input.cpu(), group, dst)
+    if output is not None and host_output is not None:
+        work._finish = lambda: output.copy_(host_output)
+    return work
 
 
 def reduce_scatter_halves_p2p(

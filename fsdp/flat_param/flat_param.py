@@ -50,21 +50,39 @@ FLATTENED_ATTR = "_fsdp_flattened_into"
 # flattened; stacks read it (Lightning's FSDP strategy checks that an optimizer holds FSDP's
 # parameters with ``getattr(param, "_fsdp_flattened", False)``).
 FSDP_FLATTENED = "_fsdp_flattened"
+#: The attribute that marks a parameter as a FlatParameter (torch FSDP1's name).
+IS_FLAT_PARAM = "_is_flat_param"
 
 
-class FlatParameter(nn.Parameter):
+class _FlatParameterMeta(type(nn.Parameter)):  # type: ignore[misc]
+    """``isinstance(t, FlatParameter)`` is True for a parameter carrying the flat-parameter flag."""
+
+    def __instancecheck__(cls, instance: Any) -> bool:
+        return isinstance(instance, torch.Tensor) and getattr(instance, IS_FLAT_PARAM, False)
+
+
+class FlatParameter(nn.Parameter, metaclass=_FlatParameterMeta):
     """The one ``nn.Parameter`` a unit registers: its original parameters, flattened and padded.
 
     Its ``.data`` is the local shard (1-D, ``sharded_numel`` elements) while the handle is
     SHARDED, and the padded unsharded tensor while it is UNSHARDED. All metadata lives on the
     owning :class:`FlatParamHandle`; optimizers only ever see the sharded form.
+
+    [Note: A FlatParameter's type is nn.Parameter]
+    ``FlatParameter(...)`` returns a plain ``nn.Parameter`` flagged as flat
+    (``isinstance(p, FlatParameter)`` checks the flag), as torch FSDP1's does. ``type(p)`` must
+    be ``nn.Parameter``: torch's optimizers take their fast multi-tensor (``foreach``) path on
+    CUDA only when every parameter's type is exactly ``Tensor`` or ``Parameter``. A subclass
+    falls back to the per-tensor loop, which is slower on GPUs and rounds AdamW's update
+    differently, so results would no longer equal torch FSDP1's bit for bit.
     """
 
     def __new__(cls, data: torch.Tensor, requires_grad: bool = True) -> "FlatParameter":
         p_assert(data.dim() == 1, f"FlatParameter data must be 1-D, got shape {tuple(data.shape)}")
-        flat_param = super().__new__(cls, data, requires_grad)
+        flat_param = nn.Parameter.__new__(nn.Parameter, data, requires_grad)
+        setattr(flat_param, IS_FLAT_PARAM, True)
         setattr(flat_param, FSDP_FLATTENED, True)
-        return flat_param
+        return flat_param  # type: ignore[return-value]
 
 
 class ParamInfo(NamedTuple):

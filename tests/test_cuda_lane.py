@@ -1,0 +1,451 @@
+"""The CUDA lane: fsdp on NVIDIA GPUs against torch FSDP1 on the same GPU and single-process training.
+
+Runs only with ``FSDP_TEST_DEVICE=cuda`` on a machine with a GPU (see README); otherwise the
+module is skipped with one line saying why. Two pools (``tests/conftest.py``):
+
+* world size 1 with NCCL, the way every single-GPU user runs;
+* world size 2 on the one GPU with gloo and CUDA tensors (NCCL refuses two ranks on one GPU).
+  gloo's all-gather, reduce-scatter, all-reduce and broadcast take CUDA tensors (staged through
+  host memory); its send/recv do not, so fsdp's point-to-point forms stay CPU-only.
+
+Both pools turn on ``torch.use_deterministic_algorithms``: fsdp and torch FSDP1 do the same
+arithmetic in the same order, so every comparison with torch is bit for bit (``torch.equal``).
+Comparisons with the single-process model use the tolerance the CPU parity tests derive
+(``tests/test_parity.py``): the per-rank half batches are summed in another order than the
+whole batch, a few ulps per step.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+from typing import Any, Optional
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tests._harness import RankPool
+from tests._models import Block, global_batch, lm_loss, local_rows, make_toy
+from tests.conftest import test_device
+
+if test_device() != "cuda":
+    pytest.skip("CUDA lane off: FSDP_TEST_DEVICE=cuda runs it on an NVIDIA GPU", allow_module_level=True)
+if not torch.cuda.is_available():
+    pytest.skip(
+        "FSDP_TEST_DEVICE=cuda, but torch.cuda.is_available() is False (no NVIDIA GPU, or a CPU "
+        "build of torch): the CUDA lane cannot run here",
+        allow_module_level=True,
+    )
+
+STEPS = 3
+LR = 0.01
+# The single-process comparison's tolerance in fp32 (see tests/test_parity.py for the argument).
+FP32_RTOL, FP32_ATOL = 2e-5, 2e-6
+# bf16/fp16 compute against an fp32 single-process model: every matmul input is rounded to 8
+# (bf16) or 11 (fp16) mantissa bits, a relative error of at most 2^-9 per rounding; a loss after a
+# dozen roundings stays within 2^-5 relative (a 16x margin over 12 * 2^-9).
+LOW_PRECISION_LOSS_RTOL = 2.0**-5
+
+
+def _dev() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _lib(name: str) -> types.SimpleNamespace:
+    """fsdp's or torch FSDP1's public names, under one namespace."""
+    if name == "ours":
+        import fsdp as m
+        import fsdp.sharded_grad_scaler as gs
+        import fsdp.wrap as w
+    else:
+        import torch.distributed.fsdp as m  # type: ignore[no-redef]
+        import torch.distributed.fsdp.sharded_grad_scaler as gs  # type: ignore[no-redef]
+        import torch.distributed.fsdp.wrap as w  # type: ignore[no-redef]
+    return types.SimpleNamespace(
+        FSDP=m.FullyShardedDataParallel,
+        ShardingStrategy=m.ShardingStrategy,
+        MixedPrecision=m.MixedPrecision,
+        CPUOffload=m.CPUOffload,
+        BackwardPrefetch=m.BackwardPrefetch,
+        StateDictType=m.StateDictType,
+        FullStateDictConfig=m.FullStateDictConfig,
+        ShardedStateDictConfig=m.ShardedStateDictConfig,
+        FullOptimStateDictConfig=m.FullOptimStateDictConfig,
+        ModuleWrapPolicy=w.ModuleWrapPolicy,
+        ShardedGradScaler=gs.ShardedGradScaler,
+    )
+
+
+def _wrap(name: str, model: nn.Module, cfg: dict[str, Any]) -> nn.Module:
+    """Wraps ``model`` (one unit per Block) with the library ``name`` and the options in ``cfg``."""
+    lib = _lib(name)
+    dtype = cfg.get("mp")
+    kwargs: dict[str, Any] = dict(
+        auto_wrap_policy=lib.ModuleWrapPolicy({Block}),
+        sharding_strategy=lib.ShardingStrategy[cfg.get("strategy", "FULL_SHARD")],
+        device_id=_dev(),
+        use_orig_params=cfg.get("uop", False),
+        limit_all_gathers=cfg.get("limit", True),
+        forward_prefetch=cfg.get("fwd_prefetch", False),
+        backward_prefetch=(
+            lib.BackwardPrefetch[cfg["bwd_prefetch"]] if cfg.get("bwd_prefetch") else None
+        ),
+    )
+    if dtype is not None:
+        kwargs["mixed_precision"] = lib.MixedPrecision(
+            param_dtype=dtype, reduce_dtype=cfg.get("reduce", dtype), buffer_dtype=dtype
+        )
+    if cfg.get("offload"):
+        kwargs["cpu_offload"] = lib.CPUOffload(offload_params=True)
+    for key in ("sync_module_states", "param_init_fn"):
+        if key in cfg:
+            kwargs[key] = cfg[key]
+    return lib.FSDP(model, **kwargs)
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(global tokens, global targets, this rank's tokens, this rank's targets) on the GPU."""
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    tokens, targets = (t.to(_dev()) for t in global_batch(step, ws))
+    return tokens, targets, local_rows(tokens, rank, ws), local_rows(targets, rank, ws)
+
+
+def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return lm_loss(model(x).float(), y)
+
+
+def _full(model: nn.Module, name: str) -> dict[str, torch.Tensor]:
+    with _lib(name).FSDP.summon_full_params(model, writeback=False):
+        return {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}
+
+
+def _offload_checks(model: nn.Module) -> None:
+    """CPUOffload(offload_params=True): every sharded flat parameter lives in pinned host memory."""
+    from fsdp import FullyShardedDataParallel as FSDP
+
+    for unit in FSDP.fsdp_modules(model):
+        for handle in unit._fsdp_state.handles:
+            shard = handle.flat_param
+            assert shard.device.type == "cpu", f"{unit}: offloaded shard on {shard.device}"
+            assert shard.is_pinned(), "offloaded shard is not in pinned memory (slow, synchronous copies)"
+
+
+# ------------------------------------------------------------------------------ training parity
+CONFIGS: list[dict[str, Any]] = [
+    dict(strategy="FULL_SHARD"),
+    dict(strategy="SHARD_GRAD_OP"),
+    dict(strategy="NO_SHARD"),
+    dict(strategy="HYBRID_SHARD"),
+    dict(strategy="_HYBRID_SHARD_ZERO2"),
+    dict(strategy="FULL_SHARD", uop=True),
+    dict(strategy="FULL_SHARD", mp=torch.bfloat16, reduce=torch.float32),
+    dict(strategy="SHARD_GRAD_OP", mp=torch.bfloat16, uop=True),
+    dict(strategy="FULL_SHARD", offload=True),
+    dict(strategy="FULL_SHARD", offload=True, mp=torch.bfloat16, reduce=torch.float32),
+    dict(strategy="FULL_SHARD", bwd_prefetch="BACKWARD_POST", fwd_prefetch=True),
+    dict(strategy="FULL_SHARD", bwd_prefetch="BACKWARD_PRE", limit=False),
+    dict(strategy="FULL_SHARD", bwd_prefetch=None, limit=True),
+]
+
+
+def _describe(cfg: dict[str, Any]) -> str:
+    return " ".join(f"{k}={v}" for k, v in cfg.items())
+
+
+def lane_training_parity(configs: list[dict[str, Any]]) -> int:
+    """Each config: STEPS AdamW steps through the plain model (global batch), fsdp and torch FSDP1
+    (this rank's rows). Losses and full parameters equal torch's bit for bit after every step; the
+    plain model's within the fp32 / low-precision tolerance. Returns the configs checked."""
+    for cfg in configs:
+        what = _describe(cfg)
+        if cfg.get("strategy", "").startswith("_HYBRID") or cfg.get("strategy") == "HYBRID_SHARD":
+            if dist.get_world_size() == 1:
+                continue  # nothing to shard nor replicate
+        ref = make_toy().to(_dev())
+        # Offloaded models start on the CPU (as users build them); the others on the GPU.
+        ours = _wrap("ours", make_toy() if cfg.get("offload") else make_toy().to(_dev()), cfg)
+        theirs = _wrap("torch", make_toy() if cfg.get("offload") else make_toy().to(_dev()), cfg)
+        if cfg.get("offload"):
+            _offload_checks(ours)
+        opts = [torch.optim.AdamW(m.parameters(), lr=LR) for m in (ref, ours, theirs)]
+        for step in range(STEPS):
+            tokens, targets, x, y = _batch(step)
+            losses = []
+            for i, (model, opt) in enumerate(zip((ref, ours, theirs), opts)):
+                loss = _loss(model, tokens, targets) if i == 0 else _loss(model, x, y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.detach().cpu())
+            assert torch.equal(losses[1], losses[2]), f"{what}: step {step}: loss {losses[1]} != torch {losses[2]}"
+            if cfg.get("mp") is None:
+                # Rank-local losses: the mean of the ranks' losses is the global batch's.
+                mean = losses[1].to(_dev())
+                dist.all_reduce(mean)
+                torch.testing.assert_close(mean.cpu() / dist.get_world_size(), losses[0], rtol=FP32_RTOL, atol=FP32_ATOL)
+            else:
+                mean = losses[1].to(_dev())
+                dist.all_reduce(mean)
+                rel = ((mean.cpu() / dist.get_world_size() - losses[0]).abs() / losses[0].abs()).item()
+                assert rel < LOW_PRECISION_LOSS_RTOL, f"{what}: step {step}: loss off the fp32 model by {rel:.3g}"
+        mine, torch_full = _full(ours, "ours"), _full(theirs, "torch")
+        assert list(mine) == list(torch_full), what
+        for name in mine:
+            assert torch.equal(mine[name], torch_full[name]), f"{what}: {name} differs from torch FSDP1"
+            if cfg.get("mp") is None:
+                ref_value = dict(ref.named_parameters())[name].detach().cpu()
+                torch.testing.assert_close(mine[name], ref_value, rtol=FP32_RTOL, atol=FP32_ATOL, msg=f"{what}: {name}")
+        if not cfg.get("offload"):
+            for p in ours.parameters():
+                assert p.device.type == "cuda", f"{what}: parameter on {p.device}"
+        del ours, theirs, ref, opts
+        torch.cuda.empty_cache()
+    return len(configs)
+
+
+@pytest.mark.parametrize("pool_name", ["cuda_pool1", "cuda_pool2"])
+def test_training_parity(pool_name: str, request: pytest.FixtureRequest) -> None:
+    pool: RankPool = request.getfixturevalue(pool_name)
+    assert pool.run(lane_training_parity, CONFIGS, _timeout=600) == [len(CONFIGS)] * pool.world_size
+
+
+# ------------------------------------------------------------------------------ fp16 + scaler
+def lane_fp16_grad_scaler() -> float:
+    """fp16 mixed precision with ShardedGradScaler, including a step whose gradients overflow:
+    both skip it, halve the scale, and end with the same parameters bit for bit."""
+    cfg = dict(strategy="FULL_SHARD", mp=torch.float16)
+    models = {name: _wrap(name, make_toy().to(_dev()), cfg) for name in ("ours", "torch")}
+    opts = {name: torch.optim.AdamW(m.parameters(), lr=LR) for name, m in models.items()}
+    scalers = {name: _lib(name).ShardedGradScaler(init_scale=2.0**12) for name in models}
+    for step in range(4):
+        _, _, x, y = _batch(step)
+        for name, model in models.items():
+            loss = _loss(model, x, y)
+            if step == 1:
+                loss = loss * 1e30  # overflows fp16 gradients: the step is skipped
+            scalers[name].scale(loss).backward()
+            scalers[name].step(opts[name])
+            scalers[name].update()
+            opts[name].zero_grad()
+        assert scalers["ours"].get_scale() == scalers["torch"].get_scale(), f"step {step}"
+    assert scalers["ours"].get_scale() == 2.0**11, scalers["ours"].get_scale()  # halved once
+    mine, theirs = _full(models["ours"], "ours"), _full(models["torch"], "torch")
+    for name in mine:
+        assert torch.equal(mine[name], theirs[name]), name
+    return scalers["ours"].get_scale()
+
+
+@pytest.mark.parametrize("pool_name", ["cuda_pool1", "cuda_pool2"])
+def test_fp16_sharded_grad_scaler(pool_name: str, request: pytest.FixtureRequest) -> None:
+    pool: RankPool = request.getfixturevalue(pool_name)
+    assert pool.run(lane_fp16_grad_scaler) == [2.0**11] * pool.world_size
+
+
+# ------------------------------------------------------------------------------ initialization
+def _init_on_gpu(module: nn.Module) -> None:
+    module.to_empty(device=_dev(), recurse=False)
+    for m in [module]:
+        if hasattr(m, "reset_parameters"):
+            m.reset_parameters()  # type: ignore[operator]
+
+
+def lane_init() -> int:
+    """Meta-device init onto the GPU, with and without ``param_init_fn``: fsdp materializes in
+    pre-order ([Note: Meta-device materialization order]), so the parameters equal an eager
+    init on the GPU with the same seed; torch FSDP1 materializes unit by unit bottom-up (other
+    random draws), so it is only checked to land on the GPU. Then ``sync_module_states`` from
+    rank 0: the same full parameters as torch FSDP1's."""
+    torch.manual_seed(0)
+    with torch.device(_dev()):
+        eager = {n: p.detach().cpu() for n, p in make_toy(seed=0).named_parameters()}
+    checked = 0
+    for param_init_fn in (None, _init_on_gpu):
+        for name in ("ours", "torch"):
+            torch.manual_seed(0)
+            with torch.device("meta"):
+                model = make_toy()
+            cfg: dict[str, Any] = {} if param_init_fn is None else {"param_init_fn": param_init_fn}
+            wrapped = _wrap(name, model, cfg)
+            assert all(p.device.type == "cuda" for p in wrapped.parameters()), name
+            if name == "ours":
+                full = _full(wrapped, name)
+                for key, value in eager.items():
+                    assert torch.equal(full[key], value), f"meta init param_init_fn={param_init_fn}: {key} != eager init"
+        checked += 1
+    # sync_module_states: every rank starts from different values; rank 0's win.
+    synced = {}
+    for name in ("ours", "torch"):
+        model = make_toy(seed=dist.get_rank() + 7).to(_dev())
+        synced[name] = _full(_wrap(name, model, {"sync_module_states": True}), name)
+    rank0 = make_toy(seed=7)
+    for key, value in rank0.named_parameters():
+        assert torch.equal(synced["ours"][key], value.detach()), f"sync_module_states: {key}"
+        assert torch.equal(synced["torch"][key], value.detach()), f"torch sync_module_states: {key}"
+    return checked + 1
+
+
+@pytest.mark.parametrize("pool_name", ["cuda_pool1", "cuda_pool2"])
+def test_init_meta_and_sync(pool_name: str, request: pytest.FixtureRequest) -> None:
+    pool: RankPool = request.getfixturevalue(pool_name)
+    assert pool.run(lane_init) == [3] * pool.world_size
+
+
+# ------------------------------------------------------------------------------ state dicts
+def _train_pair(models: dict[str, nn.Module], opts: dict[str, torch.optim.Optimizer], steps: range) -> None:
+    for step in steps:
+        _, _, x, y = _batch(step)
+        for name, model in models.items():
+            _loss(model, x, y).backward()
+            opts[name].step()
+            opts[name].zero_grad()
+
+
+def _to_local(value: Any) -> Any:
+    if hasattr(value, "to_local"):
+        return value.to_local()
+    if hasattr(value, "local_tensor"):
+        return value.local_tensor()
+    return value
+
+
+def lane_state_dicts(directory: str, uop: bool) -> int:
+    """Full (offload_to_cpu, rank0_only), sharded (offload_to_cpu) and local model state dicts,
+    full optimizer state dicts and a DCP round trip: equal to torch FSDP1's, and loadable."""
+    import torch.distributed.checkpoint as dcp
+
+    rank = dist.get_rank()
+    cfg = dict(strategy="FULL_SHARD", uop=uop)
+    models = {name: _wrap(name, make_toy().to(_dev()), cfg) for name in ("ours", "torch")}
+    opts = {name: torch.optim.AdamW(m.parameters(), lr=LR) for name, m in models.items()}
+    _train_pair(models, opts, range(2))
+    checked = 0
+    # FULL_STATE_DICT, offloaded to the CPU on rank 0 only.
+    full: dict[str, dict[str, torch.Tensor]] = {}
+    for name, model in models.items():
+        lib = _lib(name)
+        with lib.FSDP.state_dict_type(
+            model, lib.StateDictType.FULL_STATE_DICT, lib.FullStateDictConfig(offload_to_cpu=True, rank0_only=True)
+        ):
+            full[name] = model.state_dict()
+    assert list(full["ours"]) == list(full["torch"])
+    for key, value in full["ours"].items():
+        if rank == 0:
+            # fsdp offloads for every strategy; torch FSDP1 ignores offload_to_cpu for NO_SHARD
+            # (world size 1 here) and returns GPU tensors, so its values are moved to compare.
+            assert value.device.type == "cpu", f"full state dict {key} on {value.device}"
+            assert torch.equal(value, full["torch"][key].cpu()), f"full state dict {key}"
+    if rank != 0:
+        assert full["ours"] == {} and full["torch"] == {}, "rank0_only: other ranks get empty dicts"
+    checked += 1
+    # SHARDED_STATE_DICT offloaded: the same local shards as torch's.
+    sharded: dict[str, dict[str, Any]] = {}
+    for name, model in models.items():
+        lib = _lib(name)
+        with lib.FSDP.state_dict_type(
+            model, lib.StateDictType.SHARDED_STATE_DICT, lib.ShardedStateDictConfig(offload_to_cpu=True)
+        ):
+            sharded[name] = model.state_dict()
+    assert list(sharded["ours"]) == list(sharded["torch"])
+    for key in sharded["ours"]:
+        mine, theirs = _to_local(sharded["ours"][key]), _to_local(sharded["torch"][key])
+        assert mine.device.type == "cpu", f"sharded {key} on {mine.device}"
+        assert torch.equal(mine, theirs.cpu()), f"sharded state dict {key}"
+    checked += 1
+    # LOCAL_STATE_DICT: the flat shard, as torch keeps it.
+    local: dict[str, dict[str, Any]] = {}
+    for name, model in models.items():
+        lib = _lib(name)
+        with lib.FSDP.state_dict_type(model, lib.StateDictType.LOCAL_STATE_DICT):
+            local[name] = model.state_dict()
+    assert list(local["ours"]) == list(local["torch"])
+    for key in local["ours"]:
+        assert torch.equal(_to_local(local["ours"][key]).cpu(), _to_local(local["torch"][key]).cpu()), f"local {key}"
+    checked += 1
+    # Full optimizer state dicts, then load ours into a fresh fsdp model and keep training.
+    osd = {}
+    for name, model in models.items():
+        lib = _lib(name)
+        with lib.FSDP.state_dict_type(
+            model,
+            lib.StateDictType.FULL_STATE_DICT,
+            lib.FullStateDictConfig(offload_to_cpu=True, rank0_only=False),
+            lib.FullOptimStateDictConfig(offload_to_cpu=True, rank0_only=False),
+        ):
+            osd[name] = lib.FSDP.optim_state_dict(model, opts[name])
+    assert osd["ours"]["param_groups"] == osd["torch"]["param_groups"]
+    assert list(osd["ours"]["state"]) == list(osd["torch"]["state"])
+    for key, state in osd["ours"]["state"].items():
+        for field, value in state.items():
+            assert torch.equal(torch.as_tensor(value).cpu(), torch.as_tensor(osd["torch"]["state"][key][field]).cpu()), (key, field)
+    checked += 1
+    # DCP: fsdp's sharded model state dict saved, loaded into a fresh fsdp model and a fresh
+    # torch FSDP1 model; both then train on like the originals.
+    lib = _lib("ours")
+    with lib.FSDP.state_dict_type(models["ours"], lib.StateDictType.SHARDED_STATE_DICT):
+        dcp.save(models["ours"].state_dict(), checkpoint_id=directory)
+    fresh = {name: _wrap(name, make_toy(seed=5).to(_dev()), cfg) for name in ("ours", "torch")}
+    for name, model in fresh.items():
+        flib = _lib(name)
+        with flib.FSDP.state_dict_type(model, flib.StateDictType.SHARDED_STATE_DICT):
+            template = model.state_dict()
+            dcp.load(template, checkpoint_id=directory)
+            model.load_state_dict(template)
+        with flib.FSDP.state_dict_type(
+            model, flib.StateDictType.FULL_STATE_DICT, flib.FullStateDictConfig(offload_to_cpu=True, rank0_only=False)
+        ):
+            optim_input = flib.FSDP.optim_state_dict_to_load(model, torch.optim.AdamW(model.parameters(), lr=LR), osd[name])
+        fresh_opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        fresh_opt.load_state_dict(optim_input)
+        opts[f"fresh_{name}"] = fresh_opt
+    restored = {f"fresh_{name}": m for name, m in fresh.items()}
+    everything = {**models, **restored}
+    _train_pair(everything, opts, range(2, 4))
+    after = {name: _full(m, "ours" if "ours" in name else "torch") for name, m in everything.items()}
+    for key in after["ours"]:
+        for other in ("torch", "fresh_ours", "fresh_torch"):
+            assert torch.equal(after["ours"][key], after[other][key]), f"after resume ({other}): {key}"
+    checked += 1
+    # summon_full_params with writeback: a change made in full view reaches the shards.
+    ours = models["ours"]
+    with _lib("ours").FSDP.summon_full_params(ours, writeback=True):
+        first = next(ours.parameters())
+        with torch.no_grad():
+            first.add_(1.0)
+    with _lib("ours").FSDP.summon_full_params(ours, writeback=False, offload_to_cpu=True, rank0_only=False):
+        moved = next(ours.parameters())
+        assert moved.device.type == "cpu", "summon_full_params(offload_to_cpu=True) gives CPU tensors"
+        expected = after["ours"][next(iter(after["ours"]))] + 1.0
+        assert torch.equal(moved.detach().float(), expected), "writeback lost"
+    checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("uop", [False, True])
+@pytest.mark.parametrize("pool_name", ["cuda_pool1", "cuda_pool2"])
+def test_state_dicts(pool_name: str, uop: bool, request: pytest.FixtureRequest, tmp_path: Any) -> None:
+    pool: RankPool = request.getfixturevalue(pool_name)
+    directory = os.path.join(str(tmp_path), "dcp")
+    assert pool.run(lane_state_dicts, directory, uop, _timeout=600) == [6] * pool.world_size
+
+
+def lane_device_placement() -> Optional[str]:
+    """fsdp keeps compute on the GPU: after a step, the sharded flat parameters, the gradients
+    and the optimizer state are CUDA tensors; nothing unexpected stays on the CPU."""
+    model = _wrap("ours", make_toy().to(_dev()), {})
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    _, _, x, y = _batch(0)
+    _loss(model, x, y).backward()
+    opt.step()
+    for p in model.parameters():
+        assert p.device.type == "cuda" and p.grad is not None and p.grad.device.type == "cuda"
+    for state in opt.state.values():
+        for value in state.values():
+            if torch.is_tensor(value) and value.dim() > 0:
+                assert value.device.type == "cuda"
+    return str(next(model.parameters()).device)
+
+
+def test_device_placement(cuda_pool1: RankPool) -> None:
+    assert cuda_pool1.run(lane_device_placement) == ["cuda:0"]
