@@ -299,32 +299,42 @@ def test_cpu_dry_run_end_to_end(tmp_path: Path) -> None:
 
 
 def _offload_rank() -> dict[str, Any]:
-    """In a world-size-1 gloo rank: the offload rounds and the size walk, on CPU."""
-    cfg = CudaBenchConfig(**TINY_CFG, offload=True, rounds=1, warmup_steps=1, steps=2)
+    """In a world-size-1 gloo rank: ``--offload`` and ``--offload-sizes``, on CPU (the whole
+    run but the process group, which the rank already has)."""
     device = torch.device("cpu")
-    rounds = _cuda._rounds(cfg, device, True)
-    walk_cfg = CudaBenchConfig(**TINY_CFG, offload_sizes=(3e-5, 1e-5))
-    return {"rounds": rounds, "walk": _cuda._walk_sizes(walk_cfg, device)}
+    main = _cuda._run(CudaBenchConfig(**TINY_CFG, offload=True, rounds=1, warmup_steps=1, steps=2), device)
+    walk = _cuda._run(CudaBenchConfig(**TINY_CFG, offload_sizes=(3e-5, 1e-5)), device)
+    return {"main": main, "walk": walk}
 
 
 def test_cpu_dry_run_offload(pool1: RankPool) -> None:
     (result,) = pool1.run(_offload_rank)
-    by_impl = {r["impl"]: r for r in result["rounds"]}
-    assert set(by_impl) == {"fsdp", "torch_fsdp1"}
+    main = result["main"]
+    assert main["config"]["offload"] and main["config"]["layers"] == 2
+    by_impl = {r["impl"]: r for r in main["runs"]}
+    assert list(by_impl) == ["torch_fsdp1", "fsdp"]  # the torch baseline first
     fsdp_run = by_impl["fsdp"]
     assert fsdp_run["status"] == "ok" and len(fsdp_run["step_s"]) == 2 and len(fsdp_run["losses"]) == 3
     assert fsdp_run["host_rss"] > 0
-    # torch FSDP1 cannot offload on a CPU-only machine; the run records its error instead of
-    # ending the benchmark (on a GPU it trains).
-    assert by_impl["torch_fsdp1"]["status"] in ("ok", "error")
-    walk = result["walk"]
+    # torch FSDP1 cannot offload on a CPU-only machine (it needs an accelerator); the run
+    # records its error instead of ending the benchmark. On a GPU it trains.
+    assert by_impl["torch_fsdp1"]["status"] == "error" and by_impl["torch_fsdp1"]["error"]
+    entry = main["offload"]["main"]["impls"]["fsdp"]
+    assert entry["step_s"] == sum(fsdp_run["step_s"]) / 2 and entry["ratios"]["step_s"] is None
+    assert main["offload"]["sizes"] == {}
+
+    walk = result["walk"]["runs"]
     # Smallest size first. Width 32: 4,672 parameters outside the blocks, 12,704 per block;
     # 1e-5 x 1e9 = 10,000 parameters -> round(0.42) -> at least 1 block; 3e-5 -> round(1.99) = 2.
     assert [(r["size_b"], r["impl"], r["layers"]) for r in walk] == [
         (1e-5, "fsdp", 1), (1e-5, "torch_fsdp1", 1), (3e-5, "fsdp", 2), (3e-5, "torch_fsdp1", 2)
     ]
-    assert [r["status"] for r in walk if r["impl"] == "fsdp"] == ["ok", "ok"]
+    assert [r["status"] for r in walk] == ["ok", "error", "ok", "error"]
     assert walk[0]["params"] == gpt_params(1, 32, 64, 16)[0]
+    sizes = result["walk"]["offload"]["sizes"]
+    assert list(sizes) == ["1e-05", "3e-05"] and result["walk"]["offload"]["main"] is None
+    assert sizes["3e-05"]["fsdp"]["status"] == "trains" and sizes["3e-05"]["layers"] == 2
+    assert sizes["3e-05"]["fsdp"]["tokens_per_s"] == 32 / (sum(walk[2]["step_s"]) / 2)
 
 
 def test_size_walk_skips_sizes_the_host_cannot_hold(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -261,10 +261,15 @@ def _rounds(cfg: CudaBenchConfig, device: torch.device, offload: bool, on_run: O
 
 def _walk_sizes(cfg: CudaBenchConfig, device: torch.device, on_run: OnRun = _no_op) -> list[dict[str, Any]]:
     """``--offload-sizes``: each size once per implementation (1 warm-up, 2 timed steps),
-    smallest first; an implementation that does not fit a size is not tried at larger ones."""
+    smallest first; an implementation that does not fit a size is not tried at larger ones, and
+    no size starts after ``cfg.time_budget_s``."""
     runs: list[dict[str, Any]] = []
     too_big: set[str] = set()
+    start = time.perf_counter()
     for size in sorted(cfg.offload_sizes):
+        if runs and time.perf_counter() - start > cfg.time_budget_s:
+            print(f"time budget of {cfg.time_budget_s:.0f} s spent: no sizes above {runs[-1]['size_b']:g}B", flush=True)
+            break
         layers = layers_for_size(size, cfg.d_model, cfg.vocab, cfg.seq)
         params = gpt_params(layers, cfg.d_model, cfg.vocab, cfg.seq)[0]
         for impl in cfg.impls:
