@@ -248,7 +248,8 @@ def test_cpu_dry_run_end_to_end(tmp_path: Path) -> None:
     doc = json.loads(json_path.read_text())
     assert os.listdir(json_path.parent) == ["gpu.json"]  # rewritten after each run, whole
     assert doc["schema"] == "fsdp.bench.cuda/1"
-    assert set(doc) == {"schema", "env", "config", "runs", "summary", "targets", "profile"}
+    assert set(doc) == {"schema", "env", "config", "model", "runs", "summary", "targets", "profile"}
+    assert doc["model"] == dict(zip(("params", "matmul_params"), gpt_params(2, 32, 64, 16)))
     assert set(doc["env"]) >= {"device_name", "torch", "cuda", "date", "nccl"}
     assert doc["env"]["device_name"] == "cpu (dry run)" and doc["env"]["torch"] == torch.__version__
     assert doc["config"]["layers"] == 2 and doc["config"]["batch"] == 2 and doc["config"]["cpu_dry_run"] is True
@@ -349,3 +350,25 @@ def test_size_walk_skips_sizes_the_host_cannot_hold(monkeypatch: pytest.MonkeyPa
     assert "needs about 0 GiB, 0 GiB available" in walk[0]["error"]
     s = summarize_offload(cfg, walk)
     assert s["sizes"]["1e-05"]["fsdp"]["status"] == "does not fit"
+
+
+@pytest.mark.parametrize(
+    "exc, status",
+    [
+        (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), "oom"),
+        (MemoryError(), "oom"),
+        (RuntimeError("CUDA error: out of memory"), "oom"),  # e.g. pinning host memory
+        (ValueError("fsdp: something a GPU run found"), "error"),
+    ],
+)
+def test_a_failing_run_is_recorded_not_raised(exc: BaseException, status: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    def failing_build(*args: Any, **kwargs: Any) -> None:
+        raise exc
+
+    monkeypatch.setattr(_cuda, "build_model", failing_build)
+    cfg = CudaBenchConfig(**TINY_CFG)
+    rec = _cuda.measure(cfg, torch.device("cpu"), "fsdp", 3, 2, False, 1, 2)
+    assert (rec["impl"], rec["round"], rec["layers"], rec["status"]) == ("fsdp", 3, 2, status)
+    assert type(exc).__name__ in rec["error"].rstrip().splitlines()[-1]
+    assert "failing_build" in rec["error"]  # the traceback's end, where it failed
+    assert rec["step_s"] == [] and rec["losses"] == [] and rec["max_allocated"] is None

@@ -195,8 +195,10 @@ def measure(
         rec["host_rss"] = _host_rss()
     except (torch.OutOfMemoryError, MemoryError):
         rec.update(status="oom", error=_error_text(8))
-    except Exception:  # an implementation's failure is a result to report, not the end of the run
-        rec.update(status="error", error=_error_text())
+    except Exception as e:  # an implementation's failure is a result to report, not the end of the run
+        # An OOM re-raised as another type (from a hook, or pinning host memory) is still an OOM.
+        oom = "out of memory" in str(e).lower()
+        rec.update(status="oom" if oom else "error", error=_error_text(8 if oom else 30))
     finally:
         model = opt = None
         losses.clear()
@@ -317,7 +319,11 @@ def _run(cfg: CudaBenchConfig, device: torch.device) -> dict[str, Any]:
 
     env = _env(device)
     print(f"fsdp.bench --device cuda: {env['device_name']}, torch {env['torch']}, CUDA {env['cuda']}", flush=True)
-    doc: dict[str, Any] = {"schema": "fsdp.bench.cuda/1", "env": env, "config": vars(cfg).copy(), "runs": []}
+    params, matmul_params = gpt_params(cfg.layers_, cfg.d_model, cfg.vocab, cfg.seq)
+    doc: dict[str, Any] = {
+        "schema": "fsdp.bench.cuda/1", "env": env, "config": vars(cfg).copy(),
+        "model": {"params": params, "matmul_params": matmul_params}, "runs": [],
+    }
 
     def on_run(runs: list[dict[str, Any]]) -> None:
         doc["runs"] = runs
