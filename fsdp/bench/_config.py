@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 from typing import Optional, Sequence
 
-__all__ = ["IMPLEMENTATIONS", "STRATEGIES", "CHECKPOINTED", "BenchConfig", "parse_args"]
+__all__ = ["IMPLEMENTATIONS", "STRATEGIES", "CHECKPOINTED", "DEVICES", "BenchConfig", "parse_args", "parse_device"]
 
 #: Every implementation, in report order. ``fsdp`` is ours; the ratios are against ``torch_fsdp1``.
 IMPLEMENTATIONS = ("fsdp", "torch_fsdp1", "torch_fsdp2", "ddp", "local")
@@ -14,6 +14,9 @@ IMPLEMENTATIONS = ("fsdp", "torch_fsdp1", "torch_fsdp2", "ddp", "local")
 CHECKPOINTED = ("fsdp", "torch_fsdp1")
 #: Sharding strategies the benchmark knows the minimum communication of.
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
+#: ``--device``: ``cpu`` is this benchmark; ``cuda`` the GPU benchmark (:mod:`fsdp.bench._cuda`),
+#: which has flags of its own (``python -m fsdp.bench --device cuda --help``).
+DEVICES = ("cpu", "cuda")
 
 
 @dataclasses.dataclass
@@ -70,6 +73,15 @@ class BenchConfig:
             raise ValueError("--world-size, --rounds, --steps-per-round and warm-up steps must be >= 1")
 
 
+def parse_device(argv: Optional[Sequence[str]] = None) -> str:
+    """The ``--device`` that ``argv`` asks for (``"cpu"`` when absent); exits with status 2 on
+    a device not in :data:`DEVICES`. The other flags are left to that device's parser."""
+    p = argparse.ArgumentParser(prog="python -m fsdp.bench", add_help=False)
+    p.add_argument("--device", choices=DEVICES, default="cpu")
+    known, _ = p.parse_known_args(argv)
+    return str(known.device)
+
+
 def parse_args(argv: Optional[Sequence[str]] = None) -> BenchConfig:
     """The :class:`BenchConfig` that the command line ``argv`` asks for."""
     d = BenchConfig()
@@ -78,6 +90,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> BenchConfig:
         description="Step time, peak memory, bytes communicated and checkpoint time of fsdp "
         "against torch FSDP1, torch FSDP2, DDP and a no-communication local baseline.",
     )
+    p.add_argument("--device", choices=DEVICES, default="cpu", help="cuda: the GPU benchmark (--device cuda --help)")
     p.add_argument("--world-size", type=int, default=d.world_size, help="local CPU ranks (gloo)")
     p.add_argument("--layers", type=int, default=d.layers, help="TransformerEncoderLayers")
     p.add_argument("--d-model", type=int, default=d.d_model)

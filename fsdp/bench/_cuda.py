@@ -1,0 +1,381 @@
+"""``python -m fsdp.bench --device cuda``: the GPU benchmark's process group and measurements.
+
+One process, world size 1 (NCCL on ``cuda:0``; gloo on CPU for ``--cpu-dry-run``). Each *run*
+builds one implementation from scratch, so every implementation starts from the same state:
+build the seeded fp32 model on the GPU, wrap it, make the optimizer, reset the peak-memory
+counters, run the warm-up steps and then the timed ones (a CUDA event pair around each step,
+one synchronization after the loop), read the peaks (over warm-up and timed steps), then drop
+everything, ``gc.collect()`` and ``torch.cuda.empty_cache()``. The training comparison
+alternates implementations within each round (the order rotates by one each round) and the
+report takes medians over rounds; see :mod:`fsdp.bench._cuda_report`.
+
+A run that fails (out of memory, or an exception from an implementation) is recorded with the
+end of its traceback and that implementation is skipped in later rounds; the others go on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import faulthandler
+import gc
+import json
+import os
+import socket
+import sys
+import time
+import traceback
+import warnings
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from fsdp.bench._cuda_config import CudaBenchConfig, gpt_params, layers_for_size, parse_cuda_args
+from fsdp.bench._cuda_model import build_model, make_batches, make_optimizer, train_step, wrap
+from fsdp.bench._cuda_report import (
+    evaluate_targets,
+    format_offload,
+    format_report,
+    peak_flops,
+    summarize,
+    summarize_offload,
+)
+
+__all__ = ["main_cuda", "cuda_unavailable_message"]
+
+#: Host bytes per parameter an offloaded run needs, to skip sizes that cannot fit before the
+#: kernel's OOM killer ends the whole process: fp32 parameter, gradient and two AdamW moments
+#: (16) plus the model as built while it is flattened (4).
+_HOST_BYTES_PER_PARAM = 20
+
+
+def cuda_unavailable_message() -> str:
+    """The one-line error of ``--device cuda`` on a machine without a usable GPU."""
+    return (
+        f"python -m fsdp.bench: error: --device cuda: CUDA is not available (torch "
+        f"{torch.__version__}, built for CUDA {torch.version.cuda}, "
+        f"{torch.cuda.device_count()} GPUs visible); run it on a machine with an NVIDIA GPU, "
+        f"or use --device cpu"
+    )
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def _process_group(cfg: CudaBenchConfig) -> Iterator[torch.device]:
+    """World size 1: NCCL on ``cuda:0`` (gloo on CPU for the dry run); yields the device."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    if cfg.device_type == "cuda":
+        torch.cuda.set_device(0)
+        device = torch.device("cuda", 0)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+    try:
+        yield device
+    finally:
+        dist.destroy_process_group()
+
+
+class _StepTimer:
+    """Per-step seconds: a CUDA event pair around each step (no synchronization until
+    :meth:`seconds`), or ``time.perf_counter`` on CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._cuda = device.type == "cuda"
+        self._marks: list[Any] = []
+
+    def mark(self) -> None:
+        if self._cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._marks.append(event)
+        else:
+            self._marks.append(time.perf_counter())
+
+    def seconds(self) -> list[float]:
+        """Seconds of each (start, end) pair of marks; synchronizes the GPU."""
+        pairs = list(zip(self._marks[0::2], self._marks[1::2]))
+        if self._cuda:
+            torch.cuda.synchronize()
+            return [start.elapsed_time(end) / 1000.0 for start, end in pairs]
+        return [end - start for start, end in pairs]
+
+
+def _host_rss() -> Optional[int]:
+    """This process's resident host memory in bytes (``None`` where /proc is missing)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _host_available() -> Optional[int]:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _record(impl: str, rnd: int, layers: int, status: str = "ok", error: Optional[str] = None) -> dict[str, Any]:
+    return {
+        "impl": impl, "round": rnd, "layers": layers, "status": status, "error": error, "setup_s": None,
+        "step_s": [], "losses": [], "max_allocated": None, "max_reserved": None,
+        "allocated_before": None, "host_rss": None,
+    }
+
+
+def _cleanup(device: torch.device) -> None:
+    """Frees what the last run left; a GPU error here (a broken CUDA context) is printed and
+    left to the next run to record, rather than ending the benchmark."""
+    gc.collect()
+    if device.type == "cuda":
+        try:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        except Exception as e:  # noqa: BLE001 - report and go on
+            print(f"cleanup after a run failed: {type(e).__name__}: {e}", flush=True)
+
+
+def _error_text(limit: int = 30) -> str:
+    """The last ``limit`` lines of the exception being handled."""
+    return "".join(traceback.format_exc().splitlines(keepends=True)[-limit:])
+
+
+def measure(
+    cfg: CudaBenchConfig, device: torch.device, impl: str, rnd: int, layers: int, offload: bool,
+    warmup: int, steps: int,
+) -> dict[str, Any]:
+    """One run of ``impl`` from a fresh model: warm-up and timed steps, step times, losses and
+    peak memory. Never raises for a failure of the implementation: the run records it."""
+    rec = _record(impl, rnd, layers)
+    cuda = device.type == "cuda"
+    model: Any = None
+    opt: Any = None
+    losses: list[torch.Tensor] = []
+    try:
+        start = time.perf_counter()
+        rec["allocated_before"] = torch.cuda.memory_allocated() if cuda else None
+        model = build_model(cfg, layers, device)
+        if offload:  # an fp32 model on the host (built on the GPU: its RNG is far faster)
+            model = model.cpu()
+            _cleanup(device)
+        model = wrap(impl, model, device, offload)
+        opt = make_optimizer(model)
+        batches = make_batches(cfg, warmup + steps, device)
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        rec["setup_s"] = time.perf_counter() - start
+        timer = _StepTimer(device)
+        for i, batch in enumerate(batches):
+            if i >= warmup:
+                timer.mark()
+            losses.append(train_step(model, opt, batch, impl == "local", device.type))
+            if i >= warmup:
+                timer.mark()
+        rec["step_s"] = timer.seconds()
+        rec["losses"] = [float(loss) for loss in losses]
+        if cuda:
+            rec["max_allocated"] = torch.cuda.max_memory_allocated()
+            rec["max_reserved"] = torch.cuda.max_memory_reserved()
+        rec["host_rss"] = _host_rss()
+    except (torch.OutOfMemoryError, MemoryError):
+        rec.update(status="oom", error=_error_text(8))
+    except Exception as e:  # an implementation's failure is a result to report, not the end of the run
+        # An OOM re-raised as another type (from a hook, or pinning host memory) is still an OOM.
+        oom = "out of memory" in str(e).lower()
+        rec.update(status="oom" if oom else "error", error=_error_text(8 if oom else 30))
+    finally:
+        model = opt = None
+        losses.clear()
+        _cleanup(device)
+    return rec
+
+
+def _progress(rec: dict[str, Any], cfg: CudaBenchConfig, tag: str) -> None:
+    if rec["status"] != "ok":
+        print(f"[{tag}] {rec['impl']:<12} {rec['status'].upper()}\n{rec['error']}", flush=True)
+        return
+    step = sum(rec["step_s"]) / len(rec["step_s"])
+    mem = ""
+    if rec["max_allocated"] is not None:
+        mem = f"  alloc {rec['max_allocated'] / 2**30:.2f} GiB  resv {rec['max_reserved'] / 2**30:.2f} GiB"
+    if (rec["allocated_before"] or 0) > 2**27:  # what an earlier run did not free (a leak)
+        mem += f"  (held before the build: {rec['allocated_before'] / 2**30:.2f} GiB)"
+    if rec["host_rss"] is not None and cfg.offload:
+        mem += f"  host RSS {rec['host_rss'] / 2**30:.1f} GiB"
+    print(
+        f"[{tag}] {rec['impl']:<12} step {step:.4f} s  {cfg.tokens_per_step / step:.0f} tok/s{mem}"
+        f"  loss {rec['losses'][-1]:.5f}  setup {rec['setup_s']:.1f} s",
+        flush=True,
+    )
+
+
+#: Called with the runs so far after each run (the JSON is rewritten, so a run that is killed
+#: later still leaves its numbers).
+OnRun = Callable[[list[dict[str, Any]]], None]
+
+
+def _no_op(runs: list[dict[str, Any]]) -> None:
+    pass
+
+
+def _rounds(cfg: CudaBenchConfig, device: torch.device, offload: bool, on_run: OnRun = _no_op) -> list[dict[str, Any]]:
+    """Alternating rounds of every implementation at ``cfg.layers``; one that fails once is
+    skipped afterwards; no round starts after ``cfg.time_budget_s``. Round ``r`` starts with
+    implementation ``r + 1`` (the first round measures the torch baselines before fsdp)."""
+    runs: list[dict[str, Any]] = []
+    failed: set[str] = set()
+    start = time.perf_counter()
+    impls = list(cfg.impls)
+    for rnd in range(cfg.rounds or 1):
+        if rnd and time.perf_counter() - start > cfg.time_budget_s:
+            print(f"time budget of {cfg.time_budget_s:.0f} s spent: stopping after {rnd} rounds", flush=True)
+            break
+        first = (rnd + 1) % len(impls)
+        order = impls[first:] + impls[:first]
+        for impl in order:
+            if impl in failed:
+                runs.append(_record(impl, rnd, cfg.layers_, "skipped"))
+                continue
+            rec = measure(cfg, device, impl, rnd, cfg.layers_, offload, cfg.warmup_steps or 1, cfg.steps or 1)
+            _progress(rec, cfg, f"round {rnd + 1}/{cfg.rounds}")
+            if rec["status"] != "ok":
+                failed.add(impl)
+            runs.append(rec)
+            on_run(runs)
+    return runs
+
+
+def _walk_sizes(cfg: CudaBenchConfig, device: torch.device, on_run: OnRun = _no_op) -> list[dict[str, Any]]:
+    """``--offload-sizes``: each size once per implementation (1 warm-up, 2 timed steps),
+    smallest first; an implementation that does not fit a size is not tried at larger ones, and
+    no size starts after ``cfg.time_budget_s``."""
+    runs: list[dict[str, Any]] = []
+    too_big: set[str] = set()
+    start = time.perf_counter()
+    for size in sorted(cfg.offload_sizes):
+        if runs and time.perf_counter() - start > cfg.time_budget_s:
+            print(f"time budget of {cfg.time_budget_s:.0f} s spent: no sizes above {runs[-1]['size_b']:g}B", flush=True)
+            break
+        layers = layers_for_size(size, cfg.d_model, cfg.vocab, cfg.seq)
+        params = gpt_params(layers, cfg.d_model, cfg.vocab, cfg.seq)[0]
+        for impl in cfg.impls:
+            available = _host_available()
+            need = _HOST_BYTES_PER_PARAM * params
+            if impl in too_big:
+                rec = _record(impl, 0, layers, "skipped", "a smaller size did not fit")
+            elif available is not None and need > available:
+                rec = _record(impl, 0, layers, "oom", f"host memory: needs about {need / 2**30:.0f} GiB, {available / 2**30:.0f} GiB available")
+            else:
+                print(f"[size {size:g}B] {impl}: {layers} layers, {params / 1e9:.2f}e9 params ...", flush=True)
+                rec = measure(cfg, device, impl, 0, layers, True, 1, 2)
+            rec.update(size_b=size, params=params)
+            _progress(rec, cfg, f"size {size:g}B")
+            if rec["status"] == "oom":
+                too_big.add(impl)
+            runs.append(rec)
+            on_run(runs)
+    return runs
+
+
+def _nccl_version() -> Optional[str]:
+    try:
+        version = torch.cuda.nccl.version()
+    except Exception:  # noqa: BLE001 - informational only
+        return None
+    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+
+
+def _env(device: torch.device) -> dict[str, Any]:
+    cuda = device.type == "cuda"
+    return {
+        "device_name": torch.cuda.get_device_name(device) if cuda else "cpu (dry run)",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "nccl": _nccl_version() if cuda else None,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": sys.version.split()[0],
+    }
+
+
+def _run(cfg: CudaBenchConfig, device: torch.device) -> dict[str, Any]:
+    """Everything the configuration asks for; prints as it goes and the report at the end."""
+    from fsdp.bench._cuda_profile import format_profile, profile_fsdp
+
+    env = _env(device)
+    print(f"fsdp.bench --device cuda: {env['device_name']}, torch {env['torch']}, CUDA {env['cuda']}", flush=True)
+    params, matmul_params = gpt_params(cfg.layers_, cfg.d_model, cfg.vocab, cfg.seq)
+    doc: dict[str, Any] = {
+        "schema": "fsdp.bench.cuda/1", "env": env, "config": vars(cfg).copy(),
+        "model": {"params": params, "matmul_params": matmul_params}, "runs": [],
+    }
+
+    def on_run(runs: list[dict[str, Any]]) -> None:
+        doc["runs"] = runs
+        _write_json(cfg, doc)
+
+    if cfg.offload:
+        runs = _walk_sizes(cfg, device, on_run) if cfg.offload_sizes else _rounds(cfg, device, True, on_run)
+        summary = summarize_offload(cfg, runs)
+        doc.update(runs=runs, offload=summary)
+        print(format_offload(cfg, env, summary), flush=True)
+        return doc
+    runs = _rounds(cfg, device, False, on_run)
+    profile = profile_fsdp(cfg, device) if cfg.profile else None
+    peak = peak_flops(env["device_name"], cfg.peak_tflops)
+    summary = summarize(cfg, runs, peak)
+    targets = evaluate_targets(summary)
+    doc.update(runs=runs, summary=summary, targets=targets, profile=profile)
+    if profile is not None:
+        print(format_profile(profile), flush=True)
+    print(format_report(cfg, env, summary, targets), flush=True)
+    return doc
+
+
+def main_cuda(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m fsdp.bench --device cuda [flags]``; returns the exit status."""
+    cfg = parse_cuda_args(argv)
+    if not cfg.cpu_dry_run and not torch.cuda.is_available():
+        print(cuda_unavailable_message(), file=sys.stderr)
+        return 2
+    # A hang (a collective that never completes) dumps every thread's stack and exits, so the
+    # output shows where, before the caller's own time limit kills the process silently.
+    faulthandler.dump_traceback_later(cfg.hang_timeout_s, exit=True)
+    warnings.filterwarnings("once")
+    # Both FSDP1 implementations warn that they use NO_SHARD at world size 1 (the report says so).
+    warnings.filterwarnings("ignore", message=".*NO_SHARD.*")
+    try:
+        with _process_group(cfg) as device:
+            doc = _run(cfg, device)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    if cfg.json_out:
+        _write_json(cfg, doc)
+        print(f"wrote {cfg.json_out}", flush=True)
+    return 0
+
+
+def _write_json(cfg: CudaBenchConfig, doc: dict[str, Any]) -> None:
+    """``doc`` to ``--json`` (if given), its folder created; replaced whole, never half written."""
+    if not cfg.json_out:
+        return
+    path = os.path.abspath(cfg.json_out)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(doc, f, indent=1)
+    os.replace(path + ".tmp", path)

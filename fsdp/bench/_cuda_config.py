@@ -1,0 +1,238 @@
+"""The GPU benchmark's configuration: ``python -m fsdp.bench --device cuda [flags]``.
+
+Two modes share one parser: the default training comparison (fsdp, torch FSDP1, torch FSDP2 and
+the unwrapped model, world size 1 on one GPU) and ``--offload`` (fsdp against torch FSDP1 with
+``CPUOffload(offload_params=True)``, optionally walking model sizes with ``--offload-sizes``).
+
+Default sizes (example GPT of :mod:`fsdp.examples.model`, vocabulary 50304, sequence 2048):
+
+* training: 18 blocks of width 2048 (16 heads): 1.12e9 parameters (0.91e9 in the blocks,
+  2 x 0.103e9 in the untied token embedding and head). Memory, estimated for the largest case,
+  the unwrapped model under ``torch.autocast(bfloat16)``: 16 bytes/parameter of fp32 model
+  states (parameter, gradient, two AdamW moments) = 18 GB, the autocast cache of bf16 weights
+  2.2 GB, and activations: about 40 bytes per (token x d_model) per block (fp32 residual and
+  LayerNorm inputs, bf16 matmul inputs, q/k/v, the 4x-wide MLP input and output; flash
+  attention saves no seq x seq matrix) = 40 x 12288 x 2048 x 18 = 18 GB at batch 6, plus the
+  logits (bf16, their fp32 copy for the loss, and its log-softmax: 12288 x 50304 x 10 bytes =
+  6.2 GB) and their gradients: about 48 GB in all, so batch 6 leaves a wide margin on an 80 GB
+  GPU (batch 8 would be about 58 GB). A step is 7.0 GFLOP/token x 12288 tokens = 86 TFLOP,
+  about 0.17-0.3 s on an H100 at 30-50% MFU.
+* offload: 36 blocks (2.02e9 parameters; host memory holds 16 bytes/parameter = 32 GB of
+  model states for one implementation at a time, plus the model as built), batch 2; 2 rounds
+  of 1 warm-up and 3 timed steps (a step takes seconds: AdamW runs on the CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Optional, Sequence
+
+__all__ = [
+    "CUDA_IMPLEMENTATIONS",
+    "OFFLOAD_IMPLEMENTATIONS",
+    "CudaBenchConfig",
+    "parse_cuda_args",
+    "block_params",
+    "gpt_params",
+    "layers_for_size",
+]
+
+#: The training comparison's implementations, in report order (ratios are against torch_fsdp1).
+CUDA_IMPLEMENTATIONS = ("fsdp", "torch_fsdp1", "torch_fsdp2", "local")
+#: The CPU-offload comparison's implementations.
+OFFLOAD_IMPLEMENTATIONS = ("fsdp", "torch_fsdp1")
+
+# Per mode: (layers, batch, rounds, warm-up steps, timed steps). An offload step takes seconds
+# (the AdamW step runs on the CPU), so that mode runs fewer, shorter rounds.
+_TRAIN_DEFAULTS = (18, 6, 5, 2, 5)
+_OFFLOAD_DEFAULTS = (36, 2, 2, 1, 3)
+
+
+def block_params(d_model: int) -> int:
+    """Parameters of one example-GPT :class:`~fsdp.examples.model.Block` of width ``d_model``.
+
+    Two LayerNorms (2 x 2d), qkv (3d^2 + 3d), attention projection (d^2 + d), MLP up
+    (4d^2 + 4d) and down (4d^2 + d): 12 d^2 + 13 d.
+    """
+    return 12 * d_model * d_model + 13 * d_model
+
+
+def gpt_params(layers: int, d_model: int, vocab: int, seq: int) -> tuple[int, int]:
+    """(all parameters, matmul parameters) of the example GPT.
+
+    The matmul parameters are all but the token and position embedding tables (lookups, no
+    FLOPs): the blocks, the final LayerNorm and the untied output head (a vocab x d matmul).
+    """
+    embeddings = vocab * d_model + seq * d_model
+    matmul = layers * block_params(d_model) + 2 * d_model + vocab * d_model
+    return embeddings + matmul, matmul
+
+
+def layers_for_size(billions: float, d_model: int, vocab: int, seq: int) -> int:
+    """Blocks of width ``d_model`` that bring the example GPT closest to ``billions`` x 1e9
+    parameters (at least one)."""
+    fixed = gpt_params(0, d_model, vocab, seq)[0]
+    return max(1, round((billions * 1e9 - fixed) / block_params(d_model)))
+
+
+@dataclasses.dataclass
+class CudaBenchConfig:
+    """What the GPU benchmark runs. ``layers`` and ``batch`` of ``None`` take the mode's default.
+
+    Attributes:
+        cpu_dry_run: run the same code on CPU (gloo, perf_counter timing, no memory figures):
+            for tests on machines without a GPU; hidden from ``--help``.
+        time_budget_s: no new round starts after this many seconds (the rounds done are
+            reported); a stuck run dumps every thread's stack and exits after ``hang_timeout_s``.
+    """
+
+    layers: Optional[int] = None
+    d_model: int = 2048
+    n_head: int = 16
+    vocab: int = 50304
+    seq: int = 2048
+    batch: Optional[int] = None
+    rounds: Optional[int] = None
+    warmup_steps: Optional[int] = None
+    steps: Optional[int] = None
+    only: Optional[tuple[str, ...]] = None
+    peak_tflops: Optional[float] = None
+    offload: bool = False
+    offload_sizes: tuple[float, ...] = ()
+    profile: bool = False
+    profile_steps: int = 3
+    json_out: Optional[str] = None
+    time_budget_s: float = 420.0
+    hang_timeout_s: float = 570.0
+    cpu_dry_run: bool = False
+
+    def __post_init__(self) -> None:
+        if self.offload_sizes:
+            self.offload = True
+        defaults = _OFFLOAD_DEFAULTS if self.offload else _TRAIN_DEFAULTS
+        for name, default in zip(("layers", "batch", "rounds", "warmup_steps", "steps"), defaults):
+            if getattr(self, name) is None:
+                setattr(self, name, default)
+        allowed = OFFLOAD_IMPLEMENTATIONS if self.offload else CUDA_IMPLEMENTATIONS
+        only = allowed if self.only is None else self.only
+        unknown = [name for name in only if name not in allowed]
+        if unknown:
+            mode = "--offload" if self.offload else "the training comparison"
+            raise ValueError(f"--only: {unknown} not in {mode}'s implementations {list(allowed)}")
+        if not only:
+            raise ValueError(f"--only names no implementation; choose from {list(allowed)}")
+        self.only = tuple(name for name in allowed if name in only)
+        if self.d_model % self.n_head:
+            raise ValueError(f"--d-model {self.d_model} is not divisible by --n-head {self.n_head}")
+        positive = {
+            "--layers": self.layers, "--d-model": self.d_model, "--n-head": self.n_head,
+            "--vocab": self.vocab, "--seq": self.seq, "--batch": self.batch,
+            "--rounds": self.rounds, "--warmup-steps": self.warmup_steps, "--steps": self.steps,
+            "--profile-steps": self.profile_steps,
+        }
+        bad = {flag: value for flag, value in positive.items() if value < 1}
+        if bad:
+            raise ValueError(f"these flags must be >= 1: {bad}")
+        if self.peak_tflops is not None and self.peak_tflops <= 0:
+            raise ValueError(f"--peak-tflops must be positive, not {self.peak_tflops}")
+        if any(size <= 0 for size in self.offload_sizes):
+            raise ValueError(f"--offload-sizes must be positive billions, not {list(self.offload_sizes)}")
+        if self.profile and self.offload:
+            raise ValueError("--profile profiles the training comparison's fsdp; drop --offload")
+        if self.profile and "fsdp" not in self.only:
+            raise ValueError("--profile profiles fsdp; keep fsdp in --only")
+
+    @property
+    def device_type(self) -> str:
+        """``"cuda"``, or ``"cpu"`` for the dry run."""
+        return "cpu" if self.cpu_dry_run else "cuda"
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_ * self.seq
+
+    # The mode defaults are filled in by __post_init__; these typed views save the Optional.
+    @property
+    def layers_(self) -> int:
+        assert self.layers is not None
+        return self.layers
+
+    @property
+    def batch_(self) -> int:
+        assert self.batch is not None
+        return self.batch
+
+    @property
+    def impls(self) -> tuple[str, ...]:
+        assert self.only is not None
+        return self.only
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers such as 1,2,4, not {text!r}") from None
+
+
+def _parser() -> argparse.ArgumentParser:
+    d = CudaBenchConfig()
+    p = argparse.ArgumentParser(
+        prog="python -m fsdp.bench --device cuda",
+        description="GPU benchmark on one GPU (world size 1, NCCL): tokens/s, MFU and peak memory "
+        "of fsdp against torch FSDP1, torch FSDP2 and the unwrapped model (bf16 mixed precision, "
+        "AdamW), alternating rounds; or, with --offload, fsdp against torch FSDP1 with CPU offload.",
+    )
+    p.add_argument("--device", choices=("cuda",), default="cuda")
+    t, o = _TRAIN_DEFAULTS, _OFFLOAD_DEFAULTS
+    p.add_argument("--layers", type=int, default=None, help=f"GPT blocks (default {t[0]}; {o[0]} with --offload)")
+    p.add_argument("--d-model", type=int, default=d.d_model)
+    p.add_argument("--n-head", type=int, default=d.n_head)
+    p.add_argument("--vocab", type=int, default=d.vocab)
+    p.add_argument("--seq", type=int, default=d.seq)
+    p.add_argument("--batch", type=int, default=None, help=f"sequences per step (default {t[1]}; {o[1]} with --offload)")
+    p.add_argument("--rounds", type=int, default=None, help=f"alternating rounds, medians reported (default {t[2]}; {o[2]} with --offload)")
+    p.add_argument("--warmup-steps", type=int, default=None, help=f"default {t[3]}; {o[3]} with --offload")
+    p.add_argument("--steps", type=int, default=None, help=f"timed steps per implementation per round (default {t[4]}; {o[4]} with --offload)")
+    p.add_argument("--only", default=None, help=f"comma-separated subset of {','.join(CUDA_IMPLEMENTATIONS)}")
+    p.add_argument("--peak-tflops", type=float, default=None, help="the GPU's dense bf16 peak (for MFU) when its name is not known")
+    p.add_argument("--offload", action="store_true", help="fsdp vs torch_fsdp1 with CPUOffload(offload_params=True)")
+    p.add_argument("--offload-sizes", type=_floats, default=(), help="with --offload: model sizes in billions to walk, e.g. 1,2,4")
+    p.add_argument("--profile", action="store_true", help="also profile fsdp's steps (torch.profiler, top 25 ops)")
+    p.add_argument("--profile-steps", type=int, default=d.profile_steps)
+    p.add_argument("--json", dest="json_out", default=None, help="write every number as JSON here")
+    p.add_argument("--time-budget", type=float, default=d.time_budget_s, help="seconds after which no new round starts")
+    p.add_argument("--hang-timeout", type=float, default=d.hang_timeout_s, help="seconds after which stacks are dumped and the run exits")
+    p.add_argument("--cpu-dry-run", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+def parse_cuda_args(argv: Optional[Sequence[str]] = None) -> CudaBenchConfig:
+    """The :class:`CudaBenchConfig` that ``argv`` asks for; exits with status 2 on bad flags."""
+    p = _parser()
+    a = p.parse_args(argv)
+    try:
+        return CudaBenchConfig(
+            layers=a.layers,
+            d_model=a.d_model,
+            n_head=a.n_head,
+            vocab=a.vocab,
+            seq=a.seq,
+            batch=a.batch,
+            rounds=a.rounds,
+            warmup_steps=a.warmup_steps,
+            steps=a.steps,
+            only=None if a.only is None else tuple(s.strip() for s in a.only.split(",") if s.strip()),
+            peak_tflops=a.peak_tflops,
+            offload=a.offload,
+            offload_sizes=a.offload_sizes,
+            profile=a.profile,
+            profile_steps=a.profile_steps,
+            json_out=a.json_out,
+            time_budget_s=a.time_budget,
+            hang_timeout_s=a.hang_timeout,
+            cpu_dry_run=a.cpu_dry_run,
+        )
+    except ValueError as e:
+        p.error(str(e))
