@@ -206,6 +206,54 @@ def measure(
     return rec
 
 
+def _measure_in_child(cfg: CudaBenchConfig, args: tuple[Any, ...], results: Any) -> None:
+    """Child-process body of :func:`measure_isolated`."""
+    warnings.filterwarnings("ignore", message=".*NO_SHARD.*")
+    try:
+        with _process_group(cfg) as device:
+            rec = measure(cfg, device, *args)
+    except Exception:  # noqa: BLE001 - the process group itself failed: a result to report
+        rec = _record(args[0], args[1], args[2], "error", _error_text())
+    results.put(rec)
+
+
+def measure_isolated(
+    cfg: CudaBenchConfig, device: torch.device, impl: str, rnd: int, layers: int, offload: bool,
+    warmup: int, steps: int,
+) -> dict[str, Any]:
+    """:func:`measure` in a fresh process (spawned; its own world-size-1 process group).
+
+    [Note: One process per measured run]
+    Each run starts from an empty CUDA caching allocator, so no run's peak includes what an
+    earlier run left: freeing a wrapped model does not return all of its memory, with torch
+    FSDP1 as with fsdp (measured in one process on the H100: about one fp32 copy of the model
+    stayed allocated after each FSDP1-design run, gc.collect() notwithstanding; FSDP2 and the
+    unwrapped model returned everything). On the CPU dry run the measurement stays in-process.
+    """
+    if device.type != "cuda":
+        return measure(cfg, device, impl, rnd, layers, offload, warmup, steps)
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    child = ctx.Process(target=_measure_in_child, args=(cfg, (impl, rnd, layers, offload, warmup, steps), results))
+    child.start()
+    deadline = time.monotonic() + cfg.hang_timeout_s
+    rec: Optional[dict[str, Any]] = None
+    while rec is None and time.monotonic() < deadline:
+        try:
+            rec = results.get(timeout=1.0)
+        except Exception:  # noqa: BLE001 - queue.Empty: still running
+            if not child.is_alive() and results.empty():
+                break
+    child.join(timeout=30)
+    if child.is_alive():
+        child.kill()
+    if rec is None:
+        rec = _record(impl, rnd, layers, "error", f"measuring process ended without a result (exit code {child.exitcode})")
+    return rec
+
+
 def _progress(rec: dict[str, Any], cfg: CudaBenchConfig, tag: str) -> None:
     if rec["status"] != "ok":
         print(f"[{tag}] {rec['impl']:<12} {rec['status'].upper()}\n{rec['error']}", flush=True)
@@ -252,7 +300,7 @@ def _rounds(cfg: CudaBenchConfig, device: torch.device, offload: bool, on_run: O
             if impl in failed:
                 runs.append(_record(impl, rnd, cfg.layers_, "skipped"))
                 continue
-            rec = measure(cfg, device, impl, rnd, cfg.layers_, offload, cfg.warmup_steps or 1, cfg.steps or 1)
+            rec = measure_isolated(cfg, device, impl, rnd, cfg.layers_, offload, cfg.warmup_steps or 1, cfg.steps or 1)
             _progress(rec, cfg, f"round {rnd + 1}/{cfg.rounds}")
             if rec["status"] != "ok":
                 failed.add(impl)
@@ -283,7 +331,7 @@ def _walk_sizes(cfg: CudaBenchConfig, device: torch.device, on_run: OnRun = _no_
                 rec = _record(impl, 0, layers, "oom", f"host memory: needs about {need / 2**30:.0f} GiB, {available / 2**30:.0f} GiB available")
             else:
                 print(f"[size {size:g}B] {impl}: {layers} layers, {params / 1e9:.2f}e9 params ...", flush=True)
-                rec = measure(cfg, device, impl, 0, layers, True, 1, 2)
+                rec = measure_isolated(cfg, device, impl, 0, layers, True, 1, 2)
             rec.update(size_b=size, params=params)
             _progress(rec, cfg, f"size {size:g}B")
             if rec["status"] == "oom":

@@ -65,14 +65,17 @@ def to_dtensor(full_value: torch.Tensor, state: UnitState, offload: bool) -> Any
 
     mesh = _mesh_for(state.process_group, state.compute_device)
     if full_value.dim() == 0:
-        return DTensor.from_local(full_value.clone(), mesh, [Replicate()], run_check=False)
-    first, rows = _chunk_rows(full_value.shape[0], state.world_size, state.rank)
-    local = full_value.narrow(0, first, rows).clone()
-    if offload:
-        local = local.cpu()
-    return DTensor.from_local(
-        local, mesh, [Shard(0)], run_check=False, shape=full_value.shape, stride=full_value.stride()
-    )
+        value = DTensor.from_local(full_value.clone(), mesh, [Replicate()], run_check=False)
+    else:
+        first, rows = _chunk_rows(full_value.shape[0], state.world_size, state.rank)
+        local = full_value.narrow(0, first, rows).clone()
+        value = DTensor.from_local(
+            local, mesh, [Shard(0)], run_check=False, shape=full_value.shape, stride=full_value.stride()
+        )
+    # Offloaded after construction: DTensor.from_local moves a local tensor to the mesh's device
+    # type (a CPU piece on a CUDA mesh would come back to the GPU); DTensor.cpu() keeps the mesh
+    # and puts the local piece in host memory, as torch FSDP1's offload_to_cpu does.
+    return value.cpu() if offload else value
 
 
 def _expected_local_shape(shape: torch.Size, state: UnitState) -> tuple[int, ...]:
