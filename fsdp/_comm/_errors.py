@@ -54,6 +54,9 @@ _PHASE_OF_FUNCTION: dict[tuple[str, str], str] = {
 # Modules whose every function belongs to one phase (checked after the functions above).
 _PHASE_OF_MODULE: dict[str, str] = {
     "fsdp.state_dict._optim_state_dict": "optimizer state dict",
+    "fsdp.state_dict._optim_save": "optimizer state dict",
+    "fsdp.state_dict._optim_load": "optimizer state dict",
+    "fsdp.state_dict._optim_values": "optimizer state dict",
     "fsdp.init._sync": "sync_module_states at construction",
 }
 # Locals that may hold the object whose unit is communicating, innermost frame first; a

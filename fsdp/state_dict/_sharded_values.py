@@ -20,12 +20,21 @@ import torch.distributed as dist
 from fsdp._comm import _collectives as comm
 from fsdp.runtime._state import UnitState
 
-__all__ = ["to_dtensor", "check_sharded_value", "full_value", "is_dtensor", "is_sharded_tensor"]
+__all__ = [
+    "to_dtensor",
+    "check_sharded_value",
+    "full_value",
+    "is_dtensor",
+    "is_sharded_tensor",
+    "shard_rows",
+    "gather_chunked_rows",
+]
 
 _MESHES: dict[tuple[int, str], Any] = {}
 
 
 def _mesh_for(group: dist.ProcessGroup, device: torch.device) -> Any:
+    """The 1-D DeviceMesh of ``group`` for ``device``'s type (one per group and type)."""
     from torch.distributed.device_mesh import DeviceMesh
 
     key = (id(group), device.type)
@@ -61,17 +70,36 @@ def _chunk_rows(dim0: int, world_size: int, rank: int) -> tuple[int, int]:
 
 def to_dtensor(full_value: torch.Tensor, state: UnitState, offload: bool) -> Any:
     """This rank's ``torch.chunk`` piece of ``full_value`` as a ``Shard(0)`` DTensor (owned)."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import DTensor, Replicate
 
-    mesh = _mesh_for(state.process_group, state.compute_device)
     if full_value.dim() == 0:
+        mesh = _mesh_for(state.process_group, state.compute_device)
         value = DTensor.from_local(full_value.clone(), mesh, [Replicate()], run_check=False)
-    else:
-        first, rows = _chunk_rows(full_value.shape[0], state.world_size, state.rank)
-        local = full_value.narrow(0, first, rows).clone()
-        value = DTensor.from_local(
-            local, mesh, [Shard(0)], run_check=False, shape=full_value.shape, stride=full_value.stride()
-        )
+        return value.cpu() if offload else value
+    return shard_rows(
+        full_value, state.process_group, state.rank, state.world_size, state.compute_device, offload
+    )
+
+
+def shard_rows(
+    full_value: torch.Tensor,
+    group: dist.ProcessGroup,
+    rank: int,
+    world_size: int,
+    mesh_device: torch.device,
+    offload: bool = False,
+) -> Any:
+    """Rank ``rank``'s ``torch.chunk`` piece of ``full_value`` (dim > 0) along dim 0, owned, as a
+    ``Shard(0)`` DTensor on the 1-D mesh of ``group`` for ``mesh_device``'s type (an empty piece on
+    ranks past the last chunk). ``offload``: the piece is moved to CPU (the mesh stays)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = _mesh_for(group, mesh_device)
+    first, rows = _chunk_rows(full_value.shape[0], world_size, rank)
+    local = full_value.narrow(0, first, rows).clone()
+    value = DTensor.from_local(
+        local, mesh, [Shard(0)], run_check=False, shape=full_value.shape, stride=full_value.stride()
+    )
     # Offloaded after construction: DTensor.from_local moves a local tensor to the mesh's device
     # type (a CPU piece on a CUDA mesh would come back to the GPU); DTensor.cpu() keeps the mesh
     # and puts the local piece in host memory, as torch FSDP1's offload_to_cpu does.
@@ -153,16 +181,37 @@ def full_value(value: Any, shape: torch.Size, state: UnitState) -> torch.Tensor:
         return value.full_tensor()
     if not is_sharded_tensor(value):
         return value
-    rows_per_rank = math.ceil(shape[0] / state.world_size)
-    row_numel = math.prod(shape[1:])
     shards = value.local_shards()
-    device = state.compute_device
-    dtype = value.metadata().tensor_properties.dtype
-    padded_local = torch.zeros(rows_per_rank * row_numel, dtype=dtype, device=device)
-    if shards:
-        local = shards[0].tensor.reshape(-1).to(device)
-        padded_local[: local.numel()].copy_(local)
-    everyone = padded_local.new_empty(state.world_size * padded_local.numel())
-    comm.all_gather_flat(everyone, padded_local, state.process_group)
-    return everyone[: math.prod(shape)].view(shape)
+    return gather_chunked_rows(
+        shards[0].tensor if shards else None,
+        shape,
+        value.metadata().tensor_properties.dtype,
+        state.compute_device,
+        state.process_group,
+        state.world_size,
+    )
 
+
+def gather_chunked_rows(
+    local_rows: Optional[torch.Tensor],
+    shape: torch.Size,
+    dtype: torch.dtype,
+    device: torch.device,
+    group: Optional[dist.ProcessGroup],
+    world_size: int,
+) -> torch.Tensor:
+    """The full tensor of shape ``shape`` whose dim-0 ``torch.chunk`` pieces the ranks of
+    ``group`` hold (``local_rows``: this rank's, None where it holds none); an all-gather.
+
+    Each rank pads its piece to ``ceil(shape[0] / world_size)`` rows, so the gathered rows are in
+    order and the padding is at the end.
+    """
+    rows_per_rank = math.ceil(shape[0] / world_size)
+    row_numel = math.prod(shape[1:])
+    padded_local = torch.zeros(rows_per_rank * row_numel, dtype=dtype, device=device)
+    if local_rows is not None:
+        local = local_rows.reshape(-1).to(device)
+        padded_local[: local.numel()].copy_(local)
+    everyone = padded_local.new_empty(world_size * padded_local.numel())
+    comm.all_gather_flat(everyone, padded_local, group)
+    return everyone[: math.prod(shape)].view(shape)

@@ -1,0 +1,292 @@
+"""Optimizer state dicts: which parameter is which, by FQN, by optimizer key and in the model.
+
+An optimizer keys its own state dict by parameter IDs (positions in its ``param_groups``) or, a
+named optimizer, by the names ``model.named_parameters()`` gives (see [Note: Named optimizers]
+in ``_optim_state_dict.py``); FSDP's optimizer state dicts key it by the original parameters'
+fully qualified names. :class:`_ModelView` maps a wrapped model's parameters to FQNs, handles
+and positions inside them; the functions here translate between the three kinds of keys. No
+collectives.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Optional, Union
+
+import torch
+from torch import nn
+
+from fsdp._common import clean_fqn
+from fsdp.api import OptimStateKeyType
+from fsdp.flat_param.flat_param import FlatParamHandle
+from fsdp.runtime._state import check_idle, is_fsdp, unit_state
+from fsdp.state_dict._optim_errors import (
+    OptimStateAssertionError,
+    OptimStateIndexError,
+    OptimStateKeyError,
+)
+
+ParamKey = Union[int, str]
+"""A parameter's key in an optimizer's own state dict: its ID, or a named optimizer's name."""
+
+_NO_FSDP = (
+    "fsdp: the model contains no FullyShardedDataParallel instance; optimizer state dicts of an "
+    "unwrapped model need no conversion (use optim.state_dict())."
+)
+
+
+class _ModelView:
+    """Which parameter of ``model`` is what: FQNs, handles and positions inside them."""
+
+    def __init__(self, model: nn.Module) -> None:
+        units = [m for m in model.modules() if is_fsdp(m)]
+        if not units:
+            # torch FSDP1's legacy APIs fail with an IndexError (its list of FSDP modules is
+            # empty); optim_state_dict / optim_state_dict_to_load see _settings_of.
+            raise OptimStateIndexError(_NO_FSDP)
+        for unit in units:
+            if not unit_state(unit).has_fsdp_parent:
+                check_idle(unit, "an optimizer state dict API")
+        flags = {unit_state(u).handles[0].use_orig_params for u in units if unit_state(u).handles}
+        self.use_orig_params = flags == {True}
+        prefix: dict[int, str] = {}
+        for name, module in model.named_modules(remove_duplicate=False):
+            prefix.setdefault(id(module), name)
+        self.handles: list[FlatParamHandle] = []
+        self.handle_fqns: list[list[str]] = []
+        # fqn -> (handle position, index in the handle)
+        self.fqn_to_slot: dict[str, tuple[int, int]] = {}
+        # id(param) -> the parameter's FQNs (a FlatParameter: all of its parameters' names)
+        self.param_to_fqns: dict[int, list[str]] = {}
+        self.flat_to_handle: dict[int, int] = {}
+        self.orig_to_slot: dict[int, tuple[int, int]] = {}
+        seen: set[int] = set()
+        for unit in units:
+            for handle in unit_state(unit).handles:
+                if id(handle) in seen:
+                    continue
+                seen.add(id(handle))
+                h = len(self.handles)
+                fqns = []
+                for index, info in enumerate(handle.param_infos):
+                    base = prefix.get(id(info.module), "")
+                    fqn = clean_fqn(f"{base}.{info.param_name}" if base else info.param_name)
+                    fqns.append(fqn)
+                    self.fqn_to_slot[fqn] = (h, index)
+                self.handles.append(handle)
+                self.handle_fqns.append(fqns)
+                self.flat_to_handle[id(handle.flat_param)] = h
+                self.param_to_fqns[id(handle.flat_param)] = list(fqns)
+                for index, param in enumerate(handle.managed_orig_params()):
+                    self.orig_to_slot[id(param)] = (h, index)
+                    self.param_to_fqns[id(param)] = [fqns[index]]
+        # Parameters FSDP does not manage (ignored modules): their own (cleaned) names.
+        self.unmanaged: dict[str, nn.Parameter] = {}
+        for name, param in model.named_parameters():
+            if id(param) not in self.param_to_fqns:
+                fqn = clean_fqn(name)
+                self.param_to_fqns[id(param)] = [fqn]
+                self.unmanaged[fqn] = param
+        # fqn -> the parameter object an optimizer holds for it
+        self.fqn_to_param: dict[str, nn.Parameter] = dict(self.unmanaged)
+        for h, handle in enumerate(self.handles):
+            origs = handle.managed_orig_params()
+            for index, fqn in enumerate(self.handle_fqns[h]):
+                self.fqn_to_param[fqn] = origs[index] if origs else handle.flat_param
+
+    def fqn_shape(self, fqn: str) -> torch.Size:
+        if fqn in self.fqn_to_slot:
+            h, index = self.fqn_to_slot[fqn]
+            return self.handles[h].param_infos[index].shape
+        return self.unmanaged[fqn].shape
+
+    def describe_fqns(self) -> str:
+        names = list(self.fqn_to_param)
+        shown = ", ".join(f"'{n}' {tuple(self.fqn_shape(n))}" for n in names[:8])
+        more = f", ... ({len(names)} in all)" if len(names) > 8 else ""
+        return shown + more
+
+
+def _param_list(
+    model: nn.Module, optim: Optional[torch.optim.Optimizer], optim_input: Optional[Any]
+) -> list[nn.Parameter]:
+    """The parameters in optimizer-ID order (``optim_input`` first, as torch FSDP1, else
+    ``optim``, else the model's parameters).
+
+    Raises:
+        TypeError: ``optim_input`` is neither an iterable of tensors nor of parameter groups.
+        ValueError: ``optim_input`` is empty.
+    """
+    if optim_input is None and optim is not None:
+        return [p for group in optim.param_groups for p in group["params"]]
+    if optim_input is None:
+        return list(model.parameters())
+    try:
+        items = list(optim_input)
+    except TypeError as exc:
+        raise TypeError(
+            f"fsdp: optim_input must be an iterable of tensors or of parameter groups (dicts), as "
+            f"passed to the optimizer; got {type(optim_input).__name__}. Better: pass optim=."
+        ) from exc
+    if not items:
+        raise ValueError("fsdp: optim_input is empty; pass what the optimizer was built from, or optim=.")
+    if all(isinstance(item, dict) for item in items):
+        for index, item in enumerate(items):
+            if "params" not in item:
+                raise OptimStateAssertionError(
+                    f"fsdp: parameter group {index} of optim_input has no 'params' key."
+                )
+        return [p for group in items for p in (list(group["params"]) if not isinstance(group["params"], torch.Tensor) else [group["params"]])]
+    if not all(isinstance(item, torch.Tensor) for item in items):
+        kinds = sorted({type(item).__name__ for item in items})
+        raise TypeError(
+            f"fsdp: optim_input must hold only tensors or only parameter groups (dicts); got {kinds}."
+        )
+    return items
+
+
+def _names_in_model(model: nn.Module) -> dict[int, str]:
+    """id(param) -> the name ``model.named_parameters()`` gives it (its first name, uncleaned)."""
+    return {id(param): name for name, param in model.named_parameters()}
+
+
+def _optimizer_keys(model: nn.Module, params: list[nn.Parameter], named: bool) -> list[ParamKey]:
+    """The key of each of the optimizer's parameters in its own state dict, in ID order.
+
+    IDs for a ``torch.optim.Optimizer``; names for a named optimizer (see
+    [Note: Named optimizers]).
+    """
+    if not named:
+        return list(range(len(params)))
+    names = _names_in_model(model)
+    keys: list[ParamKey] = []
+    for position, param in enumerate(params):
+        if id(param) not in names:
+            # torch FSDP1 fails with a KeyError looking the parameter up.
+            raise OptimStateKeyError(
+                f"fsdp: the named optimizer holds a parameter of shape {tuple(param.shape)} (ID "
+                f"{position}) that is not a parameter of the model, so it has no name to key its "
+                f"state by."
+            )
+        keys.append(names[id(param)])
+    return keys
+
+
+def _keyed_by_names(osd: dict[str, Any]) -> bool:
+    """Whether an optimizer's own state dict comes from a named optimizer (string keys)."""
+    keys = list(osd.get("state", {}))
+    for group in osd.get("param_groups", []):
+        keys.extend(group.get("params", []))
+    names = [key for key in keys if isinstance(key, str)]
+    if names and len(names) != len(keys):
+        others = [key for key in keys if not isinstance(key, str)]
+        raise ValueError(
+            f"fsdp: the optimizer state dict mixes parameter names ({names[:3]}) and other keys "
+            f"({others[:3]}); a state dict is keyed by parameter IDs or, from a named optimizer, "
+            f"by parameter names."
+        )
+    return bool(names)
+
+
+def _names_to_ids(osd: dict[str, Any], names: list[ParamKey]) -> dict[str, Any]:
+    """A named optimizer's state dict re-keyed by parameter IDs (positions in ``names``)."""
+    position = {name: key for key, name in enumerate(names)}
+
+    def key_of(name: str, what: str) -> int:
+        if name not in position:
+            shown = ", ".join(f"'{n}'" for n in names[:8])
+            more = f", ... ({len(names)} in all)" if len(names) > 8 else ""
+            raise OptimStateKeyError(
+                f"fsdp: the named optimizer's state dict has {what} '{name}', which is not the name "
+                f"of a parameter the optimizer holds. Its keys must be the names "
+                f"model.named_parameters() gives the optimizer's parameters: {shown}{more}."
+            )
+        return position[name]
+
+    out: dict[str, Any] = {"state": {key_of(name, "state for"): entry for name, entry in osd["state"].items()}}
+    if "param_groups" in osd:
+        out["param_groups"] = [
+            {**group, "params": [key_of(name, "a parameter group listing") for name in group["params"]]}
+            for group in osd["param_groups"]
+        ]
+    return out
+
+
+def _fqn_to_key(view: _ModelView, params: list[nn.Parameter], keys: list[ParamKey]) -> dict[str, ParamKey]:
+    """FQN -> this optimizer's key for the parameter object it holds under that name."""
+    param_to_key = {id(param): keys[position] for position, param in enumerate(params)}
+    return {fqn: param_to_key[id(param)] for fqn, param in view.fqn_to_param.items() if id(param) in param_to_key}
+
+
+def _rekey(
+    osd: dict[str, Any],
+    key_type: Any,
+    model: nn.Module,
+    optim_input: Optional[Any],
+    optim: Optional[torch.optim.Optimizer],
+) -> dict[str, Any]:
+    """Re-keys ``osd`` by parameter names (PARAM_NAME) or by optimizer parameter IDs (PARAM_ID).
+
+    Local: no collectives, each rank re-keys by its own optimizer's IDs. The body of
+    ``FullyShardedDataParallel.rekey_optim_state_dict`` (which warns about ``optim_input`` first).
+    """
+    name = getattr(key_type, "name", None)
+    if name not in (OptimStateKeyType.PARAM_NAME.name, OptimStateKeyType.PARAM_ID.name):
+        # torch FSDP1 rejects it with an AssertionError.
+        raise OptimStateAssertionError(
+            f"fsdp: optim_state_key_type must be OptimStateKeyType.PARAM_NAME or PARAM_ID, got {key_type!r}"
+        )
+    keys = list(osd.get("state", {}))
+    by_name = [type(k) is str for k in keys]
+    by_id = [type(k) is int for k in keys]
+    if (any(by_name) and not all(by_name)) or (any(by_id) and not all(by_id)):
+        raise ValueError(f"fsdp: invalid parameter keys (mixed names and IDs): {keys}")
+    if (name == "PARAM_NAME" and all(by_name)) or (name == "PARAM_ID" and all(by_id)):
+        return osd
+    params = _param_list(model, optim, optim_input)
+    fqn_of = _param_names(model)
+    if name == "PARAM_NAME":
+        id_to_name = []
+        for p in params:
+            if id(p) not in fqn_of:
+                raise OptimStateKeyError(
+                    f"fsdp: the optimizer holds a parameter of shape {tuple(p.shape)} that is not "
+                    f"a parameter of the model."
+                )
+            id_to_name.append(fqn_of[id(p)])
+
+        def rekey(k: Any) -> Any:
+            if not isinstance(k, int) or not 0 <= k < len(id_to_name):
+                raise OptimStateIndexError(
+                    f"fsdp: parameter ID {k!r} is out of range: the optimizer has {len(id_to_name)} parameters."
+                )
+            return id_to_name[k]
+    else:
+        name_to_id = {fqn_of[id(p)]: k for k, p in enumerate(params) if id(p) in fqn_of}
+
+        def rekey(k: Any) -> Any:
+            if k not in name_to_id:
+                raise OptimStateKeyError(
+                    f"fsdp: parameter name '{k}' is not a parameter the optimizer holds; known names: "
+                    f"{sorted(name_to_id)[:8]}."
+                )
+            return name_to_id[k]
+
+    new: dict[str, Any] = {"state": {rekey(k): v for k, v in osd["state"].items()}}
+    new["param_groups"] = copy.deepcopy(osd["param_groups"])
+    for group in new["param_groups"]:
+        group["params"] = sorted(rekey(k) for k in group["params"])
+    return new
+
+
+def _param_names(model: nn.Module) -> dict[int, str]:
+    """id(param) -> its (first, cleaned) name, for wrapped and unwrapped models alike."""
+    names: dict[int, str] = {}
+    if any(is_fsdp(m) for m in model.modules()):
+        view = _ModelView(model)
+        for pid, fqns in view.param_to_fqns.items():
+            names[pid] = fqns[0]
+        return names
+    for name, param in model.named_parameters():
+        names.setdefault(id(param), name)
+    return names

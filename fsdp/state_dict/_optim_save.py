@@ -1,0 +1,431 @@
+"""Saving optimizer state dicts: the state of each FlatParameter (or each original parameter
+with ``use_orig_params``) gathered, split per parameter and keyed by FQNs.
+
+See [Note: Optimizer state dict formats] in ``_optim_state_dict.py``. Every rank first describes
+its state by names and the ranks agree on it ([Note: Optimizer state keyed by names across
+ranks] in ``_optim_agreement.py``); then every rank runs the same gathers in the same order.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp._common import p_assert
+from fsdp._comm import _collectives as comm
+from fsdp.flat_param.flat_param import FlatParamHandle
+from fsdp.state_dict._gather import NOBODY, PendingGather, gather, start_gather
+from fsdp.state_dict._optim_agreement import (
+    RankOptimState,
+    agree,
+    check_save_flat,
+    check_save_orig,
+    describe_state,
+)
+from fsdp.state_dict._optim_errors import OptimStateKeyError
+from fsdp.state_dict._optim_keys import (
+    _keyed_by_names,
+    _ModelView,
+    _names_to_ids,
+    _optimizer_keys,
+    _param_list,
+)
+from fsdp.state_dict._optim_values import _chunk, _is_pos_dim, _is_zero_dim
+
+__all__ = ["save"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _SaveOptions:
+    """How :func:`save` gives the state back.
+
+    Attributes:
+        to_save: This rank returns the state dict (False: ``rank0_only`` on a rank other than
+            rank 0 of ``group``, which joins the collectives and returns ``{}``).
+        shard: Each full value is chunked over its unit's group (a sharded state dict).
+        offload: Values are copied to CPU.
+        rank0_only_full: A full state dict gathered to rank 0 of ``group`` only.
+        group: The process group the state dict API was called with.
+    """
+
+    to_save: bool
+    shard: bool
+    offload: bool
+    rank0_only_full: bool
+    group: Optional[dist.ProcessGroup]
+
+
+def save(
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    optim_state_dict: Optional[dict[str, Any]] = None,
+    group: Optional[dist.ProcessGroup] = None,
+    *,
+    full: bool = True,
+    rank0_only: bool = False,
+    offload: bool = True,
+    optim_input: Optional[Any] = None,
+) -> dict[str, Any]:
+    """The optimizer state keyed by parameter FQNs (see [Note: Optimizer state dict formats]).
+
+    ``optim_state_dict`` (default ``optim.state_dict()``) may be keyed by IDs or, from a named
+    optimizer, by names (see [Note: Named optimizers]). Ranks may list their parameters in
+    different orders (see [Note: Optimizer state keyed by names across ranks]).
+    """
+    view = _ModelView(model)
+    osd, params, infos = _prepare_save(view, model, optim, optim_state_dict, optim_input, group)
+    options = _SaveOptions(
+        to_save=not rank0_only or dist.get_rank(group) == 0 or not full,
+        shard=not full,
+        offload=offload,
+        rank0_only_full=full and rank0_only,
+        group=group,
+    )
+    if not view.use_orig_params:
+        out_state = _save_flat_states(view, osd["state"], params, infos, options)
+    else:
+        out_state = _save_orig_states(view, osd["state"], params, infos, options)
+    if not options.to_save:
+        return {}
+    out: dict[str, Any] = {"state": out_state}
+    if "param_groups" in osd:
+        out["param_groups"] = _saved_groups(osd["param_groups"], view, params)
+    return out
+
+
+def _prepare_save(
+    view: _ModelView,
+    model: nn.Module,
+    optim: torch.optim.Optimizer,
+    optim_state_dict: Optional[dict[str, Any]],
+    optim_input: Optional[Any],
+    group: Optional[dist.ProcessGroup],
+) -> tuple[dict[str, Any], list[nn.Parameter], list[RankOptimState]]:
+    """The ID-keyed state dict to save, the parameters in ID order, and every rank's
+    :class:`RankOptimState`: the ranks agree before any state moves (a mistake on one rank
+    raises on every rank)."""
+    prepared: dict[str, Any] = {}
+
+    def prepare() -> RankOptimState:
+        osd = optim.state_dict() if optim_state_dict is None else optim_state_dict
+        if not isinstance(osd, dict) or "state" not in osd:
+            raise OptimStateKeyError(
+                "fsdp: optim_state_dict must have the key 'state' (an optimizer state dict, as "
+                "optim.state_dict() returns)"
+            )
+        params = _param_list(model, optim, optim_input)
+        if _keyed_by_names(osd):
+            osd = _names_to_ids(osd, _optimizer_keys(model, params, named=True))
+        prepared.update(osd=osd, params=params)
+        return _local_optim_state(view, params, osd["state"])
+
+    infos = agree(prepare, group, "describe its optimizer state")
+    return prepared["osd"], prepared["params"], infos
+
+
+def _save_flat_states(
+    view: _ModelView,
+    state: dict[Any, Any],
+    params: list[nn.Parameter],
+    infos: list[RankOptimState],
+    options: _SaveOptions,
+) -> dict[str, Any]:
+    """use_orig_params=False: the saved state of each parameter, in rank 0's order."""
+    position_of = {id(param): position for position, param in enumerate(params)}
+    out_state: dict[str, Any] = {}
+    flat_fqns = {view.handle_fqns[h][0]: view.handle_fqns[h] for h in range(len(view.handles))}
+    sharded_numels = {view.handle_fqns[h][0]: handle.sharded_numel for h, handle in enumerate(view.handles)}
+    # Rank 0's order, every rank: the collectives below run in one order by names.
+    for key in check_save_flat(infos, flat_fqns, sharded_numels):
+        param = view.fqn_to_param[key]
+        entry = state[position_of[id(param)]]
+        h = view.flat_to_handle.get(id(param))
+        if h is None:
+            if options.to_save:
+                out_state[key] = _copy_unmanaged(entry, options.offload)
+            continue
+        handle = view.handles[h]
+        dst = _receiver(handle, options.rank0_only_full, options.group)
+        entries = _unflatten_flat_param_state(handle, entry, options.to_save, options.shard, options.offload, dst)
+        if options.to_save:
+            out_state.update(zip(view.handle_fqns[h], entries))
+    return out_state
+
+
+def _save_orig_states(
+    view: _ModelView,
+    state: dict[Any, Any],
+    params: list[nn.Parameter],
+    infos: list[RankOptimState],
+    options: _SaveOptions,
+) -> dict[str, Any]:
+    """use_orig_params=True: the saved state of each parameter, in torch FSDP1's order."""
+    check_save_orig(infos, [fqn for fqns in view.handle_fqns for fqn in fqns])
+    per_handle: list[dict[str, dict[str, Any]]] = [{} for _ in view.handles]
+    unmanaged: dict[str, Any] = {}
+    for key, param in enumerate(params):
+        if key not in state:
+            continue
+        if id(param) in view.orig_to_slot:
+            h, index = view.orig_to_slot[id(param)]
+            per_handle[h][view.handle_fqns[h][index]] = state[key]
+        else:
+            unmanaged[view.param_to_fqns[id(param)][0]] = state[key]
+    # Handles in model order on every rank (the collectives' order).
+    results = [
+        _gather_orig_param_states(
+            handle, view.handle_fqns[h], per_handle[h], options.to_save, options.shard, options.offload,
+            _receiver(handle, options.rank0_only_full, options.group),
+        )
+        for h, handle in enumerate(view.handles)
+    ]
+    # torch FSDP1's order: unmanaged parameters, then each handle's (sorted) names, handles
+    # ordered by their first name in sorted order.
+    out_state: dict[str, Any] = {}
+    for fqn in sorted(unmanaged):
+        if options.to_save:
+            out_state[fqn] = _copy_unmanaged(unmanaged[fqn], options.offload)
+    nonempty = [r for r in results if r]
+    for result in sorted(nonempty, key=lambda r: min(r)):
+        out_state.update(result)
+    return out_state
+
+
+def _saved_groups(
+    osd_groups: list[dict[str, Any]], view: _ModelView, params: list[nn.Parameter]
+) -> list[dict[str, Any]]:
+    """This rank's own parameter groups, in its own order (as torch FSDP1), listing FQNs."""
+    groups = []
+    for group_sd in osd_groups:
+        new = copy.deepcopy(group_sd)
+        names: list[str] = []
+        for key in group_sd["params"]:
+            names.extend(view.param_to_fqns[id(params[key])])
+        new["params"] = names
+        groups.append(new)
+    return groups
+
+
+def _finish(value: torch.Tensor, handle: FlatParamHandle, shard: bool, offload: bool, fresh: bool) -> Any:
+    """A full per-parameter value as it goes into the returned state dict.
+
+    ``fresh``: ``value`` views a buffer made for this call (else it views the optimizer's own
+    state and is cloned).
+    """
+    if not fresh:
+        value = value.detach().clone()
+    if offload:
+        value = value.cpu()
+    if shard:
+        return _chunk(value, handle)
+    return value
+
+
+def _check_flat_state(handle: FlatParamHandle, name: str, value: torch.Tensor) -> None:
+    """Internal: ``value`` is shaped like the FlatParameter's local shard (``check_save_flat``
+    checked every rank's before any collective)."""
+    p_assert(
+        value.dim() == 1 and value.numel() == handle.sharded_numel,
+        f"optimizer state '{name}' of unit '{handle.unit_name}' has shape {tuple(value.shape)}, "
+        f"expected ({handle.sharded_numel},)",
+    )
+
+
+def _start_flat_state_gather(handle: FlatParamHandle, sharded_value: torch.Tensor, dst: Optional[int]) -> PendingGather:
+    """Starts gathering a shard-shaped state into a fresh padded unsharded tensor (on ``dst`` or all)."""
+    sharded_value = sharded_value.detach().to(handle.device)
+    return start_gather(sharded_value, handle.process_group, handle.rank, handle.world_size, dst)
+
+
+def _gather_flat_states(
+    handle: FlatParamHandle, flat_state: dict[str, Any], dst: Optional[int]
+) -> dict[str, tuple[Optional[torch.Tensor], bool]]:
+    """Each positive-dimension state of a FlatParameter in the unpadded unsharded layout.
+
+    Returns ``name -> (unpadded unsharded value, fresh)``; the value is None on a rank that does
+    not receive (``dst``), ``fresh`` whether it is a tensor made for this call. The gathers of
+    all states run at once.
+    """
+    pending: dict[str, PendingGather] = {}
+    out: dict[str, tuple[Optional[torch.Tensor], bool]] = {}
+    for name in sorted(flat_state):
+        value = flat_state[name]
+        if not _is_pos_dim(value):
+            continue
+        _check_flat_state(handle, name, value)
+        if handle.uses_sharding:
+            pending[name] = _start_flat_state_gather(handle, value, dst)
+        else:
+            out[name] = (value[: handle.unpadded_unsharded_numel], False)
+    for name, pending_gather in pending.items():
+        padded_unsharded = pending_gather.wait()
+        unpadded = None if padded_unsharded is None else padded_unsharded[: handle.unpadded_unsharded_numel]
+        out[name] = (unpadded, True)
+    return {name: out[name] for name in sorted(out)}
+
+
+def _split(handle: FlatParamHandle, flat: torch.Tensor) -> list[torch.Tensor]:
+    """Each parameter's view of an unpadded unsharded flat value (alignment padding skipped)."""
+    return handle.unsharded_views(flat)
+
+
+def _unflatten_flat_param_state(
+    handle: FlatParamHandle,
+    flat_state: dict[str, Any],
+    to_save: bool,
+    shard: bool,
+    offload: bool,
+    dst: Optional[int] = None,
+) -> list[dict[str, Any]]:
+    """Per original parameter, the state of a FlatParameter.
+
+    ``dst``: the group rank that keeps the gathered states (rank0_only), None for every rank.
+    """
+    gathered = _gather_flat_states(handle, flat_state, dst)
+    if not to_save:
+        return []
+    tensors = {name: _split(handle, value) for name, (value, _) in gathered.items() if value is not None}
+    fresh = {name: is_fresh for name, (_, is_fresh) in gathered.items()}
+    p_assert(len(tensors) == len(gathered), f"the saving rank missed a gathered state of '{handle.unit_name}'")
+    result = []
+    for index in range(len(handle.param_infos)):
+        entry: dict[str, Any] = {}
+        for name, views in tensors.items():
+            entry[name] = _finish(views[index], handle, shard, offload, fresh[name])
+        for name in sorted(flat_state):
+            value = flat_state[name]
+            if _is_zero_dim(value):
+                entry[name] = value.detach().clone().cpu() if offload else value.detach().clone()
+        for name in sorted(flat_state):
+            value = flat_state[name]
+            if not isinstance(value, torch.Tensor):
+                entry[name] = value
+        result.append(entry)
+    return result
+
+
+def _gather_orig_param_states(
+    handle: FlatParamHandle,
+    fqns: list[str],
+    local: dict[str, dict[str, Any]],
+    to_save: bool,
+    shard: bool,
+    offload: bool,
+    dst: Optional[int] = None,
+) -> dict[str, dict[str, Any]]:
+    """use_orig_params: the full state of each of a handle's parameters that has state on any rank.
+
+    ``dst``: the group rank that keeps the gathered states (rank0_only), None for every rank.
+    """
+    if not handle.uses_sharding:
+        # As torch FSDP1: nothing to gather, plain tensors even for a sharded state dict.
+        if not to_save:
+            return {}
+        out = {}
+        for fqn in sorted(f for f in fqns if f in local):
+            entry = {}
+            for name, value in local[fqn].items():
+                if isinstance(value, torch.Tensor):
+                    value = value.detach().clone()
+                    if offload:
+                        value = value.cpu()
+                entry[name] = value
+            out[fqn] = entry
+        return out
+    # What each rank holds: tensor (dtype, numel), scalar value, non-tensor value.
+    info: dict[str, dict[str, tuple]] = {}
+    for fqn in fqns:
+        if fqn not in local:
+            continue
+        info[fqn] = {}
+        for name, value in local[fqn].items():
+            if _is_pos_dim(value):
+                info[fqn][name] = ("t", value.dtype, value.numel())
+            elif _is_zero_dim(value):
+                info[fqn][name] = ("s", value.detach().cpu())
+            else:
+                info[fqn][name] = ("o", value)
+    gathered = comm.all_gather_object(info, handle.process_group)
+    with_state = [fqn for fqn in fqns if any(fqn in g for g in gathered)]
+    tensor_names = sorted({n for g in gathered for st in g.values() for n, v in st.items() if v[0] == "t"})
+    result: dict[str, dict[str, Any]] = {fqn: {} for fqn in sorted(with_state)}
+    for fqn in result:
+        per_rank = [g[fqn] for g in gathered if fqn in g]
+        nonempty = [st for st in per_rank if any(v[0] == "t" and v[2] > 0 for v in st.values())]
+        source = nonempty or per_rank
+        for kind in ("o", "s"):
+            for st in source:
+                for name, v in sorted(st.items()):
+                    if v[0] == kind and name not in result[fqn]:
+                        result[fqn][name] = v[1]
+    for name in tensor_names:
+        dtype = next(v[1] for g in gathered for st in g.values() for n, v in st.items() if n == name and v[0] == "t")
+        local_shard = torch.zeros(handle.sharded_numel, dtype=dtype, device=handle.device)
+        for index, fqn in enumerate(fqns):
+            value = local.get(fqn, {}).get(name)
+            offset, numel = handle._orig_sharded_ranges[index]
+            if value is None or numel == 0:
+                continue
+            p_assert(value.numel() == numel, f"state '{name}' of '{fqn}': {value.numel()} != {numel}")
+            local_shard[offset : offset + numel].copy_(value.reshape(-1))
+        padded_unsharded = gather(local_shard, handle.process_group, handle.rank, handle.world_size, dst)
+        if padded_unsharded is None or not to_save:
+            continue
+        views = _split(handle, padded_unsharded[: handle.unpadded_unsharded_numel])
+        for index, fqn in enumerate(fqns):
+            if fqn in result:
+                result[fqn][name] = _finish(views[index], handle, shard, offload, True)
+    return result if to_save else {}
+
+
+def _receiver(handle: FlatParamHandle, rank0_only_full: bool, group: Optional[dist.ProcessGroup]) -> Optional[int]:
+    """Which rank of the handle's group keeps its gathered state.
+
+    None: every rank (all-gather). With a rank0_only full state dict: the group rank of the rank
+    that returns the state dict (rank 0 of ``group``), or ``NOBODY`` when that rank is not in
+    the handle's group (hybrid sharding: another replica's group), so nothing is gathered.
+    """
+    if not rank0_only_full:
+        return None
+    saver = dist.get_global_rank(group, 0) if group is not None else 0
+    ranks = dist.get_process_group_ranks(handle.process_group)
+    return ranks.index(saver) if saver in ranks else NOBODY
+
+
+def _local_optim_state(
+    view: _ModelView, params: list[nn.Parameter], state: dict[Any, Any]
+) -> RankOptimState:
+    """This rank's :class:`RankOptimState` (see [Note: Optimizer state keyed by names across ranks])."""
+    keys: list[str] = []
+    states: dict[str, dict[str, Any]] = {}
+    for position, param in enumerate(params):
+        if position not in state:
+            continue
+        fqns = view.param_to_fqns.get(id(param))
+        if fqns is None:
+            raise OptimStateKeyError(
+                f"fsdp: the optimizer holds a parameter of shape {tuple(param.shape)} (ID {position}) "
+                f"that is not a parameter of the model."
+            )
+        keys.append(fqns[0])
+        states[fqns[0]] = describe_state(state[position])
+    local_numels: dict[str, int] = {}
+    if view.use_orig_params:
+        for h, handle in enumerate(view.handles):
+            for index, fqn in enumerate(view.handle_fqns[h]):
+                local_numels[fqn] = handle._orig_sharded_ranges[index][1]
+    return RankOptimState(keys, states, local_numels)
+
+
+def _copy_unmanaged(entry: dict[str, Any], offload: bool) -> dict[str, Any]:
+    entry = copy.copy(entry)
+    if offload:
+        for name in sorted(entry):
+            if isinstance(entry[name], torch.Tensor):
+                entry[name] = entry[name].cpu()
+    return entry
