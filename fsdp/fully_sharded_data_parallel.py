@@ -337,11 +337,11 @@ class FullyShardedDataParallel(nn.Module):
 
     def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
         """As ``nn.Module.named_parameters``; inside ``summon_full_params`` names carry no FSDP prefix."""
-        return names_in_summon(self, super().named_parameters(*args, **kwargs))
+        return names_in_summon(self, super().named_parameters, args, kwargs)
 
     def named_buffers(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.Tensor]]:
         """As ``nn.Module.named_buffers``; inside ``summon_full_params`` names carry no FSDP prefix."""
-        return names_in_summon(self, super().named_buffers(*args, **kwargs))
+        return names_in_summon(self, super().named_buffers, args, kwargs)
 
     # ------------------------------------------------------------------ queries
     def check_is_root(self) -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Callable, Iterator, Optional, TypeVar
+from typing import Any, Callable, Iterator, Optional, TypeVar
 
 import torch
 from torch import nn
@@ -273,15 +273,21 @@ def summon_full_params(
 _Named = TypeVar("_Named")
 
 
-def names_in_summon(wrapper: nn.Module, named: Iterator[tuple[str, _Named]]) -> Iterator[tuple[str, _Named]]:
-    """``named`` (``named_parameters()``/``named_buffers()``), with no FSDP prefix inside summon.
+def names_in_summon(
+    wrapper: nn.Module,
+    named: Callable[..., Iterator[tuple[str, _Named]]],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Iterator[tuple[str, _Named]]:
+    """``named(*args, **kwargs)`` (``nn.Module.named_parameters``/``named_buffers``), unprefixed in summon.
 
     While ``wrapper``'s unit is inside ``summon_full_params`` the names lose their
-    ``_fsdp_wrapped_module`` segments, as in torch FSDP1; otherwise they are left alone. Lazy,
-    like ``named``: the unit's state is read when the first item is asked for.
+    ``_fsdp_wrapped_module`` segments, as in torch FSDP1; otherwise they are left alone. A
+    generator: nothing (not even ``named``'s argument check) runs before the first item is
+    asked for.
     """
     clean = unit_state(wrapper).training_state is HandleTrainingState.SUMMON_FULL_PARAMS
-    for name, value in named:
+    for name, value in named(*args, **kwargs):
         yield (strip_fsdp_segments(name) if clean else name), value
 
 
