@@ -8,22 +8,13 @@ docs/design.md for the whole picture.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Generator, Iterable, Iterator, Mapping, Optional, Union
+from typing import Any, Callable, ContextManager, Generator, Iterable, Iterator, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp._common import (
-    FLAT_PARAM,
-    FSDP_PREFIX,
-    FSDP_WRAPPED_MODULE,
-    FSDPStateAssertionError,
-    group_backend,
-    group_rank,
-    group_size,
-    strip_fsdp_segments,
-)
+from fsdp._common import FLAT_PARAM, FSDP_PREFIX, FSDP_WRAPPED_MODULE
 from fsdp.api import (  # the config names are re-exported here too, as torch's module does
     BackwardPrefetch,
     CPUOffload,
@@ -41,43 +32,27 @@ from fsdp.api import (  # the config names are re-exported here too, as torch's 
     StateDictSettings,
     StateDictType,
 )
-from fsdp.flat_param._recast import hidden_from_module_apply, planned_local_shard, recast_handle
 from fsdp.flat_param.flat_param import FlatParameter, FlatParamHandle
-from fsdp.init._auto_wrap import mixed_precision_classes
-from fsdp.init._device import move_modules_to_device, resolve_compute_device
-from fsdp.init._materialize import materialize_and_wrap
-from fsdp.init._sync import sync_buffers
-from fsdp.init._process_group import HYBRID_STRATEGIES, resolve_process_groups
-from fsdp.init._unit_params import (
-    mark_tied_owners,
-    split_by_requires_grad,
-    unit_modules,
-    unit_params,
-    validate_unit_params,
-)
-from fsdp.init._validate import plan_units, validate_init_args, warn_construction
-from fsdp.runtime._clip_grad import clip_grad_norm_ as _clip_grad_norm
-from fsdp.runtime._hooks import register_flat_param_hooks, unit_forward
+from fsdp.init._steps import UnitArgs, build_handles, finish_unit, new_unit_state, plan_unit
+from fsdp.runtime._cast import cast_units
+from fsdp.runtime._clip_grad import clip_root_grad_norm_
+from fsdp.runtime._comm_hooks import register_comm_hook as _register_comm_hook
+from fsdp.runtime._hooks import unit_forward
 from fsdp.runtime._lazy_init import lazy_init, reset_lazy_init
-from fsdp.runtime._optimizer_check import note_replaced_params
-from fsdp.runtime._mixed_precision import (
-    apply_mixed_precision_overrides,
-    cast_unit_buffers,
-    full_precision_in_eval_requested,
-    refresh_cast_buffers,
-)
+from fsdp.runtime._mixed_precision import refresh_cast_buffers
+from fsdp.runtime._no_sync import no_sync as _no_sync
 from fsdp.runtime._state import (
     HandleTrainingState,
     TrainingState,
     UnitState,
-    check_idle,
     coarse_training_state,
-    is_fsdp,
-    set_reported_ignored,
+    fsdp_modules,
     unit_state,
 )
+from fsdp.runtime._summon import apply_summoned, names_in_summon
 from fsdp.runtime._summon import summon_full_params as _summon_full_params
 from fsdp.state_dict import _model_save, _model_state_dict, _settings
+from fsdp.state_dict import _optim_state_dict as _osd
 from fsdp.wrap import CustomPolicy, ModuleWrapPolicy
 
 # Torch's module of the same name exports these two; its other public names (the configs and
@@ -154,26 +129,7 @@ class FullyShardedDataParallel(nn.Module):
         ignored_states: Optional[Iterable[Any]] = None,
         device_mesh: Any = None,
     ) -> None:
-        # 1. Check everything a user can get wrong, and plan every unit, before changing anything.
-        validate_init_args(
-            module=module,
-            sharding_strategy=sharding_strategy,
-            cpu_offload=cpu_offload,
-            auto_wrap_policy=auto_wrap_policy,
-            backward_prefetch=backward_prefetch,
-            mixed_precision=mixed_precision,
-            param_init_fn=param_init_fn,
-            use_orig_params=use_orig_params,
-        )
-        strategy = sharding_strategy or ShardingStrategy.FULL_SHARD
-        groups = resolve_process_groups(process_group, device_mesh, strategy)
-        group = groups.shard
-        device = resolve_compute_device(module, device_id, group_backend(group))
-        rank, world_size = group_rank(group), group_size(group)
-        warn_construction(module, strategy, sharding_strategy, world_size)
-        if world_size == 1 and strategy not in HYBRID_STRATEGIES:
-            strategy = ShardingStrategy.NO_SHARD  # nothing to shard (as torch FSDP1 does)
-        root_kwargs = dict(
+        args = UnitArgs(
             process_group=process_group,
             sharding_strategy=sharding_strategy,
             cpu_offload=cpu_offload,
@@ -187,84 +143,15 @@ class FullyShardedDataParallel(nn.Module):
             use_orig_params=use_orig_params,
             device_mesh=device_mesh,
         )
-        plan = plan_units(module, auto_wrap_policy, root_kwargs, ignored_modules, ignored_states)
-        if auto_wrap_policy is not None and mixed_precision is not None:
-            apply_mixed_precision_overrides(module, mixed_precision_classes(root_kwargs))
-
-        # 2. Materialize (meta) in pre-order and wrap nested units bottom-up, then this unit.
-        wrapped_before = [unit_state(sub) for sub in module.modules() if is_fsdp(sub)]
+        # The init steps, in fsdp/init/_steps.py. 1. Check everything a user can get wrong, and
+        # plan every unit, before changing anything.
+        setup = plan_unit(module, args, auto_wrap_policy, ignored_modules, ignored_states)
         super().__init__()
-        with mark_tied_owners(plan.tied_owner):
-            materialize_and_wrap(
-                module,
-                plan.targets,
-                type(self),
-                device,
-                param_init_fn,
-                is_skipped=lambda m: is_fsdp(m) or m in plan.ignored_modules,
-            )
-            own_modules = unit_modules(module, plan.ignored_modules)
-            move_modules_to_device(own_modules, device)
-            self._fsdp_wrapped_module = module
-            params = unit_params(
-                module, lambda m: is_fsdp(m) or m in plan.ignored_modules, plan.ignored_params
-            )
-            validate_unit_params(type(module).__name__, params, use_orig_params)
-            if sync_module_states:
-                sync_buffers(own_modules, groups)
-            handles = [
-                FlatParamHandle(
-                    handle_params,
-                    module,
-                    device,
-                    group,
-                    uses_sharding=strategy is not ShardingStrategy.NO_SHARD,
-                    unit_name=type(module).__name__,
-                    replicate_group=groups.replicate,
-                    sync_module_states=sync_module_states,
-                    use_orig_params=use_orig_params,
-                    offload_params=bool(cpu_offload and cpu_offload.offload_params),
-                    mixed_precision=mixed_precision,
-                )
-                for handle_params in split_by_requires_grad(params, use_orig_params)
-            ]
-        if not use_orig_params:  # [Note: Optimizer before wrapping]
-            note_replaced_params(
-                ((f"{prefix}.{name}" if prefix else name, param) for prefix, _, name, param in params),
-                type(module).__name__,
-            )
-        self._fsdp_state = UnitState(
-            handles=handles,
-            process_group=group,
-            replicate_group=groups.replicate,
-            rank=rank,
-            world_size=world_size,
-            sharding_strategy=strategy,
-            compute_device=device,
-            unit_name=type(module).__name__,
-            backward_prefetch=backward_prefetch,
-            forward_prefetch=forward_prefetch,
-            limit_all_gathers=limit_all_gathers,
-            mixed_precision=mixed_precision,
-            full_precision_in_eval=full_precision_in_eval_requested(),
-            cast_buffers=cast_unit_buffers(
-                own_modules, mixed_precision.buffer_dtype if mixed_precision is not None else None
-            ),
-            cpu_offload=cpu_offload,
-            use_orig_params=use_orig_params,
-            ignored_modules=plan.ignored_modules,
-            ignored_params=plan.ignored_params,
-            device_mesh=device_mesh,
-        )
-        for sub in module.modules():
-            if is_fsdp(sub):
-                unit_state(sub).has_fsdp_parent = True
-        set_reported_ignored(
-            self._fsdp_state,
-            wrapped_before,
-            [unit_state(sub) for sub in module.modules() if is_fsdp(sub) and sub.module in plan.targets],
-        )
-        register_flat_param_hooks(self._fsdp_state)
+        # 2. Materialize (meta) in pre-order and wrap nested units bottom-up, then this unit.
+        handles, own_modules = build_handles(self, module, args, setup)
+        # 3. The unit's runtime state; 4. nested units, hooks and state-dict settings.
+        self._fsdp_state = new_unit_state(module, args, setup, handles, own_modules)
+        finish_unit(self._fsdp_state, module, setup)
         self._state_dict_settings = _settings.default_settings()
         _model_state_dict.register_state_dict_hooks(self)  # [Note: State dict hooks]
 
@@ -448,20 +335,13 @@ class FullyShardedDataParallel(nn.Module):
         """Forgets lazy initialization of this tree (e.g. before wrapping it further)."""
         reset_lazy_init(self)
 
-    def _in_summon(self) -> bool:
-        return self._fsdp_state.training_state is HandleTrainingState.SUMMON_FULL_PARAMS
-
     def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
         """As ``nn.Module.named_parameters``; inside ``summon_full_params`` names carry no FSDP prefix."""
-        clean = self._in_summon()
-        for name, param in super().named_parameters(*args, **kwargs):
-            yield (strip_fsdp_segments(name) if clean else name), param
+        return names_in_summon(self, super().named_parameters, args, kwargs)
 
     def named_buffers(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.Tensor]]:
         """As ``nn.Module.named_buffers``; inside ``summon_full_params`` names carry no FSDP prefix."""
-        clean = self._in_summon()
-        for name, buf in super().named_buffers(*args, **kwargs):
-            yield (strip_fsdp_segments(name) if clean else name), buf
+        return names_in_summon(self, super().named_buffers, args, kwargs)
 
     # ------------------------------------------------------------------ queries
     def check_is_root(self) -> bool:
@@ -471,19 +351,7 @@ class FullyShardedDataParallel(nn.Module):
     @staticmethod
     def fsdp_modules(module: nn.Module, root_only: bool = False) -> list["FullyShardedDataParallel"]:
         """Returns the FSDP instances in ``module`` (pre-order); only the top-level ones if ``root_only``."""
-        if not root_only:
-            return [m for m in module.modules() if is_fsdp(m)]  # type: ignore[misc]
-        result: list[FullyShardedDataParallel] = []
-
-        def visit(mod: nn.Module) -> None:
-            if is_fsdp(mod):
-                result.append(mod)  # type: ignore[arg-type]
-                return
-            for child in mod.children():
-                visit(child)
-
-        visit(module)
-        return result
+        return fsdp_modules(module, root_only)  # type: ignore[return-value]
 
     def apply(self, fn: Callable[[nn.Module], None]) -> "FullyShardedDataParallel":
         """Applies ``fn`` to every submodule with full parameters gathered (and written back).
@@ -493,21 +361,7 @@ class FullyShardedDataParallel(nn.Module):
                 FSDP1: inside a ``summon_full_params(writeback=False)`` its changes would be
                 silently dropped).
         """
-        uninitialized = self._fsdp_state.is_root is None
-        check_idle(self, "apply()", allow_summon=True, error=ValueError)
-        if self._fsdp_state.training_state is HandleTrainingState.SUMMON_FULL_PARAMS:
-            # (Nested units' apply, called by this apply's recursion, finds them idle.)
-            raise ValueError(
-                f"fsdp: apply() cannot be called inside summon_full_params on unit "
-                f"'{self._fsdp_state.unit_name}' (the enclosing summon decides whether changes "
-                f"are written back, so apply's would be lost with writeback=False). Call apply() "
-                f"outside summon_full_params, or modify the parameters inside it directly."
-            )
-        with _summon_full_params(self, recurse=False, writeback=True):
-            ret = super().apply(fn)
-        if uninitialized:
-            reset_lazy_init(self)
-        return ret  # type: ignore[return-value]
+        return apply_summoned(self, fn, super().apply)  # type: ignore[return-value]
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "FullyShardedDataParallel":
         """``nn.Module._apply`` (behind ``to``, ``half``, ``float``, ``double``, ``bfloat16``, ...).
@@ -524,51 +378,15 @@ class FullyShardedDataParallel(nn.Module):
                 device than the one the unit keeps them on. Nothing is changed.
             TypeError: The cast would give a non-floating-point dtype. Nothing is changed.
         """
-        if not recurse:
-            return super()._apply(fn, recurse)  # type: ignore[return-value]
-        units = [unit_state(m) for m in self.fsdp_modules(self)]
-        changing = [h for unit in units for h in unit.handles if planned_local_shard(h, fn) is not None]
-        if changing:
-            check_idle(
-                self,
-                "model.half(), .float(), .to(dtype) or another cast of the parameters",
-                error=RuntimeError,
-            )
-        own = self._fsdp_state.handles
-        with hidden_from_module_apply(own):
-            super()._apply(fn, recurse)
-        for handle in own:
-            if any(handle is h for h in changing):
-                recast_handle(handle, fn, handle.mixed_precision_config)
-        return self
+        return cast_units(self, fn, recurse, super()._apply)  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ training API
-    def _require_root(self, what: str, error: type[Exception] = RuntimeError) -> UnitState:
-        state = self._fsdp_state if self._fsdp_state.has_fsdp_parent else lazy_init(self)
-        if state.has_fsdp_parent or not state.is_root:
-            raise error(
-                f"fsdp: {what} must be called on the root FSDP instance, but it was called on "
-                f"the nested unit '{state.unit_name}'. Call it on the outermost FSDP module."
-            )
-        return state
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Generator[None, None, None]:
+    def no_sync(self) -> ContextManager[None]:
         """Skips gradient synchronization: gradients accumulate locally, unsharded.
 
         The next backward outside the context reduces the accumulated gradients. Root only.
         """
-        state = self._require_root("no_sync()")
-        check_idle(self, "no_sync()", error=ValueError)  # torch FSDP1's type
-        assert state.ctx is not None
-        previous = [(unit, unit.sync_gradients) for unit in state.ctx.states]
-        for unit, _ in previous:
-            unit.sync_gradients = False
-        try:
-            yield
-        finally:
-            for unit, flag in previous:
-                unit.sync_gradients = flag
+        return _no_sync(self)
 
     def clip_grad_norm_(self, max_norm: Union[float, int], norm_type: Union[float, int] = 2.0) -> torch.Tensor:
         """Clips gradients of the whole model to ``max_norm``; returns the total norm.
@@ -576,12 +394,9 @@ class FullyShardedDataParallel(nn.Module):
         The norm covers every shard on every rank, equal to ``torch.nn.utils.clip_grad_norm_``
         on the unsharded model. Root only; a collective, so every rank must call it.
         """
-        state = self._require_root("clip_grad_norm_()")
-        check_idle(self, "clip_grad_norm_()", error=ValueError)  # torch FSDP1's type
-        return _clip_grad_norm(self, state, float(max_norm), float(norm_type))
+        return clip_root_grad_norm_(self, max_norm, norm_type)
 
     @staticmethod
-    @contextlib.contextmanager
     def summon_full_params(
         module: nn.Module,
         recurse: bool = True,
@@ -589,7 +404,7 @@ class FullyShardedDataParallel(nn.Module):
         rank0_only: bool = False,
         offload_to_cpu: bool = False,
         with_grads: bool = False,
-    ) -> Generator[None, None, None]:
+    ) -> ContextManager[None]:
         """Exposes full parameters of ``module``'s FSDP units inside the context.
 
         Args:
@@ -607,8 +422,7 @@ class FullyShardedDataParallel(nn.Module):
                 as torch FSDP1 raises, and a RuntimeError).
             RuntimeError: A writeback whose parameter shape changed.
         """
-        with _summon_full_params(module, recurse, writeback, rank0_only, offload_to_cpu, with_grads):
-            yield
+        return _summon_full_params(module, recurse, writeback, rank0_only, offload_to_cpu, with_grads)
 
     # ------------------------------------------------------------------ state dicts
     @staticmethod
@@ -620,38 +434,23 @@ class FullyShardedDataParallel(nn.Module):
     ) -> StateDictSettings:
         """Sets the state-dict type of every FSDP unit in ``module``; returns the previous settings."""
         return _settings.set_state_dict_type(
-            FullyShardedDataParallel.fsdp_modules(module),
-            state_dict_type,
-            state_dict_config,
-            optim_state_dict_config,
+            fsdp_modules(module), state_dict_type, state_dict_config, optim_state_dict_config
         )
 
     @staticmethod
     def get_state_dict_type(module: nn.Module) -> StateDictSettings:
         """Returns the state-dict settings of ``module``'s FSDP units (they must agree)."""
-        return _settings.get_state_dict_type(FullyShardedDataParallel.fsdp_modules(module))
+        return _settings.get_state_dict_type(fsdp_modules(module))
 
     @staticmethod
-    @contextlib.contextmanager
     def state_dict_type(
         module: nn.Module,
         state_dict_type: StateDictType,
         state_dict_config: Optional[StateDictConfig] = None,
         optim_state_dict_config: Optional[OptimStateDictConfig] = None,
-    ) -> Generator[None, None, None]:
+    ) -> ContextManager[None]:
         """Context manager form of :meth:`set_state_dict_type`; restores the previous settings."""
-        previous = FullyShardedDataParallel.set_state_dict_type(
-            module, state_dict_type, state_dict_config, optim_state_dict_config
-        )
-        try:
-            yield
-        finally:
-            FullyShardedDataParallel.set_state_dict_type(
-                module,
-                previous.state_dict_type,
-                previous.state_dict_config,
-                previous.optim_state_dict_config,
-            )
+        return _settings.state_dict_type_context(module, state_dict_type, state_dict_config, optim_state_dict_config)
 
     def state_dict(  # type: ignore[override]
         self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False
@@ -666,9 +465,7 @@ class FullyShardedDataParallel(nn.Module):
             destination = args[0]
             prefix = args[1] if len(args) > 1 else prefix
             keep_vars = args[2] if len(args) > 2 else keep_vars
-        return _model_save.save_state_dict(
-            self, super().state_dict, destination, prefix, keep_vars
-        )
+        return _model_save.save_state_dict(self, super().state_dict, destination, prefix, keep_vars)
 
     def load_state_dict(  # type: ignore[override]
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
@@ -683,7 +480,7 @@ class FullyShardedDataParallel(nn.Module):
         torch FSDP1's ShardedTensors; LOCAL values are torch FSDP1's ShardedTensors.
         """
         result = _model_state_dict.load_state_dict(self, super().load_state_dict, dict(state_dict), strict, assign)
-        refresh_cast_buffers(self, [unit_state(m) for m in self.fsdp_modules(self)], state_dict)
+        refresh_cast_buffers(self, [unit_state(m) for m in fsdp_modules(self)], state_dict)
         return result
 
     def register_comm_hook(self, state: object, hook: Callable) -> None:
@@ -698,27 +495,9 @@ class FullyShardedDataParallel(nn.Module):
                 strategy (an AssertionError, as torch FSDP1 raises, and a RuntimeError).
             ValueError: ``hook`` is not callable (torch FSDP1's type).
         """
-        root = self._require_root("register_comm_hook()", error=FSDPStateAssertionError)
-        if not callable(hook):
-            raise ValueError(
-                f"fsdp: register_comm_hook needs a callable hook, got {type(hook).__name__}"
-            )
-        assert root.ctx is not None
-        for unit in root.ctx.states:
-            if unit.sharding_strategy in HYBRID_STRATEGIES:
-                raise FSDPStateAssertionError(
-                    f"fsdp: communication hooks are not supported with {unit.sharding_strategy.name} "
-                    f"(unit '{unit.unit_name}'), as in torch FSDP1; use FULL_SHARD, SHARD_GRAD_OP "
-                    f"or NO_SHARD."
-                )
-            if unit.comm_hook is not None:
-                raise FSDPStateAssertionError(
-                    f"fsdp: a communication hook is already registered (unit '{unit.unit_name}'); "
-                    f"register_comm_hook may be called once."
-                )
-        for unit in root.ctx.states:
-            unit.comm_hook, unit.comm_hook_state = hook, state
+        _register_comm_hook(self, state, hook)
 
+    # ------------------------------------------------------------------ optimizer state dicts
     @staticmethod
     def full_optim_state_dict(
         model: nn.Module,
@@ -728,8 +507,6 @@ class FullyShardedDataParallel(nn.Module):
         group: Optional[dist.ProcessGroup] = None,
     ) -> dict[str, Any]:
         """Full optimizer state keyed by parameter names (legacy API; see :meth:`optim_state_dict`)."""
-        from fsdp.state_dict import _optim_state_dict as _osd
-
         return _osd.full_optim_state_dict(model, optim, optim_input, rank0_only, group)
 
     @staticmethod
@@ -737,8 +514,6 @@ class FullyShardedDataParallel(nn.Module):
         model: nn.Module, optim: torch.optim.Optimizer, group: Optional[dist.ProcessGroup] = None
     ) -> dict[str, Any]:
         """Optimizer state keyed by parameter names, each state chunked across ranks (legacy API)."""
-        from fsdp.state_dict import _optim_state_dict as _osd
-
         return _osd.sharded_optim_state_dict(model, optim, group)
 
     @staticmethod
@@ -749,8 +524,6 @@ class FullyShardedDataParallel(nn.Module):
         optim: Optional[torch.optim.Optimizer] = None,
     ) -> dict[str, Any]:
         """This rank's flattened part of a full optimizer state dict (legacy API)."""
-        from fsdp.state_dict import _optim_state_dict as _osd
-
         return _osd.shard_full_optim_state_dict(full_optim_state_dict, model, optim_input, optim)
 
     @staticmethod
@@ -758,8 +531,6 @@ class FullyShardedDataParallel(nn.Module):
         sharded_optim_state_dict: dict[str, Any], model: nn.Module, optim: torch.optim.Optimizer
     ) -> dict[str, Any]:
         """This rank's flattened part of a sharded optimizer state dict (legacy API)."""
-        from fsdp.state_dict import _optim_state_dict as _osd
-
         return _osd.flatten_sharded_optim_state_dict(sharded_optim_state_dict, model, optim)
 
     @staticmethod
@@ -771,8 +542,6 @@ class FullyShardedDataParallel(nn.Module):
         group: Optional[Any] = None,
     ) -> dict[str, Any]:
         """Like :meth:`shard_full_optim_state_dict`, but only rank 0 passes the state dict (legacy API)."""
-        from fsdp.state_dict import _optim_state_dict as _osd
-
         return _osd.scatter_full_optim_state_dict(full_optim_state_dict, model, optim_input, optim, group)
 
     @staticmethod
@@ -784,8 +553,6 @@ class FullyShardedDataParallel(nn.Module):
         optim: Optional[torch.optim.Optimizer] = None,
     ) -> dict[str, Any]:
         """Re-keys an optimizer state dict by parameter names or by parameter IDs."""
-        from fsdp.state_dict import _optim_state_dict as _osd
-
         return _osd.rekey_optim_state_dict(optim_state_dict, optim_state_key_type, model, optim_input, optim)
 
     @staticmethod
@@ -796,8 +563,6 @@ class FullyShardedDataParallel(nn.Module):
         group: Optional[dist.ProcessGroup] = None,
     ) -> dict[str, Any]:
         """The optimizer state keyed by parameter names, full or sharded per ``state_dict_type``."""
-        from fsdp.state_dict import _optim_state_dict as _osd
-
         return _osd.optim_state_dict_api(model, optim, optim_state_dict, group)
 
     @staticmethod
@@ -817,8 +582,6 @@ class FullyShardedDataParallel(nn.Module):
         ``_fsdp_wrapped_module._flat_param``, or with ``use_orig_params=True`` an original
         parameter's). ``load_directly=True`` also calls ``optim.load_state_dict(result)``.
         """
-        from fsdp.state_dict import _optim_state_dict as _osd
-
         return _osd.optim_state_dict_to_load_api(
             model, optim, optim_state_dict, is_named_optimizer, load_directly, group
         )

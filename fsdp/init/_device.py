@@ -59,7 +59,7 @@ def parse_device_id(device_id: DeviceId) -> torch.device:
                 f"fsdp: device_id {device_id!r} has no explicit index; FSDP uses the current "
                 f"device cuda:{current}. If this is wrong, call torch.cuda.set_device() before "
                 f"wrapping or pass the index (e.g. device_id={current}).",
-                stacklevel=4,
+                stacklevel=5,  # the caller of FullyShardedDataParallel(...)
             )
             device = torch.device("cuda", current)
     return device

@@ -96,20 +96,20 @@ def warn_construction(
             f"unit's parameters only when its forward runs, so these parameters are never "
             f"gathered by it. Wrap the container's elements (or the module that calls them) "
             f"instead.",
-            stacklevel=3,
+            stacklevel=4,  # the caller of FullyShardedDataParallel(...)
         )
     if world_size == 1 and strategy is not ShardingStrategy.NO_SHARD and strategy not in HYBRID_STRATEGIES:
         warnings.warn(
             f"fsdp: the process group has one rank, so FSDP uses NO_SHARD instead of "
             f"{strategy} (nothing to shard), as torch FSDP1 does.",
-            stacklevel=3,
+            stacklevel=4,
         )
     elif world_size > 1 and requested is ShardingStrategy.NO_SHARD:
         warnings.warn(
             "fsdp: the NO_SHARD sharding strategy is deprecated in torch FSDP1 (which "
             "recommends DistributedDataParallel instead); fsdp keeps supporting it.",
             FutureWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
 
 
@@ -148,7 +148,10 @@ def _flattened_by_a_unit(param: nn.Parameter) -> bool:
 
 
 def resolve_ignored(
-    module: nn.Module, ignored_modules: Optional[Iterable[Any]], ignored_states: Optional[Iterable[Any]]
+    module: nn.Module,
+    ignored_modules: Optional[Iterable[Any]],
+    ignored_states: Optional[Iterable[Any]],
+    warn_stacklevel: int = 4,
 ) -> tuple[set[nn.Module], set[nn.Parameter]]:
     """Returns the ignored modules (closed under descendants) and all ignored parameters.
 
@@ -207,7 +210,7 @@ def resolve_ignored(
             f"itself in ignored_modules/ignored_states, so all of its parameters are ignored "
             f"and FSDP shards nothing (torch FSDP1 warns the same). Ignore its submodules "
             f"instead.",
-            stacklevel=4,
+            stacklevel=warn_stacklevel,
         )
     for sub in closed:
         params.update(p for p in sub.parameters(recurse=False) if not _flattened_by_a_unit(p))
@@ -282,13 +285,17 @@ def plan_units(
     root_kwargs: dict[str, Any],
     ignored_modules: Optional[Iterable[Any]],
     ignored_states: Optional[Iterable[Any]],
+    warn_stacklevel: int = 4,
 ) -> UnitPlan:
     """Plans and validates every unit (see the module docstring).
+
+    ``warn_stacklevel`` attributes the warning about an ignored wrapped module, counted from
+    :func:`resolve_ignored` (4: the caller of ``plan_units``' caller).
 
     Raises:
         ValueError / TypeError: Naming the unit, parameters or argument at fault.
     """
-    closed, ignored_params = resolve_ignored(module, ignored_modules, ignored_states)
+    closed, ignored_params = resolve_ignored(module, ignored_modules, ignored_states, warn_stacklevel)
     plan = UnitPlan(ignored_modules=closed, ignored_params=ignored_params)
     check_materializable(
         module, root_kwargs.get("param_init_fn"), lambda m: is_fsdp(m) or m in closed

@@ -28,12 +28,29 @@ from __future__ import annotations
 import functools
 import math
 import warnings
+from typing import Union
 
 import torch
 from torch import nn
 
 from fsdp._comm import _collectives as comm
-from fsdp.runtime._state import UnitState
+from fsdp.runtime._lazy_init import require_root
+from fsdp.runtime._state import UnitState, check_idle
+
+
+def clip_root_grad_norm_(
+    root: nn.Module, max_norm: Union[float, int], norm_type: Union[float, int]
+) -> torch.Tensor:
+    """``FullyShardedDataParallel.clip_grad_norm_``: checks the call, then :func:`clip_grad_norm_`.
+
+    Raises:
+        RuntimeError: ``root`` is a nested unit.
+        ValueError: A unit of the tree is in forward, backward or ``summon_full_params``
+            (torch FSDP1's type).
+    """
+    state = require_root(root, "clip_grad_norm_()")
+    check_idle(root, "clip_grad_norm_()", error=ValueError)  # torch FSDP1's type
+    return clip_grad_norm_(root, state, float(max_norm), float(norm_type))
 
 
 def clip_grad_norm_(
@@ -111,7 +128,7 @@ def clip_grad_norm_(
         warnings.warn(
             f"Called FSDP.clip_grad_norm_() on rank {state.rank} with no gradients -- returning "
             f"the total norm in the default dtype {total.dtype}",
-            stacklevel=3,  # the caller of FullyShardedDataParallel.clip_grad_norm_
+            stacklevel=4,  # the caller of FullyShardedDataParallel.clip_grad_norm_
         )
         return total
     return total.to(functools.reduce(torch.promote_types, [grad.dtype for grad in grads]))

@@ -1,4 +1,6 @@
-"""Default communication hooks for ``register_comm_hook`` (same names and signatures as torch's).
+"""Communication hooks: registering one (:func:`register_comm_hook`) and the default hooks.
+
+The default hooks have the same names and signatures as torch's.
 
 A hook replaces FSDP's gradient reduction for every unit: sharded strategies call
 ``hook(state, padded_unsharded_grad, sharded_grad_output)``, NO_SHARD calls
@@ -10,13 +12,17 @@ bf16, communicated in fp32 and rounded back, see ``fsdp._comm._collectives``).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
+from fsdp._common import FSDPStateAssertionError
 from fsdp.flat_param._sharding import gradient_divide_factors
 from fsdp._comm import _collectives as comm
+from fsdp.runtime._lazy_init import require_root
+from fsdp.runtime._state import HYBRID_STRATEGIES
 
 __all__ = [
     "DefaultState",
@@ -26,6 +32,38 @@ __all__ = [
     "fp16_compress_hook",
     "bf16_compress_hook",
 ]
+
+
+def register_comm_hook(root: nn.Module, state: Any, hook: Callable[..., Any]) -> None:
+    """``FullyShardedDataParallel.register_comm_hook``: installs ``hook`` on every unit of the tree.
+
+    Everything is checked before any unit changes.
+
+    Raises:
+        FSDPStateAssertionError: ``root`` is a nested unit, a hook is already registered, or a
+            unit uses a hybrid strategy.
+        ValueError: ``hook`` is not callable (torch FSDP1's type).
+    """
+    root_state = require_root(root, "register_comm_hook()", error=FSDPStateAssertionError)
+    if not callable(hook):
+        raise ValueError(
+            f"fsdp: register_comm_hook needs a callable hook, got {type(hook).__name__}"
+        )
+    assert root_state.ctx is not None
+    for unit in root_state.ctx.states:
+        if unit.sharding_strategy in HYBRID_STRATEGIES:
+            raise FSDPStateAssertionError(
+                f"fsdp: communication hooks are not supported with {unit.sharding_strategy.name} "
+                f"(unit '{unit.unit_name}'), as in torch FSDP1; use FULL_SHARD, SHARD_GRAD_OP "
+                f"or NO_SHARD."
+            )
+        if unit.comm_hook is not None:
+            raise FSDPStateAssertionError(
+                f"fsdp: a communication hook is already registered (unit '{unit.unit_name}'); "
+                f"register_comm_hook may be called once."
+            )
+    for unit in root_state.ctx.states:
+        unit.comm_hook, unit.comm_hook_state = hook, state
 
 
 class DefaultState:

@@ -47,3 +47,25 @@ def reset_lazy_init(module: nn.Module) -> None:
     for _, _, unit in named_fsdp_states(module):
         unit.is_root = None
         unit.ctx = None
+
+
+def require_root(module: nn.Module, what: str, error: type[Exception] = RuntimeError) -> UnitState:
+    """Lazily initializes ``module``'s tree and returns its state, if it is the root.
+
+    Args:
+        module: An FSDP instance.
+        what: The API being called, for the message.
+        error: The exception type (torch FSDP1's for the same call).
+
+    Raises:
+        RuntimeError (or ``error``): ``module`` is a nested unit, not the root.
+    """
+    state: UnitState = unit_state(module)
+    if not state.has_fsdp_parent:
+        state = lazy_init(module)
+    if state.has_fsdp_parent or not state.is_root:
+        raise error(
+            f"fsdp: {what} must be called on the root FSDP instance, but it was called on "
+            f"the nested unit '{state.unit_name}'. Call it on the outermost FSDP module."
+        )
+    return state

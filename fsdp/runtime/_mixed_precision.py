@@ -216,6 +216,6 @@ def apply_mixed_precision_overrides(
             f"modules of types {sorted(cls.__name__ for cls in found)} that mixed precision "
             "skips (MixedPrecision._module_classes_to_ignore). Each of them is wrapped as its own "
             "unit with mixed_precision=None and runs in float32.",
-            stacklevel=3,
+            stacklevel=4,  # the caller of FullyShardedDataParallel(...)
         )
     return found

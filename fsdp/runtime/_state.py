@@ -20,6 +20,10 @@ from fsdp.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrat
 if TYPE_CHECKING:
     from fsdp.flat_param.flat_param import FlatParamHandle
 
+# The strategies that shard inside a group and replicate across groups ([Note: Hybrid sharding
+# layout]); they take no communication hook.
+HYBRID_STRATEGIES = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+
 
 class HandleTrainingState(Enum):
     """What a unit (and so each of its FlatParamHandles) is doing right now.
@@ -312,6 +316,28 @@ def unit_state(module: nn.Module) -> UnitState:
     if not isinstance(state, UnitState):
         raise TypeError(f"fsdp: {type(module).__name__} is not a FullyShardedDataParallel instance")
     return state
+
+
+def fsdp_modules(module: nn.Module, root_only: bool = False) -> list[nn.Module]:
+    """The FSDP units in ``module`` in pre-order (``FullyShardedDataParallel.fsdp_modules``).
+
+    Args:
+        module: Any module (an FSDP instance or one containing some).
+        root_only: Only the units with no FSDP ancestor inside ``module``.
+    """
+    if not root_only:
+        return [m for m in module.modules() if is_fsdp(m)]
+    result: list[nn.Module] = []
+
+    def visit(mod: nn.Module) -> None:
+        if is_fsdp(mod):
+            result.append(mod)
+            return
+        for child in mod.children():
+            visit(child)
+
+    visit(module)
+    return result
 
 
 def named_fsdp_states(module: nn.Module) -> Iterator[tuple[str, nn.Module, UnitState]]:

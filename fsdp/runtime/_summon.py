@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, TypeVar
 
 import torch
 from torch import nn
 
-from fsdp._common import FLAT_PARAM, FSDPStateAssertionError
+from fsdp._common import FLAT_PARAM, FSDPStateAssertionError, strip_fsdp_segments
 from fsdp.flat_param.flat_param import FlatParamHandle, HandleState, assign_grad
 from fsdp.flat_param._recast import adopt_external_cast
 from fsdp._comm import _collectives as comm
-from fsdp.runtime._lazy_init import lazy_init
+from fsdp.runtime._lazy_init import lazy_init, reset_lazy_init
 from fsdp.runtime._state import (
     HandleTrainingState,
     UnitState,
@@ -270,3 +270,57 @@ def summon_full_params(
         yield
 
 
+_Named = TypeVar("_Named")
+
+
+def names_in_summon(
+    wrapper: nn.Module,
+    named: Callable[..., Iterator[tuple[str, _Named]]],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Iterator[tuple[str, _Named]]:
+    """``named(*args, **kwargs)`` (``nn.Module.named_parameters``/``named_buffers``), unprefixed in summon.
+
+    While ``wrapper``'s unit is inside ``summon_full_params`` the names lose their
+    ``_fsdp_wrapped_module`` segments, as in torch FSDP1; otherwise they are left alone. A
+    generator: nothing (not even ``named``'s argument check) runs before the first item is
+    asked for.
+    """
+    clean = unit_state(wrapper).training_state is HandleTrainingState.SUMMON_FULL_PARAMS
+    for name, value in named(*args, **kwargs):
+        yield (strip_fsdp_segments(name) if clean else name), value
+
+
+def apply_summoned(
+    wrapper: nn.Module, fn: Callable[[nn.Module], None], module_apply: Callable[..., nn.Module]
+) -> nn.Module:
+    """``FullyShardedDataParallel.apply``: ``module_apply(fn)`` with this unit's parameters full.
+
+    The unit's full parameters are gathered (nested units gather their own, as
+    ``module_apply`` reaches their ``apply``) and written back. A tree that was not lazily
+    initialized before is left uninitialized, so it can still be wrapped further.
+
+    Args:
+        wrapper: An FSDP instance.
+        fn: The function applied to every submodule.
+        module_apply: ``nn.Module.apply`` bound to ``wrapper``.
+
+    Raises:
+        ValueError: Called inside forward, backward or ``summon_full_params``.
+    """
+    state = unit_state(wrapper)
+    uninitialized = state.is_root is None
+    check_idle(wrapper, "apply()", allow_summon=True, error=ValueError)
+    if state.training_state is HandleTrainingState.SUMMON_FULL_PARAMS:
+        # (Nested units' apply, called by this apply's recursion, finds them idle.)
+        raise ValueError(
+            f"fsdp: apply() cannot be called inside summon_full_params on unit "
+            f"'{state.unit_name}' (the enclosing summon decides whether changes "
+            f"are written back, so apply's would be lost with writeback=False). Call apply() "
+            f"outside summon_full_params, or modify the parameters inside it directly."
+        )
+    with summon_full_params(wrapper, recurse=False, writeback=True):
+        ret = module_apply(fn)
+    if uninitialized:
+        reset_lazy_init(wrapper)
+    return ret

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import contextlib
+from typing import Iterator, Optional, Sequence
 
 from torch import nn
 
@@ -18,6 +19,7 @@ from fsdp.api import (
     StateDictSettings,
     StateDictType,
 )
+from fsdp.runtime._state import fsdp_modules
 
 _CONFIG_TYPES: dict[StateDictType, tuple[type, type]] = {
     StateDictType.FULL_STATE_DICT: (FullStateDictConfig, FullOptimStateDictConfig),
@@ -79,3 +81,28 @@ def get_state_dict_type(modules: Sequence[nn.Module]) -> StateDictSettings:
                 f"set them once on the root with FullyShardedDataParallel.set_state_dict_type."
             )
     return first
+
+
+@contextlib.contextmanager
+def state_dict_type_context(
+    module: nn.Module,
+    state_dict_type: StateDictType,
+    state_dict_config: Optional[StateDictConfig],
+    optim_state_dict_config: Optional[OptimStateDictConfig],
+) -> Iterator[None]:
+    """``FullyShardedDataParallel.state_dict_type``: the settings of ``module``'s units inside.
+
+    On exit the previous settings are set again on the units ``module`` contains then.
+    """
+    previous = set_state_dict_type(
+        fsdp_modules(module), state_dict_type, state_dict_config, optim_state_dict_config
+    )
+    try:
+        yield
+    finally:
+        set_state_dict_type(
+            fsdp_modules(module),
+            previous.state_dict_type,
+            previous.state_dict_config,
+            previous.optim_state_dict_config,
+        )

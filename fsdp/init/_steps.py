@@ -1,0 +1,248 @@
+"""The constructor's steps, in the order ``FullyShardedDataParallel.__init__`` runs them.
+
+1. :func:`plan_unit`: check every argument, resolve the groups and the device, plan every unit
+   (nothing is changed yet, so a mistake anywhere fails with the model untouched).
+2. :func:`build_handles`: materialize meta-device modules in pre-order, wrap nested units
+   bottom-up, move this unit's modules to the device and flatten its parameters into
+   FlatParamHandles.
+3. :func:`new_unit_state`: the unit's runtime state.
+4. :func:`finish_unit`: link the unit with the units nested in it and register its hooks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+from torch import nn
+
+from fsdp._comm._groups import ShardingGroups
+from fsdp._common import group_backend, group_rank, group_size
+from fsdp.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from fsdp.flat_param.flat_param import FlatParamHandle
+from fsdp.init._auto_wrap import mixed_precision_classes
+from fsdp.init._device import move_modules_to_device, resolve_compute_device
+from fsdp.init._materialize import materialize_and_wrap
+from fsdp.init._process_group import HYBRID_STRATEGIES, resolve_process_groups
+from fsdp.init._sync import sync_buffers
+from fsdp.init._unit_params import (
+    mark_tied_owners,
+    split_by_requires_grad,
+    unit_modules,
+    unit_params,
+    validate_unit_params,
+)
+from fsdp.init._validate import UnitPlan, plan_units, validate_init_args, warn_construction
+from fsdp.runtime._hooks import register_flat_param_hooks
+from fsdp.runtime._mixed_precision import (
+    apply_mixed_precision_overrides,
+    cast_unit_buffers,
+    full_precision_in_eval_requested,
+)
+from fsdp.runtime._optimizer_check import note_replaced_params
+from fsdp.runtime._state import UnitState, is_fsdp, set_reported_ignored, unit_state
+
+
+@dataclass(frozen=True)
+class UnitArgs:
+    """The constructor arguments every unit of a tree is built with.
+
+    An auto-wrap policy builds each nested unit with these (:meth:`wrap_kwargs`), so their
+    names and order are the constructor's.
+    """
+
+    process_group: Any
+    sharding_strategy: Optional[ShardingStrategy]
+    cpu_offload: Optional[CPUOffload]
+    backward_prefetch: Optional[BackwardPrefetch]
+    mixed_precision: Optional[MixedPrecision]
+    param_init_fn: Optional[Callable[[nn.Module], None]]
+    device_id: Any
+    sync_module_states: bool
+    forward_prefetch: bool
+    limit_all_gathers: bool
+    use_orig_params: bool
+    device_mesh: Any
+
+    def wrap_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments a nested unit is built with (the policy may override some)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @property
+    def offload_params(self) -> bool:
+        """Whether sharded parameters live on CPU between uses."""
+        return bool(self.cpu_offload and self.cpu_offload.offload_params)
+
+
+@dataclass
+class UnitSetup:
+    """What step 1 worked out, before anything changed.
+
+    Attributes:
+        strategy: The strategy in effect (NO_SHARD at world size 1, as torch FSDP1).
+        groups: The shard group (and for hybrid strategies the replicate group).
+        device: The compute device.
+        rank: This rank in the shard group.
+        world_size: The shard group's size.
+        plan: The nested units, ignored states and tied-parameter owners.
+        wrapped_before: The states of the units already nested in the module (wrapped by hand).
+    """
+
+    strategy: ShardingStrategy
+    groups: ShardingGroups
+    device: torch.device
+    rank: int
+    world_size: int
+    plan: UnitPlan
+    wrapped_before: list[UnitState]
+
+
+def plan_unit(
+    module: nn.Module,
+    args: UnitArgs,
+    auto_wrap_policy: Optional[Callable],
+    ignored_modules: Optional[Iterable[nn.Module]],
+    ignored_states: Optional[Iterable[Any]],
+) -> UnitSetup:
+    """Step 1: checks everything a user can get wrong and plans every unit, changing nothing.
+
+    Only the mixed-precision overrides of an auto-wrapped tree (modules mixed precision skips
+    keep their inputs in full precision) are applied here, once everything has been checked.
+
+    Raises:
+        ValueError / TypeError / RuntimeError: Naming the argument, unit or parameter at fault.
+    """
+    validate_init_args(
+        module=module,
+        sharding_strategy=args.sharding_strategy,
+        cpu_offload=args.cpu_offload,
+        auto_wrap_policy=auto_wrap_policy,
+        backward_prefetch=args.backward_prefetch,
+        mixed_precision=args.mixed_precision,
+        param_init_fn=args.param_init_fn,
+        use_orig_params=args.use_orig_params,
+    )
+    strategy = args.sharding_strategy or ShardingStrategy.FULL_SHARD
+    groups = resolve_process_groups(args.process_group, args.device_mesh, strategy)
+    device = resolve_compute_device(module, args.device_id, group_backend(groups.shard))
+    rank, world_size = group_rank(groups.shard), group_size(groups.shard)
+    warn_construction(module, strategy, args.sharding_strategy, world_size)
+    if world_size == 1 and strategy not in HYBRID_STRATEGIES:
+        strategy = ShardingStrategy.NO_SHARD  # nothing to shard (as torch FSDP1 does)
+    root_kwargs = args.wrap_kwargs()
+    plan = plan_units(
+        module, auto_wrap_policy, root_kwargs, ignored_modules, ignored_states, warn_stacklevel=5
+    )
+    if auto_wrap_policy is not None and args.mixed_precision is not None:
+        apply_mixed_precision_overrides(module, mixed_precision_classes(root_kwargs))
+    wrapped_before = [unit_state(sub) for sub in module.modules() if is_fsdp(sub)]
+    return UnitSetup(strategy, groups, device, rank, world_size, plan, wrapped_before)
+
+
+def build_handles(
+    wrapper: nn.Module, module: nn.Module, args: UnitArgs, setup: UnitSetup
+) -> tuple[list[FlatParamHandle], list[nn.Module]]:
+    """Step 2: materializes and wraps the nested units, then flattens this unit's parameters.
+
+    Meta-device modules are materialized in pre-order and the planned nested units wrapped
+    bottom-up (see [Note: Meta-device materialization order]); then this unit's own modules
+    move to the device, ``module`` becomes ``wrapper``'s wrapped module, buffers are
+    synchronized (``sync_module_states``) and the unit's parameters are flattened into one
+    handle (two with ``use_orig_params`` when trainable and frozen ones mix).
+
+    Returns:
+        The unit's handles and its own modules (those no nested unit or ignored module claims).
+    """
+    plan = setup.plan
+    with mark_tied_owners(plan.tied_owner):
+        materialize_and_wrap(
+            module,
+            plan.targets,
+            type(wrapper),
+            setup.device,
+            args.param_init_fn,
+            is_skipped=lambda m: is_fsdp(m) or m in plan.ignored_modules,
+        )
+        own_modules = unit_modules(module, plan.ignored_modules)
+        move_modules_to_device(own_modules, setup.device)
+        wrapper._fsdp_wrapped_module = module
+        params = unit_params(
+            module, lambda m: is_fsdp(m) or m in plan.ignored_modules, plan.ignored_params
+        )
+        validate_unit_params(type(module).__name__, params, args.use_orig_params)
+        if args.sync_module_states:
+            sync_buffers(own_modules, setup.groups)
+        handles = [
+            FlatParamHandle(
+                handle_params,
+                module,
+                setup.device,
+                setup.groups.shard,
+                uses_sharding=setup.strategy is not ShardingStrategy.NO_SHARD,
+                unit_name=type(module).__name__,
+                replicate_group=setup.groups.replicate,
+                sync_module_states=args.sync_module_states,
+                use_orig_params=args.use_orig_params,
+                offload_params=args.offload_params,
+                mixed_precision=args.mixed_precision,
+            )
+            for handle_params in split_by_requires_grad(params, args.use_orig_params)
+        ]
+    if not args.use_orig_params:  # [Note: Optimizer before wrapping]
+        note_replaced_params(
+            ((f"{prefix}.{name}" if prefix else name, param) for prefix, _, name, param in params),
+            type(module).__name__,
+        )
+    return handles, own_modules
+
+
+def new_unit_state(
+    module: nn.Module,
+    args: UnitArgs,
+    setup: UnitSetup,
+    handles: list[FlatParamHandle],
+    own_modules: list[nn.Module],
+) -> UnitState:
+    """Step 3: the runtime state of the unit built on ``module``."""
+    mixed_precision = args.mixed_precision
+    return UnitState(
+        handles=handles,
+        process_group=setup.groups.shard,
+        replicate_group=setup.groups.replicate,
+        rank=setup.rank,
+        world_size=setup.world_size,
+        sharding_strategy=setup.strategy,
+        compute_device=setup.device,
+        unit_name=type(module).__name__,
+        backward_prefetch=args.backward_prefetch,
+        forward_prefetch=args.forward_prefetch,
+        limit_all_gathers=args.limit_all_gathers,
+        mixed_precision=mixed_precision,
+        full_precision_in_eval=full_precision_in_eval_requested(),
+        cast_buffers=cast_unit_buffers(
+            own_modules, mixed_precision.buffer_dtype if mixed_precision is not None else None
+        ),
+        cpu_offload=args.cpu_offload,
+        use_orig_params=args.use_orig_params,
+        ignored_modules=setup.plan.ignored_modules,
+        ignored_params=setup.plan.ignored_params,
+        device_mesh=args.device_mesh,
+    )
+
+
+def finish_unit(new_state: UnitState, module: nn.Module, setup: UnitSetup) -> None:
+    """Step 4: marks the units nested in ``module`` as such and registers the unit's hooks.
+
+    Also sets the ignored states the wrappers report ([Note: Reported ignored states]).
+    """
+    for sub in module.modules():
+        if is_fsdp(sub):
+            unit_state(sub).has_fsdp_parent = True
+    targets = setup.plan.targets
+    set_reported_ignored(
+        new_state,
+        setup.wrapped_before,
+        [unit_state(sub) for sub in module.modules() if is_fsdp(sub) and sub.module in targets],
+    )
+    register_flat_param_hooks(new_state)
