@@ -40,8 +40,9 @@ LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
     # The package's public names.
     ("package", ("fsdp",)),
     # Users of the public package: benchmark, example, command-line entry points (the planner's
-    # validation run trains the example GPT with the wrapper: a tool on top, not the planner).
-    ("top", ("fsdp.bench", "fsdp.examples", "fsdp.plan.validate")),
+    # validation run trains the example GPT with the wrapper: a tool on top, not the planner),
+    # and the local-rank runner that the benchmark and the validation run share.
+    ("top", ("fsdp.bench", "fsdp.examples", "fsdp.plan.validate", "fsdp._local_ranks")),
 ]
 
 # Upward imports that are part of the design, each with its reason. The test fails if one is no
