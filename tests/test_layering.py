@@ -68,8 +68,6 @@ FUNCTIONS_OVER_LIMIT: Dict[str, str] = {
     "fsdp/fully_sharded_data_parallel.py::FullyShardedDataParallel.__init__": "init steps",
     "fsdp/state_dict/_optim_state_dict.py::save": "phase 2 split of the optimizer state dict",
     "fsdp/state_dict/_optim_state_dict.py::to_load": "phase 2 split of the optimizer state dict",
-    "fsdp/examples/train.py::_train": "split set-up, step and checkpointing",
-    "fsdp/examples/train.py::parse_args": "group the arguments",
 }
 
 
