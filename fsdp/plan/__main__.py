@@ -19,6 +19,7 @@ import importlib
 import re
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -145,24 +146,33 @@ def _base_kwargs(args: argparse.Namespace, block_cls: Optional[type]) -> dict[st
     return base
 
 
-def _print_search(
-    args: argparse.Namespace,
-    build: Builder,
-    base: dict[str, Any],
-    loss_fn: Optional[Callable[[Any], torch.Tensor]],
-    start: float,
-) -> int:
+@dataclass
+class _Request:
+    """What the command line plans, whatever the report.
+
+    Attributes:
+        build: Builds the model and its example inputs.
+        base_kwargs: The wrapper keywords every planned configuration shares.
+        loss_fn: The loss of the model's output (None: the output's sum).
+    """
+
+    build: Builder
+    base_kwargs: dict[str, Any]
+    loss_fn: Optional[Callable[[Any], torch.Tensor]]
+
+
+def _print_search(args: argparse.Namespace, request: _Request, start: float) -> int:
     """``--budget``: the table of configurations that fit; exit status 1 when none does."""
     from fsdp.plan._search import search_configurations
 
     fits = search_configurations(
-        build,
+        request.build,
         budget_bytes=args.budget,
         max_world_size=args.max_world_size,
         gpus_per_node=args.gpus_per_node,
         device=args.device,
-        fsdp_kwargs=base,
-        loss_fn=loss_fn,
+        fsdp_kwargs=request.base_kwargs,
+        loss_fn=request.loss_fn,
     )
     print(f"configurations with a predicted peak <= {format_bytes(args.budget)} per rank, cheapest first:")
     print(f"  {'ranks':>5}  {'strategy':<14} {'precision':<9} {'offload':<7} {'ckpt':<5} {'peak':>11}  phase")
@@ -178,16 +188,10 @@ def _print_search(
     return 0 if fits else 1
 
 
-def _print_estimate(
-    args: argparse.Namespace,
-    build: Builder,
-    base: dict[str, Any],
-    loss_fn: Optional[Callable[[Any], torch.Tensor]],
-    start: float,
-) -> int:
+def _print_estimate(args: argparse.Namespace, request: _Request, start: float) -> int:
     """One configuration's estimate, from the command line's flags."""
-    model, inputs = build(args.checkpointing)
-    kwargs = dict(base)
+    model, inputs = request.build(args.checkpointing)
+    kwargs = dict(request.base_kwargs)
     kwargs["sharding_strategy"] = ShardingStrategy[args.strategy]
     kwargs["device_id"] = torch.device(args.device)
     if args.bf16:
@@ -195,7 +199,7 @@ def _print_estimate(
     if args.offload:
         kwargs["cpu_offload"] = CPUOffload(offload_params=True)
     estimate = estimate_memory(
-        model, inputs, world_size=args.world_size, loss_fn=loss_fn, intra_node_size=args.intra_node_size, **kwargs
+        model, inputs, world_size=args.world_size, loss_fn=request.loss_fn, intra_node_size=args.intra_node_size, **kwargs
     )
     params = sum(p.numel() for p in model.parameters())
     print(f"model: {params / 1e9:.3f} B parameters")
@@ -210,11 +214,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.heads is None:
         args.heads = max(1, args.d_model // 128)
     build, block_cls, loss_fn = _model_and_loss(args)
-    base = _base_kwargs(args, block_cls)
+    request = _Request(build, _base_kwargs(args, block_cls), loss_fn)
     start = time.perf_counter()
     if args.budget is not None:
-        return _print_search(args, build, base, loss_fn, start)
-    return _print_estimate(args, build, base, loss_fn, start)
+        return _print_search(args, request, start)
+    return _print_estimate(args, request, start)
 
 
 if __name__ == "__main__":

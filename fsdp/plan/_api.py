@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -118,13 +118,11 @@ def estimate_memory(
             hybrid layout does not divide, and the wrapper's own argument errors.
     """
     setup = _setup(model, world_size, intra_node_size, fsdp_kwargs)
-    units, ignored_params = _plan_units(model, setup, _cache)
-    trace = _trace(model, example_inputs, units, ignored_params, loss_fn, setup, _cache)
-    optimizer_bytes = _trace_optimizer(
-        optimizer, optimizer_kwargs or {}, units, ignored_params, setup, _cache
-    )
-    result = _schedule(model, units, ignored_params, trace, optimizer_bytes, setup)
-    return _report(result, units, world_size, setup)
+    planned = _plan_units(model, setup, _cache)
+    trace = _trace(model, example_inputs, loss_fn, planned, setup, _cache)
+    optimizer_bytes = _trace_optimizer(optimizer, optimizer_kwargs or {}, planned, setup, _cache)
+    result = _schedule(model, planned, trace, optimizer_bytes, setup)
+    return _report(result, planned.units, world_size, setup)
 
 
 @dataclass
@@ -244,9 +242,19 @@ def _cached(store: Optional[dict[Any, Any]], key: Any, make: Callable[[], Any]) 
     return value
 
 
-def _plan_units(
-    model: nn.Module, setup: _Setup, cache: Optional[PlanCache]
-) -> tuple[list[UnitSpec], set[nn.Parameter]]:
+class _Planned(NamedTuple):
+    """The planned units and the parameters none of them manages.
+
+    Attributes:
+        units: The units (forward order, root last), sized for the shard world size.
+        ignored_params: Parameters no unit manages (they keep ordinary ``.grad``).
+    """
+
+    units: list[UnitSpec]
+    ignored_params: set[nn.Parameter]
+
+
+def _plan_units(model: nn.Module, setup: _Setup, cache: Optional[PlanCache]) -> _Planned:
     """The wrap policy's units, sized for the shard world size, and the ignored parameters."""
     kwargs = setup.kwargs
     root_kwargs = {
@@ -263,15 +271,14 @@ def _plan_units(
             ignored_states=kwargs.get("ignored_states"),
         ),
     )
-    return size_unit_specs(layouts, setup.shard_world_size), ignored_params
+    return _Planned(size_unit_specs(layouts, setup.shard_world_size), ignored_params)
 
 
 def _trace(
     model: nn.Module,
     example_inputs: Any,
-    units: list[UnitSpec],
-    ignored_params: set[nn.Parameter],
     loss_fn: Optional[Callable[[Any], torch.Tensor]],
+    planned: _Planned,
     setup: _Setup,
     cache: Optional[PlanCache],
 ) -> Trace:
@@ -283,24 +290,24 @@ def _trace(
     key = (
         getattr(mixed_precision, "param_dtype", None),
         buffer_dtype,
-        tuple(id(u.module) for u in units),
+        tuple(id(u.module) for u in planned.units),
     )
     return _cached(
         cache.traces if cache is not None else None,
         key,
-        lambda: trace_forward_backward(model, example_inputs, units, ignored_params, loss_fn, buffer_dtype),
+        lambda: trace_forward_backward(
+            model, example_inputs, planned.units, planned.ignored_params, loss_fn, buffer_dtype
+        ),
     )
 
 
-def _optimizer_shapes(
-    units: list[UnitSpec], ignored_params: set[nn.Parameter], setup: _Setup
-) -> list[tuple[int, torch.dtype]]:
+def _optimizer_shapes(planned: _Planned, setup: _Setup) -> list[tuple[int, torch.dtype]]:
     """``(numel, dtype)`` of every tensor the optimizer steps on the busiest rank."""
     # The optimizer sees each trainable shard in full precision, and ignored parameters whole.
     # With use_orig_params it sees each original parameter's slice of the shard instead (rank
     # 0's: the first ranks hold no padding), which changes the step's per-tensor temporaries.
     shapes: list[tuple[int, torch.dtype]] = []
-    for u in units:
+    for u in planned.units:
         for h in u.handles:
             if not h.requires_grad:
                 continue
@@ -313,20 +320,19 @@ def _optimizer_shapes(
                 layout = h.layout or flat_layout(numels, setup.shard_world_size)
                 numels = [s.numel for s in layout.slices_in_shard(0)]
             shapes += [(n, h.precision.full_dtype) for n in numels]
-    shapes += [(p.numel(), p.dtype) for p in ignored_params if p.requires_grad]
+    shapes += [(p.numel(), p.dtype) for p in planned.ignored_params if p.requires_grad]
     return shapes
 
 
 def _trace_optimizer(
     optimizer: type,
     optimizer_kwargs: dict[str, Any],
-    units: list[UnitSpec],
-    ignored_params: set[nn.Parameter],
+    planned: _Planned,
     setup: _Setup,
     cache: Optional[PlanCache],
 ) -> tuple[int, int]:
     """``(optimizer state bytes, step temporaries' peak bytes)``, shared by equal shard shapes."""
-    shapes = _optimizer_shapes(units, ignored_params, setup)
+    shapes = _optimizer_shapes(planned, setup)
     foreach = setup.device.type == "cuda"
     key = (optimizer, repr(sorted(optimizer_kwargs.items())), tuple(shapes), foreach)
     return _cached(
@@ -343,8 +349,7 @@ def _offloads(setup: _Setup) -> bool:
 
 def _schedule(
     model: nn.Module,
-    units: list[UnitSpec],
-    ignored_params: set[nn.Parameter],
+    planned: _Planned,
     trace: Trace,
     optimizer_bytes: tuple[int, int],
     setup: _Setup,
@@ -352,7 +357,7 @@ def _schedule(
     """Replays FSDP's schedule on the trace (see :mod:`fsdp.plan._schedule`)."""
     state_bytes, temp_bytes = optimizer_bytes
     static = sum(b.numel() * b.element_size() for b in model.buffers())
-    static += sum(p.numel() * p.element_size() for p in ignored_params)
+    static += sum(p.numel() * p.element_size() for p in planned.ignored_params)
     cfg = ScheduleConfig(
         device_is_cpu=setup.device.type == "cpu",
         offload_params=_offloads(setup) and setup.device.type != "cpu",
@@ -364,7 +369,7 @@ def _schedule(
         optim_state_bytes=state_bytes,
         optim_temp_bytes=temp_bytes,
     )
-    return replay(units, trace, cfg)
+    return replay(planned.units, trace, cfg)
 
 
 def _report(result: ReplayResult, units: list[UnitSpec], world_size: int, setup: _Setup) -> MemoryEstimate:
