@@ -83,29 +83,34 @@ def _waiting_s(entry: dict[str, Any]) -> float:
     return statistics.median(t - f for t, f in zip(entry["step_s_rounds"], entry["floor_s_rounds"]))
 
 
-def summarize(cfg: BenchConfig, ranks: list[dict[str, Any]]) -> dict[str, Any]:
-    """One number per metric and implementation (slowest rank's time, largest rank's memory)."""
-    root, layers = unit_numels(cfg)
-    minimum = minimum_bytes(cfg)
-    impls: dict[str, dict[str, Any]] = {}
-    for name in () if cfg.checkpoint_only else cfg.only:
-        per_round = [max(r["step_s"][name][i] for r in ranks) for i in range(cfg.rounds)]
-        entry: dict[str, Any] = {"step_s": statistics.median(per_round), "step_s_rounds": per_round}
-        entry.update(_cpu_entry(cfg, ranks, name))
-        if cfg.memory:
-            peaks = [r["memory"][name]["step_peak_bytes"] for r in ranks]
-            entry["peak_bytes_per_rank"] = peaks
-            entry["peak_bytes"] = max(peaks)
-            entry["persistent_bytes_per_rank"] = [r["memory"][name]["step_start_bytes"] for r in ranks]
-        comm = ranks[0]["comm"][name]
-        entry["comm_bytes"] = int(sum(comm["bytes"].values()))
-        entry["comm_bytes_by_kind"] = comm["bytes"]
-        entry["comm_calls"] = comm["calls"]
-        entry["comm_bytes_per_rank"] = [int(sum(r["comm"][name]["bytes"].values())) for r in ranks]
-        impls[name] = entry
+def _impl_entry(cfg: BenchConfig, ranks: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    """One implementation's measurements: step time, CPU, memory and communication."""
+    per_round = [max(r["step_s"][name][i] for r in ranks) for i in range(cfg.rounds)]
+    entry: dict[str, Any] = {"step_s": statistics.median(per_round), "step_s_rounds": per_round}
+    entry.update(_cpu_entry(cfg, ranks, name))
+    if cfg.memory:
+        peaks = [r["memory"][name]["step_peak_bytes"] for r in ranks]
+        entry["peak_bytes_per_rank"] = peaks
+        entry["peak_bytes"] = max(peaks)
+        entry["persistent_bytes_per_rank"] = [r["memory"][name]["step_start_bytes"] for r in ranks]
+    comm = ranks[0]["comm"][name]
+    entry["comm_bytes"] = int(sum(comm["bytes"].values()))
+    entry["comm_bytes_by_kind"] = comm["bytes"]
+    entry["comm_calls"] = comm["calls"]
+    entry["comm_bytes_per_rank"] = [int(sum(r["comm"][name]["bytes"].values())) for r in ranks]
+    return entry
+
+
+def _add_ratios(impls: dict[str, dict[str, Any]]) -> None:
+    """Adds each implementation's ratios to the references (torch FSDP1, local, DDP, torch)."""
     ref = impls.get("torch_fsdp1")
     local = impls.get("local")
-    for name, entry in impls.items():
+    torch_peaks = [
+        impls[n]["peak_bytes"]
+        for n in ("torch_fsdp1", "torch_fsdp2")
+        if n in impls and impls[n].get("peak_bytes") is not None
+    ]
+    for entry in impls.values():
         # Ratios of step times are medians of the per-round ratios: the implementations run
         # back to back within a round, so a slow spell of a shared machine cancels out.
         entry["step_vs_fsdp1"] = _round_ratio(entry, ref)
@@ -118,12 +123,11 @@ def summarize(cfg: BenchConfig, ranks: list[dict[str, Any]]) -> dict[str, Any]:
         )
         entry["peak_vs_fsdp1"] = _ratio(entry.get("peak_bytes"), ref.get("peak_bytes")) if ref else None
         entry["comm_vs_fsdp1"] = _ratio(entry["comm_bytes"], ref["comm_bytes"]) if ref else None
-        torch_peaks = [
-            impls[n]["peak_bytes"]
-            for n in ("torch_fsdp1", "torch_fsdp2")
-            if n in impls and impls[n].get("peak_bytes") is not None
-        ]
         entry["peak_vs_torch"] = _ratio(entry.get("peak_bytes"), min(torch_peaks)) if torch_peaks else None
+
+
+def _checkpoint_entries(cfg: BenchConfig, ranks: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """State-dict save times (and their memory next to training's), fsdp and torch FSDP1."""
     checkpoint: dict[str, dict[str, Any]] = {}
     save_rank = 1 if cfg.world_size > 1 else 0
     for name in ("fsdp", "torch_fsdp1"):
@@ -145,6 +149,16 @@ def summarize(cfg: BenchConfig, ranks: list[dict[str, Any]]) -> dict[str, Any]:
         for c in checkpoint.values():
             c["model_vs_fsdp1"] = c["model_s"] / checkpoint["torch_fsdp1"]["model_s"]
             c["optim_vs_fsdp1"] = c["optim_s"] / checkpoint["torch_fsdp1"]["optim_s"]
+    return checkpoint
+
+
+def _targets(
+    cfg: BenchConfig,
+    impls: dict[str, dict[str, Any]],
+    checkpoint: dict[str, dict[str, Any]],
+    minimum: dict[str, int],
+) -> list[dict[str, Any]]:
+    """Where fsdp stands against each of :data:`TARGETS` and the communication minimum."""
     ours = impls.get("fsdp", {})
     ours_ckpt = checkpoint.get("fsdp", {})
     values = {
@@ -167,6 +181,16 @@ def summarize(cfg: BenchConfig, ranks: list[dict[str, Any]]) -> dict[str, Any]:
         comm_ok = impls["fsdp"]["comm_bytes_by_kind"] == minimum
         targets.append({"key": "comm_minimum", "description": f"bytes == the {cfg.strategy} minimum",
                         "threshold": sum(minimum.values()), "value": impls["fsdp"]["comm_bytes"], "met": comm_ok})
+    return targets
+
+
+def summarize(cfg: BenchConfig, ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """One number per metric and implementation (slowest rank's time, largest rank's memory)."""
+    root, layers = unit_numels(cfg)
+    minimum = minimum_bytes(cfg)
+    impls = {name: _impl_entry(cfg, ranks, name) for name in (() if cfg.checkpoint_only else cfg.only)}
+    _add_ratios(impls)
+    checkpoint = _checkpoint_entries(cfg, ranks)
     return {
         "params": root + sum(layers),
         "root_params": root,
@@ -176,7 +200,7 @@ def summarize(cfg: BenchConfig, ranks: list[dict[str, Any]]) -> dict[str, Any]:
         "implementations": impls,
         "memory_all_threads": all(m.get("all_threads", False) for r in ranks for m in r["memory"].values()),
         "checkpoint": checkpoint,
-        "targets": targets,
+        "targets": _targets(cfg, impls, checkpoint, minimum),
     }
 
 

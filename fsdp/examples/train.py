@@ -24,8 +24,9 @@ import resource
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -59,52 +60,33 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         description="Train a character-level GPT with fsdp.FullyShardedDataParallel.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument(
+    _add_run_arguments(parser.add_argument_group("ranks, model and sharding"))
+    _add_training_arguments(parser.add_argument_group("data and optimization"))
+    _add_checkpoint_arguments(parser.add_argument_group("checkpoints"))
+    args = parser.parse_args(argv)
+    if args.log_every is None:
+        args.log_every = max(1, args.steps // 20)
+    _check_args(parser, args)
+    return args
+
+
+def _add_run_arguments(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
         "--nprocs", type=int, default=2, help="local CPU ranks to spawn (ignored under torchrun)"
     )
-    parser.add_argument("--steps", type=int, default=500, help="optimizer steps")
-    parser.add_argument(
+    group.add_argument(
         "--strategy", choices=STRATEGIES, default="FULL_SHARD", help="sharding strategy"
     )
-    parser.add_argument(
+    group.add_argument(
         "--model", choices=sorted(PRESETS), default="tiny", help="model size preset"
     )
-    parser.add_argument(
+    group.add_argument(
         "--mixed-precision",
         choices=["none", "bf16"],
         default="none",
         help="bf16: gather parameters and reduce gradients in bfloat16 (shards and optimizer stay fp32)",
     )
-    parser.add_argument("--batch-size", type=int, default=16, help="sequences per rank per step")
-    parser.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
-    parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
-    parser.add_argument("--seed", type=int, default=0, help="seed for init and data")
-    parser.add_argument(
-        "--log-every",
-        type=int,
-        default=None,
-        help="log every N steps (default: about 20 lines per run)",
-    )
-    parser.add_argument(
-        "--checkpoint-dir",
-        default="checkpoints/fsdp-demo",
-        help="where sharded checkpoints go ('' disables saving)",
-    )
-    parser.add_argument(
-        "--checkpoint-every", type=int, default=250, help="save every N steps (and at the end)"
-    )
-    parser.add_argument(
-        "--keep",
-        type=int,
-        default=DEFAULT_KEEP,
-        help="complete checkpoints to keep in --checkpoint-dir (the newest; older ones are deleted)",
-    )
-    parser.add_argument(
-        "--resume",
-        action="store_true",
-        help="continue from the latest complete checkpoint in --checkpoint-dir (any world size)",
-    )
-    parser.add_argument(
+    group.add_argument(
         "--timeout",
         type=float,
         default=DEFAULT_TIMEOUT_S,
@@ -113,15 +95,52 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "covers this script's longest legitimate wait, a checkpoint save on a slow disk, many "
         "times over, and reports a stuck rank 3x sooner than torch's 30-minute default",
     )
-    parser.add_argument(
+
+
+def _add_training_arguments(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--steps", type=int, default=500, help="optimizer steps")
+    group.add_argument("--batch-size", type=int, default=16, help="sequences per rank per step")
+    group.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
+    group.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    group.add_argument("--seed", type=int, default=0, help="seed for init and data")
+    group.add_argument(
+        "--log-every",
+        type=int,
+        default=None,
+        help="log every N steps (default: about 20 lines per run)",
+    )
+
+
+def _add_checkpoint_arguments(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        "--checkpoint-dir",
+        default="checkpoints/fsdp-demo",
+        help="where sharded checkpoints go ('' disables saving)",
+    )
+    group.add_argument(
+        "--checkpoint-every", type=int, default=250, help="save every N steps (and at the end)"
+    )
+    group.add_argument(
+        "--keep",
+        type=int,
+        default=DEFAULT_KEEP,
+        help="complete checkpoints to keep in --checkpoint-dir (the newest; older ones are deleted)",
+    )
+    group.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the latest complete checkpoint in --checkpoint-dir (any world size)",
+    )
+    group.add_argument(
         "--overwrite",
         action="store_true",
         help="start from step 0 even though --checkpoint-dir holds checkpoints (they are "
         "replaced as this run saves)",
     )
-    args = parser.parse_args(argv)
-    if args.log_every is None:
-        args.log_every = max(1, args.steps // 20)
+
+
+def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Exits through ``parser.error`` (status 2) on a bad value, before any rank starts."""
     if args.steps < 2:
         parser.error("--steps must be at least 2 (the loss must be able to fall)")
     for name in ("nprocs", "batch_size", "seq_len", "log_every", "keep"):
@@ -133,7 +152,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         parser.error("--timeout must be positive (seconds)")
     if args.resume and args.overwrite:
         parser.error("--resume and --overwrite exclude each other")
-    return args
 
 
 def _check_checkpoint_dir(args: argparse.Namespace) -> Optional[str]:
@@ -229,10 +247,81 @@ def train_worker(
         dist.destroy_process_group()
 
 
+@dataclass
+class _Run:
+    """One rank's training run: what the set-up made and what the steps share.
+
+    Attributes:
+        args: The command line.
+        rank, world_size: This rank and the number of ranks.
+        device: The training device.
+        data: The encoded corpus.
+        model: The wrapped GPT.
+        optimizer, scheduler: AdamW over the flat (sharded) parameters and its schedule.
+        tokens_per_step: Tokens of one global batch.
+        start_step: The first step this run trains (after a resume, the checkpoint's step).
+        losses: Per step trained here, the loss averaged over ranks.
+        first_losses: The first steps' losses of the whole run (kept in checkpoints, so a
+            resumed run compares its last losses with the original first ones).
+    """
+
+    args: argparse.Namespace
+    rank: int
+    world_size: int
+    device: torch.device
+    data: torch.Tensor
+    model: FSDP
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    tokens_per_step: int
+    start_step: int = 0
+    losses: List[float] = field(default_factory=list)
+    first_losses: List[float] = field(default_factory=list)
+
+    def checkpoint_extra(self, step: int) -> Dict[str, Any]:
+        """What a checkpoint saves besides the model and the optimizer (the template to load)."""
+        return {
+            "step": step,
+            "first_losses": self.first_losses,
+            "scheduler": self.scheduler.state_dict(),
+            "tokens_per_step": self.tokens_per_step,
+        }
+
+    def say(self, text: str) -> None:
+        """Prints on rank 0 only."""
+        if self.rank == 0:
+            print(text, flush=True)
+
+
+def _loss_window(steps: int) -> int:
+    """How many steps the first and the last loss are averaged over."""
+    return max(1, min(10, steps // 10))
+
+
 def _train(
     rank: int, world_size: int, device: torch.device, backend: str, args: argparse.Namespace
 ) -> bool:
     start = time.perf_counter()
+    run = _setup(rank, world_size, device, backend, args)
+    if args.resume and args.checkpoint_dir:
+        _resume(run)
+    run.model.train()
+    train_start = time.perf_counter()
+    for step in range(run.start_step, args.steps):
+        _step(run, step, train_start)
+        done = step + 1
+        if args.checkpoint_dir and (done % args.checkpoint_every == 0 or done == args.steps):
+            path = save_checkpoint(
+                args.checkpoint_dir, done, run.model, run.optimizer, run.checkpoint_extra(done), keep=args.keep
+            )
+            run.say(f"saved checkpoint {path}")
+    return _summarize(run, time.perf_counter() - train_start, start)
+
+
+def _setup(
+    rank: int, world_size: int, device: torch.device, backend: str, args: argparse.Namespace
+) -> _Run:
+    """Corpus, wrapped model, optimizer and schedule; rank 0 prints what runs."""
     text = load_corpus()
     tokenizer = CharTokenizer(text)
     data = tokenizer.encode_tensor(text)
@@ -262,162 +351,130 @@ def _train(
         model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(s, args.steps))
-
-    tokens_per_step = args.batch_size * args.seq_len * world_size
-    if rank == 0:
-        print(
-            f"fsdp example: model {args.model} ({n_params / 1e6:.2f}M params, "
-            f"{config.n_layer} blocks, d_model {config.d_model}), vocab {tokenizer.vocab_size}, "
-            f"corpus {data.numel():,} chars\n"
-            f"  {world_size} ranks ({backend}, {device.type}), strategy {strategy.name}, "
-            f"batch {args.batch_size}x{args.seq_len} per rank ({tokens_per_step:,} tokens/step), "
-            f"lr {args.lr:g}, {args.steps} steps\n"
-            f"  collective timeout {args.timeout:g} s (--timeout): a rank stuck longer than that "
-            f"makes the others fail with an error naming the FSDP unit and phase",
-            flush=True,
+    run = _Run(
+        args, rank, world_size, device, data, model, optimizer, scheduler,
+        tokens_per_step=args.batch_size * args.seq_len * world_size,
+    )
+    run.say(
+        f"fsdp example: model {args.model} ({n_params / 1e6:.2f}M params, "
+        f"{config.n_layer} blocks, d_model {config.d_model}), vocab {tokenizer.vocab_size}, "
+        f"corpus {data.numel():,} chars\n"
+        f"  {world_size} ranks ({backend}, {device.type}), strategy {strategy.name}, "
+        f"batch {args.batch_size}x{args.seq_len} per rank ({run.tokens_per_step:,} tokens/step), "
+        f"lr {args.lr:g}, {args.steps} steps\n"
+        f"  collective timeout {args.timeout:g} s (--timeout): a rank stuck longer than that "
+        f"makes the others fail with an error naming the FSDP unit and phase"
+    )
+    if args.checkpoint_dir:
+        run.say(
+            f"  checkpoints: {os.path.abspath(args.checkpoint_dir)} every "
+            f"{args.checkpoint_every} steps and at the end (keeping the newest {args.keep})"
         )
-        if args.checkpoint_dir:
-            print(
-                f"  checkpoints: {os.path.abspath(args.checkpoint_dir)} every "
-                f"{args.checkpoint_every} steps and at the end (keeping the newest {args.keep})",
-                flush=True,
-            )
+    return run
 
-    losses: List[float] = []  # per step, averaged over ranks
-    start_step, first_losses = 0, []
-    if args.resume and args.checkpoint_dir:
-        path = latest_checkpoint(args.checkpoint_dir)
-        if path is None:
-            if rank == 0:
-                print(f"no checkpoint in {args.checkpoint_dir}: starting from step 0", flush=True)
-        else:
-            extra = load_checkpoint(
-                path,
-                model,
-                optimizer,
-                {
-                    "step": 0,
-                    "first_losses": [],
-                    "scheduler": scheduler.state_dict(),
-                    "tokens_per_step": tokens_per_step,
-                },
-            )
-            start_step, first_losses = int(extra["step"]), list(extra["first_losses"])
-            scheduler.load_state_dict(extra["scheduler"])
-            if rank == 0:
-                print(f"resumed from {path} at step {start_step}", flush=True)
-                saved_tokens = int(extra["tokens_per_step"])
-                if saved_tokens != tokens_per_step:
-                    per_rank_needed = saved_tokens / (args.seq_len * world_size)
-                    hint = (
-                        f"pass --batch-size {per_rank_needed:g} to keep it"
-                        if per_rank_needed.is_integer()
-                        else "no per-rank batch size keeps it at this world size"
-                    )
-                    print(
-                        f"  note: the global batch changes from {saved_tokens:,} to "
-                        f"{tokens_per_step:,} tokens/step ({world_size} ranks x "
-                        f"{args.batch_size}x{args.seq_len}); {hint}",
-                        flush=True,
-                    )
-    model.train()
-    train_start = time.perf_counter()
-    for step in range(start_step, args.steps):
-        t0 = time.perf_counter()
-        inputs, targets = sample_batch(
-            data, args.batch_size, args.seq_len, seed=args.seed, rank=rank, step=step
+
+def _resume(run: _Run) -> None:
+    """Loads the latest checkpoint of ``--checkpoint-dir``, if any, and says what changes."""
+    args = run.args
+    path = latest_checkpoint(args.checkpoint_dir)
+    if path is None:
+        run.say(f"no checkpoint in {args.checkpoint_dir}: starting from step 0")
+        return
+    extra = load_checkpoint(path, run.model, run.optimizer, run.checkpoint_extra(0))
+    run.start_step, run.first_losses = int(extra["step"]), list(extra["first_losses"])
+    run.scheduler.load_state_dict(extra["scheduler"])
+    run.say(f"resumed from {path} at step {run.start_step}")
+    saved_tokens = int(extra["tokens_per_step"])
+    if saved_tokens != run.tokens_per_step:
+        per_rank_needed = saved_tokens / (args.seq_len * run.world_size)
+        hint = (
+            f"pass --batch-size {per_rank_needed:g} to keep it"
+            if per_rank_needed.is_integer()
+            else "no per-rank batch size keeps it at this world size"
         )
-        inputs, targets = inputs.to(device), targets.to(device)
-        logits = model(inputs)
-        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = model.clip_grad_norm_(1.0)
-        lr = optimizer.param_groups[0]["lr"]
-        optimizer.step()
-        scheduler.step()
-
-        # One collective per step: every rank's (loss, RSS, CUDA peak), gathered on all ranks.
-        local = torch.tensor(
-            [loss.item(), _rss_mib(), _cuda_peak_mib(device)], dtype=torch.float64, device=device
+        run.say(
+            f"  note: the global batch changes from {saved_tokens:,} to "
+            f"{run.tokens_per_step:,} tokens/step ({run.world_size} ranks x "
+            f"{args.batch_size}x{args.seq_len}); {hint}"
         )
-        per_rank = _all_gather_rows(local, world_size)
-        seconds = time.perf_counter() - t0  # ranks are in step: the all-gather synchronises them
-        losses.append(per_rank[:, 0].mean().item())
 
-        if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
-            elapsed = time.perf_counter() - train_start
-            done_here = step + 1 - start_step
-            eta = elapsed / done_here * (args.steps - step - 1)
-            line = (
-                f"step {step + 1:>5}/{args.steps} ({100 * (step + 1) / args.steps:3.0f}%, "
-                f"eta {eta:4.0f} s) | loss {losses[-1]:.4f} | "
-                f"grad norm {float(grad_norm):.3f} | lr {lr:.2e} | "
-                f"{tokens_per_step / seconds:>9,.0f} tok/s | "
-                f"rss MiB {_fmt_mib(per_rank[:, 1].tolist())}"
-            )
-            if device.type == "cuda":
-                line += f" | cuda max MiB {_fmt_mib(per_rank[:, 2].tolist())}"
-            print(line, flush=True)
-        window_size = max(1, min(10, args.steps // 10))
-        if len(first_losses) < window_size:
-            first_losses.append(losses[-1])  # kept in checkpoints for the resumed loss check
-        done = step + 1
-        if args.checkpoint_dir and (done % args.checkpoint_every == 0 or done == args.steps):
-            path = save_checkpoint(
-                args.checkpoint_dir,
-                done,
-                model,
-                optimizer,
-                {
-                    "step": done,
-                    "first_losses": first_losses,
-                    "scheduler": scheduler.state_dict(),
-                    "tokens_per_step": tokens_per_step,
-                },
-                keep=args.keep,
-            )
-            if rank == 0:
-                print(f"saved checkpoint {path}", flush=True)
 
-    train_seconds = time.perf_counter() - train_start
+def _step(run: _Run, step: int, train_start: float) -> None:
+    """One optimizer step, its loss (averaged over ranks) recorded, and rank 0's log line."""
+    args, device, optimizer = run.args, run.device, run.optimizer
+    t0 = time.perf_counter()
+    inputs, targets = sample_batch(
+        run.data, args.batch_size, args.seq_len, seed=args.seed, rank=run.rank, step=step
+    )
+    inputs, targets = inputs.to(device), targets.to(device)
+    logits = run.model(inputs)
+    loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    grad_norm = run.model.clip_grad_norm_(1.0)
+    lr = optimizer.param_groups[0]["lr"]
+    optimizer.step()
+    run.scheduler.step()
+
+    # One collective per step: every rank's (loss, RSS, CUDA peak), gathered on all ranks.
+    local = torch.tensor(
+        [loss.item(), _rss_mib(), _cuda_peak_mib(device)], dtype=torch.float64, device=device
+    )
+    per_rank = _all_gather_rows(local, run.world_size)
+    seconds = time.perf_counter() - t0  # ranks are in step: the all-gather synchronises them
+    run.losses.append(per_rank[:, 0].mean().item())
+
+    if run.rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
+        elapsed = time.perf_counter() - train_start
+        eta = elapsed / (step + 1 - run.start_step) * (args.steps - step - 1)
+        line = (
+            f"step {step + 1:>5}/{args.steps} ({100 * (step + 1) / args.steps:3.0f}%, "
+            f"eta {eta:4.0f} s) | loss {run.losses[-1]:.4f} | "
+            f"grad norm {float(grad_norm):.3f} | lr {lr:.2e} | "
+            f"{run.tokens_per_step / seconds:>9,.0f} tok/s | "
+            f"rss MiB {_fmt_mib(per_rank[:, 1].tolist())}"
+        )
+        if device.type == "cuda":
+            line += f" | cuda max MiB {_fmt_mib(per_rank[:, 2].tolist())}"
+        print(line, flush=True)
+    if len(run.first_losses) < _loss_window(args.steps):
+        run.first_losses.append(run.losses[-1])  # kept in checkpoints for the resumed loss check
+
+
+def _summarize(run: _Run, train_seconds: float, start: float) -> bool:
+    """Rank 0 prints the summary; returns whether the loss fell (the same on every rank)."""
+    args, device = run.args, run.device
     # Peak memory of every rank (gathered on all ranks; printed by rank 0).
     local = torch.tensor(
         [_peak_rss_mib(), _cuda_peak_mib(device)], dtype=torch.float64, device=device
     )
-    peaks = _all_gather_rows(local, world_size)
+    peaks = _all_gather_rows(local, run.world_size)
 
-    window = max(1, min(10, args.steps // 10))
-    first = sum(first_losses) / max(1, len(first_losses))
-    last = sum(losses[-window:]) / max(1, len(losses[-window:]))
+    window = _loss_window(args.steps)
+    first = sum(run.first_losses) / max(1, len(run.first_losses))
+    last = sum(run.losses[-window:]) / max(1, len(run.losses[-window:]))
     fell = math.isfinite(last) and last < first * REQUIRED_LOSS_RATIO
-    if rank == 0:
-        steps_run = max(1, args.steps - start_step)
-        total_tokens = tokens_per_step * steps_run
-        print(
-            f"summary ({strategy.name}, {world_size} ranks, {args.model} model):\n"
-            f"  loss           {first:.4f} (mean of first {window} steps) -> {last:.4f} "
-            f"(mean of last {window} steps)\n"
-            f"  throughput     {total_tokens / train_seconds:,.0f} tok/s mean (global), "
-            f"{train_seconds / steps_run * 1e3:.0f} ms/step\n"
-            f"  time           {train_seconds:.1f} s training, "
-            f"{time.perf_counter() - start:.1f} s in rank 0\n"
-            f"  peak rss MiB   {_fmt_mib(peaks[:, 0].tolist())} (per rank)",
-            flush=True,
+    steps_run = max(1, args.steps - run.start_step)
+    total_tokens = run.tokens_per_step * steps_run
+    run.say(
+        f"summary ({args.strategy}, {run.world_size} ranks, {args.model} model):\n"
+        f"  loss           {first:.4f} (mean of first {window} steps) -> {last:.4f} "
+        f"(mean of last {window} steps)\n"
+        f"  throughput     {total_tokens / train_seconds:,.0f} tok/s mean (global), "
+        f"{train_seconds / steps_run * 1e3:.0f} ms/step\n"
+        f"  time           {train_seconds:.1f} s training, "
+        f"{time.perf_counter() - start:.1f} s in rank 0\n"
+        f"  peak rss MiB   {_fmt_mib(peaks[:, 0].tolist())} (per rank)"
+    )
+    if device.type == "cuda":
+        run.say(f"  peak cuda MiB  {_fmt_mib(peaks[:, 1].tolist())} (per rank, max allocated)")
+    if fell:
+        run.say(f"OK: loss fell from {first:.4f} to {last:.4f}")
+    else:
+        run.say(
+            f"FAILED: loss did not fall (first {first:.4f}, last {last:.4f}; "
+            f"required last < {REQUIRED_LOSS_RATIO} x first)"
         )
-        if device.type == "cuda":
-            print(
-                f"  peak cuda MiB  {_fmt_mib(peaks[:, 1].tolist())} (per rank, max allocated)",
-                flush=True,
-            )
-        if fell:
-            print(f"OK: loss fell from {first:.4f} to {last:.4f}", flush=True)
-        else:
-            print(
-                f"FAILED: loss did not fall (first {first:.4f}, last {last:.4f}; "
-                f"required last < {REQUIRED_LOSS_RATIO} x first)",
-                flush=True,
-            )
     return fell
 
 

@@ -19,6 +19,7 @@ import importlib
 import re
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -40,7 +41,11 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
 
 
-def _gpt_builder(args: argparse.Namespace) -> Callable[[bool], tuple[nn.Module, Any]]:
+#: Builds ``(model, example_inputs)``; its argument: activation checkpointing of every block.
+Builder = Callable[[bool], tuple[nn.Module, Any]]
+
+
+def _gpt_builder(args: argparse.Namespace) -> Builder:
     from fsdp.examples.model import GPT, Block, GPTConfig, checkpoint_blocks
 
     def build(checkpointing: bool) -> tuple[nn.Module, Any]:
@@ -56,7 +61,7 @@ def _gpt_builder(args: argparse.Namespace) -> Callable[[bool], tuple[nn.Module, 
     return build
 
 
-def _user_builder(spec: str, wrap_class: Optional[str]) -> tuple[Callable[[bool], tuple[nn.Module, Any]], Optional[type]]:
+def _user_builder(spec: str, wrap_class: Optional[str]) -> tuple[Builder, Optional[type]]:
     module_name, _, factory_name = spec.partition(":")
     if not module_name or not factory_name:
         raise SystemExit(f"fsdp.plan: --model must be 'module:factory', got {spec!r}")
@@ -86,7 +91,7 @@ def _user_builder(spec: str, wrap_class: Optional[str]) -> tuple[Callable[[bool]
     return build, block_cls[0]
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m fsdp.plan", description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--d-model", type=int, default=768)
@@ -108,22 +113,29 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--budget", type=parse_bytes, help="per-rank device memory: list what fits")
     parser.add_argument("--max-world-size", type=int, default=64)
     parser.add_argument("--gpus-per-node", type=int, default=8)
-    args = parser.parse_args(argv)
-    if args.heads is None:
-        args.heads = max(1, args.d_model // 128)
+    return parser
 
-    loss_fn: Optional[Callable[[Any], torch.Tensor]] = None
+
+def _gpt_loss(logits: torch.Tensor) -> torch.Tensor:
+    """The example GPT's next-token loss (the targets' values do not matter to the plan)."""
+    targets = torch.empty(logits.shape[:-1], dtype=torch.long)
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _model_and_loss(
+    args: argparse.Namespace,
+) -> tuple[Builder, Optional[type], Optional[Callable[[Any], torch.Tensor]]]:
+    """``(model builder, block class to wrap, loss_fn)``: the user's ``--model`` or the example GPT."""
     if args.model:
         build, block_cls = _user_builder(args.model, args.wrap_class)
-    else:
-        from fsdp.examples.model import Block
+        return build, block_cls, None
+    from fsdp.examples.model import Block
 
-        build, block_cls = _gpt_builder(args), Block
+    return _gpt_builder(args), Block, _gpt_loss
 
-        def loss_fn(logits: torch.Tensor) -> torch.Tensor:
-            targets = torch.empty(logits.shape[:-1], dtype=torch.long)
-            return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
+def _base_kwargs(args: argparse.Namespace, block_cls: Optional[type]) -> dict[str, Any]:
+    """The wrapper keywords every planned configuration shares (wrapping, prefetching)."""
     from fsdp.wrap import ModuleWrapPolicy
 
     base: dict[str, Any] = {}
@@ -131,34 +143,55 @@ def main(argv: Optional[list[str]] = None) -> int:
         base["auto_wrap_policy"] = ModuleWrapPolicy({block_cls})
     base["backward_prefetch"] = None if args.backward_prefetch == "none" else BackwardPrefetch[args.backward_prefetch]
     base["forward_prefetch"] = args.forward_prefetch
+    return base
 
-    start = time.perf_counter()
-    if args.budget is not None:
-        from fsdp.plan._search import search_configurations
 
-        fits = search_configurations(
-            build,
-            budget_bytes=args.budget,
-            max_world_size=args.max_world_size,
-            gpus_per_node=args.gpus_per_node,
-            device=args.device,
-            fsdp_kwargs=base,
-            loss_fn=loss_fn,
+@dataclass
+class _Request:
+    """What the command line plans, whatever the report.
+
+    Attributes:
+        build: Builds the model and its example inputs.
+        base_kwargs: The wrapper keywords every planned configuration shares.
+        loss_fn: The loss of the model's output (None: the output's sum).
+    """
+
+    build: Builder
+    base_kwargs: dict[str, Any]
+    loss_fn: Optional[Callable[[Any], torch.Tensor]]
+
+
+def _print_search(args: argparse.Namespace, request: _Request, start: float) -> int:
+    """``--budget``: the table of configurations that fit; exit status 1 when none does."""
+    from fsdp.plan._search import search_configurations
+
+    fits = search_configurations(
+        request.build,
+        budget_bytes=args.budget,
+        max_world_size=args.max_world_size,
+        gpus_per_node=args.gpus_per_node,
+        device=args.device,
+        fsdp_kwargs=request.base_kwargs,
+        loss_fn=request.loss_fn,
+    )
+    print(f"configurations with a predicted peak <= {format_bytes(args.budget)} per rank, cheapest first:")
+    print(f"  {'ranks':>5}  {'strategy':<14} {'precision':<9} {'offload':<7} {'ckpt':<5} {'peak':>11}  phase")
+    for c in fits:
+        print(
+            f"  {c.world_size:>5}  {c.strategy.name:<14} {'bf16' if c.bf16 else 'fp32':<9} "
+            f"{'yes' if c.offload else 'no':<7} {'yes' if c.checkpointing else 'no':<5} "
+            f"{format_bytes(c.estimate.peak_bytes):>11}  {c.estimate.peak_phase}"
         )
-        print(f"configurations with a predicted peak <= {format_bytes(args.budget)} per rank, cheapest first:")
-        print(f"  {'ranks':>5}  {'strategy':<14} {'precision':<9} {'offload':<7} {'ckpt':<5} {'peak':>11}  phase")
-        for c in fits:
-            print(
-                f"  {c.world_size:>5}  {c.strategy.name:<14} {'bf16' if c.bf16 else 'fp32':<9} "
-                f"{'yes' if c.offload else 'no':<7} {'yes' if c.checkpointing else 'no':<5} "
-                f"{format_bytes(c.estimate.peak_bytes):>11}  {c.estimate.peak_phase}"
-            )
-        if not fits:
-            print(f"  none up to {args.max_world_size} ranks")
-        print(f"(searched in {time.perf_counter() - start:.1f} s)")
-        return 0 if fits else 1
-    model, inputs = build(args.checkpointing)
-    kwargs = dict(base)
+    if not fits:
+        print(f"  none up to {args.max_world_size} ranks")
+    print(f"(searched in {time.perf_counter() - start:.1f} s)")
+    return 0 if fits else 1
+
+
+def _print_estimate(args: argparse.Namespace, request: _Request, start: float) -> int:
+    """One configuration's estimate, from the command line's flags."""
+    model, inputs = request.build(args.checkpointing)
+    kwargs = dict(request.base_kwargs)
     kwargs["sharding_strategy"] = ShardingStrategy[args.strategy]
     kwargs["device_id"] = torch.device(args.device)
     if args.bf16:
@@ -166,13 +199,26 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.offload:
         kwargs["cpu_offload"] = CPUOffload(offload_params=True)
     estimate = estimate_memory(
-        model, inputs, world_size=args.world_size, loss_fn=loss_fn, intra_node_size=args.intra_node_size, **kwargs
+        model, inputs, world_size=args.world_size, loss_fn=request.loss_fn, intra_node_size=args.intra_node_size, **kwargs
     )
     params = sum(p.numel() for p in model.parameters())
     print(f"model: {params / 1e9:.3f} B parameters")
     print(estimate)
     print(f"(planned in {time.perf_counter() - start:.1f} s)")
     return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """``python -m fsdp.plan``; returns the exit status (1 when ``--budget`` finds nothing)."""
+    args = _parser().parse_args(argv)
+    if args.heads is None:
+        args.heads = max(1, args.d_model // 128)
+    build, block_cls, loss_fn = _model_and_loss(args)
+    request = _Request(build, _base_kwargs(args, block_cls), loss_fn)
+    start = time.perf_counter()
+    if args.budget is not None:
+        return _print_search(args, request, start)
+    return _print_estimate(args, request, start)
 
 
 if __name__ == "__main__":

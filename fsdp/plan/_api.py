@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -14,9 +14,9 @@ from fsdp.flat_param._sharding import flat_layout
 from fsdp.init._validate import validate_init_args
 from fsdp.plan._estimate import MemoryEstimate, UnitEstimate
 from fsdp.plan._optimizer import trace_optimizer
-from fsdp.plan._schedule import ScheduleConfig, replay
-from fsdp.plan._trace import trace_forward_backward
-from fsdp.plan._units import plan_unit_layouts, size_unit_specs
+from fsdp.plan._schedule import ReplayResult, ScheduleConfig, replay
+from fsdp.plan._trace import Trace, trace_forward_backward
+from fsdp.plan._units import UnitSpec, plan_unit_layouts, size_unit_specs
 
 __all__ = ["PlanCache", "estimate_memory"]
 
@@ -117,6 +117,35 @@ def estimate_memory(
         ValueError: A model without parameters, a world size that is not positive or that the
             hybrid layout does not divide, and the wrapper's own argument errors.
     """
+    setup = _setup(model, world_size, intra_node_size, fsdp_kwargs)
+    planned = _plan_units(model, setup, _cache)
+    trace = _trace(model, example_inputs, loss_fn, planned, setup, _cache)
+    optimizer_bytes = _trace_optimizer(optimizer, optimizer_kwargs or {}, planned, setup, _cache)
+    result = _schedule(model, planned, trace, optimizer_bytes, setup)
+    return _report(result, planned.units, world_size, setup)
+
+
+@dataclass
+class _Setup:
+    """The checked arguments of one estimate.
+
+    Attributes:
+        kwargs: The wrapper's keywords, its defaults filled in.
+        strategy: The sharding strategy asked for.
+        shard_world_size: Ranks a parameter is sharded over (the node size for hybrid).
+        replicate_world_size: Hybrid replicas (1 otherwise).
+        device: The training device.
+    """
+
+    kwargs: dict[str, Any]
+    strategy: ShardingStrategy
+    shard_world_size: int
+    replicate_world_size: int
+    device: torch.device
+
+
+def _check_arguments(model: nn.Module, world_size: int, fsdp_kwargs: dict[str, Any]) -> set[str]:
+    """Raises on a user mistake, before any planning; returns the wrapper's keyword names."""
     known = _fsdp_keywords()
     unknown = sorted(set(fsdp_kwargs) - known)
     if unknown:
@@ -150,7 +179,13 @@ def estimate_memory(
         param_init_fn=fsdp_kwargs.get("param_init_fn"),
         use_orig_params=bool(fsdp_kwargs.get("use_orig_params")),
     )
-    strategy = fsdp_kwargs.get("sharding_strategy") or ShardingStrategy.FULL_SHARD
+    return known
+
+
+def _shard_world_sizes(
+    strategy: ShardingStrategy, world_size: int, intra_node_size: Optional[int]
+) -> tuple[int, int]:
+    """``(shard world size, replicate world size)``; raises on a bad ``intra_node_size``."""
     if strategy in _HYBRID:
         if intra_node_size is None:
             raise ValueError(
@@ -162,103 +197,191 @@ def estimate_memory(
                 f"fsdp.estimate_memory: intra_node_size={intra_node_size} does not divide "
                 f"world_size={world_size}; the hybrid layout needs whole nodes."
             )
-        shard_ws, replicate_ws = intra_node_size, world_size // intra_node_size
-    else:
-        if intra_node_size is not None:
-            raise ValueError(
-                f"fsdp.estimate_memory: intra_node_size= applies to hybrid strategies only, "
-                f"not {strategy.name}."
-            )
-        shard_ws, replicate_ws = world_size, 1
-    device_id = fsdp_kwargs.get("device_id")
+        return intra_node_size, world_size // intra_node_size
+    if intra_node_size is not None:
+        raise ValueError(
+            f"fsdp.estimate_memory: intra_node_size= applies to hybrid strategies only, "
+            f"not {strategy.name}."
+        )
+    return world_size, 1
+
+
+def _training_device(device_id: Any) -> torch.device:
+    """The device ``device_id`` names (an int is a CUDA index); CUDA when it is None."""
     device = torch.device(device_id) if device_id is not None else torch.device("cuda")
     if isinstance(device_id, int):
         device = torch.device("cuda", device_id)
+    return device
+
+
+def _setup(
+    model: nn.Module, world_size: int, intra_node_size: Optional[int], fsdp_kwargs: dict[str, Any]
+) -> _Setup:
+    """Checks the arguments and resolves the strategy's group sizes and the device."""
+    from fsdp.fully_sharded_data_parallel import FullyShardedDataParallel
+
+    known = _check_arguments(model, world_size, fsdp_kwargs)
+    strategy = fsdp_kwargs.get("sharding_strategy") or ShardingStrategy.FULL_SHARD
+    shard_ws, replicate_ws = _shard_world_sizes(strategy, world_size, intra_node_size)
+    device = _training_device(fsdp_kwargs.get("device_id"))
     defaults = {
         k: p.default
-        for k, p in inspect.signature(
-            __import__("fsdp").FullyShardedDataParallel.__init__
-        ).parameters.items()
-        if p.default is not inspect.Parameter.empty
+        for k, p in inspect.signature(FullyShardedDataParallel.__init__).parameters.items()
+        if p.default is not inspect.Parameter.empty and k in known
     }
-    kwargs = {**{k: v for k, v in defaults.items() if k in known}, **fsdp_kwargs}
-    root_kwargs = {k: v for k, v in kwargs.items() if k not in ("auto_wrap_policy", "ignored_modules", "ignored_states")}
-    layout_key = _kwargs_key(kwargs)
-    planned = _cache.layouts.get(layout_key) if _cache is not None else None
-    if planned is None:
-        planned = plan_unit_layouts(
+    return _Setup({**defaults, **fsdp_kwargs}, strategy, shard_ws, replicate_ws, device)
+
+
+def _cached(store: Optional[dict[Any, Any]], key: Any, make: Callable[[], Any]) -> Any:
+    """``store[key]``, made by ``make()`` and kept the first time; just ``make()`` without a store."""
+    value = store.get(key) if store is not None else None
+    if value is None:
+        value = make()
+        if store is not None:
+            store[key] = value
+    return value
+
+
+class _Planned(NamedTuple):
+    """The planned units and the parameters none of them manages.
+
+    Attributes:
+        units: The units (forward order, root last), sized for the shard world size.
+        ignored_params: Parameters no unit manages (they keep ordinary ``.grad``).
+    """
+
+    units: list[UnitSpec]
+    ignored_params: set[nn.Parameter]
+
+
+def _plan_units(model: nn.Module, setup: _Setup, cache: Optional[PlanCache]) -> _Planned:
+    """The wrap policy's units, sized for the shard world size, and the ignored parameters."""
+    kwargs = setup.kwargs
+    root_kwargs = {
+        k: v for k, v in kwargs.items() if k not in ("auto_wrap_policy", "ignored_modules", "ignored_states")
+    }
+    layouts, _ignored_modules, ignored_params = _cached(
+        cache.layouts if cache is not None else None,
+        _kwargs_key(kwargs),
+        lambda: plan_unit_layouts(
             model,
             auto_wrap_policy=kwargs.get("auto_wrap_policy"),
             root_kwargs=root_kwargs,
             ignored_modules=kwargs.get("ignored_modules"),
             ignored_states=kwargs.get("ignored_states"),
-        )
-        if _cache is not None:
-            _cache.layouts[layout_key] = planned
-    layouts, _ignored_modules, ignored_params = planned
-    units = size_unit_specs(layouts, shard_ws)
-    mixed_precision = kwargs.get("mixed_precision")
+        ),
+    )
+    return _Planned(size_unit_specs(layouts, setup.shard_world_size), ignored_params)
+
+
+def _trace(
+    model: nn.Module,
+    example_inputs: Any,
+    loss_fn: Optional[Callable[[Any], torch.Tensor]],
+    planned: _Planned,
+    setup: _Setup,
+    cache: Optional[PlanCache],
+) -> Trace:
+    """The activation trace ([Note: Activation trace]), shared across world sizes in a search."""
+    mixed_precision = setup.kwargs.get("mixed_precision")
     buffer_dtype = getattr(mixed_precision, "buffer_dtype", None) if mixed_precision is not None else None
     # The trace depends on the compute dtypes and the unit modules, not on the world size: a
     # search over world sizes and strategies (python -m fsdp.plan --budget) traces once.
-    cache_key = (
+    key = (
         getattr(mixed_precision, "param_dtype", None),
         buffer_dtype,
-        tuple(id(u.module) for u in units),
+        tuple(id(u.module) for u in planned.units),
     )
-    trace = _cache.traces.get(cache_key) if _cache is not None else None
-    if trace is None:
-        trace = trace_forward_backward(model, example_inputs, units, ignored_params, loss_fn, buffer_dtype)
-        if _cache is not None:
-            _cache.traces[cache_key] = trace
-    cpu_offload = kwargs.get("cpu_offload")
-    offload = bool(cpu_offload and cpu_offload.offload_params) and device.type != "cpu"
+    return _cached(
+        cache.traces if cache is not None else None,
+        key,
+        lambda: trace_forward_backward(
+            model, example_inputs, planned.units, planned.ignored_params, loss_fn, buffer_dtype
+        ),
+    )
+
+
+def _optimizer_shapes(planned: _Planned, setup: _Setup) -> list[tuple[int, torch.dtype]]:
+    """``(numel, dtype)`` of every tensor the optimizer steps on the busiest rank."""
     # The optimizer sees each trainable shard in full precision, and ignored parameters whole.
     # With use_orig_params it sees each original parameter's slice of the shard instead (rank
     # 0's: the first ranks hold no padding), which changes the step's per-tensor temporaries.
     shapes: list[tuple[int, torch.dtype]] = []
-    for u in units:
+    for u in planned.units:
         for h in u.handles:
             if not h.requires_grad:
                 continue
-            if not kwargs.get("use_orig_params"):
+            if not setup.kwargs.get("use_orig_params"):
                 shapes.append((h.sharded_numel, h.precision.full_dtype))
                 continue
             numels = [p.numel() for p in h.params]
             if h.uses_sharding:
                 # The handle's layout (alignment padding skipped): rank 0's parts.
-                layout = h.layout or flat_layout(numels, shard_ws)
+                layout = h.layout or flat_layout(numels, setup.shard_world_size)
                 numels = [s.numel for s in layout.slices_in_shard(0)]
             shapes += [(n, h.precision.full_dtype) for n in numels]
-    shapes += [(p.numel(), p.dtype) for p in ignored_params if p.requires_grad]
-    foreach = device.type == "cuda"
-    optimizer_key = (optimizer, repr(sorted((optimizer_kwargs or {}).items())), tuple(shapes), foreach)
-    optimizer_result = _cache.optimizer.get(optimizer_key) if _cache is not None else None
-    if optimizer_result is None:
-        optimizer_result = trace_optimizer(optimizer, optimizer_kwargs or {}, shapes, foreach=foreach)
-        if _cache is not None:
-            _cache.optimizer[optimizer_key] = optimizer_result
-    state_bytes, temp_bytes = optimizer_result
+    shapes += [(p.numel(), p.dtype) for p in planned.ignored_params if p.requires_grad]
+    return shapes
+
+
+def _trace_optimizer(
+    optimizer: type,
+    optimizer_kwargs: dict[str, Any],
+    planned: _Planned,
+    setup: _Setup,
+    cache: Optional[PlanCache],
+) -> tuple[int, int]:
+    """``(optimizer state bytes, step temporaries' peak bytes)``, shared by equal shard shapes."""
+    shapes = _optimizer_shapes(planned, setup)
+    foreach = setup.device.type == "cuda"
+    key = (optimizer, repr(sorted(optimizer_kwargs.items())), tuple(shapes), foreach)
+    return _cached(
+        cache.optimizer if cache is not None else None,
+        key,
+        lambda: trace_optimizer(optimizer, optimizer_kwargs, shapes, foreach=foreach),
+    )
+
+
+def _offloads(setup: _Setup) -> bool:
+    cpu_offload = setup.kwargs.get("cpu_offload")
+    return bool(cpu_offload and cpu_offload.offload_params)
+
+
+def _schedule(
+    model: nn.Module,
+    planned: _Planned,
+    trace: Trace,
+    optimizer_bytes: tuple[int, int],
+    setup: _Setup,
+) -> ReplayResult:
+    """Replays FSDP's schedule on the trace (see :mod:`fsdp.plan._schedule`)."""
+    state_bytes, temp_bytes = optimizer_bytes
     static = sum(b.numel() * b.element_size() for b in model.buffers())
-    static += sum(p.numel() * p.element_size() for p in ignored_params)
+    static += sum(p.numel() * p.element_size() for p in planned.ignored_params)
     cfg = ScheduleConfig(
-        device_is_cpu=device.type == "cpu",
-        offload_params=offload,
-        backward_prefetch=kwargs.get("backward_prefetch"),
-        forward_prefetch=bool(kwargs.get("forward_prefetch")),
-        shard_world_size=shard_ws,
-        replicate_world_size=replicate_ws,
+        device_is_cpu=setup.device.type == "cpu",
+        offload_params=_offloads(setup) and setup.device.type != "cpu",
+        backward_prefetch=setup.kwargs.get("backward_prefetch"),
+        forward_prefetch=bool(setup.kwargs.get("forward_prefetch")),
+        shard_world_size=setup.shard_world_size,
+        replicate_world_size=setup.replicate_world_size,
         static_bytes=static,
         optim_state_bytes=state_bytes,
         optim_temp_bytes=temp_bytes,
     )
-    result = replay(units, trace, cfg)
-    effective = strategy if (shard_ws > 1 or strategy in _HYBRID) else ShardingStrategy.NO_SHARD
+    return replay(planned.units, trace, cfg)
+
+
+def _report(result: ReplayResult, units: list[UnitSpec], world_size: int, setup: _Setup) -> MemoryEstimate:
+    """The :class:`MemoryEstimate`: the replay's peak, the unit sizes, the configuration in words."""
+    kwargs, strategy, device = setup.kwargs, setup.strategy, setup.device
+    effective = strategy if (setup.shard_world_size > 1 or strategy in _HYBRID) else ShardingStrategy.NO_SHARD
     prefetch = kwargs.get("backward_prefetch")
+    mixed_precision = kwargs.get("mixed_precision")
     config = {
         "strategy": effective.name,
         "param_dtype": str(getattr(mixed_precision, "param_dtype", None) or "full").replace("torch.", ""),
-        "offload": str(bool(cpu_offload and cpu_offload.offload_params)),
+        "offload": str(_offloads(setup)),
         "backward_prefetch": prefetch.name if isinstance(prefetch, BackwardPrefetch) else "None",
         "forward_prefetch": str(bool(kwargs.get("forward_prefetch"))),
         "device": device.type,

@@ -33,6 +33,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from fsdp._common import p_assert
 from fsdp.plan._units import UnitSpec
 
 __all__ = ["Trace", "trace_forward_backward"]
@@ -109,6 +110,30 @@ def _default_loss(output: Any) -> torch.Tensor:
     return loss
 
 
+@dataclass
+class _TraceRun:
+    """What the trace's hooks share while one forward and backward runs.
+
+    Attributes:
+        trace: The events being recorded.
+        units: The planned units (forward order, root last).
+        tracker: The dispatch mode that names storages (set just before the forward).
+        in_backward: Set when backward starts: a forward then is a recomputation.
+        ran_pre_backward: Units whose pre-backward marker was emitted.
+        remaining_grads: Per ``(unit, handle)``, the trainable parameters whose gradient is
+            still to come in this backward.
+        handles: Every hook registered (removed at the end).
+    """
+
+    trace: Trace
+    units: list[UnitSpec]
+    tracker: Optional[_StorageTracker] = None
+    in_backward: bool = False
+    ran_pre_backward: set[int] = field(default_factory=set)
+    remaining_grads: dict[tuple[int, int], int] = field(default_factory=dict)
+    handles: list[Any] = field(default_factory=list)
+
+
 def trace_forward_backward(
     model: nn.Module,
     example_inputs: Any,
@@ -132,41 +157,16 @@ def trace_forward_backward(
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    trace = Trace()
-    owner: dict[int, tuple[int, int]] = {}
-    for u, unit in enumerate(units):
-        for h, handle in enumerate(unit.handles):
-            for p in handle.params:
-                owner[id(p)] = (u, h)
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
-    hooks: list[Any] = []
-    in_backward = [False]
-    ran_pre_backward: set[int] = set()
-    tracker: list[Any] = [None]
+    run = _TraceRun(Trace(), units)
     try:
-        with fake_mode:
-            replacements: dict[str, torch.Tensor] = {}
-            remaining: dict[tuple[int, int], int] = {}
-            for name, p in model.named_parameters(remove_duplicate=False):
-                if name in replacements:
-                    continue
-                u_h = owner.get(id(p))
-                dtype = p.dtype
-                if u_h is not None:
-                    dtype = units[u_h[0]].handles[u_h[1]].precision.param_dtype
-                fake = nn.Parameter(torch.empty(p.shape, dtype=dtype), requires_grad=p.requires_grad)
-                replacements[name] = fake
-                if u_h is not None and p.requires_grad:
-                    remaining[u_h] = remaining.get(u_h, 0) + 1
-                    hooks.append(fake.register_post_accumulate_grad_hook(_grad_hook(trace, u_h, remaining, tracker)))
-            for name, b in model.named_buffers(remove_duplicate=False):
-                dtype = buffer_dtype if (buffer_dtype is not None and b.is_floating_point()) else b.dtype
-                replacements[name] = torch.empty(b.shape, dtype=dtype)
+        with FakeTensorMode(allow_non_fake_inputs=False):
+            replacements = _fake_parameters(model, run)
+            replacements.update(_fake_buffers(model, buffer_dtype))
             fake_inputs = tree_map(
                 lambda t: torch.empty(t.shape, dtype=t.dtype) if isinstance(t, torch.Tensor) else t,
                 example_inputs,
             )
-            trace.input_bytes = sum(
+            run.trace.input_bytes = sum(
                 t.untyped_storage().nbytes() for t in tree_flatten(fake_inputs)[0] if isinstance(t, torch.Tensor)
             )
             external = {
@@ -174,45 +174,99 @@ def trace_forward_backward(
                 for t in list(replacements.values()) + tree_flatten(fake_inputs)[0]
                 if isinstance(t, torch.Tensor)
             }
-            for u, unit in enumerate(units):
-                hooks.append(unit.module.register_forward_pre_hook(_fwd_pre_hook(trace, u)))
-                hooks.append(
-                    unit.module.register_forward_hook(
-                        _fwd_post_hook(trace, u, in_backward, ran_pre_backward)
-                    )
-                )
+            _register_unit_hooks(run)
             args = fake_inputs if isinstance(fake_inputs, tuple) else (fake_inputs,)
-            tracker[0] = _StorageTracker(trace, external)
-            # The fake parameters stay in place through backward: activation checkpointing
-            # re-runs forwards there.
-            with _reparametrize_module(model, replacements, tie_weights=True), tracker[0]:
-                trace.events.append(("phase", "forward"))
-                output = model(*args)
-                loss = (loss_fn or _default_loss)(output)
-                del output
-                trace.events.append(("phase", "backward"))
-                in_backward[0] = True
-                loss.backward()
-                del loss
-                trace.events.append(("phase", "end"))
+            run.tracker = _StorageTracker(run.trace, external)
+            _run_forward_backward(model, replacements, args, loss_fn, run)
             del replacements, fake_inputs, args
     finally:
-        for hook in hooks:
+        for hook in run.handles:
             hook.remove()
-    return trace
+    return run.trace
 
 
-def _grad_hook(
-    trace: Trace, u_h: tuple[int, int], remaining: dict[tuple[int, int], int], tracker: list[Any]
-) -> Callable[[torch.Tensor], None]:
+def _fake_parameters(model: nn.Module, run: _TraceRun) -> dict[str, torch.Tensor]:
+    """Fake copies of the model's parameters in their compute dtype, by every name they have.
+
+    A unit's trainable parameters get a gradient hook (``grad`` and ``bwd_post`` events).
+    Precondition: called inside ``FakeTensorMode``.
+    """
+    owner: dict[int, tuple[int, int]] = {}
+    for u, unit in enumerate(run.units):
+        for h, handle in enumerate(unit.handles):
+            for p in handle.params:
+                owner[id(p)] = (u, h)
+    replacements: dict[str, torch.Tensor] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if name in replacements:
+            continue
+        u_h = owner.get(id(p))
+        dtype = p.dtype
+        if u_h is not None:
+            dtype = run.units[u_h[0]].handles[u_h[1]].precision.param_dtype
+        fake = nn.Parameter(torch.empty(p.shape, dtype=dtype), requires_grad=p.requires_grad)
+        replacements[name] = fake
+        if u_h is not None and p.requires_grad:
+            run.remaining_grads[u_h] = run.remaining_grads.get(u_h, 0) + 1
+            run.handles.append(fake.register_post_accumulate_grad_hook(_grad_hook(run, u_h)))
+    return replacements
+
+
+def _fake_buffers(model: nn.Module, buffer_dtype: Optional[torch.dtype]) -> dict[str, torch.Tensor]:
+    """Fake copies of the model's buffers (floating ones in ``buffer_dtype`` when given).
+
+    Precondition: called inside ``FakeTensorMode``.
+    """
+    fakes: dict[str, torch.Tensor] = {}
+    for name, b in model.named_buffers(remove_duplicate=False):
+        dtype = buffer_dtype if (buffer_dtype is not None and b.is_floating_point()) else b.dtype
+        fakes[name] = torch.empty(b.shape, dtype=dtype)
+    return fakes
+
+
+def _register_unit_hooks(run: _TraceRun) -> None:
+    """The forward markers on every unit's module, and from them the pre-backward markers."""
+    for u, unit in enumerate(run.units):
+        run.handles.append(unit.module.register_forward_pre_hook(_fwd_pre_hook(run.trace, u)))
+        run.handles.append(unit.module.register_forward_hook(_fwd_post_hook(run, u)))
+
+
+def _run_forward_backward(
+    model: nn.Module,
+    replacements: dict[str, torch.Tensor],
+    args: tuple[Any, ...],
+    loss_fn: Optional[Callable[[Any], torch.Tensor]],
+    run: _TraceRun,
+) -> None:
+    """The forward, the loss and the backward, with the fake parameters and the tracker on."""
+    # The fake parameters stay in place through backward: activation checkpointing re-runs
+    # forwards there.
+    p_assert(run.tracker is not None, "fsdp.plan: the storage tracker is set before the forward")
+    trace = run.trace
+    with _reparametrize_module(model, replacements, tie_weights=True), run.tracker:
+        trace.events.append(("phase", "forward"))
+        output = model(*args)
+        loss = (loss_fn or _default_loss)(output)
+        del output
+        trace.events.append(("phase", "backward"))
+        run.in_backward = True
+        loss.backward()
+        del loss
+        trace.events.append(("phase", "end"))
+
+
+def _grad_hook(run: _TraceRun, u_h: tuple[int, int]) -> Callable[[torch.Tensor], None]:
     def hook(param: torch.Tensor) -> None:
         grad = param.grad
         if grad is not None:
-            trace.events.append(("grad", u_h[0], u_h[1], tracker[0].key_of(grad), grad.untyped_storage().nbytes()))
+            p_assert(run.tracker is not None, "fsdp.plan: a gradient outside the traced backward")
+            run.trace.events.append(
+                ("grad", u_h[0], u_h[1], run.tracker.key_of(grad), grad.untyped_storage().nbytes())
+            )
         param.grad = None  # FSDP hands it to the reduction; the replay decides how long it lives
-        remaining[u_h] -= 1
-        if remaining[u_h] == 0:
-            trace.events.append(("bwd_post", u_h[0], u_h[1]))
+        run.remaining_grads[u_h] -= 1
+        if run.remaining_grads[u_h] == 0:
+            run.trace.events.append(("bwd_post", u_h[0], u_h[1]))
 
     return hook
 
@@ -224,17 +278,15 @@ def _fwd_pre_hook(trace: Trace, u: int) -> Callable[..., None]:
     return hook
 
 
-def _fwd_post_hook(
-    trace: Trace, u: int, in_backward: list[bool], ran_pre_backward: set[int]
-) -> Callable[..., None]:
+def _fwd_post_hook(run: _TraceRun, u: int) -> Callable[..., None]:
     def on_grad(grad: torch.Tensor) -> None:
-        if u not in ran_pre_backward:
-            ran_pre_backward.add(u)
-            trace.events.append(("bwd_pre", u))
+        if u not in run.ran_pre_backward:
+            run.ran_pre_backward.add(u)
+            run.trace.events.append(("bwd_pre", u))
 
     def hook(module: nn.Module, args: Any, output: Any) -> None:
-        trace.events.append(("fwd_post", u))
-        if in_backward[0] or not torch.is_grad_enabled():
+        run.trace.events.append(("fwd_post", u))
+        if run.in_backward or not torch.is_grad_enabled():
             return  # a recomputation (activation checkpointing): FSDP registers nothing then
         for t in tree_flatten(output)[0]:
             if isinstance(t, torch.Tensor) and t.requires_grad:

@@ -25,11 +25,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
-import multiprocessing
 import os
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -37,6 +34,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from fsdp._local_ranks import run_local_ranks, write_rank_result
 
 __all__ = ["ValidationPoint", "POINTS", "predict", "measure", "main"]
 
@@ -258,8 +257,7 @@ def _rank_main(rank: int, point_fields: dict[str, Any], workdir: str) -> None:
             "step_seconds": time.perf_counter() - marks["start"],
         }
         del wrapped
-        with open(os.path.join(workdir, f"rank{rank}.json"), "w") as f:
-            json.dump(result, f)
+        write_rank_result(workdir, rank, result)
     finally:
         dist.destroy_process_group()
 
@@ -270,42 +268,12 @@ def measure(point: ValidationPoint, timeout_s: float = 3600.0) -> list[dict[str,
     Raises:
         RuntimeError: A rank failed or the run exceeded ``timeout_s``.
     """
-    ctx = multiprocessing.get_context("spawn")
     # Read by glibc when each spawned interpreter starts (the ranks also set it with mallopt).
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    with tempfile.TemporaryDirectory(prefix="fsdp_plan_validate_") as workdir:
-        procs = [
-            ctx.Process(target=_rank_main, args=(r, dataclasses.asdict(point), workdir)) for r in range(point.world_size)
-        ]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout_s
-        failed: Optional[str] = None
-        try:
-            while any(p.is_alive() for p in procs) and failed is None:
-                for r, p in enumerate(procs):
-                    if p.exitcode not in (0, None):
-                        failed = f"rank {r} exited with code {p.exitcode}"
-                if time.monotonic() > deadline:
-                    failed = f"timed out after {timeout_s:.0f} s"
-                time.sleep(0.5)
-            for r, p in enumerate(procs):
-                if failed is None and p.exitcode not in (0, None):
-                    failed = f"rank {r} exited with code {p.exitcode}"
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    p.terminate()
-            for p in procs:
-                p.join(30)
-        if failed:
-            raise RuntimeError(f"fsdp.plan.validate: {failed}")
-        results = []
-        for r in range(point.world_size):
-            with open(os.path.join(workdir, f"rank{r}.json")) as f:
-                results.append(json.load(f))
-        return results
+    return run_local_ranks(
+        _rank_main, dataclasses.asdict(point), point.world_size, timeout_s, prog="fsdp.plan.validate"
+    )
 
 
 # ---------------------------------------------------------------------- the CLI

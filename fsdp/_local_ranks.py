@@ -1,0 +1,135 @@
+"""Running a tool's ranks as local spawned processes and collecting each rank's JSON result.
+
+The benchmark (``python -m fsdp.bench``) and the planner's validation run
+(``python -m fsdp.plan.validate``) both start ``world_size`` processes on this machine, wait for
+them under a deadline, and read back what each rank wrote. This module is that runner, shared.
+
+[Note: Local rank protocol]
+The runner calls ``target(rank, payload, workdir)`` in each spawned process, ``rank`` from 0 to
+``world_size - 1``. ``workdir`` is a fresh temporary folder shared by all ranks: they may
+rendezvous through a file in it (``init_method=f"file://{workdir}/rendezvous"``), and each
+rank's result is the JSON file ``rank{rank}.json`` in it (:func:`write_rank_result` writes it
+atomically). The first rank to exit with a non-zero code, or the deadline, ends the run: the
+ranks still alive are terminated, because they would block in a collective waiting for the
+failed one.
+
+It imports nothing from ``fsdp``; only the tools on top use it (``tests/test_layering.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import tempfile
+import time
+from typing import Any, Callable, Optional
+
+__all__ = ["run_local_ranks", "write_rank_result"]
+
+# How often the parent looks at its ranks, and how long it waits for a terminated one to exit.
+_POLL_S = 0.2
+_JOIN_S = 30.0
+
+
+def _result_path(workdir: str, rank: int) -> str:
+    return os.path.join(workdir, f"rank{rank}.json")
+
+
+def write_rank_result(workdir: str, rank: int, result: Any) -> None:
+    """Writes one rank's result where :func:`run_local_ranks` reads it, atomically.
+
+    Args:
+        workdir: The folder the runner passed to the rank.
+        rank: This rank.
+        result: Anything ``json.dump`` takes.
+    """
+    path = _result_path(workdir, rank)
+    with open(path + ".tmp", "w") as f:
+        json.dump(result, f)
+    os.replace(path + ".tmp", path)
+
+
+def _first_failure(procs: list[Any]) -> Optional[str]:
+    """The first rank (in rank order) that exited with a non-zero code, described, else None."""
+    for rank, proc in enumerate(procs):
+        if proc.exitcode not in (0, None):
+            return f"rank {rank} exited with code {proc.exitcode}"
+    return None
+
+
+def _wait(procs: list[Any], timeout_s: float) -> Optional[str]:
+    """Waits for every rank to exit; returns why the run failed, or None when all exited with 0.
+
+    Postcondition: no rank is alive (the ones left when a rank failed or the deadline passed
+    are terminated).
+    """
+    deadline = time.monotonic() + timeout_s
+    failed: Optional[str] = None
+    try:
+        while any(p.is_alive() for p in procs):
+            failed = _first_failure(procs)
+            if failed is not None:
+                break
+            if time.monotonic() > deadline:
+                failed = f"timed out after {timeout_s:.0f} s"
+                break
+            time.sleep(_POLL_S)
+        if failed is None:
+            failed = _first_failure(procs)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(_JOIN_S)
+    return failed
+
+
+def run_local_ranks(
+    target: Callable[[int, Any, str], None],
+    payload: Any,
+    world_size: int,
+    timeout_s: float,
+    *,
+    prog: str,
+) -> list[Any]:
+    """Runs ``target`` on ``world_size`` spawned processes; returns each rank's result in rank order.
+
+    See [Note: Local rank protocol]. Environment variables the ranks need must be set in
+    ``os.environ`` before the call: spawned interpreters inherit them at start.
+
+    Args:
+        target: ``target(rank, payload, workdir)``; a picklable module-level function that
+            writes its result with :func:`write_rank_result`.
+        payload: Passed to every rank unchanged (picklable; the tools pass a config as a dict).
+        world_size: Number of ranks.
+        timeout_s: Seconds the whole run may take.
+        prog: The tool's name, the first word of its errors and of the processes' names.
+
+    Returns:
+        What each rank wrote, decoded from JSON, rank 0 first.
+
+    Raises:
+        RuntimeError: A rank exited with a non-zero code, the run exceeded ``timeout_s``, or a
+            rank exited without writing its result.
+    """
+    ctx = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix=prog.replace(".", "_") + "_") as workdir:
+        procs = [
+            ctx.Process(target=target, args=(rank, payload, workdir), name=f"{prog}-rank{rank}")
+            for rank in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        failed = _wait(procs, timeout_s)
+        if failed:
+            raise RuntimeError(f"{prog}: {failed}")
+        results = []
+        for rank in range(world_size):
+            path = _result_path(workdir, rank)
+            if not os.path.exists(path):
+                raise RuntimeError(f"{prog}: rank {rank} exited with code 0 without writing {path}")
+            with open(path) as f:
+                results.append(json.load(f))
+        return results
