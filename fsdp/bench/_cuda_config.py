@@ -150,6 +150,7 @@ class CudaBenchConfig:
 
     @property
     def tokens_per_step(self) -> int:
+        """Tokens each training step processes: batch x seq."""
         return self.batch_ * self.seq
 
     # The mode defaults are filled in by __post_init__; these typed views save the Optional.

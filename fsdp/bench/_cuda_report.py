@@ -17,7 +17,7 @@ from __future__ import annotations
 import statistics
 from typing import Any, Optional, Sequence
 
-from fsdp.bench._cuda_config import CudaBenchConfig, gpt_params
+from fsdp.bench._cuda_config import OFFLOAD_IMPLEMENTATIONS, CudaBenchConfig, gpt_params
 
 __all__ = [
     "PEAK_BF16_FLOPS",
@@ -255,7 +255,7 @@ def format_offload(cfg: CudaBenchConfig, env: dict[str, Any], summary: dict[str,
         lines.append(f"== CPU offload size walk (d_model {cfg.d_model}, batch {cfg.batch} x seq {cfg.seq})")
         for size, row in summary["sizes"].items():
             cells = []
-            for impl in OFFLOAD_ORDER:
+            for impl in OFFLOAD_IMPLEMENTATIONS:
                 cell = row.get(impl)
                 if cell is None:
                     continue
@@ -268,6 +268,3 @@ def format_offload(cfg: CudaBenchConfig, env: dict[str, Any], summary: dict[str,
                     cells.append(f"{impl} {cell['status'].upper()}")
             lines.append(f"  {size}B ({row['params'] / 1e9:.2f}e9, {row['layers']} layers): " + "; ".join(cells))
     return "\n".join(lines)
-
-
-OFFLOAD_ORDER = ("fsdp", "torch_fsdp1")
