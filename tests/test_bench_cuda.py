@@ -78,6 +78,7 @@ def test_device_flag_dispatch_and_defaults() -> None:
         (["--d-model", "100", "--n-head", "16"], "--d-model 100 is not divisible by --n-head 16"),
         (["--batch", "0"], r"must be >= 1: \{'--batch': 0\}"),
         (["--peak-tflops", "-1"], "--peak-tflops must be positive"),
+        (["--hang-timeout", "0"], r"--time-budget \(420.0\) and --hang-timeout \(0.0\) must be positive"),
         (["--offload-sizes", "1,x"], "expected comma-separated numbers"),
         (["--offload-sizes", "1,-2"], "--offload-sizes must be positive"),
         (["--offload", "--profile"], "--profile profiles the training comparison"),
@@ -163,6 +164,7 @@ def _run(impl: str, rnd: int, step: float, alloc: int, status: str = "ok", losse
     return {
         "impl": impl, "round": rnd, "layers": 2, "status": status, "error": None if status == "ok" else "Traceback\nOutOfMemoryError: CUDA out of memory",
         "setup_s": 1.0, "step_s": [step, step] if status == "ok" else [], "losses": losses or [5.0, 4.0],
+        "host_step_s": [step / 4, step / 4] if status == "ok" else [],
         "max_allocated": alloc if status == "ok" else None, "max_reserved": 2 * alloc if status == "ok" else None,
         "allocated_before": 0, "host_rss": None,
     }
@@ -183,6 +185,7 @@ def test_summary_ratios_targets_and_table() -> None:
     s = summarize(cfg, runs, peak)
     f, t = s["impls"]["fsdp"], s["impls"]["torch_fsdp1"]
     assert (f["rounds"], f["step_s"], t["step_s"]) == (3, 0.9, 1.0)
+    assert (f["host_step_s"], t["host_step_s"]) == (0.9 / 4, 1.0 / 4)
     assert f["tokens_per_s"] == 32 / 0.9 and t["tokens_per_s"] == 32.0  # batch 2 x seq 16
     assert s["flops_per_token"] == flops_per_token(2, 32, 64, 16)
     assert f["mfu"] == f["tokens_per_s"] * s["flops_per_token"] / peak
@@ -206,8 +209,9 @@ def test_summary_ratios_targets_and_table() -> None:
     rows = {line.split()[0]: line.split() for line in table.splitlines()}
     assert list(rows) == list(cfg.impls)
     # MFU: 35.6 tokens/s x 177,408 FLOP/token / 1e12 is 0.0%; reserved is twice allocated.
-    assert rows["fsdp"] == ["fsdp", "3", "0.9000", "36", "0.0%", "10.00", "20.00", "1.111x", "0.833x", "0.833x", "4.00000"]
-    assert rows["torch_fsdp1"][7:10] == ["1.000x", "1.000x", "1.000x"]
+    # host_s: a quarter of each step (0.9 / 4 = 0.225).
+    assert rows["fsdp"] == ["fsdp", "3", "0.9000", "0.2250", "36", "0.0%", "10.00", "20.00", "1.111x", "0.833x", "0.833x", "4.00000"]
+    assert rows["torch_fsdp1"][8:11] == ["1.000x", "1.000x", "1.000x"]
     assert rows["local"] == ["local", "OOM:", "OutOfMemoryError:", "CUDA", "out", "of", "memory"]
     assert "fsdp tokens/s >= 1.05x torch_fsdp1's" in text and "NOT met" in text
     assert "max |loss fsdp - loss torch_fsdp1| over the steps: 2.50e-01" in text
@@ -264,6 +268,7 @@ def test_cpu_dry_run_end_to_end(tmp_path: Path) -> None:
     for r in runs:
         assert r["status"] == "ok", r
         assert len(r["step_s"]) == 2 and all(x > 0 for x in r["step_s"])
+        assert r["host_step_s"] == r["step_s"]  # on CPU both are the same perf_counter marks
         assert len(r["losses"]) == 3 and all(math.isfinite(x) for x in r["losses"])
         assert r["max_allocated"] is None and r["max_reserved"] is None  # no GPU counters on CPU
     losses = {r["impl"]: r["losses"] for r in runs if r["round"] == 0}

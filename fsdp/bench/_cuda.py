@@ -84,19 +84,27 @@ def _process_group(cfg: CudaBenchConfig) -> Iterator[torch.device]:
 
 class _StepTimer:
     """Per-step seconds: a CUDA event pair around each step (no synchronization until
-    :meth:`seconds`), or ``time.perf_counter`` on CPU."""
+    :meth:`seconds`), or ``time.perf_counter`` on CPU. Also the host's own time per step
+    (``perf_counter``, no synchronization): on a GPU, a host time close to the step time means
+    the step is bound by the CPU issuing work (Python, hooks, launches), not by the GPU."""
 
     def __init__(self, device: torch.device) -> None:
         self._cuda = device.type == "cuda"
         self._marks: list[Any] = []
+        self._host_marks: list[float] = []
 
     def mark(self) -> None:
+        self._host_marks.append(time.perf_counter())
         if self._cuda:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
             self._marks.append(event)
         else:
-            self._marks.append(time.perf_counter())
+            self._marks.append(self._host_marks[-1])
+
+    def host_seconds(self) -> list[float]:
+        """Host seconds of each (start, end) pair of marks."""
+        return [end - start for start, end in zip(self._host_marks[0::2], self._host_marks[1::2])]
 
     def seconds(self) -> list[float]:
         """Seconds of each (start, end) pair of marks; synchronizes the GPU."""
@@ -133,7 +141,7 @@ def _host_available() -> Optional[int]:
 def _record(impl: str, rnd: int, layers: int, status: str = "ok", error: Optional[str] = None) -> dict[str, Any]:
     return {
         "impl": impl, "round": rnd, "layers": layers, "status": status, "error": error, "setup_s": None,
-        "step_s": [], "losses": [], "max_allocated": None, "max_reserved": None,
+        "step_s": [], "host_step_s": [], "losses": [], "max_allocated": None, "max_reserved": None,
         "allocated_before": None, "host_rss": None,
     }
 
@@ -188,6 +196,7 @@ def measure(
             if i >= warmup:
                 timer.mark()
         rec["step_s"] = timer.seconds()
+        rec["host_step_s"] = timer.host_seconds()
         rec["losses"] = [float(loss) for loss in losses]
         if cuda:
             rec["max_allocated"] = torch.cuda.max_memory_allocated()
@@ -266,8 +275,9 @@ def _progress(rec: dict[str, Any], cfg: CudaBenchConfig, tag: str) -> None:
         mem += f"  (held before the build: {rec['allocated_before'] / 2**30:.2f} GiB)"
     if rec["host_rss"] is not None and cfg.offload:
         mem += f"  host RSS {rec['host_rss'] / 2**30:.1f} GiB"
+    host = sum(rec["host_step_s"]) / len(rec["host_step_s"])
     print(
-        f"[{tag}] {rec['impl']:<12} step {step:.4f} s  {cfg.tokens_per_step / step:.0f} tok/s{mem}"
+        f"[{tag}] {rec['impl']:<12} step {step:.4f} s (host {host:.4f})  {cfg.tokens_per_step / step:.0f} tok/s{mem}"
         f"  loss {rec['losses'][-1]:.5f}  setup {rec['setup_s']:.1f} s",
         flush=True,
     )

@@ -134,6 +134,8 @@ class CudaBenchConfig:
         bad = {flag: value for flag, value in positive.items() if value < 1}
         if bad:
             raise ValueError(f"these flags must be >= 1: {bad}")
+        if self.time_budget_s <= 0 or self.hang_timeout_s <= 0:
+            raise ValueError(f"--time-budget ({self.time_budget_s}) and --hang-timeout ({self.hang_timeout_s}) must be positive")
         if self.peak_tflops is not None and self.peak_tflops <= 0:
             raise ValueError(f"--peak-tflops must be positive, not {self.peak_tflops}")
         if any(size <= 0 for size in self.offload_sizes):
@@ -150,6 +152,7 @@ class CudaBenchConfig:
 
     @property
     def tokens_per_step(self) -> int:
+        """Tokens each training step processes: batch x seq."""
         return self.batch_ * self.seq
 
     # The mode defaults are filled in by __post_init__; these typed views save the Optional.

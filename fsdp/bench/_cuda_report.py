@@ -7,6 +7,7 @@ One measurement (a *run*: one implementation in one round) is a dict::
     {"impl": "fsdp", "round": 0, "layers": 18, "status": "ok" | "oom" | "error" | "skipped",
      "error": None | "last lines of the error", "setup_s": 2.1,
      "step_s": [0.21, ...],       # each timed step (CUDA events)
+     "host_step_s": [0.05, ...],  # the host's time issuing each timed step (perf_counter)
      "losses": [10.83, ...],      # every step's loss, warm-up steps included
      "max_allocated": 3.5e10, "max_reserved": 3.8e10,   # bytes, None on the CPU dry run
      "allocated_before": 0, "host_rss": 1.2e10}
@@ -17,7 +18,7 @@ from __future__ import annotations
 import statistics
 from typing import Any, Optional, Sequence
 
-from fsdp.bench._cuda_config import CudaBenchConfig, gpt_params
+from fsdp.bench._cuda_config import OFFLOAD_IMPLEMENTATIONS, CudaBenchConfig, gpt_params
 
 __all__ = [
     "PEAK_BF16_FLOPS",
@@ -90,6 +91,7 @@ def _entry(cfg: CudaBenchConfig, impl: str, runs: list[dict[str, Any]], flops_to
     ok = [r for r in runs if r["status"] == "ok"]
     failed = [r for r in runs if r["status"] not in ("ok", "skipped")]
     step_s = _median([statistics.mean(r["step_s"]) for r in ok])
+    host_step_s = _median([statistics.mean(r["host_step_s"]) for r in ok if r.get("host_step_s")])
     tokens_per_s = cfg.tokens_per_step / step_s if step_s else None
     alloc = [r["max_allocated"] for r in ok if r["max_allocated"] is not None]
     reserved = [r["max_reserved"] for r in ok if r["max_reserved"] is not None]
@@ -99,6 +101,7 @@ def _entry(cfg: CudaBenchConfig, impl: str, runs: list[dict[str, Any]], flops_to
         "error": failed[0]["error"] if failed else None,
         "rounds": len(ok),
         "step_s": step_s,
+        "host_step_s": host_step_s,
         "tokens_per_s": tokens_per_s,
         "mfu": tokens_per_s * flops_token / peak if tokens_per_s and peak else None,
         "max_allocated": _median(alloc),
@@ -114,7 +117,7 @@ def summarize(
 
     Returns:
         ``{"flops_per_token", "peak_flops", "impls": {impl: entry}, "loss_max_abs_diff"}``
-        where an entry has ``status, error, rounds, step_s, tokens_per_s, mfu, max_allocated,
+        where an entry has ``status, error, rounds, step_s, host_step_s, tokens_per_s, mfu, max_allocated,
         max_reserved, losses, ratios`` (``ratios[metric]`` is ``None`` when either side is
         missing) and ``loss_max_abs_diff`` is the largest |fsdp loss - torch_fsdp1 loss| over
         the steps of their first successful rounds (``None`` if either is missing).
@@ -186,8 +189,8 @@ def format_report(cfg: CudaBenchConfig, env: dict[str, Any], summary: dict[str, 
         "== GPU benchmark: " + _header(cfg, env, params),
         f"   {summary['flops_per_token'] / 1e9:.2f} GFLOP/token, peak "
         f"{_f(peak, '.1f', 1e12)} TFLOP/s; medians over rounds of {cfg.steps} timed steps "
-        f"after {cfg.warmup_steps} warm-up; x = ratio to {REFERENCE}",
-        f"{'impl':<12} {'rounds':>6} {'step_s':>7} {'tok/s':>8} {'MFU':>6} {'alloc_GiB':>9} "
+        f"after {cfg.warmup_steps} warm-up; host_s: the host's time issuing a step; x = ratio to {REFERENCE}",
+        f"{'impl':<12} {'rounds':>6} {'step_s':>7} {'host_s':>7} {'tok/s':>8} {'MFU':>6} {'alloc_GiB':>9} "
         f"{'resv_GiB':>8} {'x_tok/s':>8} {'x_alloc':>8} {'x_resv':>8} {'loss_last':>9}",
     ]
     for impl, e in summary["impls"].items():
@@ -196,8 +199,8 @@ def format_report(cfg: CudaBenchConfig, env: dict[str, Any], summary: dict[str, 
             continue
         r = e["ratios"]
         lines.append(
-            f"{impl:<12} {e['rounds']:>6} {_f(e['step_s'], '.4f'):>7} {_f(e['tokens_per_s'], '.0f'):>8} "
-            f"{_f(e['mfu'], '.1%'):>6} {_f(e['max_allocated'], '.2f', GIB):>9} "
+            f"{impl:<12} {e['rounds']:>6} {_f(e['step_s'], '.4f'):>7} {_f(e['host_step_s'], '.4f'):>7} "
+            f"{_f(e['tokens_per_s'], '.0f'):>8} {_f(e['mfu'], '.1%'):>6} {_f(e['max_allocated'], '.2f', GIB):>9} "
             f"{_f(e['max_reserved'], '.2f', GIB):>8} {_x(r['tokens_per_s']):>8} "
             f"{_x(r['max_allocated']):>8} {_x(r['max_reserved']):>8} {_f(e['losses'][-1], '.5f'):>9}"
         )
@@ -255,7 +258,7 @@ def format_offload(cfg: CudaBenchConfig, env: dict[str, Any], summary: dict[str,
         lines.append(f"== CPU offload size walk (d_model {cfg.d_model}, batch {cfg.batch} x seq {cfg.seq})")
         for size, row in summary["sizes"].items():
             cells = []
-            for impl in OFFLOAD_ORDER:
+            for impl in OFFLOAD_IMPLEMENTATIONS:
                 cell = row.get(impl)
                 if cell is None:
                     continue
@@ -268,6 +271,3 @@ def format_offload(cfg: CudaBenchConfig, env: dict[str, Any], summary: dict[str,
                     cells.append(f"{impl} {cell['status'].upper()}")
             lines.append(f"  {size}B ({row['params'] / 1e9:.2f}e9, {row['layers']} layers): " + "; ".join(cells))
     return "\n".join(lines)
-
-
-OFFLOAD_ORDER = ("fsdp", "torch_fsdp1")
