@@ -163,6 +163,11 @@ def lane_training_parity(configs: list[dict[str, Any]]) -> int:
         if cfg.get("strategy", "").startswith("_HYBRID") or cfg.get("strategy") == "HYBRID_SHARD":
             if dist.get_world_size() == 1:
                 continue  # nothing to shard nor replicate
+        if "HYBRID" in cfg.get("strategy", ""):
+            # The lane's ranks share one node (one GPU). torch FSDP1 sizes its node by
+            # torch.cuda.device_count() (1: replicate only); fsdp reads torchrun's
+            # LOCAL_WORLD_SIZE (here 2: shard only). The arithmetic is a sum of two either way.
+            os.environ["LOCAL_WORLD_SIZE"] = str(dist.get_world_size())
         ref = make_toy().to(_dev())
         # Offloaded models start on the CPU (as users build them); the others on the GPU.
         ours = _wrap("ours", make_toy() if cfg.get("offload") else make_toy().to(_dev()), cfg)
@@ -201,6 +206,7 @@ def lane_training_parity(configs: list[dict[str, Any]]) -> int:
             for p in ours.parameters():
                 assert p.device.type == "cuda", f"{what}: parameter on {p.device}"
         del ours, theirs, ref, opts
+        os.environ.pop("LOCAL_WORLD_SIZE", None)
         torch.cuda.empty_cache()
     return len(configs)
 

@@ -367,7 +367,13 @@ class FlatParamHandle:
         self.rank = group_rank(process_group)  # [Note: Only the unit's group]
         self.world_size = group_size(process_group)
         self.replicate_world_size = group_size(replicate_group) if replicate_group else 1
-        self.uses_sharding = uses_sharding and self.world_size > 1
+        # [Note: CPU offload on one rank] Offloaded parameters on an accelerator take the
+        # sharded path even when the unit's group has one rank (where the strategy is NO_SHARD,
+        # as in torch FSDP1): the shard (the whole flat parameter) stays in pinned host memory,
+        # unshard copies it to the device (the one-rank all-gather is a copy) and the gradient
+        # goes back to the host. The single-GPU user of CPUOffload is the common one.
+        offloads_to_host = offload_params and torch.device(device).type != "cpu"
+        self.uses_sharding = (uses_sharding and self.world_size > 1) or (offloads_to_host and self.world_size == 1)
         self.unit_name = unit_name
         self.use_orig_params = use_orig_params
         self.param_infos: list[ParamInfo] = []
@@ -439,8 +445,8 @@ class FlatParamHandle:
         if self.offload_params:
             if not self.uses_sharding:
                 raise NotImplementedError(
-                    "fsdp: CPUOffload(offload_params=True) with NO_SHARD (or world size 1) on an "
-                    "accelerator is not supported yet; use FULL_SHARD or SHARD_GRAD_OP."
+                    "fsdp: CPUOffload(offload_params=True) with NO_SHARD on more than one rank "
+                    "on an accelerator is not supported yet; use FULL_SHARD or SHARD_GRAD_OP."
                 )
             local_shard = local_shard.cpu().pin_memory()
         requires_grad = unique_params[0].requires_grad
