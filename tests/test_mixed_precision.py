@@ -542,3 +542,41 @@ def test_with_hybrid_sharding(pool4: RankPool, strategy: str) -> None:
 def test_with_activation_checkpointing(pool2: RankPool, kind: str) -> None:
     for strategy in STRATEGIES:
         pool2.run(mp_composed, kind, strategy)
+
+
+def _no_shard_frees_low_precision_after_forward() -> list[tuple[bool, bool]]:
+    """(fsdp keeps the unit's bf16 copy after forward, torch FSDP1 keeps its mp shard) per unit."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+    from torch.distributed.fsdp import MixedPrecision as TorchMP
+    from torch.distributed.fsdp import ShardingStrategy as TorchSS
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchPolicy
+
+    from fsdp import FullyShardedDataParallel as FSDP, MixedPrecision, ShardingStrategy
+    from fsdp.wrap import ModuleWrapPolicy
+    from tests._models import Block, make_toy
+
+    ours = FSDP(
+        make_toy(), auto_wrap_policy=ModuleWrapPolicy({Block}), sharding_strategy=ShardingStrategy.NO_SHARD,
+        mixed_precision=MixedPrecision(param_dtype=torch.bfloat16),
+    )
+    theirs = TorchFSDP(
+        make_toy(), auto_wrap_policy=TorchPolicy({Block}), sharding_strategy=TorchSS.NO_SHARD,
+        mixed_precision=TorchMP(param_dtype=torch.bfloat16), device_id=torch.device("cpu"),
+    )
+    tokens = torch.zeros(2, 3, dtype=torch.long)
+    out_ours, out_theirs = ours(tokens), theirs(tokens)  # outputs require grad: a backward may follow
+    kept = []
+    for mine, torchs in zip(FSDP.fsdp_modules(ours), TorchFSDP.fsdp_modules(theirs)):
+        torch_mp_shard = torchs._handle.flat_param._mp_shard
+        kept.append((mine._fsdp_state.handles[0].is_unsharded, torch_mp_shard.untyped_storage().size() > 0))
+    out_ours.sum().backward()
+    out_theirs.sum().backward()
+    return kept
+
+
+def test_no_shard_frees_low_precision_copy_after_forward(pool2: Any) -> None:
+    """Found by the GPU benchmark (1B GPT, one GPU, NO_SHARD, bf16): fsdp kept every unit's bf16
+    copy from forward to backward, one low-precision model (2 GiB) above torch FSDP1's peak.
+    torch frees NO_SHARD's low-precision copy at every reshard, the root's too; so does fsdp."""
+    for per_unit in pool2.run(_no_shard_frees_low_precision_after_forward):
+        assert per_unit == [(False, False)] * 4, per_unit

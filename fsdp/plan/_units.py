@@ -204,8 +204,12 @@ def size_unit_specs(layouts: list[UnitLayout], shard_world_size: int) -> list[Un
                 name=layout.name,
                 module=layout.module,
                 handles=handles,
-                reshards_after_forward=(not layout.is_root)
-                and strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD),
+                # As UnitState.frees_after_forward: NO_SHARD frees a separate compute copy too.
+                reshards_after_forward=(
+                    (not layout.is_root)
+                    and strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
+                )
+                or (strategy is ShardingStrategy.NO_SHARD and any(h.has_unsharded_buffer for h in handles)),
                 is_root=layout.is_root,
             )
         )

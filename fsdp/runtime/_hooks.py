@@ -196,7 +196,7 @@ def _post_forward(state: UnitState, output: Any) -> Any:
 
         apply_to_tensors(collect, output)
     expects_backward = bool(grad_outputs)
-    if not expects_backward or (state.reshards_after_forward and not state.is_root):
+    if not expects_backward or state.frees_after_forward():
         for handle in state.handles:
             handle.reshard()
         record_free_event(state)

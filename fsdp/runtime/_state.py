@@ -210,6 +210,21 @@ class UnitState:
         """Whether the strategy frees the unsharded parameter between forward and backward."""
         return self.sharding_strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
 
+    def frees_after_forward(self) -> bool:
+        """Whether post-forward frees the unit's unsharded copies when a backward follows.
+
+        FULL_SHARD / HYBRID_SHARD units other than the root (which would gather again at once);
+        and NO_SHARD units whose compute copy is separate from the parameter (low-precision
+        parameters, or parameters offloaded to the host), the root included: torch FSDP1 frees
+        NO_SHARD's low-precision copy at every reshard and casts it again for the backward, so a
+        NO_SHARD model in mixed precision never holds every unit's low-precision copy at once.
+        """
+        if self.reshards_after_forward:
+            return not self.is_root
+        return self.sharding_strategy is ShardingStrategy.NO_SHARD and any(
+            handle.has_unsharded_buffer for handle in self.handles
+        )
+
     def reshards_after_backward(self) -> bool:
         """Whether the unsharded parameter is freed once this unit's backward is done.
 

@@ -178,7 +178,15 @@ def full_value(value: Any, shape: torch.Size, state: UnitState) -> torch.Tensor:
     Every rank of the group must call it for the same entries in the same order.
     """
     if is_dtensor(value):
-        return value.full_tensor()
+        if not _is_group_row_chunk(value, state):
+            return value.full_tensor()
+        # [Note: Gathering our own DTensors] A Shard(0) DTensor over the unit's own group (what
+        # fsdp writes and DCP templates from fsdp hold) is gathered through fsdp's collectives,
+        # not DTensor.full_tensor(): its functional collectives crash the process on gloo with
+        # CUDA tensors (seen in the CUDA lane, torch 2.11), where fsdp's all-gather works.
+        return gather_chunked_rows(
+            value.to_local(), shape, value.dtype, state.compute_device, state.process_group, state.world_size
+        )
     if not is_sharded_tensor(value):
         return value
     shards = value.local_shards()
@@ -190,6 +198,20 @@ def full_value(value: Any, shape: torch.Size, state: UnitState) -> torch.Tensor:
         state.process_group,
         state.world_size,
     )
+
+
+def _is_group_row_chunk(value: Any, state: UnitState) -> bool:
+    """Whether DTensor ``value`` is sharded by rows (``Shard(0)``, ``torch.chunk`` layout) over a
+    1-D mesh of exactly the unit's process group."""
+    from torch.distributed.tensor import Shard
+
+    mesh = value.device_mesh
+    if mesh.ndim != 1 or tuple(value.placements) != (Shard(0),) or value.dim() == 0:
+        return False
+    try:
+        return _group_ranks(mesh.get_group()) == _group_ranks(state.process_group)
+    except (RuntimeError, ValueError):
+        return False
 
 
 def gather_chunked_rows(
