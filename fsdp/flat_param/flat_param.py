@@ -18,15 +18,20 @@ from torch import nn
 from fsdp._common import FLAT_PARAM, group_rank, group_size, p_assert
 from fsdp.flat_param._early_grads import can_take_early, settle_open_run, takes_early_grads_at_forward
 from fsdp.flat_param._precision import HandlePrecision
-from fsdp.flat_param._sharding import (
-    FlatLayout,
-    ParamShardSlice,
-    aligned_numel,
-    flat_layout,
-    gradient_divide_factors,
-    padded_unsharded_numel,
-    shard_bounds,
+from fsdp.flat_param._layout import (
+    ALIGNMENT_PADDING_VALUE as ALIGNMENT_PADDING_VALUE,
+    FLATTENED_ATTR as FLATTENED_ATTR,
+    FSDP_FLATTENED,
+    ParamInfo,
+    SharedParamInfo,
+    ShardLayout,
+    ShardParamInfo,
+    collect_params,
+    itemsize,
+    mark_flattened,
+    set_torch_metadata,
 )
+from fsdp.flat_param._sharding import FlatLayout, ParamShardSlice, aligned_numel, gradient_divide_factors
 from fsdp._comm import _collectives as comm
 
 __all__ = [
@@ -38,19 +43,6 @@ __all__ = [
     "ShardParamInfo",
     "assign_grad",
 ]
-
-# What torch FSDP1 fills the alignment padding of a use_orig_params flat parameter with (a
-# marker value; no computation reads it). Filling ours alike keeps local state dicts equal bit
-# for bit between the two (see [Note: Aligned flat parameter layout] in _sharding.py).
-ALIGNMENT_PADDING_VALUE = 42.0
-
-# Set on an original Parameter once a handle has flattened it: (weakref to the handle, its name).
-FLATTENED_ATTR = "_fsdp_flattened_into"
-# torch's FSDP1 sets this to True on every FlatParameter and on the original parameters it
-# flattened; stacks read it (Lightning's FSDP strategy checks that an optimizer holds FSDP's
-# parameters with ``getattr(param, "_fsdp_flattened", False)``).
-FSDP_FLATTENED = "_fsdp_flattened"
-
 
 class FlatParameter(nn.Parameter):
     """The one ``nn.Parameter`` a unit registers: its original parameters, flattened and padded.
@@ -65,60 +57,6 @@ class FlatParameter(nn.Parameter):
         flat_param = super().__new__(cls, data, requires_grad)
         setattr(flat_param, FSDP_FLATTENED, True)
         return flat_param
-
-
-class ParamInfo(NamedTuple):
-    """Where an original parameter lives: ``getattr(module, param_name)``.
-
-    Attributes:
-        param_name: Attribute name on the owning module (``"weight"``).
-        module: The owning module.
-        module_name: Qualified name of the owning module inside the unit's wrapped module.
-        shape: Original shape.
-        numel: Original number of elements.
-    """
-
-    param_name: str
-    module: nn.Module
-    module_name: str
-    shape: torch.Size
-    numel: int
-
-    @property
-    def fqn(self) -> str:
-        return f"{self.module_name}.{self.param_name}" if self.module_name else self.param_name
-
-
-class SharedParamInfo(NamedTuple):
-    """A second (or later) name for a parameter already flattened as ``param_infos[prim_index]``."""
-
-    param_name: str
-    module: nn.Module
-    module_name: str
-    prim_index: int
-
-    @property
-    def fqn(self) -> str:
-        return f"{self.module_name}.{self.param_name}" if self.module_name else self.param_name
-
-
-class ShardParamInfo(NamedTuple):
-    """Which part of one original parameter this rank's shard holds (torch FSDP1's fields).
-
-    Attributes:
-        in_shard: Whether the shard holds any of it; the other fields are None if not.
-        offset_in_shard: Where the part starts in the shard.
-        numel_in_shard: The part's number of elements.
-        intra_param_start_idx: The part's first element within the flattened parameter.
-        intra_param_end_idx: The part's last element within the flattened parameter
-            (inclusive).
-    """
-
-    in_shard: bool
-    offset_in_shard: Optional[int]
-    numel_in_shard: Optional[int]
-    intra_param_start_idx: Optional[int]
-    intra_param_end_idx: Optional[int]
 
 
 class HandleState(Enum):
@@ -243,10 +181,6 @@ def assign_grad(param: nn.Parameter, grad: Optional[torch.Tensor]) -> None:
     param.grad.data = grad
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def _set_module_tensor(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
     """Sets ``module.name`` to a plain tensor attribute (not a registered parameter)."""
     module._parameters.pop(name, None)
@@ -346,53 +280,22 @@ class FlatParamHandle:
         self._training_state: Any = None
         self.process_group = process_group
         self.replicate_group = replicate_group
-        self.rank = group_rank(process_group)  # [Note: Only the unit's group]
-        self.world_size = group_size(process_group)
         self.replicate_world_size = group_size(replicate_group) if replicate_group else 1
-        self.uses_sharding = uses_sharding and self.world_size > 1
         self.unit_name = unit_name
         self.use_orig_params = use_orig_params
-        self.param_infos: list[ParamInfo] = []
-        self.shared_param_infos: list[SharedParamInfo] = []
-
-        unique_params: list[nn.Parameter] = []
-        index_of: dict[int, int] = {}
-        for module_name, module, param_name, param in params:
-            if id(param) in index_of:
-                self.shared_param_infos.append(
-                    SharedParamInfo(param_name, module, module_name, index_of[id(param)])
-                )
-                continue
-            index_of[id(param)] = len(unique_params)
-            unique_params.append(param)
-            self.param_infos.append(
-                ParamInfo(param_name, module, module_name, param.shape, param.numel())
-            )
-        p_assert(len(unique_params) > 0, "a FlatParamHandle needs at least one parameter")
-        # Mark each original Parameter as flattened here, so that another unit that meets the
-        # same Parameter (tied weights, wrapped by hand) fails with a clear error, whether or
-        # not the original is still alive elsewhere (see check_not_flattened_elsewhere).
-        for param, info in zip(unique_params, self.param_infos):
-            setattr(param, FLATTENED_ATTR, (weakref.ref(self), info.fqn))
-            setattr(param, FSDP_FLATTENED, True)
+        unit_params = collect_params(params)
+        self.param_infos: list[ParamInfo] = unit_params.param_infos
+        self.shared_param_infos: list[SharedParamInfo] = unit_params.shared_param_infos
+        mark_flattened(self, unit_params)
+        unique_params = unit_params.unique_params
         self.dtype = unique_params[0].dtype
         self.precision = HandlePrecision.resolve(mixed_precision, self.dtype)
         # use_orig_params: each parameter starts 16-byte aligned in the flat parameter, as in
         # torch FSDP1 (see [Note: Aligned flat parameter layout] in _sharding.py).
-        self.layout: FlatLayout = flat_layout(
-            [info.numel for info in self.param_infos],
-            self.world_size,
-            aligned_numel(_itemsize(self.precision.param_dtype)) if use_orig_params else 0,
-        )
-        self.unpadded_unsharded_numel = self.layout.unpadded_unsharded_numel
-        if self.uses_sharding:
-            self.padded_unsharded_numel = padded_unsharded_numel(
-                self.unpadded_unsharded_numel, self.world_size
-            )
-        else:
-            self.padded_unsharded_numel = self.unpadded_unsharded_numel
-        self.sharded_numel = self.padded_unsharded_numel // (
-            self.world_size if self.uses_sharding else 1
+        align_numel = aligned_numel(itemsize(self.precision.param_dtype)) if use_orig_params else 0
+        # [Note: Only the unit's group]
+        self.shard_layout: ShardLayout = ShardLayout.build(
+            self.param_infos, group_rank(process_group), group_size(process_group), uses_sharding, align_numel
         )
         # Averaging is over every data-parallel replica: shard group x replicate group.
         self.pre_divide, self.post_divide = gradient_divide_factors(
@@ -400,19 +303,12 @@ class FlatParamHandle:
         )
 
         with torch.no_grad():
-            flat = self._flatten(unique_params, device)
+            flat = self.shard_layout.flatten(unique_params, self.dtype, device)
             if sync_module_states:
                 from fsdp._comm._groups import ShardingGroups, broadcast_from_group_rank0
 
                 broadcast_from_group_rank0(flat, ShardingGroups(process_group, replicate_group))
-            if self.uses_sharding:
-                start, end = shard_bounds(self.unpadded_unsharded_numel, self.rank, self.world_size)
-                local_shard = torch.zeros(self.sharded_numel, dtype=self.dtype, device=device)
-                valid = flat[start:end]
-                local_shard[: valid.numel()].copy_(valid)
-                del flat
-            else:
-                local_shard = flat
+            local_shard = self.shard_layout.cut_local_shard(flat, self.dtype, device)
         # [Note: CPU offload] The local shard (what the optimizer updates) and its gradient
         # live on CPU; unshard copies the shard to the compute device (non-blocking, from
         # pinned memory) before gathering, and the reduced gradient is copied back. With a CPU
@@ -480,11 +376,7 @@ class FlatParamHandle:
         # With use_orig_params the original Parameters stay registered (optimizers hold them);
         # otherwise the FlatParameter replaces them on the wrapped module.
         self._orig_params: list[nn.Parameter] = list(unique_params) if use_orig_params else []
-        # Each parameter's part of the local shard: a ParamShardSlice or None, and as
-        # ``(offset in the shard, numel)`` ((0, 0) where this rank holds none of it).
-        self.shard_slices: list[Optional[ParamShardSlice]] = self._shard_slices()
-        self._orig_sharded_ranges = self._sharded_ranges()
-        self._set_torch_metadata(unique_params)
+        set_torch_metadata(self.flat_param, unit_params, self.shard_layout, self._orig_params if use_orig_params else None)
         if use_orig_params:
             self.use_sharded_views()
             return
@@ -499,77 +391,59 @@ class FlatParamHandle:
             with torch.no_grad():
                 self.use_unsharded_views()
 
-    def _flatten(self, unique_params: Sequence[nn.Parameter], device: torch.device) -> torch.Tensor:
-        """The unsharded flat tensor of ``unique_params`` in :attr:`layout` (before shard padding)."""
-        pieces: list[torch.Tensor] = []
-        params = iter(unique_params)
-        for numel, is_padding in zip(self.layout.numels_with_padding, self.layout.is_padding_mask):
-            if is_padding:
-                pieces.append(torch.full((numel,), ALIGNMENT_PADDING_VALUE, dtype=self.dtype, device=device))
-            else:
-                pieces.append(next(params).detach().reshape(-1).to(device))
-        return torch.cat(pieces)
+    # ------------------------------------------------------------------ layout (read-only)
+    @property
+    def layout(self) -> FlatLayout:
+        """Where each parameter and each run of alignment padding sits."""
+        return self.shard_layout.flat
 
-    def _set_torch_metadata(self, unique_params: Sequence[nn.Parameter]) -> None:
-        """Sets the read-only metadata torch FSDP1 keeps on its FlatParameter, under its names.
+    @property
+    def rank(self) -> int:
+        """This rank in the shard group ([Note: Only the unit's group])."""
+        return self.shard_layout.rank
 
-        [Note: torch-named metadata] Stacks built on torch FSDP1 read these (accelerate:
-        ``_flat_param._fqns``; Lightning: ``param._fsdp_flattened``). Same types and meaning as
-        torch's: ``_fqns`` (list of names relative to the wrapped module), ``_shapes`` (list of
-        ``torch.Size``), ``_strides`` (list of tuples), ``_numels`` (tuple of int),
-        ``_num_params``, ``_param_infos`` (``param_name``, ``module``, ``module_name`` first),
-        ``_modules`` (set), ``_unpadded_unsharded_size`` / ``_padded_unsharded_size`` (sharding
-        only) / ``_sharded_size`` (``torch.Size``), ``_shard_numel_padded`` (padding elements in
-        this rank's shard), ``_params`` / ``_shared_params`` (the original Parameters with
-        use_orig_params, else None) and ``_fsdp_flattened`` (on the FlatParameter, and on the
-        original Parameters with use_orig_params), and the layout: ``_numels_with_padding``
-        (tuple), ``_is_padding_mask`` (list of bool) and ``_shard_param_infos`` (tuple of
-        :class:`ShardParamInfo`, one per parameter), with torch's alignment padding under
-        use_orig_params (see [Note: Aligned flat parameter layout] in ``_sharding.py``).
-        """
-        flat = self.flat_param
-        flat._num_params = len(self.param_infos)  # type: ignore[attr-defined]
-        flat._param_infos = list(self.param_infos)  # type: ignore[attr-defined]
-        flat._fqns = [info.fqn for info in self.param_infos]  # type: ignore[attr-defined]
-        flat._shapes = [info.shape for info in self.param_infos]  # type: ignore[attr-defined]
-        flat._strides = [tuple(p.stride()) for p in unique_params]  # type: ignore[attr-defined]
-        flat._numels = tuple(info.numel for info in self.param_infos)  # type: ignore[attr-defined]
-        flat._numels_with_padding = self.layout.numels_with_padding  # type: ignore[attr-defined]
-        flat._is_padding_mask = list(self.layout.is_padding_mask)  # type: ignore[attr-defined]
-        flat._shard_param_infos = tuple(  # type: ignore[attr-defined]
-            ShardParamInfo(False, None, None, None, None)
-            if piece is None
-            else ShardParamInfo(
-                True,
-                piece.offset_in_shard,
-                piece.numel,
-                piece.offset_in_param,
-                piece.offset_in_param + piece.numel - 1,
-            )
-            for piece in self.shard_slices
-        )
-        flat._modules = {info.module for info in self.param_infos} | {  # type: ignore[attr-defined]
-            shared.module for shared in self.shared_param_infos
-        }
-        flat._unpadded_unsharded_size = torch.Size([self.unpadded_unsharded_numel])  # type: ignore[attr-defined]
-        if self.uses_sharding:
-            flat._padded_unsharded_size = torch.Size([self.padded_unsharded_numel])  # type: ignore[attr-defined]
-            start, end = shard_bounds(self.unpadded_unsharded_numel, self.rank, self.world_size)
-            flat._shard_numel_padded = self.sharded_numel - max(min(end, self.unpadded_unsharded_numel) - start, 0)  # type: ignore[attr-defined]
-        else:
-            flat._shard_numel_padded = 0  # type: ignore[attr-defined]
-        flat._sharded_size = torch.Size([self.sharded_numel])  # type: ignore[attr-defined]
-        if self.use_orig_params:
-            flat._params = self._orig_params  # type: ignore[attr-defined]
-            flat._shared_params = [  # type: ignore[attr-defined]
-                self._orig_params[shared.prim_index] for shared in self.shared_param_infos
-            ]
-            for param in unique_params:
-                param._fsdp_flattened = True  # type: ignore[attr-defined]
-        else:
-            flat._params = None  # type: ignore[attr-defined]
-            flat._shared_params = None  # type: ignore[attr-defined]
-        flat._fsdp_flattened = True  # type: ignore[attr-defined]
+    @property
+    def world_size(self) -> int:
+        """The shard group's size."""
+        return self.shard_layout.world_size
+
+    @property
+    def uses_sharding(self) -> bool:
+        """False for NO_SHARD and for world size 1 (the local shard is the whole parameter)."""
+        return self.shard_layout.uses_sharding
+
+    @property
+    def unpadded_unsharded_numel(self) -> int:
+        return self.shard_layout.unpadded_unsharded_numel
+
+    @property
+    def padded_unsharded_numel(self) -> int:
+        return self.shard_layout.padded_unsharded_numel
+
+    @property
+    def sharded_numel(self) -> int:
+        return self.shard_layout.sharded_numel
+
+    @property
+    def shard_slices(self) -> list[Optional[ParamShardSlice]]:
+        """Each parameter's part of the local shard (None where this rank holds none of it)."""
+        return self.shard_layout.shard_slices
+
+    @property
+    def _orig_sharded_ranges(self) -> list[tuple[int, int]]:
+        """``(offset in the local shard, numel)`` of each parameter's part on this rank."""
+        return self.shard_layout.sharded_ranges
+
+    def local_slice(self, padded_unsharded: torch.Tensor) -> torch.Tensor:
+        """This rank's shard-sized slice of a padded unsharded flat tensor."""
+        return self.shard_layout.local_slice(padded_unsharded)
+
+    def _unsharded_views(self, source: torch.Tensor) -> list[torch.Tensor]:
+        return self.shard_layout.unsharded_views(source)
+
+    def unsharded_views(self, source: torch.Tensor) -> list[torch.Tensor]:
+        """Views of a padded unsharded flat tensor shaped like the original parameters."""
+        return self.shard_layout.unsharded_views(source)
 
     @property
     def _orig_param_dtype(self) -> torch.dtype:
@@ -726,20 +600,6 @@ class FlatParamHandle:
         self.use_sharded_views()
 
     # ------------------------------------------------------------------ views
-    def _unsharded_views(self, source: torch.Tensor) -> list[torch.Tensor]:
-        # Split the whole (padded) tensor, the padding as a last chunk, rather than slicing off
-        # the padding first: the backward of a slice zero-fills a padded-size gradient and
-        # copies into it, while split's backward writes each gradient straight into place and
-        # zero-fills the padding only.
-        # Alignment padding (use_orig_params) is split off the same way and skipped.
-        sizes = list(self.layout.numels_with_padding)
-        padding = source.numel() - self.unpadded_unsharded_numel
-        if padding:
-            sizes.append(padding)
-        splits = torch.split(source, sizes)
-        params = [split for split, is_padding in zip(splits, self.layout.is_padding_mask) if not is_padding]
-        return [split.view(info.shape) for split, info in zip(params, self.param_infos)]
-
     def use_unsharded_views(self, as_params: bool = False) -> None:
         """Points each original parameter name at a view into the unsharded FlatParameter.
 
@@ -787,32 +647,9 @@ class FlatParamHandle:
             for shared in self.shared_param_infos:
                 shared.module._parameters[shared.param_name] = views[shared.prim_index]  # type: ignore[assignment]
 
-    def _shard_slices(self) -> list[Optional[ParamShardSlice]]:
-        """Each parameter's part of the local shard (None where this rank holds none of it)."""
-        if not self.uses_sharding:  # the local shard is the whole flat parameter
-            return [
-                ParamShardSlice(index, 0, numel, offset)
-                for index, (offset, numel) in enumerate(
-                    zip(self.layout.param_offsets, self.layout.param_numels)
-                )
-            ]
-        slices: list[Optional[ParamShardSlice]] = [None] * len(self.param_infos)
-        for piece in self.layout.slices_in_shard(self.rank):
-            slices[piece.param_index] = piece
-        return slices
-
-    def _sharded_ranges(self) -> list[tuple[int, int]]:
-        """``(offset in the local shard, numel)`` of each parameter's part on this rank."""
-        return [
-            (0, 0) if piece is None else (piece.offset_in_shard, piece.numel)
-            for piece in self.shard_slices
-        ]
-
     def _orig_sharded_view(self, source: torch.Tensor, index: int) -> torch.Tensor:
         """Parameter ``index``'s part of a shard-shaped tensor (original shape if unsharded)."""
-        offset, numel = self._orig_sharded_ranges[index]
-        view = source[offset : offset + numel]
-        return view if self.uses_sharding else view.view(self.param_infos[index].shape)
+        return self.shard_layout.orig_sharded_view(source, index)
 
     def managed_orig_params(self) -> list[nn.Parameter]:
         """The original Parameters this handle keeps registered (use_orig_params), else []."""
@@ -858,17 +695,6 @@ class FlatParamHandle:
     def module_tensors(self) -> list[torch.Tensor]:
         """The tensors the original parameter names currently hold (in ``param_infos`` order)."""
         return [getattr(info.module, info.param_name) for info in self.param_infos]
-
-    def unsharded_views(self, source: torch.Tensor) -> list[torch.Tensor]:
-        """Views of a padded unsharded flat tensor shaped like the original parameters."""
-        return self._unsharded_views(source)
-
-    def local_slice(self, padded_unsharded: torch.Tensor) -> torch.Tensor:
-        """This rank's shard-sized slice of a padded unsharded flat tensor."""
-        if not self.uses_sharding:
-            return padded_unsharded
-        start, end = shard_bounds(self.unpadded_unsharded_numel, self.rank, self.world_size)
-        return padded_unsharded[start:end]
 
     def write_back_shard(self, padded_unsharded: torch.Tensor) -> None:
         """Copies this rank's slice of ``padded_unsharded`` into the local shard."""
@@ -925,18 +751,7 @@ class FlatParamHandle:
 
     def flatten_param_grads(self, grads: list[Optional[torch.Tensor]]) -> torch.Tensor:
         """The padded unsharded gradient from per-parameter gradients (``split``'s backward)."""
-        reference = next((g for g in grads if g is not None), None)
-        if reference is None:
-            return self.flat_param.new_zeros(self.padded_unsharded_numel)
-        pieces: list[torch.Tensor] = []
-        param_grads = iter(grads)
-        for numel, is_padding in zip(self.layout.numels_with_padding, self.layout.is_padding_mask):
-            grad = None if is_padding else next(param_grads)
-            pieces.append(grad.reshape(-1) if grad is not None else reference.new_zeros(numel))
-        padding = self.padded_unsharded_numel - self.unpadded_unsharded_numel
-        if padding:
-            pieces.append(reference.new_zeros(padding))
-        return torch.cat(pieces)
+        return self.shard_layout.padded_unsharded_grad(grads, self.flat_param)
 
     def _reduce_pieces(self) -> None:
         """Launches the two-rank reduce-scatter from the per-parameter gradients (async)."""
@@ -1302,7 +1117,7 @@ class FlatParamHandle:
                 elif new.shape == info.shape:
                     full = new.reshape(-1)
                     if self.uses_sharding:
-                        start, _ = shard_bounds(self.unpadded_unsharded_numel, self.rank, self.world_size)
+                        start, _ = self.shard_layout.shard_bounds()
                         offset, numel = self._orig_sharded_ranges[index]
                         param_start = self.layout.param_offsets[index]
                         lo = start + offset - param_start
