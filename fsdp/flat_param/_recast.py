@@ -170,23 +170,9 @@ def recast_handle(
     precision = HandlePrecision.resolve(mixed_precision, new_dtype)
 
     # The FlatParameter: its gradient aside first (``.data`` of another dtype must not meet it).
-    flat_param = handle.flat_param
-    flat_param.grad = None
-    flat_param.data = new_local
-    handle._local_shard = new_local
-    handle.dtype = new_dtype
-    handle.precision = precision
-
-    # Padded unsharded buffers, rebuilt (freed) in the new dtypes.
-    handle._padded_unsharded_full = handle._new_freed_buffer(new_dtype) if handle.uses_sharding else None
-    handle._padded_unsharded_low = (
-        handle._new_freed_buffer(precision.param_dtype) if precision.low_precision_params else None
-    )
-    handle.has_unsharded_buffer = (
-        handle._padded_unsharded_full is not None or handle._padded_unsharded_low is not None
-    )
-    state_type = type(handle.state)
-    handle.state = state_type.SHARDED if handle.has_unsharded_buffer else state_type.UNSHARDED
+    handle.flat_param.grad = None
+    # The local shard, and the padded unsharded buffers rebuilt (freed) in the new dtypes.
+    handle.storage.rebuild(new_local, precision)
     handle._placeholders = None  # made again, in the new dtype, by use_sharded_views
 
     # Held gradients, in the dtypes a backward would give them now.

@@ -6,10 +6,8 @@ handle moves through and what memory each one holds.
 
 from __future__ import annotations
 
-import contextlib
 import weakref
-from enum import Enum, auto
-from typing import Any, Callable, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -21,7 +19,7 @@ from fsdp.flat_param._precision import HandlePrecision
 from fsdp.flat_param._layout import (
     ALIGNMENT_PADDING_VALUE as ALIGNMENT_PADDING_VALUE,
     FLATTENED_ATTR as FLATTENED_ATTR,
-    FSDP_FLATTENED,
+    FSDP_FLATTENED as FSDP_FLATTENED,
     ParamInfo,
     SharedParamInfo,
     ShardLayout,
@@ -32,6 +30,7 @@ from fsdp.flat_param._layout import (
     set_torch_metadata,
 )
 from fsdp.flat_param._sharding import FlatLayout, ParamShardSlice, aligned_numel, gradient_divide_factors
+from fsdp.flat_param._storage import FlatParameter, FlatParamStorage, HandleState
 from fsdp._comm import _collectives as comm
 
 __all__ = [
@@ -43,42 +42,6 @@ __all__ = [
     "ShardParamInfo",
     "assign_grad",
 ]
-
-class FlatParameter(nn.Parameter):
-    """The one ``nn.Parameter`` a unit registers: its original parameters, flattened and padded.
-
-    Its ``.data`` is the local shard (1-D, ``sharded_numel`` elements) while the handle is
-    SHARDED, and the padded unsharded tensor while it is UNSHARDED. All metadata lives on the
-    owning :class:`FlatParamHandle`; optimizers only ever see the sharded form.
-    """
-
-    def __new__(cls, data: torch.Tensor, requires_grad: bool = True) -> "FlatParameter":
-        p_assert(data.dim() == 1, f"FlatParameter data must be 1-D, got shape {tuple(data.shape)}")
-        flat_param = super().__new__(cls, data, requires_grad)
-        setattr(flat_param, FSDP_FLATTENED, True)
-        return flat_param
-
-
-class HandleState(Enum):
-    """What the FlatParameter's ``.data`` is, and so what memory the unit holds.
-
-    - ``SHARDED``: ``.data`` is the local shard; every unsharded buffer's storage has size 0;
-      the original parameter names on the modules hold placeholders that raise a clear error
-      (NO_SHARD: full-precision views of the local shard, which is the whole parameter).
-    - ``UNSHARDED``: ``.data`` is the padded unsharded tensor in the compute dtype
-      (``param_dtype``; allocated, gathered); forward and backward use it.
-    - ``UNSHARDED_FULL_PRECISION``: ``.data`` is the padded unsharded tensor in full precision,
-      for summon_full_params and state dicts. Only a handle with low-precision parameters is
-      ever in this state; for the others full precision *is* the compute dtype (UNSHARDED).
-
-    A handle that never frees anything (NO_SHARD or world size 1, without mixed precision)
-    stays UNSHARDED: its local shard is the whole parameter in its only dtype.
-    """
-
-    SHARDED = auto()
-    UNSHARDED = auto()
-    UNSHARDED_FULL_PRECISION = auto()
-
 
 class _ShardedParamPlaceholder(torch.Tensor):
     """Stands in for an original parameter while its unit is sharded.
@@ -139,29 +102,6 @@ _PLACEHOLDER_SAFE_FUNCS = {
     torch.Tensor.layout.__get__,  # type: ignore[attr-defined]
     torch.Tensor.__repr__,
 }
-
-
-class _PendingUnshard(NamedTuple):
-    """A launched all-gather: its work handle (CPU) or its completion event (CUDA), and the
-    input shard, kept alive until the collective has read it."""
-
-    work: Any
-    event: Any
-    shard: torch.Tensor
-
-
-def _on_stream(stream: Any, device: torch.device) -> Any:
-    """``torch.cuda.stream(stream)``, ordered after the current stream's work; else a no-op."""
-    if stream is None:
-        return contextlib.nullcontext()
-    stream.wait_stream(torch.cuda.current_stream(device))
-    return torch.cuda.stream(stream)
-
-
-def _record_event(stream: Any) -> Any:
-    event = torch.cuda.Event()
-    event.record(stream)
-    return event
 
 
 def assign_grad(param: nn.Parameter, grad: Optional[torch.Tensor]) -> None:
@@ -288,11 +228,10 @@ class FlatParamHandle:
         self.shared_param_infos: list[SharedParamInfo] = unit_params.shared_param_infos
         mark_flattened(self, unit_params)
         unique_params = unit_params.unique_params
-        self.dtype = unique_params[0].dtype
-        self.precision = HandlePrecision.resolve(mixed_precision, self.dtype)
+        precision = HandlePrecision.resolve(mixed_precision, unique_params[0].dtype)
         # use_orig_params: each parameter starts 16-byte aligned in the flat parameter, as in
         # torch FSDP1 (see [Note: Aligned flat parameter layout] in _sharding.py).
-        align_numel = aligned_numel(itemsize(self.precision.param_dtype)) if use_orig_params else 0
+        align_numel = aligned_numel(itemsize(precision.param_dtype)) if use_orig_params else 0
         # [Note: Only the unit's group]
         self.shard_layout: ShardLayout = ShardLayout.build(
             self.param_infos, group_rank(process_group), group_size(process_group), uses_sharding, align_numel
@@ -303,42 +242,23 @@ class FlatParamHandle:
         )
 
         with torch.no_grad():
-            flat = self.shard_layout.flatten(unique_params, self.dtype, device)
+            flat = self.shard_layout.flatten(unique_params, precision.full_dtype, device)
             if sync_module_states:
                 from fsdp._comm._groups import ShardingGroups, broadcast_from_group_rank0
 
                 broadcast_from_group_rank0(flat, ShardingGroups(process_group, replicate_group))
-            local_shard = self.shard_layout.cut_local_shard(flat, self.dtype, device)
-        # [Note: CPU offload] The local shard (what the optimizer updates) and its gradient
-        # live on CPU; unshard copies the shard to the compute device (non-blocking, from
-        # pinned memory) before gathering, and the reduced gradient is copied back. With a CPU
-        # compute device this is the ordinary layout (torch FSDP1 refuses CPU offload on CPU).
-        self.offload_params = offload_params and device.type != "cpu"
-        if self.offload_params:
-            if not self.uses_sharding:
-                raise NotImplementedError(
-                    "fsdp: CPUOffload(offload_params=True) with NO_SHARD (or world size 1) on an "
-                    "accelerator is not supported yet; use FULL_SHARD or SHARD_GRAD_OP."
-                )
-            local_shard = local_shard.cpu().pin_memory()
-        requires_grad = unique_params[0].requires_grad
-        self.flat_param = FlatParameter(local_shard, requires_grad=requires_grad)
-        self._local_shard: torch.Tensor = self.flat_param.data
-        # Padded unsharded buffers: allocated once, their storage resized to 0 when freed so
-        # that views saved by autograd stay valid once refilled (see the design note). The
-        # full-precision one exists when the handle shards; the low-precision one (the compute
-        # copy for forward and backward) when parameters run in another dtype.
-        self._padded_unsharded_full: Optional[torch.Tensor] = None
-        self._padded_unsharded_low: Optional[torch.Tensor] = None
-        if self.uses_sharding:
-            self._padded_unsharded_full = self._new_freed_buffer(self.dtype)
-        if self.precision.low_precision_params:
-            self._padded_unsharded_low = self._new_freed_buffer(self.precision.param_dtype)
-        # Whether the handle ever frees an unsharded copy (else it stays UNSHARDED for good).
-        self.has_unsharded_buffer = (
-            self._padded_unsharded_full is not None or self._padded_unsharded_low is not None
+            local_shard = self.shard_layout.cut_local_shard(flat, precision.full_dtype, device)
+        self.storage = FlatParamStorage(
+            local_shard,
+            unique_params[0].requires_grad,
+            precision,
+            device,
+            process_group,
+            self.shard_layout.uses_sharding,
+            self.shard_layout.padded_unsharded_numel,
+            offload_params,
         )
-        self.state = HandleState.SHARDED if self.has_unsharded_buffer else HandleState.UNSHARDED
+        self.flat_param: FlatParameter = self.storage.flat_param  # the same object for good
 
         # Gradient bookkeeping (see [Note: Gradient flow] in docs/flat_param_lifecycle.md).
         self._sharded_grad_stash: Optional[torch.Tensor] = None
@@ -361,10 +281,6 @@ class FlatParamHandle:
         # The views node of this forward when the runtime may take its gradients early
         # ([Note: Early per-parameter gradients]), else None.
         self.early_grads_views_node: Optional[Any] = None
-        # A prefetched all-gather not yet waited for (see [Note: Prefetch]).
-        self._pending_unshard: Optional[_PendingUnshard] = None
-        # CUDA: the side stream prefetched all-gathers run on (set at lazy init); None on CPU.
-        self.unshard_stream: Optional[Any] = None
 
         self._placeholders: Optional[list[_ShardedParamPlaceholder]] = None
         self.wrapped_module = wrapped_module
@@ -466,48 +382,56 @@ class FlatParamHandle:
         return self.precision.param_dtype
 
     # ------------------------------------------------------------------ storage
-    def _new_freed_buffer(self, dtype: torch.dtype) -> torch.Tensor:
-        buffer = torch.empty(self.padded_unsharded_numel, dtype=dtype, device=self.device)
-        self._free_storage(buffer)
-        return buffer
-
-    @staticmethod
-    def _free_storage(tensor: torch.Tensor) -> None:
-        storage = tensor.untyped_storage()
-        if storage.size() != 0:
-            storage.resize_(0)
-
-    @staticmethod
-    def _alloc_storage(tensor: torch.Tensor) -> None:
-        storage = tensor.untyped_storage()
-        nbytes = tensor.numel() * tensor.element_size()
-        if storage.size() != nbytes:
-            storage.resize_(nbytes)
-
-    def _padded_unsharded_for(self, full_precision: bool) -> torch.Tensor:
-        """The padded unsharded tensor of the requested precision (its storage may be freed)."""
-        if not full_precision and self._padded_unsharded_low is not None:
-            return self._padded_unsharded_low
-        if self._padded_unsharded_full is not None:
-            return self._padded_unsharded_full
-        return self._local_shard  # never sharded: the local shard is the whole parameter
+    @property
+    def precision(self) -> HandlePrecision:
+        """The dtypes the handle keeps, computes and reduces in (changed only by a recast)."""
+        return self.storage.precision
 
     @property
-    def padded_unsharded(self) -> torch.Tensor:
-        """The padded unsharded flat tensor forward and backward use (storage may be freed)."""
-        return self._padded_unsharded_for(full_precision=False)
+    def dtype(self) -> torch.dtype:
+        """The original (full) dtype: the local shard's and the sharded gradient's."""
+        return self.storage.precision.full_dtype
 
-    def unsharded_storage_nbytes(self) -> int:
-        """Bytes the padded unsharded buffers hold right now (0 when freed)."""
-        buffers = [self._padded_unsharded_full, self._padded_unsharded_low]
-        if not self.has_unsharded_buffer:
-            buffers = [self._local_shard]
-        return sum(b.untyped_storage().nbytes() for b in buffers if b is not None)
+    @property
+    def state(self) -> HandleState:
+        return self.storage.state
 
     @property
     def is_unsharded(self) -> bool:
         """Whether ``.data`` is a padded unsharded tensor (of either precision)."""
-        return self.state is not HandleState.SHARDED
+        return self.storage.state is not HandleState.SHARDED
+
+    @property
+    def has_unsharded_buffer(self) -> bool:
+        """Whether the handle ever frees an unsharded copy (else it stays UNSHARDED for good)."""
+        return self.storage.has_unsharded_buffer
+
+    @property
+    def offload_params(self) -> bool:
+        """The local shard and its gradient live on CPU ([Note: CPU offload])."""
+        return self.storage.offload_params
+
+    @property
+    def _local_shard(self) -> torch.Tensor:
+        return self.storage.local_shard
+
+    @property
+    def unshard_stream(self) -> Optional[Any]:
+        """CUDA: the side stream prefetched all-gathers run on (set at lazy init); None on CPU."""
+        return self.storage.unshard_stream
+
+    @unshard_stream.setter
+    def unshard_stream(self, stream: Optional[Any]) -> None:
+        self.storage.unshard_stream = stream
+
+    @property
+    def padded_unsharded(self) -> torch.Tensor:
+        """The padded unsharded flat tensor forward and backward use (storage may be freed)."""
+        return self.storage.padded_unsharded_for(full_precision=False)
+
+    def unsharded_storage_nbytes(self) -> int:
+        """Bytes the padded unsharded buffers hold right now (0 when freed)."""
+        return self.storage.unsharded_storage_nbytes()
 
     def unshard(self, full_precision: bool = False, async_op: bool = False) -> None:
         """Makes the padded unsharded parameter the FlatParameter's ``.data``.
@@ -523,59 +447,23 @@ class FlatParamHandle:
         valid unless ``async_op``. If already in that state only a pending prefetch is waited
         for; a handle unsharded in the other precision is resharded first.
         """
-        low = self.precision.low_precision_params and not full_precision
-        target = (
-            HandleState.UNSHARDED_FULL_PRECISION
-            if self.precision.low_precision_params and full_precision
-            else HandleState.UNSHARDED
-        )
+        target = self.storage.target_state(full_precision)
         if self.state is target:
             if not async_op:
                 self.wait_unshard()
             return
         if self.state is not HandleState.SHARDED:
             self.reshard()
-        padded_unsharded = self._padded_unsharded_for(full_precision)
-        if padded_unsharded is not self._local_shard:
-            stream = self.unshard_stream if async_op and self.uses_sharding else None
-            with _on_stream(stream, self.device):
-                self._alloc_storage(padded_unsharded)
-                shard = self._local_shard
-                if self.offload_params:
-                    shard = shard.to(self.device, non_blocking=True)
-                if low:
-                    # Cast the shard first so the gather moves param_dtype bytes (as torch FSDP1).
-                    shard = shard.to(self.precision.param_dtype)
-                if not self.uses_sharding:
-                    padded_unsharded.copy_(shard)
-                elif stream is not None:  # CUDA prefetch: ordered by an event
-                    comm.all_gather_flat(padded_unsharded, shard, self.process_group)
-                    self._pending_unshard = _PendingUnshard(None, _record_event(stream), shard)
-                elif async_op:
-                    work = comm.all_gather_flat(padded_unsharded, shard, self.process_group, async_op=True)
-                    self._pending_unshard = _PendingUnshard(work, None, shard)
-                else:
-                    comm.all_gather_flat(padded_unsharded, shard, self.process_group)
-        self.flat_param.data = padded_unsharded
-        self.state = target
+        self.storage.gather(target, full_precision, async_op)
 
     @property
     def unshard_pending(self) -> bool:
         """A prefetched all-gather has been launched and not yet waited for."""
-        return self._pending_unshard is not None
+        return self.storage.pending_unshard is not None
 
     def wait_unshard(self) -> None:
         """Completes a prefetched all-gather (a no-op without one)."""
-        pending, self._pending_unshard = self._pending_unshard, None
-        if pending is None:
-            return
-        if pending.work is not None:
-            pending.work.wait()
-        if pending.event is not None:
-            current = torch.cuda.current_stream(self.device)
-            current.wait_event(pending.event)
-            # Allocated on the unshard stream, used on this one: keep it from being reused early.
-            self.flat_param.data.record_stream(current)
+        self.storage.wait_unshard()
 
     def reshard(self) -> None:
         """Frees the padded unsharded tensors and points every name at a placeholder.
@@ -592,12 +480,14 @@ class FlatParamHandle:
         if self.state is HandleState.SHARDED:
             return
         self.wait_unshard()  # never free memory a collective is still writing
-        self.flat_param.data = self._local_shard
-        for buffer in (self._padded_unsharded_full, self._padded_unsharded_low):
-            if buffer is not None:
-                self._free_storage(buffer)
-        self.state = HandleState.SHARDED
+        self.storage.free_unsharded()
         self.use_sharded_views()
+
+    def write_back_shard(self, padded_unsharded: torch.Tensor) -> None:
+        """Copies this rank's slice of ``padded_unsharded`` into the local shard."""
+        local_shard = self.storage.local_shard
+        if padded_unsharded.data_ptr() != local_shard.data_ptr():
+            local_shard.copy_(self.local_slice(padded_unsharded))
 
     # ------------------------------------------------------------------ views
     def use_unsharded_views(self, as_params: bool = False) -> None:
@@ -695,11 +585,6 @@ class FlatParamHandle:
     def module_tensors(self) -> list[torch.Tensor]:
         """The tensors the original parameter names currently hold (in ``param_infos`` order)."""
         return [getattr(info.module, info.param_name) for info in self.param_infos]
-
-    def write_back_shard(self, padded_unsharded: torch.Tensor) -> None:
-        """Copies this rank's slice of ``padded_unsharded`` into the local shard."""
-        if padded_unsharded.data_ptr() != self._local_shard.data_ptr():
-            self._local_shard.copy_(self.local_slice(padded_unsharded))
 
     # ------------------------------------------------------------------ gradients
     def stash_sharded_grad(self) -> None:
