@@ -2,8 +2,8 @@
 
 [Note: Early per-parameter gradients]
 The two-rank gloo reduction starts from the unit's per-parameter gradients ([Note:
-Per-parameter gradient reduction] in ``flat_param.py``). Autograd holds those gradients in the
-input buffer of the views node (:class:`~fsdp.flat_param.flat_param._UnflattenParams`) until
+Per-parameter gradient reduction] in ``_views.py``). Autograd holds those gradients in the
+input buffer of the views node (:class:`~fsdp.flat_param._views._UnflattenParams`) until
 that node runs, which is only at the very end of the unit's backward: autograd's CPU ready
 queue runs the ready node with the highest sequence number first, and the views node, made at
 pre-forward, is older than all of the unit's compute. So nothing can be done with a gradient

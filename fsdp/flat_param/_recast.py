@@ -243,7 +243,7 @@ def _adopt_orig_params_cast(handle: "FlatParamHandle") -> None:
     planned_local_shard(handle, lambda t: t.to(new_dtype))  # validates dtype and device
     with torch.no_grad():
         for index, param in enumerate(params):
-            expected = handle._orig_sharded_view(handle._local_shard, index)
+            expected = handle.shard_layout.orig_sharded_view(handle._local_shard, index)
             if param.shape != expected.shape:
                 return  # not the shape a cast keeps: writeback_orig_params reports it
             if param.data_ptr() != expected.data_ptr():
