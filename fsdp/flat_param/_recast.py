@@ -149,7 +149,7 @@ def recast_handle(
     frees anything); ``handle.cast_generation`` is increased.
     """
     p_assert(
-        handle._inflight is None and handle._pending_sharded_grad is None and handle._param_grads is None,
+        not handle.grads.in_progress(),
         f"unit '{handle.unit_name}': recast with a gradient reduction in progress",
     )
     adopt_external_cast(handle)  # a cast made around the wrapper first (returns at once if none)
@@ -176,10 +176,11 @@ def recast_handle(
     handle._placeholders = None  # made again, in the new dtype, by use_sharded_views
 
     # Held gradients, in the dtypes a backward would give them now.
-    if handle._sharded_grad_stash is not None:
-        handle._sharded_grad_stash = handle._sharded_grad_stash.to(new_dtype)
-    if handle._unsynced_unsharded_grad is not None:
-        handle._unsynced_unsharded_grad = handle._unsynced_unsharded_grad.to(precision.param_dtype)
+    grads = handle.grads
+    if grads.sharded_grad_stash is not None:
+        grads.sharded_grad_stash = grads.sharded_grad_stash.to(new_dtype)
+    if grads.unsynced_unsharded_grad is not None:
+        grads.unsynced_unsharded_grad = grads.unsynced_unsharded_grad.to(precision.param_dtype)
 
     # The names on the modules, as at construction.
     if handle.use_orig_params or handle.has_unsharded_buffer:

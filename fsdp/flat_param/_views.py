@@ -28,6 +28,10 @@ from fsdp.flat_param._storage import HandleState
 __all__ = ["assign_grad"]
 
 
+class _Grads(Protocol):
+    unsynced_unsharded_grad: Optional[torch.Tensor]
+
+
 class _Handle(Protocol):
     """What this module uses of a ``FlatParamHandle`` (a structural type: ``flat_param.py``
     imports this module, so importing the class here would be a cycle)."""
@@ -39,7 +43,7 @@ class _Handle(Protocol):
     shared_param_infos: list[SharedParamInfo]
     shard_layout: ShardLayout
     flat_param: nn.Parameter
-    _unsynced_unsharded_grad: Optional[torch.Tensor]
+    grads: _Grads
     early_grads_views_node: Optional[Any]
     cast_generation: int
     forward_cast_generation: int
@@ -289,7 +293,7 @@ def use_sharded_grad_views(handle: _Handle) -> None:
     """
     if not handle.use_orig_params:
         return
-    unsynced = handle._unsynced_unsharded_grad
+    unsynced = handle.grads.unsynced_unsharded_grad
     if unsynced is not None:
         for view, param in zip(handle._unsharded_views(unsynced), handle._orig_params):
             assign_grad(param, view if param.requires_grad else None)
@@ -322,7 +326,7 @@ def sync_flat_grad_from_orig(handle: _Handle) -> Optional[torch.Tensor]:
     if not handle.use_orig_params or (flat_grad is not None and flat_grad.shape != local_shard.shape):
         return flat_grad
     grads = [p.grad for p in handle._orig_params]
-    if handle._unsynced_unsharded_grad is not None:
+    if handle.grads.unsynced_unsharded_grad is not None:
         _sync_unsynced_grad_from_orig(handle, grads)
         return flat_grad
     if all(g is None for g in grads):
@@ -355,10 +359,10 @@ def _sync_unsynced_grad_from_orig(handle: _Handle, grads: Sequence[Optional[torc
         ValueError: A replaced gradient has neither the parameter's original shape nor
             its number of elements.
     """
-    unsynced = handle._unsynced_unsharded_grad
+    unsynced = handle.grads.unsynced_unsharded_grad
     assert unsynced is not None
     if all(g is None for g in grads):
-        handle._unsynced_unsharded_grad = None
+        handle.grads.unsynced_unsharded_grad = None
         handle.flat_param.grad = None
         return
     views = handle._unsharded_views(unsynced)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp._common import FLAT_PARAM, group_rank, group_size, p_assert
-from fsdp.flat_param._early_grads import can_take_early, settle_open_run, takes_early_grads_at_forward
+from fsdp.flat_param._early_grads import takes_early_grads_at_forward
 from fsdp.flat_param._precision import HandlePrecision
 from fsdp.flat_param._layout import (
     ALIGNMENT_PADDING_VALUE as ALIGNMENT_PADDING_VALUE,
@@ -30,13 +30,13 @@ from fsdp.flat_param._layout import (
 )
 from fsdp.flat_param._sharding import FlatLayout, ParamShardSlice, aligned_numel, gradient_divide_factors
 from fsdp.flat_param._storage import FlatParameter, FlatParamStorage, HandleState
-from fsdp.flat_param import _views
+from fsdp.flat_param import _reduction, _views
+from fsdp.flat_param._reduction import HandleGrads
 from fsdp.flat_param._views import (
     _ShardedParamPlaceholder as _ShardedParamPlaceholder,
     _UnflattenParams as _UnflattenParams,
     assign_grad,
 )
-from fsdp._comm import _collectives as comm
 
 __all__ = [
     "FlatParameter",
@@ -135,24 +135,11 @@ class FlatParamHandle:
         )
         self.flat_param: FlatParameter = self.storage.flat_param  # the same object for good
 
-        # Gradient bookkeeping (see [Note: Gradient flow] in docs/flat_param_lifecycle.md).
-        self._sharded_grad_stash: Optional[torch.Tensor] = None
-        # NO_SHARD: an existing gradient the new one is added to *before* the reduction.
-        self._prior_grad_to_reduce: Optional[torch.Tensor] = None
-        self._unsynced_unsharded_grad: Optional[torch.Tensor] = None
-        self._pending_sharded_grad: Optional[torch.Tensor] = None
-        # (work, sharded output, what must stay alive) of a reduce-scatter still in flight.
-        self._inflight: Optional[tuple[Any, torch.Tensor, Any]] = None
-        # Per-parameter gradients of this backward, when reduced from the pieces
-        # ([Note: Per-parameter gradient reduction]); set by the runtime: whether the next
-        # backward's reduction may take that form (synchronized, default reduction).
-        self._param_grads: Optional[list[Optional[torch.Tensor]]] = None
-        # Early gradients of the forward call being backpropagated, not yet in _param_grads
-        # (fsdp/flat_param/_early_grads.py: take_param_grad).
-        self._open_run_grads: Optional[list[Optional[torch.Tensor]]] = None
-        self._open_run: Optional[int] = None
-        self.early_grads_runs = 0  # forward calls whose views' consumers were hooked
+        self.grads = HandleGrads()  # see [Note: Gradient flow] in docs/flat_param_lifecycle.md
+        # Whether the next backward's reduction may start from the per-parameter gradients
+        # ([Note: Per-parameter gradient reduction]): synchronized, default reduction.
         self.piecewise_reduction_allowed = False
+        self.early_grads_runs = 0  # forward calls whose views' consumers were hooked
         # The views node of this forward when the runtime may take its gradients early
         # ([Note: Early per-parameter gradients]), else None.
         self.early_grads_views_node: Optional[Any] = None
@@ -417,52 +404,24 @@ class FlatParamHandle:
         _views.writeback_orig_params(self)
 
     # ------------------------------------------------------------------ gradients
+    @property
+    def _param_grads(self) -> Optional[list[Optional[torch.Tensor]]]:
+        """Per-parameter gradients kept for a reduction from the pieces, else None."""
+        return self.grads.param_grads
+
+    @property
+    def _inflight(self) -> Optional[Any]:
+        """A reduce-scatter still in flight, else None."""
+        return self.grads.inflight
+
     def stash_sharded_grad(self) -> None:
-        """Moves an existing (already reduced) ``.grad`` aside before autograd accumulates.
-
-        Called from a hook on the FlatParameter just before AccumulateGrad, so the new
-        unsharded gradient never mixes with the reduced sharded one; the stash is added back
-        after the reduction (gradient accumulation without ``no_sync``).
-        """
-        grad = self.sync_flat_grad_from_orig()
-        if grad is not None and not self.uses_sharding:
-            # The existing gradient is already the whole (averaged) gradient: like torch FSDP1,
-            # add the new one to it and reduce the sum, in the existing gradient's dtype.
-            self._prior_grad_to_reduce = grad
-            self.flat_param.grad = None
-            return
-        if grad is not None:
-            p_assert(
-                self._sharded_grad_stash is None,
-                f"unit '{self.unit_name}': gradient stashed twice in one backward",
-            )
-            # keep_low_precision_grads: accumulate in full precision (as torch FSDP1 does).
-            self._sharded_grad_stash = grad.to(self.dtype)
-            self.flat_param.grad = None
-
-    def _reduces_from_pieces(self, grads: Sequence[Optional[torch.Tensor]]) -> bool:
-        return (
-            can_take_early(self)  # the reduction itself takes the pieces this backward
-            and any(g is not None for g in grads)
-            and all(g is None or (g.dtype == self.precision.reduce_dtype and g.is_contiguous()) for g in grads)
-        )
+        """Moves an existing (already reduced) ``.grad`` aside before autograd accumulates."""
+        _reduction.stash_sharded_grad(self)
 
     def collect_param_grads(self, grads: list[Optional[torch.Tensor]]) -> bool:
-        """Keeps this backward's per-parameter gradients for a reduction from the pieces.
-
-        Returns False (nothing kept) where that reduction does not apply; the caller then
-        hands autograd the concatenated gradient. A unit used twice in one forward gets its
-        gradients summed here, as autograd would sum them.
-        """
-        if not self._reduces_from_pieces(grads):
-            return False
-        if self._param_grads is None:
-            self._param_grads = list(grads)
-        else:
-            self._param_grads = [
-                b if a is None else a if b is None else a + b for a, b in zip(self._param_grads, grads)
-            ]
-        return True
+        """Keeps this backward's per-parameter gradients for a reduction from the pieces;
+        False (nothing kept) where that reduction does not apply."""
+        return _reduction.collect_param_grads(self, grads)
 
     def flatten_param_grads(self, grads: list[Optional[torch.Tensor]]) -> torch.Tensor:
         """The padded unsharded gradient from per-parameter gradients (``split``'s backward)."""
@@ -470,48 +429,7 @@ class FlatParamHandle:
 
     def _reduce_pieces(self) -> None:
         """Launches the two-rank reduce-scatter from the per-parameter gradients (async)."""
-        grads, self._param_grads = self._param_grads, None
-        assert grads is not None
-        reference = next(g for g in grads if g is not None)
-        numel = self.sharded_numel
-        own_start = self.rank * numel
-        peer_start = (1 - self.rank) * numel
-        peer_half = reference.new_zeros(numel) if self._has_gaps(grads, peer_start) else reference.new_empty(numel)
-        own_parts: list[tuple[int, torch.Tensor]] = []
-        for grad, info, param_start in zip(grads, self.param_infos, self.layout.param_offsets):
-            param_end = param_start + info.numel
-            if grad is not None:
-                flat_grad = grad.reshape(-1)
-                lo, hi = max(param_start, peer_start), min(param_end, peer_start + numel)
-                if lo < hi:
-                    torch.div(
-                        flat_grad[lo - param_start : hi - param_start],
-                        self.pre_divide,
-                        out=peer_half[lo - peer_start : hi - peer_start],
-                    )
-                lo, hi = max(param_start, own_start), min(param_end, own_start + numel)
-                if lo < hi:
-                    own_parts.append((lo - own_start, flat_grad[lo - param_start : hi - param_start]))
-        sharded_grad = torch.empty(numel, dtype=reference.dtype, device=reference.device)
-        work = comm.reduce_scatter_halves(
-            sharded_grad, peer_half, own_parts, 1.0 / self.pre_divide, self.process_group
-        )
-        self._inflight = (work, sharded_grad, (peer_half, own_parts))
-
-    def _has_gaps(self, grads: Sequence[Optional[torch.Tensor]], half_start: int) -> bool:
-        """Whether part of ``[half_start, half_start + sharded_numel)`` gets no gradient
-        (padding, alignment padding included, or a parameter without one): it must then be
-        sent as zeros."""
-        half_end = half_start + self.sharded_numel
-        if half_end > self.unpadded_unsharded_numel:
-            return True
-        if any(offset < half_end and offset + numel > half_start for offset, numel in self.layout.padding_runs()):
-            return True
-        for grad, info, param_start in zip(grads, self.param_infos, self.layout.param_offsets):
-            param_end = param_start + info.numel
-            if grad is None and param_start < half_end and param_end > half_start:
-                return True
-        return False
+        _reduction.reduce_pieces(self)
 
     def reduce_grad(
         self,
@@ -533,151 +451,24 @@ class FlatParamHandle:
         completes it (see [Note: Overlapped gradient reduction] in docs/hook_order.md).
 
         Postcondition: ``.grad`` is None; the reduced sharded gradient waits in
-        ``_pending_sharded_grad`` (or in flight) until :meth:`finalize_grad`.
+        ``grads.pending_sharded_grad`` (or in flight) until :meth:`finalize_grad`.
         """
-        settle_open_run(self)
-        if self._param_grads is not None:
-            p_assert(
-                sync and comm_hook is None and async_op,
-                f"unit '{self.unit_name}': per-parameter gradients kept for a reduction that "
-                f"cannot take them",
-            )
-            self._reduce_pieces()
-            return
-        unsharded_grad = self.flat_param.grad
-        self.flat_param.grad = None
-        p_assert(unsharded_grad is not None, f"unit '{self.unit_name}': no gradient to reduce")
-        assert unsharded_grad is not None  # for type checkers
-        p_assert(
-            unsharded_grad.numel() == self.padded_unsharded_numel,
-            f"unit '{self.unit_name}': expected an unsharded gradient of "
-            f"{self.padded_unsharded_numel} elements, got {unsharded_grad.numel()}",
-        )
-        if self._prior_grad_to_reduce is not None:
-            unsharded_grad = self._prior_grad_to_reduce.add(unsharded_grad.to(self._prior_grad_to_reduce.dtype))
-            self._prior_grad_to_reduce = None
-        if self._unsynced_unsharded_grad is not None:
-            unsharded_grad = unsharded_grad + self._unsynced_unsharded_grad
-            self._unsynced_unsharded_grad = None
-        if not sync:
-            self._unsynced_unsharded_grad = unsharded_grad
-            return
-        if unsharded_grad.dtype != self.precision.reduce_dtype and not full_precision:
-            # (full_precision: a backward of a full-precision eval forward keeps its dtype.)
-            unsharded_grad = unsharded_grad.to(self.precision.reduce_dtype)
-        if async_op and comm_hook is None and self.uses_sharding and self.replicate_world_size == 1:
-            p_assert(self._inflight is None, f"unit '{self.unit_name}': two reductions in flight")
-            if self.pre_divide > 1:
-                unsharded_grad.div_(self.pre_divide)
-            sharded_grad = torch.empty(
-                self.sharded_numel, dtype=unsharded_grad.dtype, device=unsharded_grad.device
-            )
-            work = comm.reduce_scatter_flat(
-                sharded_grad, unsharded_grad, self.process_group, async_op=True
-            )
-            # The unsharded gradient must stay alive until the collective has read it.
-            self._inflight = (work, sharded_grad, unsharded_grad)
-            return
-        if comm_hook is not None:
-            sharded_grad = self._reduce_with_hook(unsharded_grad, comm_hook, comm_hook_state)
-        else:
-            sharded_grad = self._reduce_default(unsharded_grad)
-        self._accumulate_reduced(sharded_grad)
+        _reduction.reduce_grad(self, sync, comm_hook, comm_hook_state, async_op, full_precision)
 
     def wait_reduction(self) -> None:
         """Completes an in-flight reduce-scatter: wait, post-divide, accumulate. Else a no-op."""
-        if self._inflight is None:
-            return
-        work, sharded_grad, _unsharded_grad = self._inflight
-        self._inflight = None
-        if work is not None:
-            work.wait()
-        if self.post_divide > 1:
-            sharded_grad.div_(self.post_divide)
-        self._accumulate_reduced(sharded_grad)
-
-    def _accumulate_reduced(self, sharded_grad: torch.Tensor) -> None:
-        """Adds a reduced (post-divided) gradient to this backward's pending sharded gradient.
-
-        The gradient is cast back to full precision first: accumulation, the stash and the
-        optimizer work on full-precision gradients (see [Note: Mixed precision dtypes]).
-        """
-        if sharded_grad.dtype != self.dtype:
-            sharded_grad = sharded_grad.to(self.dtype)
-        if self.offload_params:
-            # Copied back to pinned CPU memory; finalize_grad waits for it (end of backward).
-            offloaded = torch.empty(sharded_grad.shape, dtype=sharded_grad.dtype, pin_memory=True)
-            offloaded.copy_(sharded_grad, non_blocking=True)
-            sharded_grad = offloaded
-        if self._pending_sharded_grad is not None:
-            if self.offload_params and self.device.type == "cuda":
-                # Both are pinned CPU tensors that non-blocking copies may still be writing; the
-                # CPU add must not read them before the copies are done.
-                torch.cuda.current_stream(self.device).synchronize()
-            self._pending_sharded_grad.add_(sharded_grad)
-        else:
-            self._pending_sharded_grad = sharded_grad
-
-    def _reduce_with_hook(
-        self, unsharded_grad: torch.Tensor, comm_hook: Callable[..., Any], comm_hook_state: Any
-    ) -> torch.Tensor:
-        """torch FSDP1's hook convention: ``hook(state, grad, output)`` sharded, else ``hook(state, grad)``."""
-        if not self.uses_sharding:
-            comm_hook(comm_hook_state, unsharded_grad)
-            return unsharded_grad
-        output = torch.empty(self.sharded_numel, dtype=unsharded_grad.dtype, device=unsharded_grad.device)
-        comm_hook(comm_hook_state, unsharded_grad, output)
-        return output
-
-    def _reduce_default(self, unsharded_grad: torch.Tensor) -> torch.Tensor:
-        """Pre-divide, reduce-scatter (all-reduce for NO_SHARD), all-reduce across replicas, post-divide."""
-        sharded_grad = unsharded_grad
-        if self.pre_divide > 1:
-            unsharded_grad.div_(self.pre_divide)
-        if self.uses_sharding:
-            sharded_grad = torch.empty(
-                self.sharded_numel, dtype=unsharded_grad.dtype, device=unsharded_grad.device
-            )
-            comm.reduce_scatter_flat(sharded_grad, unsharded_grad, self.process_group)
-        elif self.world_size > 1:
-            comm.all_reduce_sum(unsharded_grad, self.process_group)
-        if self.replicate_world_size > 1:
-            comm.all_reduce_sum(sharded_grad, self.replicate_group)
-        if self.post_divide > 1:
-            sharded_grad.div_(self.post_divide)
-        return sharded_grad
+        _reduction.wait_reduction(self)
 
     def finalize_grad(self) -> None:
         """At the end of backward: sets ``.grad`` to the sharded gradient (plus any stash).
 
         Precondition: the FlatParameter holds its sharded data (or never shards).
         """
-        self.wait_reduction()
-        if self.offload_params and self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()  # offloaded gradient copies
-        pending, stash = self._pending_sharded_grad, self._sharded_grad_stash
-        self._pending_sharded_grad = None
-        self._sharded_grad_stash = None
-        if pending is None and stash is None:
-            self.use_sharded_grad_views()  # no_sync: the held unsharded gradient's views
-            return
-        if self.has_unsharded_buffer:
-            p_assert(
-                self.flat_param.data.data_ptr() == self._local_shard.data_ptr(),
-                f"unit '{self.unit_name}': finalize_grad while the FlatParameter is unsharded",
-            )
-        grad: Optional[torch.Tensor] = pending if pending is not None else stash
-        if pending is not None and stash is not None:
-            stash.add_(pending)
-            grad = stash
-        self._set_sharded_grad(grad)
+        _reduction.finalize_grad(self)
 
     def _set_sharded_grad(self, grad: Optional[torch.Tensor]) -> None:
         """Sets the FlatParameter's ``.grad`` (in ``grad_dtype``) and the original params' views."""
-        if grad is not None and grad.dtype != self.precision.grad_dtype:
-            grad = grad.to(self.precision.grad_dtype)
-        assign_grad(self.flat_param, grad)
-        self.use_sharded_grad_views()
+        _reduction.set_sharded_grad(self, grad)
 
     def abandon_backward(self) -> None:
         """Drops what an interrupted backward left behind; restores the gradient from before it.
@@ -685,22 +476,8 @@ class FlatParamHandle:
         Postcondition: sharded (if the handle shards), no pending reduction, ``.grad`` as it
         was before that backward.
         """
-        self.wait_reduction()  # never leave a collective in flight
-        self._pending_sharded_grad = None
-        self._param_grads = None
-        self._open_run_grads, self._open_run = None, None
-        grad = self.flat_param.grad
-        if grad is not None and grad.shape != self._local_shard.shape:
-            self.flat_param.grad = None  # an unreduced unsharded gradient
-        if self.has_unsharded_buffer:
-            self.reshard()
-        stash, self._sharded_grad_stash = self._sharded_grad_stash, None
-        if self._prior_grad_to_reduce is not None:
-            stash, self._prior_grad_to_reduce = self._prior_grad_to_reduce, None
-        if stash is not None:
-            assign_grad(self.flat_param, stash.to(self.precision.grad_dtype))
-        self.use_sharded_grad_views()
+        _reduction.abandon_backward(self)
 
     def has_unsynced_grad(self) -> bool:
         """Whether a ``no_sync`` gradient is waiting to be synchronized."""
-        return self._unsynced_unsharded_grad is not None
+        return self.grads.unsynced_unsharded_grad is not None
