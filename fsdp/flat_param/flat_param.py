@@ -1,5 +1,22 @@
 """FlatParameter and FlatParamHandle: one unit's parameters as one sharded 1-D tensor.
 
+:class:`FlatParamHandle` is one class composed of parts, one per concern (the split of
+FSDP2's ``FSDPParam`` / ``FSDPParamGroup`` / collectives as the model):
+
+- ``_layout.py``: where each original parameter sits in the flat parameter and which part
+  this rank holds (:class:`~fsdp.flat_param._layout.ShardLayout`, fixed at construction);
+  flattening; torch FSDP1's metadata on the FlatParameter.
+- ``_storage.py``: the local shard (CPU-offloaded or not), the padded unsharded buffers and
+  the :class:`HandleState` machine between them; the all-gather of unshard, on the unshard
+  stream when prefetching on CUDA (:class:`~fsdp.flat_param._storage.FlatParamStorage`).
+- ``_views.py``: what the original parameter names hold (views, placeholders, the original
+  Parameters with use_orig_params) and writing user changes back.
+- ``_reduction.py``: the gradient state (:class:`~fsdp.flat_param._reduction.HandleGrads`)
+  and the reduction of the unsharded gradient into the sharded one.
+
+The handle's constructor runs the steps in that order; its methods are the interface the
+runtime, the state dicts and the wrapper use, and delegate to those modules.
+
 See docs/flat_param_lifecycle.md, [Note: Flat parameter storage lifecycle], for the states a
 handle moves through and what memory each one holds.
 """
@@ -13,8 +30,8 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp._common import FLAT_PARAM, group_rank, group_size, p_assert
+from fsdp.flat_param import _reduction, _views
 from fsdp.flat_param._early_grads import takes_early_grads_at_forward
-from fsdp.flat_param._precision import HandlePrecision
 from fsdp.flat_param._layout import (
     ALIGNMENT_PADDING_VALUE as ALIGNMENT_PADDING_VALUE,
     FLATTENED_ATTR as FLATTENED_ATTR,
@@ -28,10 +45,10 @@ from fsdp.flat_param._layout import (
     mark_flattened,
     set_torch_metadata,
 )
+from fsdp.flat_param._precision import HandlePrecision
+from fsdp.flat_param._reduction import HandleGrads
 from fsdp.flat_param._sharding import FlatLayout, ParamShardSlice, aligned_numel, gradient_divide_factors
 from fsdp.flat_param._storage import FlatParameter, FlatParamStorage, HandleState
-from fsdp.flat_param import _reduction, _views
-from fsdp.flat_param._reduction import HandleGrads
 from fsdp.flat_param._views import (
     _ShardedParamPlaceholder as _ShardedParamPlaceholder,
     _UnflattenParams as _UnflattenParams,
@@ -47,6 +64,7 @@ __all__ = [
     "ShardParamInfo",
     "assign_grad",
 ]
+
 
 class FlatParamHandle:
     """Owns one unit's FlatParameter and does everything to it.
@@ -70,9 +88,14 @@ class FlatParamHandle:
         use_orig_params: Keep the original Parameters registered (see
             [Note: Original parameters] in docs/flat_param_lifecycle.md).
         offload_params: Keep the local shard and its gradient on CPU (pinned when the compute
-            device is CUDA) between uses; see [Note: CPU offload].
+            device is CUDA) between uses; see [Note: CPU offload] in ``_storage.py``.
         mixed_precision: A ``MixedPrecision`` config or None (see [Note: Mixed precision
             dtypes] in ``_precision.py``).
+
+    Attributes:
+        shard_layout: The layout part (``_layout.py``).
+        storage: The storage part (``_storage.py``); ``flat_param`` is its FlatParameter.
+        grads: The gradient state (``_reduction.py``).
     """
 
     def __init__(
@@ -89,40 +112,15 @@ class FlatParamHandle:
         offload_params: bool = False,
         mixed_precision: Optional[Any] = None,
     ) -> None:
-        self.device = device
-        # torch FSDP1's handle attribute: the owning unit's HandleTrainingState
-        # (fsdp/runtime/_state.py), kept in step by UnitState.training_state.
-        self._training_state: Any = None
-        self.process_group = process_group
-        self.replicate_group = replicate_group
-        self.replicate_world_size = group_size(replicate_group) if replicate_group else 1
-        self.unit_name = unit_name
-        self.use_orig_params = use_orig_params
+        self._init_config(wrapped_module, device, process_group, replicate_group, unit_name, use_orig_params, mixed_precision)
         unit_params = collect_params(params)
         self.param_infos: list[ParamInfo] = unit_params.param_infos
         self.shared_param_infos: list[SharedParamInfo] = unit_params.shared_param_infos
         mark_flattened(self, unit_params)
         unique_params = unit_params.unique_params
         precision = HandlePrecision.resolve(mixed_precision, unique_params[0].dtype)
-        # use_orig_params: each parameter starts 16-byte aligned in the flat parameter, as in
-        # torch FSDP1 (see [Note: Aligned flat parameter layout] in _sharding.py).
-        align_numel = aligned_numel(itemsize(precision.param_dtype)) if use_orig_params else 0
-        # [Note: Only the unit's group]
-        self.shard_layout: ShardLayout = ShardLayout.build(
-            self.param_infos, group_rank(process_group), group_size(process_group), uses_sharding, align_numel
-        )
-        # Averaging is over every data-parallel replica: shard group x replicate group.
-        self.pre_divide, self.post_divide = gradient_divide_factors(
-            self.world_size * self.replicate_world_size
-        )
-
-        with torch.no_grad():
-            flat = self.shard_layout.flatten(unique_params, precision.full_dtype, device)
-            if sync_module_states:
-                from fsdp._comm._groups import ShardingGroups, broadcast_from_group_rank0
-
-                broadcast_from_group_rank0(flat, ShardingGroups(process_group, replicate_group))
-            local_shard = self.shard_layout.cut_local_shard(flat, precision.full_dtype, device)
+        self.shard_layout: ShardLayout = self._init_layout(uses_sharding, precision)
+        local_shard = self._flatten_local_shard(unique_params, precision.full_dtype, sync_module_states)
         self.storage = FlatParamStorage(
             local_shard,
             unique_params[0].requires_grad,
@@ -134,8 +132,67 @@ class FlatParamHandle:
             offload_params,
         )
         self.flat_param: FlatParameter = self.storage.flat_param  # the same object for good
-
         self.grads = HandleGrads()  # see [Note: Gradient flow] in docs/flat_param_lifecycle.md
+        self._init_runtime_fields()
+        # With use_orig_params the original Parameters stay registered (optimizers hold them);
+        # otherwise the FlatParameter replaces them on the wrapped module.
+        self._orig_params: list[nn.Parameter] = list(unique_params) if use_orig_params else []
+        self._placeholders: Optional[list[_ShardedParamPlaceholder]] = None
+        set_torch_metadata(self.flat_param, unit_params, self.shard_layout, self._orig_params if use_orig_params else None)
+        self._register_params()
+
+    # ------------------------------------------------------------------ construction steps
+    def _init_config(
+        self,
+        wrapped_module: nn.Module,
+        device: torch.device,
+        process_group: dist.ProcessGroup,
+        replicate_group: Optional[dist.ProcessGroup],
+        unit_name: str,
+        use_orig_params: bool,
+        mixed_precision: Optional[Any],
+    ) -> None:
+        """The handle's fixed settings: where it computes, its groups, its name."""
+        self.wrapped_module = wrapped_module
+        self.device = device
+        self.process_group = process_group
+        self.replicate_group = replicate_group
+        self.replicate_world_size = group_size(replicate_group) if replicate_group else 1
+        self.unit_name = unit_name
+        self.use_orig_params = use_orig_params
+        self.mixed_precision_config = mixed_precision
+        # Averaging is over every data-parallel replica: shard group x replicate group.
+        self.pre_divide, self.post_divide = gradient_divide_factors(
+            group_size(process_group) * self.replicate_world_size
+        )
+
+    def _init_layout(self, uses_sharding: bool, precision: HandlePrecision) -> ShardLayout:
+        """The flat layout and this rank's shard of it ([Note: Only the unit's group])."""
+        # use_orig_params: each parameter starts 16-byte aligned in the flat parameter, as in
+        # torch FSDP1 (see [Note: Aligned flat parameter layout] in _sharding.py).
+        align_numel = aligned_numel(itemsize(precision.param_dtype)) if self.use_orig_params else 0
+        return ShardLayout.build(
+            self.param_infos, group_rank(self.process_group), group_size(self.process_group), uses_sharding, align_numel
+        )
+
+    def _flatten_local_shard(
+        self, unique_params: Sequence[nn.Parameter], dtype: torch.dtype, sync_module_states: bool
+    ) -> torch.Tensor:
+        """Flattens the parameters (rank 0's values with ``sync_module_states``) and returns
+        this rank's shard of them."""
+        with torch.no_grad():
+            flat = self.shard_layout.flatten(unique_params, dtype, self.device)
+            if sync_module_states:
+                from fsdp._comm._groups import ShardingGroups, broadcast_from_group_rank0
+
+                broadcast_from_group_rank0(flat, ShardingGroups(self.process_group, self.replicate_group))
+            return self.shard_layout.cut_local_shard(flat, dtype, self.device)
+
+    def _init_runtime_fields(self) -> None:
+        """Fields the runtime sets and reads (declared here, in one place)."""
+        # torch FSDP1's handle attribute: the owning unit's HandleTrainingState
+        # (fsdp/runtime/_state.py), kept in step by UnitState.training_state.
+        self._training_state: Any = None
         # Whether the next backward's reduction may start from the per-parameter gradients
         # ([Note: Per-parameter gradient reduction]): synchronized, default reduction.
         self.piecewise_reduction_allowed = False
@@ -143,26 +200,22 @@ class FlatParamHandle:
         # The views node of this forward when the runtime may take its gradients early
         # ([Note: Early per-parameter gradients]), else None.
         self.early_grads_views_node: Optional[Any] = None
-
-        self._placeholders: Optional[list[_ShardedParamPlaceholder]] = None
-        self.wrapped_module = wrapped_module
         # Casts after wrapping ([Note: Casting after wrapping] in _recast.py): how many, and how
         # many had happened when the last forward that autograd may backpropagate took views.
         self.cast_generation = 0
         self.forward_cast_generation = 0
-        self.mixed_precision_config = mixed_precision
-        # With use_orig_params the original Parameters stay registered (optimizers hold them);
-        # otherwise the FlatParameter replaces them on the wrapped module.
-        self._orig_params: list[nn.Parameter] = list(unique_params) if use_orig_params else []
-        set_torch_metadata(self.flat_param, unit_params, self.shard_layout, self._orig_params if use_orig_params else None)
-        if use_orig_params:
+
+    def _register_params(self) -> None:
+        """Registers what the modules hold at rest: the original Parameters (use_orig_params)
+        or the FlatParameter on the wrapped module, the names pointing at sharded views."""
+        if self.use_orig_params:
             self.use_sharded_views()
             return
         for info in self.param_infos:
             info.module._parameters.pop(info.param_name, None)
         for shared in self.shared_param_infos:
             shared.module._parameters.pop(shared.param_name, None)
-        wrapped_module.register_parameter(FLAT_PARAM, self.flat_param)
+        self.wrapped_module.register_parameter(FLAT_PARAM, self.flat_param)
         if self.uses_sharding or self.has_unsharded_buffer:
             self.use_sharded_views()
         else:
@@ -223,6 +276,7 @@ class FlatParamHandle:
         """Views of a padded unsharded flat tensor shaped like the original parameters."""
         return self.shard_layout.unsharded_views(source)
 
+    # ------------------------------------------------------------------ torch FSDP1's names
     @property
     def _orig_param_dtype(self) -> torch.dtype:
         """torch FSDP1's name for the original parameters' dtype (accelerate reads it)."""
