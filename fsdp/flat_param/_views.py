@@ -428,7 +428,11 @@ def writeback_orig_params(handle: _Handle) -> None:
         current = info.module._parameters.get(info.param_name)
         tracked = handle._orig_params[index]
         expected = handle.shard_layout.orig_sharded_view(handle._local_shard, index)
-        if current is tracked and (expected.numel() == 0 or current.data_ptr() == expected.data_ptr()) and current.shape == expected.shape:
+        if (
+            current is tracked
+            and (expected.numel() == 0 or current.data_ptr() == expected.data_ptr())
+            and current.shape == expected.shape
+        ):
             continue
         if current is None or not isinstance(current, nn.Parameter):
             continue  # name currently holds a view (forward in progress)

@@ -112,7 +112,9 @@ class FlatParamHandle:
         offload_params: bool = False,
         mixed_precision: Optional[Any] = None,
     ) -> None:
-        self._init_config(wrapped_module, device, process_group, replicate_group, unit_name, use_orig_params, mixed_precision)
+        self._init_config(
+            wrapped_module, device, process_group, replicate_group, unit_name, use_orig_params, mixed_precision
+        )
         unit_params = collect_params(params)
         self.param_infos: list[ParamInfo] = unit_params.param_infos
         self.shared_param_infos: list[SharedParamInfo] = unit_params.shared_param_infos
@@ -138,7 +140,8 @@ class FlatParamHandle:
         # otherwise the FlatParameter replaces them on the wrapped module.
         self._orig_params: list[nn.Parameter] = list(unique_params) if use_orig_params else []
         self._placeholders: Optional[list[_ShardedParamPlaceholder]] = None
-        set_torch_metadata(self.flat_param, unit_params, self.shard_layout, self._orig_params if use_orig_params else None)
+        orig_params = self._orig_params if use_orig_params else None
+        set_torch_metadata(self.flat_param, unit_params, self.shard_layout, orig_params)
         self._register_params()
 
     # ------------------------------------------------------------------ construction steps
