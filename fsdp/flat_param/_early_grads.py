@@ -2,8 +2,8 @@
 
 [Note: Early per-parameter gradients]
 The two-rank gloo reduction starts from the unit's per-parameter gradients ([Note:
-Per-parameter gradient reduction] in ``flat_param.py``). Autograd holds those gradients in the
-input buffer of the views node (:class:`~fsdp.flat_param.flat_param._UnflattenParams`) until
+Per-parameter gradient reduction] in ``_views.py``). Autograd holds those gradients in the
+input buffer of the views node (:class:`~fsdp.flat_param._views._UnflattenParams`) until
 that node runs, which is only at the very end of the unit's backward: autograd's CPU ready
 queue runs the ready node with the highest sequence number first, and the views node, made at
 pre-forward, is older than all of the unit's compute. So nothing can be done with a gradient
@@ -38,22 +38,32 @@ from fsdp._comm import _collectives as comm
 __all__ = ["can_take_early", "keeps_param_grads", "settle_open_run", "take_param_grad", "takes_early_grads_at_forward"]
 
 
+class _KeptGrads(Protocol):
+    """What this module reads and writes of a handle's ``grads`` (``_reduction.HandleGrads``)."""
+
+    unsynced_unsharded_grad: Optional[torch.Tensor]
+    param_grads: Optional[list[Optional[torch.Tensor]]]
+    open_run_grads: Optional[list[Optional[torch.Tensor]]]
+    open_run: Optional[int]
+
+
 class FlatParamHandle(Protocol):
     """What this module reads and writes of a ``flat_param.FlatParamHandle`` (a structural type:
     ``flat_param.py`` imports this module, so importing the class here would be a cycle)."""
 
     piecewise_reduction_allowed: bool
-    uses_sharding: bool
     replicate_world_size: int
     process_group: Optional[dist.ProcessGroup]
     flat_param: torch.Tensor
-    precision: Any
     param_infos: Sequence[Any]
-    _local_shard: torch.Tensor
-    _unsynced_unsharded_grad: Optional[torch.Tensor]
-    _param_grads: Optional[list[Optional[torch.Tensor]]]
-    _open_run_grads: Optional[list[Optional[torch.Tensor]]]
-    _open_run: Optional[int]
+    grads: _KeptGrads
+
+    @property
+    def uses_sharding(self) -> bool: ...
+    @property
+    def precision(self) -> Any: ...
+    @property
+    def _local_shard(self) -> torch.Tensor: ...
 
 
 def can_take_early(handle: FlatParamHandle) -> bool:
@@ -62,7 +72,7 @@ def can_take_early(handle: FlatParamHandle) -> bool:
         handle.piecewise_reduction_allowed
         and handle.uses_sharding
         and handle.replicate_world_size == 1
-        and handle._unsynced_unsharded_grad is None
+        and handle.grads.unsynced_unsharded_grad is None
         and comm.can_reduce_scatter_halves(handle._local_shard, handle.process_group)
     )
 
@@ -82,11 +92,12 @@ def take_param_grad(handle: FlatParamHandle, index: int, grad: torch.Tensor, run
     per call here and :func:`settle_open_run` adds a finished call's sum to the unit's total,
     so the sums are the same, bit for bit, whatever the users of a parameter.
     """
-    if handle._open_run != run:
+    kept = handle.grads
+    if kept.open_run != run:
         settle_open_run(handle)
-        handle._open_run = run
-        handle._open_run_grads = [None] * len(handle.param_infos)
-    grads = handle._open_run_grads
+        kept.open_run = run
+        kept.open_run_grads = [None] * len(handle.param_infos)
+    grads = kept.open_run_grads
     assert grads is not None
     previous = grads[index]
     grads[index] = grad if previous is None else previous + grad
@@ -94,15 +105,16 @@ def take_param_grad(handle: FlatParamHandle, index: int, grad: torch.Tensor, run
 
 def settle_open_run(handle: FlatParamHandle) -> None:
     """Adds the gradients kept for the current forward call to the unit's kept total."""
-    grads, handle._open_run_grads, handle._open_run = handle._open_run_grads, None, None
+    kept = handle.grads
+    grads, kept.open_run_grads, kept.open_run = kept.open_run_grads, None, None
     if grads is None:
         return
-    total = handle._param_grads
-    handle._param_grads = grads if total is None else [
+    total = kept.param_grads
+    kept.param_grads = grads if total is None else [
         b if a is None else a if b is None else a + b for a, b in zip(total, grads)
     ]
 
 
 def keeps_param_grads(handle: FlatParamHandle) -> bool:
     """Whether any gradient of this backward is kept per parameter (settled or not)."""
-    return handle._param_grads is not None or handle._open_run_grads is not None
+    return handle.grads.param_grads is not None or handle.grads.open_run_grads is not None

@@ -149,7 +149,7 @@ def recast_handle(
     frees anything); ``handle.cast_generation`` is increased.
     """
     p_assert(
-        handle._inflight is None and handle._pending_sharded_grad is None and handle._param_grads is None,
+        not handle.grads.in_progress(),
         f"unit '{handle.unit_name}': recast with a gradient reduction in progress",
     )
     adopt_external_cast(handle)  # a cast made around the wrapper first (returns at once if none)
@@ -170,30 +170,17 @@ def recast_handle(
     precision = HandlePrecision.resolve(mixed_precision, new_dtype)
 
     # The FlatParameter: its gradient aside first (``.data`` of another dtype must not meet it).
-    flat_param = handle.flat_param
-    flat_param.grad = None
-    flat_param.data = new_local
-    handle._local_shard = new_local
-    handle.dtype = new_dtype
-    handle.precision = precision
-
-    # Padded unsharded buffers, rebuilt (freed) in the new dtypes.
-    handle._padded_unsharded_full = handle._new_freed_buffer(new_dtype) if handle.uses_sharding else None
-    handle._padded_unsharded_low = (
-        handle._new_freed_buffer(precision.param_dtype) if precision.low_precision_params else None
-    )
-    handle.has_unsharded_buffer = (
-        handle._padded_unsharded_full is not None or handle._padded_unsharded_low is not None
-    )
-    state_type = type(handle.state)
-    handle.state = state_type.SHARDED if handle.has_unsharded_buffer else state_type.UNSHARDED
+    handle.flat_param.grad = None
+    # The local shard, and the padded unsharded buffers rebuilt (freed) in the new dtypes.
+    handle.storage.rebuild(new_local, precision)
     handle._placeholders = None  # made again, in the new dtype, by use_sharded_views
 
     # Held gradients, in the dtypes a backward would give them now.
-    if handle._sharded_grad_stash is not None:
-        handle._sharded_grad_stash = handle._sharded_grad_stash.to(new_dtype)
-    if handle._unsynced_unsharded_grad is not None:
-        handle._unsynced_unsharded_grad = handle._unsynced_unsharded_grad.to(precision.param_dtype)
+    grads = handle.grads
+    if grads.sharded_grad_stash is not None:
+        grads.sharded_grad_stash = grads.sharded_grad_stash.to(new_dtype)
+    if grads.unsynced_unsharded_grad is not None:
+        grads.unsynced_unsharded_grad = grads.unsynced_unsharded_grad.to(precision.param_dtype)
 
     # The names on the modules, as at construction.
     if handle.use_orig_params or handle.has_unsharded_buffer:
@@ -257,7 +244,7 @@ def _adopt_orig_params_cast(handle: "FlatParamHandle") -> None:
     planned_local_shard(handle, lambda t: t.to(new_dtype))  # validates dtype and device
     with torch.no_grad():
         for index, param in enumerate(params):
-            expected = handle._orig_sharded_view(handle._local_shard, index)
+            expected = handle.shard_layout.orig_sharded_view(handle._local_shard, index)
             if param.shape != expected.shape:
                 return  # not the shape a cast keeps: writeback_orig_params reports it
             if param.data_ptr() != expected.data_ptr():

@@ -1,33 +1,59 @@
 """FlatParameter and FlatParamHandle: one unit's parameters as one sharded 1-D tensor.
 
+:class:`FlatParamHandle` is one class composed of parts, one per concern (the split of
+FSDP2's ``FSDPParam`` / ``FSDPParamGroup`` / collectives as the model):
+
+- ``_layout.py``: where each original parameter sits in the flat parameter and which part
+  this rank holds (:class:`~fsdp.flat_param._layout.ShardLayout`, fixed at construction);
+  flattening; torch FSDP1's metadata on the FlatParameter.
+- ``_storage.py``: the local shard (CPU-offloaded or not), the padded unsharded buffers and
+  the :class:`HandleState` machine between them; the all-gather of unshard, on the unshard
+  stream when prefetching on CUDA (:class:`~fsdp.flat_param._storage.FlatParamStorage`).
+- ``_views.py``: what the original parameter names hold (views, placeholders, the original
+  Parameters with use_orig_params) and writing user changes back.
+- ``_reduction.py``: the gradient state (:class:`~fsdp.flat_param._reduction.HandleGrads`)
+  and the reduction of the unsharded gradient into the sharded one.
+
+The handle's constructor runs the steps in that order; its methods are the interface the
+runtime, the state dicts and the wrapper use, and delegate to those modules.
+
 See docs/flat_param_lifecycle.md, [Note: Flat parameter storage lifecycle], for the states a
 handle moves through and what memory each one holds.
 """
 
 from __future__ import annotations
 
-import contextlib
-import weakref
-from enum import Enum, auto
-from typing import Any, Callable, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from fsdp._common import FLAT_PARAM, group_rank, group_size, p_assert
-from fsdp.flat_param._early_grads import can_take_early, settle_open_run, takes_early_grads_at_forward
-from fsdp.flat_param._precision import HandlePrecision
-from fsdp.flat_param._sharding import (
-    FlatLayout,
-    ParamShardSlice,
-    aligned_numel,
-    flat_layout,
-    gradient_divide_factors,
-    padded_unsharded_numel,
-    shard_bounds,
+from fsdp.flat_param import _reduction, _views
+from fsdp.flat_param._early_grads import takes_early_grads_at_forward
+from fsdp.flat_param._layout import (
+    ALIGNMENT_PADDING_VALUE as ALIGNMENT_PADDING_VALUE,
+    FLATTENED_ATTR as FLATTENED_ATTR,
+    FSDP_FLATTENED as FSDP_FLATTENED,
+    ParamInfo,
+    SharedParamInfo,
+    ShardLayout,
+    ShardParamInfo,
+    collect_params,
+    itemsize,
+    mark_flattened,
+    set_torch_metadata,
 )
-from fsdp._comm import _collectives as comm
+from fsdp.flat_param._precision import HandlePrecision
+from fsdp.flat_param._reduction import HandleGrads
+from fsdp.flat_param._sharding import FlatLayout, ParamShardSlice, aligned_numel, gradient_divide_factors
+from fsdp.flat_param._storage import FlatParameter, FlatParamStorage, HandleState
+from fsdp.flat_param._views import (
+    _ShardedParamPlaceholder as _ShardedParamPlaceholder,
+    _UnflattenParams as _UnflattenParams,
+    assign_grad,
+)
 
 __all__ = [
     "FlatParameter",
@@ -38,283 +64,6 @@ __all__ = [
     "ShardParamInfo",
     "assign_grad",
 ]
-
-# What torch FSDP1 fills the alignment padding of a use_orig_params flat parameter with (a
-# marker value; no computation reads it). Filling ours alike keeps local state dicts equal bit
-# for bit between the two (see [Note: Aligned flat parameter layout] in _sharding.py).
-ALIGNMENT_PADDING_VALUE = 42.0
-
-# Set on an original Parameter once a handle has flattened it: (weakref to the handle, its name).
-FLATTENED_ATTR = "_fsdp_flattened_into"
-# torch's FSDP1 sets this to True on every FlatParameter and on the original parameters it
-# flattened; stacks read it (Lightning's FSDP strategy checks that an optimizer holds FSDP's
-# parameters with ``getattr(param, "_fsdp_flattened", False)``).
-FSDP_FLATTENED = "_fsdp_flattened"
-#: The attribute that marks a parameter as a FlatParameter (torch FSDP1's name).
-IS_FLAT_PARAM = "_is_flat_param"
-
-
-class _FlatParameterMeta(type(nn.Parameter)):  # type: ignore[misc]
-    """``isinstance(t, FlatParameter)`` is True for a parameter carrying the flat-parameter flag."""
-
-    def __instancecheck__(cls, instance: Any) -> bool:
-        return isinstance(instance, torch.Tensor) and getattr(instance, IS_FLAT_PARAM, False)
-
-
-class FlatParameter(nn.Parameter, metaclass=_FlatParameterMeta):
-    """The one ``nn.Parameter`` a unit registers: its original parameters, flattened and padded.
-
-    Its ``.data`` is the local shard (1-D, ``sharded_numel`` elements) while the handle is
-    SHARDED, and the padded unsharded tensor while it is UNSHARDED. All metadata lives on the
-    owning :class:`FlatParamHandle`; optimizers only ever see the sharded form.
-
-    [Note: A FlatParameter's type is nn.Parameter]
-    ``FlatParameter(...)`` returns a plain ``nn.Parameter`` flagged as flat
-    (``isinstance(p, FlatParameter)`` checks the flag), as torch FSDP1's does. ``type(p)`` must
-    be ``nn.Parameter``: torch's optimizers take their fast multi-tensor (``foreach``) path on
-    CUDA only when every parameter's type is exactly ``Tensor`` or ``Parameter``. A subclass
-    falls back to the per-tensor loop, which is slower on GPUs and rounds AdamW's update
-    differently, so results would no longer equal torch FSDP1's bit for bit.
-    """
-
-    def __new__(cls, data: torch.Tensor, requires_grad: bool = True) -> "FlatParameter":
-        p_assert(data.dim() == 1, f"FlatParameter data must be 1-D, got shape {tuple(data.shape)}")
-        flat_param = nn.Parameter.__new__(nn.Parameter, data, requires_grad)
-        setattr(flat_param, IS_FLAT_PARAM, True)
-        setattr(flat_param, FSDP_FLATTENED, True)
-        return flat_param  # type: ignore[return-value]
-
-
-class ParamInfo(NamedTuple):
-    """Where an original parameter lives: ``getattr(module, param_name)``.
-
-    Attributes:
-        param_name: Attribute name on the owning module (``"weight"``).
-        module: The owning module.
-        module_name: Qualified name of the owning module inside the unit's wrapped module.
-        shape: Original shape.
-        numel: Original number of elements.
-    """
-
-    param_name: str
-    module: nn.Module
-    module_name: str
-    shape: torch.Size
-    numel: int
-
-    @property
-    def fqn(self) -> str:
-        return f"{self.module_name}.{self.param_name}" if self.module_name else self.param_name
-
-
-class SharedParamInfo(NamedTuple):
-    """A second (or later) name for a parameter already flattened as ``param_infos[prim_index]``."""
-
-    param_name: str
-    module: nn.Module
-    module_name: str
-    prim_index: int
-
-    @property
-    def fqn(self) -> str:
-        return f"{self.module_name}.{self.param_name}" if self.module_name else self.param_name
-
-
-class ShardParamInfo(NamedTuple):
-    """Which part of one original parameter this rank's shard holds (torch FSDP1's fields).
-
-    Attributes:
-        in_shard: Whether the shard holds any of it; the other fields are None if not.
-        offset_in_shard: Where the part starts in the shard.
-        numel_in_shard: The part's number of elements.
-        intra_param_start_idx: The part's first element within the flattened parameter.
-        intra_param_end_idx: The part's last element within the flattened parameter
-            (inclusive).
-    """
-
-    in_shard: bool
-    offset_in_shard: Optional[int]
-    numel_in_shard: Optional[int]
-    intra_param_start_idx: Optional[int]
-    intra_param_end_idx: Optional[int]
-
-
-class HandleState(Enum):
-    """What the FlatParameter's ``.data`` is, and so what memory the unit holds.
-
-    - ``SHARDED``: ``.data`` is the local shard; every unsharded buffer's storage has size 0;
-      the original parameter names on the modules hold placeholders that raise a clear error
-      (NO_SHARD: full-precision views of the local shard, which is the whole parameter).
-    - ``UNSHARDED``: ``.data`` is the padded unsharded tensor in the compute dtype
-      (``param_dtype``; allocated, gathered); forward and backward use it.
-    - ``UNSHARDED_FULL_PRECISION``: ``.data`` is the padded unsharded tensor in full precision,
-      for summon_full_params and state dicts. Only a handle with low-precision parameters is
-      ever in this state; for the others full precision *is* the compute dtype (UNSHARDED).
-
-    A handle that never frees anything (NO_SHARD or world size 1, without mixed precision)
-    stays UNSHARDED: its local shard is the whole parameter in its only dtype.
-    """
-
-    SHARDED = auto()
-    UNSHARDED = auto()
-    UNSHARDED_FULL_PRECISION = auto()
-
-
-class _ShardedParamPlaceholder(torch.Tensor):
-    """Stands in for an original parameter while its unit is sharded.
-
-    Any use in a computation raises a RuntimeError naming the parameter and the unit, instead of
-    a shape mismatch deep inside torch (for example when a submodule of a unit is called
-    directly, outside the unit's forward).
-    """
-
-    _fsdp_handle: "FlatParamHandle"
-    _fsdp_fqn: str
-    _fsdp_module_name: str
-
-    @staticmethod
-    def make(
-        handle: "FlatParamHandle", fqn: str, module_name: str, dtype: torch.dtype
-    ) -> "_ShardedParamPlaceholder":
-        t = torch.Tensor._make_subclass(
-            _ShardedParamPlaceholder, torch.empty(0, dtype=dtype, device=handle.device)
-        )
-        t._fsdp_handle = handle
-        t._fsdp_fqn = fqn
-        t._fsdp_module_name = module_name
-        return t
-
-    def describe(self) -> str:
-        unit = self._fsdp_handle.unit_name
-        module = self._fsdp_module_name or "<the unit's module>"
-        return (
-            f"fsdp: parameter '{self._fsdp_fqn}' belongs to the FSDP unit '{unit}', which is "
-            f"sharded right now, so it holds no data. Submodule '{module}' was used outside its "
-            f"unit's forward. Call the FSDP-wrapped module (or the root) instead of its submodule, "
-            f"or access full parameters inside FullyShardedDataParallel.summon_full_params(model)."
-        )
-
-    @classmethod
-    def __torch_function__(
-        cls, func: Callable, types: Any, args: Sequence[Any] = (), kwargs: Optional[dict] = None
-    ) -> Any:
-        kwargs = kwargs or {}
-        if func in _PLACEHOLDER_SAFE_FUNCS:
-            with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **kwargs)
-        for arg in list(args) + list(kwargs.values()):
-            if isinstance(arg, _ShardedParamPlaceholder):
-                raise RuntimeError(arg.describe())
-        raise RuntimeError("fsdp: a sharded parameter placeholder was used in a computation")
-
-    def __repr__(self, *args: Any, **kwargs: Any) -> str:  # type: ignore[override]
-        return f"<sharded fsdp parameter '{self._fsdp_fqn}' of unit '{self._fsdp_handle.unit_name}'>"
-
-
-_PLACEHOLDER_SAFE_FUNCS = {
-    torch.Tensor.dtype.__get__,  # type: ignore[attr-defined]
-    torch.Tensor.device.__get__,  # type: ignore[attr-defined]
-    torch.Tensor.requires_grad.__get__,  # type: ignore[attr-defined]
-    torch.Tensor.is_cuda.__get__,  # type: ignore[attr-defined]
-    torch.Tensor.layout.__get__,  # type: ignore[attr-defined]
-    torch.Tensor.__repr__,
-}
-
-
-class _PendingUnshard(NamedTuple):
-    """A launched all-gather: its work handle (CPU) or its completion event (CUDA), and the
-    input shard, kept alive until the collective has read it."""
-
-    work: Any
-    event: Any
-    shard: torch.Tensor
-
-
-def _on_stream(stream: Any, device: torch.device) -> Any:
-    """``torch.cuda.stream(stream)``, ordered after the current stream's work; else a no-op."""
-    if stream is None:
-        return contextlib.nullcontext()
-    stream.wait_stream(torch.cuda.current_stream(device))
-    return torch.cuda.stream(stream)
-
-
-def _record_event(stream: Any) -> Any:
-    event = torch.cuda.Event()
-    event.record(stream)
-    return event
-
-
-def assign_grad(param: nn.Parameter, grad: Optional[torch.Tensor]) -> None:
-    """``param.grad = grad``, also when ``grad`` differs from ``param`` in dtype or shape.
-
-    autograd refuses a ``.grad`` of another dtype or shape, so a low-precision gradient
-    (keep_low_precision_grads), or an unsharded gradient on a sharded original parameter
-    (use_orig_params inside ``no_sync``, as torch FSDP1 shows it), goes in through ``.grad.data``
-    on a stand-in like ``param``; the stand-in has zero strides, so it costs one element.
-    """
-    if grad is None or (grad.dtype == param.dtype and grad.shape == param.shape):
-        param.grad = grad
-        return
-    param.grad = torch.empty_strided(
-        param.shape, [0] * param.dim(), dtype=param.dtype, device=param.device
-    )
-    param.grad.data = grad
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
-def _set_module_tensor(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
-    """Sets ``module.name`` to a plain tensor attribute (not a registered parameter)."""
-    module._parameters.pop(name, None)
-    object.__setattr__(module, name, tensor)
-
-
-def _set_module_param(module: nn.Module, name: str, param: nn.Parameter) -> None:
-    """Registers ``param`` as ``module.name``, replacing a plain tensor attribute if any."""
-    module.__dict__.pop(name, None)
-    module._parameters[name] = param
-
-
-class _UnflattenParams(torch.autograd.Function):
-    """The original-shaped views of the unsharded FlatParameter, for forward.
-
-    [Note: Per-parameter gradient reduction]
-    With plain ``split`` views, autograd concatenates the parameters' gradients into one padded
-    unsharded gradient (a full copy) before the FlatParameter's hooks see it, and the reduction
-    then divides it in place and sends half of it. Where the reduction can work on the pieces
-    (:meth:`FlatParamHandle.collect_param_grads`: the two-rank point-to-point reduce-scatter on
-    gloo, default reduction), this function's backward hands the per-parameter gradients to the
-    handle instead and gives the FlatParameter no gradient; the post-accumulate hook (which
-    still fires) then reduces from the pieces: the other rank's half is written, divided, into
-    one send buffer, and this rank's pieces are added (scaled) onto what it receives. That
-    saves the concatenation, a division pass and a padded-size allocation per unit, with the
-    same arithmetic (``b + a / 2`` for every element), so results stay bit-identical.
-    Elsewhere the backward returns the concatenated gradient, exactly like ``split``'s.
-    Where the runtime takes the gradients as autograd computes them ([Note: Early
-    per-parameter gradients] in ``_early_grads.py``), this node receives None for them.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, flat: torch.Tensor, handle: "FlatParamHandle", early: bool = False) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
-        ctx.handle_ref = weakref.ref(handle)
-        # [Note: Early per-parameter gradients]: the runtime's hooks take the gradients before
-        # this node runs; without materializing, autograd then passes None, not zeros.
-        ctx.set_materialize_grads(not early)
-        return tuple(handle._unsharded_views(flat))
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], None, None]:  # type: ignore[override]
-        handle: Optional[FlatParamHandle] = ctx.handle_ref()
-        if handle is None:
-            return None, None, None
-        settle_open_run(handle)  # this call's early gradients first ([Note: Early per-parameter gradients])
-        if handle._param_grads is not None and all(g is None for g in grads):
-            return None, None, None  # all taken already
-        if handle.collect_param_grads(list(grads)):
-            return None, None, None
-        return handle.flatten_param_grads(list(grads)), None, None
 
 
 class FlatParamHandle:
@@ -339,9 +88,14 @@ class FlatParamHandle:
         use_orig_params: Keep the original Parameters registered (see
             [Note: Original parameters] in docs/flat_param_lifecycle.md).
         offload_params: Keep the local shard and its gradient on CPU (pinned when the compute
-            device is CUDA) between uses; see [Note: CPU offload].
+            device is CUDA) between uses; see [Note: CPU offload] in ``_storage.py``.
         mixed_precision: A ``MixedPrecision`` config or None (see [Note: Mixed precision
             dtypes] in ``_precision.py``).
+
+    Attributes:
+        shard_layout: The layout part (``_layout.py``).
+        storage: The storage part (``_storage.py``); ``flat_param`` is its FlatParameter.
+        grads: The gradient state (``_reduction.py``).
     """
 
     def __init__(
@@ -358,243 +112,182 @@ class FlatParamHandle:
         offload_params: bool = False,
         mixed_precision: Optional[Any] = None,
     ) -> None:
-        self.device = device
-        # torch FSDP1's handle attribute: the owning unit's HandleTrainingState
-        # (fsdp/runtime/_state.py), kept in step by UnitState.training_state.
-        self._training_state: Any = None
-        self.process_group = process_group
-        self.replicate_group = replicate_group
-        self.rank = group_rank(process_group)  # [Note: Only the unit's group]
-        self.world_size = group_size(process_group)
-        self.replicate_world_size = group_size(replicate_group) if replicate_group else 1
+        self._init_config(
+            wrapped_module, device, process_group, replicate_group, unit_name, use_orig_params, mixed_precision
+        )
+        unit_params = collect_params(params)
+        self.param_infos: list[ParamInfo] = unit_params.param_infos
+        self.shared_param_infos: list[SharedParamInfo] = unit_params.shared_param_infos
+        mark_flattened(self, unit_params)
+        unique_params = unit_params.unique_params
+        precision = HandlePrecision.resolve(mixed_precision, unique_params[0].dtype)
         # [Note: CPU offload on one rank] Offloaded parameters on an accelerator take the
         # sharded path even when the unit's group has one rank (where the strategy is NO_SHARD,
         # as in torch FSDP1): the shard (the whole flat parameter) stays in pinned host memory,
         # unshard copies it to the device (the one-rank all-gather is a copy) and the gradient
         # goes back to the host. The single-GPU user of CPUOffload is the common one.
+        ranks = group_size(process_group)
         offloads_to_host = offload_params and torch.device(device).type != "cpu"
-        self.uses_sharding = (uses_sharding and self.world_size > 1) or (offloads_to_host and self.world_size == 1)
+        uses_sharding = (uses_sharding and ranks > 1) or (offloads_to_host and ranks == 1)
+        self.shard_layout: ShardLayout = self._init_layout(uses_sharding, precision)
+        local_shard = self._flatten_local_shard(unique_params, precision.full_dtype, sync_module_states)
+        self.storage = FlatParamStorage(
+            local_shard,
+            unique_params[0].requires_grad,
+            precision,
+            device,
+            process_group,
+            self.shard_layout.uses_sharding,
+            self.shard_layout.padded_unsharded_numel,
+            offload_params,
+        )
+        self.flat_param: FlatParameter = self.storage.flat_param  # the same object for good
+        self.grads = HandleGrads()  # see [Note: Gradient flow] in docs/flat_param_lifecycle.md
+        self._init_runtime_fields()
+        # With use_orig_params the original Parameters stay registered (optimizers hold them);
+        # otherwise the FlatParameter replaces them on the wrapped module.
+        self._orig_params: list[nn.Parameter] = list(unique_params) if use_orig_params else []
+        self._placeholders: Optional[list[_ShardedParamPlaceholder]] = None
+        orig_params = self._orig_params if use_orig_params else None
+        set_torch_metadata(self.flat_param, unit_params, self.shard_layout, orig_params)
+        self._register_params()
+
+    # ------------------------------------------------------------------ construction steps
+    def _init_config(
+        self,
+        wrapped_module: nn.Module,
+        device: torch.device,
+        process_group: dist.ProcessGroup,
+        replicate_group: Optional[dist.ProcessGroup],
+        unit_name: str,
+        use_orig_params: bool,
+        mixed_precision: Optional[Any],
+    ) -> None:
+        """The handle's fixed settings: where it computes, its groups, its name."""
+        self.wrapped_module = wrapped_module
+        self.device = device
+        self.process_group = process_group
+        self.replicate_group = replicate_group
+        self.replicate_world_size = group_size(replicate_group) if replicate_group else 1
         self.unit_name = unit_name
         self.use_orig_params = use_orig_params
-        self.param_infos: list[ParamInfo] = []
-        self.shared_param_infos: list[SharedParamInfo] = []
-
-        unique_params: list[nn.Parameter] = []
-        index_of: dict[int, int] = {}
-        for module_name, module, param_name, param in params:
-            if id(param) in index_of:
-                self.shared_param_infos.append(
-                    SharedParamInfo(param_name, module, module_name, index_of[id(param)])
-                )
-                continue
-            index_of[id(param)] = len(unique_params)
-            unique_params.append(param)
-            self.param_infos.append(
-                ParamInfo(param_name, module, module_name, param.shape, param.numel())
-            )
-        p_assert(len(unique_params) > 0, "a FlatParamHandle needs at least one parameter")
-        # Mark each original Parameter as flattened here, so that another unit that meets the
-        # same Parameter (tied weights, wrapped by hand) fails with a clear error, whether or
-        # not the original is still alive elsewhere (see check_not_flattened_elsewhere).
-        for param, info in zip(unique_params, self.param_infos):
-            setattr(param, FLATTENED_ATTR, (weakref.ref(self), info.fqn))
-            setattr(param, FSDP_FLATTENED, True)
-        self.dtype = unique_params[0].dtype
-        self.precision = HandlePrecision.resolve(mixed_precision, self.dtype)
-        # use_orig_params: each parameter starts 16-byte aligned in the flat parameter, as in
-        # torch FSDP1 (see [Note: Aligned flat parameter layout] in _sharding.py).
-        self.layout: FlatLayout = flat_layout(
-            [info.numel for info in self.param_infos],
-            self.world_size,
-            aligned_numel(_itemsize(self.precision.param_dtype)) if use_orig_params else 0,
-        )
-        self.unpadded_unsharded_numel = self.layout.unpadded_unsharded_numel
-        if self.uses_sharding:
-            self.padded_unsharded_numel = padded_unsharded_numel(
-                self.unpadded_unsharded_numel, self.world_size
-            )
-        else:
-            self.padded_unsharded_numel = self.unpadded_unsharded_numel
-        self.sharded_numel = self.padded_unsharded_numel // (
-            self.world_size if self.uses_sharding else 1
-        )
+        self.mixed_precision_config = mixed_precision
         # Averaging is over every data-parallel replica: shard group x replicate group.
         self.pre_divide, self.post_divide = gradient_divide_factors(
-            self.world_size * self.replicate_world_size
+            group_size(process_group) * self.replicate_world_size
         )
 
+    def _init_layout(self, uses_sharding: bool, precision: HandlePrecision) -> ShardLayout:
+        """The flat layout and this rank's shard of it ([Note: Only the unit's group])."""
+        # use_orig_params: each parameter starts 16-byte aligned in the flat parameter, as in
+        # torch FSDP1 (see [Note: Aligned flat parameter layout] in _sharding.py).
+        align_numel = aligned_numel(itemsize(precision.param_dtype)) if self.use_orig_params else 0
+        return ShardLayout.build(
+            self.param_infos, group_rank(self.process_group), group_size(self.process_group), uses_sharding, align_numel
+        )
+
+    def _flatten_local_shard(
+        self, unique_params: Sequence[nn.Parameter], dtype: torch.dtype, sync_module_states: bool
+    ) -> torch.Tensor:
+        """Flattens the parameters (rank 0's values with ``sync_module_states``) and returns
+        this rank's shard of them."""
         with torch.no_grad():
-            flat = self._flatten(unique_params, device)
+            flat = self.shard_layout.flatten(unique_params, dtype, self.device)
             if sync_module_states:
                 from fsdp._comm._groups import ShardingGroups, broadcast_from_group_rank0
 
-                broadcast_from_group_rank0(flat, ShardingGroups(process_group, replicate_group))
-            if self.uses_sharding:
-                start, end = shard_bounds(self.unpadded_unsharded_numel, self.rank, self.world_size)
-                local_shard = torch.zeros(self.sharded_numel, dtype=self.dtype, device=device)
-                valid = flat[start:end]
-                local_shard[: valid.numel()].copy_(valid)
-                del flat
-            else:
-                local_shard = flat
-        # [Note: CPU offload] The local shard (what the optimizer updates) and its gradient
-        # live on CPU; unshard copies the shard to the compute device (non-blocking, from
-        # pinned memory) before gathering, and the reduced gradient is copied back. With a CPU
-        # compute device this is the ordinary layout (torch FSDP1 refuses CPU offload on CPU).
-        self.offload_params = offload_params and device.type != "cpu"
-        if self.offload_params:
-            if not self.uses_sharding:
-                raise NotImplementedError(
-                    "fsdp: CPUOffload(offload_params=True) with NO_SHARD on more than one rank "
-                    "on an accelerator is not supported yet; use FULL_SHARD or SHARD_GRAD_OP."
-                )
-            local_shard = local_shard.cpu().pin_memory()
-        requires_grad = unique_params[0].requires_grad
-        self.flat_param = FlatParameter(local_shard, requires_grad=requires_grad)
-        self._local_shard: torch.Tensor = self.flat_param.data
-        # Padded unsharded buffers: allocated once, their storage resized to 0 when freed so
-        # that views saved by autograd stay valid once refilled (see the design note). The
-        # full-precision one exists when the handle shards; the low-precision one (the compute
-        # copy for forward and backward) when parameters run in another dtype.
-        self._padded_unsharded_full: Optional[torch.Tensor] = None
-        self._padded_unsharded_low: Optional[torch.Tensor] = None
-        if self.uses_sharding:
-            self._padded_unsharded_full = self._new_freed_buffer(self.dtype)
-        if self.precision.low_precision_params:
-            self._padded_unsharded_low = self._new_freed_buffer(self.precision.param_dtype)
-        # Whether the handle ever frees an unsharded copy (else it stays UNSHARDED for good).
-        self.has_unsharded_buffer = (
-            self._padded_unsharded_full is not None or self._padded_unsharded_low is not None
-        )
-        self.state = HandleState.SHARDED if self.has_unsharded_buffer else HandleState.UNSHARDED
+                broadcast_from_group_rank0(flat, ShardingGroups(self.process_group, self.replicate_group))
+            return self.shard_layout.cut_local_shard(flat, dtype, self.device)
 
-        # Gradient bookkeeping (see [Note: Gradient flow] in docs/flat_param_lifecycle.md).
-        self._sharded_grad_stash: Optional[torch.Tensor] = None
-        # NO_SHARD: an existing gradient the new one is added to *before* the reduction.
-        self._prior_grad_to_reduce: Optional[torch.Tensor] = None
-        self._unsynced_unsharded_grad: Optional[torch.Tensor] = None
-        self._pending_sharded_grad: Optional[torch.Tensor] = None
-        # (work, sharded output, what must stay alive) of a reduce-scatter still in flight.
-        self._inflight: Optional[tuple[Any, torch.Tensor, Any]] = None
-        # Per-parameter gradients of this backward, when reduced from the pieces
-        # ([Note: Per-parameter gradient reduction]); set by the runtime: whether the next
-        # backward's reduction may take that form (synchronized, default reduction).
-        self._param_grads: Optional[list[Optional[torch.Tensor]]] = None
-        # Early gradients of the forward call being backpropagated, not yet in _param_grads
-        # (fsdp/flat_param/_early_grads.py: take_param_grad).
-        self._open_run_grads: Optional[list[Optional[torch.Tensor]]] = None
-        self._open_run: Optional[int] = None
-        self.early_grads_runs = 0  # forward calls whose views' consumers were hooked
+    def _init_runtime_fields(self) -> None:
+        """Fields the runtime sets and reads (declared here, in one place)."""
+        # torch FSDP1's handle attribute: the owning unit's HandleTrainingState
+        # (fsdp/runtime/_state.py), kept in step by UnitState.training_state.
+        self._training_state: Any = None
+        # Whether the next backward's reduction may start from the per-parameter gradients
+        # ([Note: Per-parameter gradient reduction]): synchronized, default reduction.
         self.piecewise_reduction_allowed = False
+        self.early_grads_runs = 0  # forward calls whose views' consumers were hooked
         # The views node of this forward when the runtime may take its gradients early
         # ([Note: Early per-parameter gradients]), else None.
         self.early_grads_views_node: Optional[Any] = None
-        # A prefetched all-gather not yet waited for (see [Note: Prefetch]).
-        self._pending_unshard: Optional[_PendingUnshard] = None
-        # CUDA: the side stream prefetched all-gathers run on (set at lazy init); None on CPU.
-        self.unshard_stream: Optional[Any] = None
-
-        self._placeholders: Optional[list[_ShardedParamPlaceholder]] = None
-        self.wrapped_module = wrapped_module
         # Casts after wrapping ([Note: Casting after wrapping] in _recast.py): how many, and how
         # many had happened when the last forward that autograd may backpropagate took views.
         self.cast_generation = 0
         self.forward_cast_generation = 0
-        self.mixed_precision_config = mixed_precision
-        # With use_orig_params the original Parameters stay registered (optimizers hold them);
-        # otherwise the FlatParameter replaces them on the wrapped module.
-        self._orig_params: list[nn.Parameter] = list(unique_params) if use_orig_params else []
-        # Each parameter's part of the local shard: a ParamShardSlice or None, and as
-        # ``(offset in the shard, numel)`` ((0, 0) where this rank holds none of it).
-        self.shard_slices: list[Optional[ParamShardSlice]] = self._shard_slices()
-        self._orig_sharded_ranges = self._sharded_ranges()
-        self._set_torch_metadata(unique_params)
-        if use_orig_params:
+
+    def _register_params(self) -> None:
+        """Registers what the modules hold at rest: the original Parameters (use_orig_params)
+        or the FlatParameter on the wrapped module, the names pointing at sharded views."""
+        if self.use_orig_params:
             self.use_sharded_views()
             return
         for info in self.param_infos:
             info.module._parameters.pop(info.param_name, None)
         for shared in self.shared_param_infos:
             shared.module._parameters.pop(shared.param_name, None)
-        wrapped_module.register_parameter(FLAT_PARAM, self.flat_param)
+        self.wrapped_module.register_parameter(FLAT_PARAM, self.flat_param)
         if self.uses_sharding or self.has_unsharded_buffer:
             self.use_sharded_views()
         else:
             with torch.no_grad():
                 self.use_unsharded_views()
 
-    def _flatten(self, unique_params: Sequence[nn.Parameter], device: torch.device) -> torch.Tensor:
-        """The unsharded flat tensor of ``unique_params`` in :attr:`layout` (before shard padding)."""
-        pieces: list[torch.Tensor] = []
-        params = iter(unique_params)
-        for numel, is_padding in zip(self.layout.numels_with_padding, self.layout.is_padding_mask):
-            if is_padding:
-                pieces.append(torch.full((numel,), ALIGNMENT_PADDING_VALUE, dtype=self.dtype, device=device))
-            else:
-                pieces.append(next(params).detach().reshape(-1).to(device))
-        return torch.cat(pieces)
+    # ------------------------------------------------------------------ layout (read-only)
+    @property
+    def layout(self) -> FlatLayout:
+        """Where each parameter and each run of alignment padding sits."""
+        return self.shard_layout.flat
 
-    def _set_torch_metadata(self, unique_params: Sequence[nn.Parameter]) -> None:
-        """Sets the read-only metadata torch FSDP1 keeps on its FlatParameter, under its names.
+    @property
+    def rank(self) -> int:
+        """This rank in the shard group ([Note: Only the unit's group])."""
+        return self.shard_layout.rank
 
-        [Note: torch-named metadata] Stacks built on torch FSDP1 read these (accelerate:
-        ``_flat_param._fqns``; Lightning: ``param._fsdp_flattened``). Same types and meaning as
-        torch's: ``_fqns`` (list of names relative to the wrapped module), ``_shapes`` (list of
-        ``torch.Size``), ``_strides`` (list of tuples), ``_numels`` (tuple of int),
-        ``_num_params``, ``_param_infos`` (``param_name``, ``module``, ``module_name`` first),
-        ``_modules`` (set), ``_unpadded_unsharded_size`` / ``_padded_unsharded_size`` (sharding
-        only) / ``_sharded_size`` (``torch.Size``), ``_shard_numel_padded`` (padding elements in
-        this rank's shard), ``_params`` / ``_shared_params`` (the original Parameters with
-        use_orig_params, else None) and ``_fsdp_flattened`` (on the FlatParameter, and on the
-        original Parameters with use_orig_params), and the layout: ``_numels_with_padding``
-        (tuple), ``_is_padding_mask`` (list of bool) and ``_shard_param_infos`` (tuple of
-        :class:`ShardParamInfo`, one per parameter), with torch's alignment padding under
-        use_orig_params (see [Note: Aligned flat parameter layout] in ``_sharding.py``).
-        """
-        flat = self.flat_param
-        flat._num_params = len(self.param_infos)  # type: ignore[attr-defined]
-        flat._param_infos = list(self.param_infos)  # type: ignore[attr-defined]
-        flat._fqns = [info.fqn for info in self.param_infos]  # type: ignore[attr-defined]
-        flat._shapes = [info.shape for info in self.param_infos]  # type: ignore[attr-defined]
-        flat._strides = [tuple(p.stride()) for p in unique_params]  # type: ignore[attr-defined]
-        flat._numels = tuple(info.numel for info in self.param_infos)  # type: ignore[attr-defined]
-        flat._numels_with_padding = self.layout.numels_with_padding  # type: ignore[attr-defined]
-        flat._is_padding_mask = list(self.layout.is_padding_mask)  # type: ignore[attr-defined]
-        flat._shard_param_infos = tuple(  # type: ignore[attr-defined]
-            ShardParamInfo(False, None, None, None, None)
-            if piece is None
-            else ShardParamInfo(
-                True,
-                piece.offset_in_shard,
-                piece.numel,
-                piece.offset_in_param,
-                piece.offset_in_param + piece.numel - 1,
-            )
-            for piece in self.shard_slices
-        )
-        flat._modules = {info.module for info in self.param_infos} | {  # type: ignore[attr-defined]
-            shared.module for shared in self.shared_param_infos
-        }
-        flat._unpadded_unsharded_size = torch.Size([self.unpadded_unsharded_numel])  # type: ignore[attr-defined]
-        if self.uses_sharding:
-            flat._padded_unsharded_size = torch.Size([self.padded_unsharded_numel])  # type: ignore[attr-defined]
-            start, end = shard_bounds(self.unpadded_unsharded_numel, self.rank, self.world_size)
-            flat._shard_numel_padded = self.sharded_numel - max(min(end, self.unpadded_unsharded_numel) - start, 0)  # type: ignore[attr-defined]
-        else:
-            flat._shard_numel_padded = 0  # type: ignore[attr-defined]
-        flat._sharded_size = torch.Size([self.sharded_numel])  # type: ignore[attr-defined]
-        if self.use_orig_params:
-            flat._params = self._orig_params  # type: ignore[attr-defined]
-            flat._shared_params = [  # type: ignore[attr-defined]
-                self._orig_params[shared.prim_index] for shared in self.shared_param_infos
-            ]
-            for param in unique_params:
-                param._fsdp_flattened = True  # type: ignore[attr-defined]
-        else:
-            flat._params = None  # type: ignore[attr-defined]
-            flat._shared_params = None  # type: ignore[attr-defined]
-        flat._fsdp_flattened = True  # type: ignore[attr-defined]
+    @property
+    def world_size(self) -> int:
+        """The shard group's size."""
+        return self.shard_layout.world_size
 
+    @property
+    def uses_sharding(self) -> bool:
+        """False for NO_SHARD and for world size 1 (the local shard is the whole parameter)."""
+        return self.shard_layout.uses_sharding
+
+    @property
+    def unpadded_unsharded_numel(self) -> int:
+        return self.shard_layout.unpadded_unsharded_numel
+
+    @property
+    def padded_unsharded_numel(self) -> int:
+        return self.shard_layout.padded_unsharded_numel
+
+    @property
+    def sharded_numel(self) -> int:
+        return self.shard_layout.sharded_numel
+
+    @property
+    def shard_slices(self) -> list[Optional[ParamShardSlice]]:
+        """Each parameter's part of the local shard (None where this rank holds none of it)."""
+        return self.shard_layout.shard_slices
+
+    @property
+    def _orig_sharded_ranges(self) -> list[tuple[int, int]]:
+        """``(offset in the local shard, numel)`` of each parameter's part on this rank."""
+        return self.shard_layout.sharded_ranges
+
+    def local_slice(self, padded_unsharded: torch.Tensor) -> torch.Tensor:
+        """This rank's shard-sized slice of a padded unsharded flat tensor."""
+        return self.shard_layout.local_slice(padded_unsharded)
+
+    def _unsharded_views(self, source: torch.Tensor) -> list[torch.Tensor]:
+        return self.shard_layout.unsharded_views(source)
+
+    def unsharded_views(self, source: torch.Tensor) -> list[torch.Tensor]:
+        """Views of a padded unsharded flat tensor shaped like the original parameters."""
+        return self.shard_layout.unsharded_views(source)
+
+    # ------------------------------------------------------------------ torch FSDP1's names
     @property
     def _orig_param_dtype(self) -> torch.dtype:
         """torch FSDP1's name for the original parameters' dtype (accelerate reads it)."""
@@ -616,48 +309,56 @@ class FlatParamHandle:
         return self.precision.param_dtype
 
     # ------------------------------------------------------------------ storage
-    def _new_freed_buffer(self, dtype: torch.dtype) -> torch.Tensor:
-        buffer = torch.empty(self.padded_unsharded_numel, dtype=dtype, device=self.device)
-        self._free_storage(buffer)
-        return buffer
-
-    @staticmethod
-    def _free_storage(tensor: torch.Tensor) -> None:
-        storage = tensor.untyped_storage()
-        if storage.size() != 0:
-            storage.resize_(0)
-
-    @staticmethod
-    def _alloc_storage(tensor: torch.Tensor) -> None:
-        storage = tensor.untyped_storage()
-        nbytes = tensor.numel() * tensor.element_size()
-        if storage.size() != nbytes:
-            storage.resize_(nbytes)
-
-    def _padded_unsharded_for(self, full_precision: bool) -> torch.Tensor:
-        """The padded unsharded tensor of the requested precision (its storage may be freed)."""
-        if not full_precision and self._padded_unsharded_low is not None:
-            return self._padded_unsharded_low
-        if self._padded_unsharded_full is not None:
-            return self._padded_unsharded_full
-        return self._local_shard  # never sharded: the local shard is the whole parameter
+    @property
+    def precision(self) -> HandlePrecision:
+        """The dtypes the handle keeps, computes and reduces in (changed only by a recast)."""
+        return self.storage.precision
 
     @property
-    def padded_unsharded(self) -> torch.Tensor:
-        """The padded unsharded flat tensor forward and backward use (storage may be freed)."""
-        return self._padded_unsharded_for(full_precision=False)
+    def dtype(self) -> torch.dtype:
+        """The original (full) dtype: the local shard's and the sharded gradient's."""
+        return self.storage.precision.full_dtype
 
-    def unsharded_storage_nbytes(self) -> int:
-        """Bytes the padded unsharded buffers hold right now (0 when freed)."""
-        buffers = [self._padded_unsharded_full, self._padded_unsharded_low]
-        if not self.has_unsharded_buffer:
-            buffers = [self._local_shard]
-        return sum(b.untyped_storage().nbytes() for b in buffers if b is not None)
+    @property
+    def state(self) -> HandleState:
+        return self.storage.state
 
     @property
     def is_unsharded(self) -> bool:
         """Whether ``.data`` is a padded unsharded tensor (of either precision)."""
-        return self.state is not HandleState.SHARDED
+        return self.storage.state is not HandleState.SHARDED
+
+    @property
+    def has_unsharded_buffer(self) -> bool:
+        """Whether the handle ever frees an unsharded copy (else it stays UNSHARDED for good)."""
+        return self.storage.has_unsharded_buffer
+
+    @property
+    def offload_params(self) -> bool:
+        """The local shard and its gradient live on CPU ([Note: CPU offload])."""
+        return self.storage.offload_params
+
+    @property
+    def _local_shard(self) -> torch.Tensor:
+        return self.storage.local_shard
+
+    @property
+    def unshard_stream(self) -> Optional[Any]:
+        """CUDA: the side stream prefetched all-gathers run on (set at lazy init); None on CPU."""
+        return self.storage.unshard_stream
+
+    @unshard_stream.setter
+    def unshard_stream(self, stream: Optional[Any]) -> None:
+        self.storage.unshard_stream = stream
+
+    @property
+    def padded_unsharded(self) -> torch.Tensor:
+        """The padded unsharded flat tensor forward and backward use (storage may be freed)."""
+        return self.storage.padded_unsharded_for(full_precision=False)
+
+    def unsharded_storage_nbytes(self) -> int:
+        """Bytes the padded unsharded buffers hold right now (0 when freed)."""
+        return self.storage.unsharded_storage_nbytes()
 
     def unshard(self, full_precision: bool = False, async_op: bool = False) -> None:
         """Makes the padded unsharded parameter the FlatParameter's ``.data``.
@@ -673,59 +374,23 @@ class FlatParamHandle:
         valid unless ``async_op``. If already in that state only a pending prefetch is waited
         for; a handle unsharded in the other precision is resharded first.
         """
-        low = self.precision.low_precision_params and not full_precision
-        target = (
-            HandleState.UNSHARDED_FULL_PRECISION
-            if self.precision.low_precision_params and full_precision
-            else HandleState.UNSHARDED
-        )
+        target = self.storage.target_state(full_precision)
         if self.state is target:
             if not async_op:
                 self.wait_unshard()
             return
         if self.state is not HandleState.SHARDED:
             self.reshard()
-        padded_unsharded = self._padded_unsharded_for(full_precision)
-        if padded_unsharded is not self._local_shard:
-            stream = self.unshard_stream if async_op and self.uses_sharding else None
-            with _on_stream(stream, self.device):
-                self._alloc_storage(padded_unsharded)
-                shard = self._local_shard
-                if self.offload_params:
-                    shard = shard.to(self.device, non_blocking=True)
-                if low:
-                    # Cast the shard first so the gather moves param_dtype bytes (as torch FSDP1).
-                    shard = shard.to(self.precision.param_dtype)
-                if not self.uses_sharding:
-                    padded_unsharded.copy_(shard)
-                elif stream is not None:  # CUDA prefetch: ordered by an event
-                    comm.all_gather_flat(padded_unsharded, shard, self.process_group)
-                    self._pending_unshard = _PendingUnshard(None, _record_event(stream), shard)
-                elif async_op:
-                    work = comm.all_gather_flat(padded_unsharded, shard, self.process_group, async_op=True)
-                    self._pending_unshard = _PendingUnshard(work, None, shard)
-                else:
-                    comm.all_gather_flat(padded_unsharded, shard, self.process_group)
-        self.flat_param.data = padded_unsharded
-        self.state = target
+        self.storage.gather(target, full_precision, async_op)
 
     @property
     def unshard_pending(self) -> bool:
         """A prefetched all-gather has been launched and not yet waited for."""
-        return self._pending_unshard is not None
+        return self.storage.pending_unshard is not None
 
     def wait_unshard(self) -> None:
         """Completes a prefetched all-gather (a no-op without one)."""
-        pending, self._pending_unshard = self._pending_unshard, None
-        if pending is None:
-            return
-        if pending.work is not None:
-            pending.work.wait()
-        if pending.event is not None:
-            current = torch.cuda.current_stream(self.device)
-            current.wait_event(pending.event)
-            # Allocated on the unshard stream, used on this one: keep it from being reused early.
-            self.flat_param.data.record_stream(current)
+        self.storage.wait_unshard()
 
     def reshard(self) -> None:
         """Frees the padded unsharded tensors and points every name at a placeholder.
@@ -742,28 +407,16 @@ class FlatParamHandle:
         if self.state is HandleState.SHARDED:
             return
         self.wait_unshard()  # never free memory a collective is still writing
-        self.flat_param.data = self._local_shard
-        for buffer in (self._padded_unsharded_full, self._padded_unsharded_low):
-            if buffer is not None:
-                self._free_storage(buffer)
-        self.state = HandleState.SHARDED
+        self.storage.free_unsharded()
         self.use_sharded_views()
 
-    # ------------------------------------------------------------------ views
-    def _unsharded_views(self, source: torch.Tensor) -> list[torch.Tensor]:
-        # Split the whole (padded) tensor, the padding as a last chunk, rather than slicing off
-        # the padding first: the backward of a slice zero-fills a padded-size gradient and
-        # copies into it, while split's backward writes each gradient straight into place and
-        # zero-fills the padding only.
-        # Alignment padding (use_orig_params) is split off the same way and skipped.
-        sizes = list(self.layout.numels_with_padding)
-        padding = source.numel() - self.unpadded_unsharded_numel
-        if padding:
-            sizes.append(padding)
-        splits = torch.split(source, sizes)
-        params = [split for split, is_padding in zip(splits, self.layout.is_padding_mask) if not is_padding]
-        return [split.view(info.shape) for split, info in zip(params, self.param_infos)]
+    def write_back_shard(self, padded_unsharded: torch.Tensor) -> None:
+        """Copies this rank's slice of ``padded_unsharded`` into the local shard."""
+        local_shard = self.storage.local_shard
+        if padded_unsharded.data_ptr() != local_shard.data_ptr():
+            local_shard.copy_(self.local_slice(padded_unsharded))
 
+    # ------------------------------------------------------------------ views
     def use_unsharded_views(self, as_params: bool = False) -> None:
         """Points each original parameter name at a view into the unsharded FlatParameter.
 
@@ -778,234 +431,70 @@ class FlatParamHandle:
             self.is_unsharded,
             f"unit '{self.unit_name}': use_unsharded_views needs UNSHARDED, state is {self.state}",
         )
-        if not as_params and torch.is_grad_enabled() and self.flat_param.requires_grad:
-            early = takes_early_grads_at_forward(self)  # [Note: Early per-parameter gradients]
-            views = list(_UnflattenParams.apply(self.flat_param, self, early))
-            self.early_grads_views_node = views[0].grad_fn if early and views else None
-            self.forward_cast_generation = self.cast_generation
-        else:
-            views = self._unsharded_views(self.flat_param)
-        if as_params:
-            req = self.flat_param.requires_grad
-            if self.use_orig_params:
-                params = self._orig_params
-                for param, view in zip(params, views):
-                    param.data = view.detach()
-            else:
-                params = [nn.Parameter(view, requires_grad=req) for view in views]
-            for info, param in zip(self.param_infos, params):
-                _set_module_param(info.module, info.param_name, param)
-            for shared in self.shared_param_infos:
-                _set_module_param(shared.module, shared.param_name, params[shared.prim_index])
-            return
-        for info, view in zip(self.param_infos, views):
-            _set_module_tensor(info.module, info.param_name, view)
-        for shared in self.shared_param_infos:
-            _set_module_tensor(shared.module, shared.param_name, views[shared.prim_index])
-        if self.use_orig_params:
-            # As torch FSDP1: the views are also listed in ``_parameters``, so that
-            # ``named_parameters()`` called inside forward (or before backward) lists the
-            # parameters, as unsharded views. Attribute access still finds the view first.
-            for info, view in zip(self.param_infos, views):
-                info.module._parameters[info.param_name] = view  # type: ignore[assignment]
-            for shared in self.shared_param_infos:
-                shared.module._parameters[shared.param_name] = views[shared.prim_index]  # type: ignore[assignment]
-
-    def _shard_slices(self) -> list[Optional[ParamShardSlice]]:
-        """Each parameter's part of the local shard (None where this rank holds none of it)."""
-        if not self.uses_sharding:  # the local shard is the whole flat parameter
-            return [
-                ParamShardSlice(index, 0, numel, offset)
-                for index, (offset, numel) in enumerate(
-                    zip(self.layout.param_offsets, self.layout.param_numels)
-                )
-            ]
-        slices: list[Optional[ParamShardSlice]] = [None] * len(self.param_infos)
-        for piece in self.layout.slices_in_shard(self.rank):
-            slices[piece.param_index] = piece
-        return slices
-
-    def _sharded_ranges(self) -> list[tuple[int, int]]:
-        """``(offset in the local shard, numel)`` of each parameter's part on this rank."""
-        return [
-            (0, 0) if piece is None else (piece.offset_in_shard, piece.numel)
-            for piece in self.shard_slices
-        ]
-
-    def _orig_sharded_view(self, source: torch.Tensor, index: int) -> torch.Tensor:
-        """Parameter ``index``'s part of a shard-shaped tensor (original shape if unsharded)."""
-        offset, numel = self._orig_sharded_ranges[index]
-        view = source[offset : offset + numel]
-        return view if self.uses_sharding else view.view(self.param_infos[index].shape)
-
-    def managed_orig_params(self) -> list[nn.Parameter]:
-        """The original Parameters this handle keeps registered (use_orig_params), else []."""
-        return list(self._orig_params)
+        recorded = not as_params and torch.is_grad_enabled() and self.flat_param.requires_grad
+        early = recorded and takes_early_grads_at_forward(self)  # [Note: Early per-parameter gradients]
+        _views.use_unsharded_views(self, as_params, recorded, early)
 
     def use_sharded_views(self) -> None:
-        """Points each original parameter name at what it holds while the unit is sharded.
-
-        With use_orig_params: the original Parameter, its ``.data`` this rank's 1-D part of the
-        local shard (possibly empty). Its ``.grad`` is left alone: between steps the original
-        Parameters' gradients are authoritative (the optimizer and ``zero_grad`` act on them);
-        :meth:`use_sharded_grad_views` re-derives them after a backward. Otherwise: a
-        placeholder that raises when used.
-        """
-        if self.use_orig_params:
-            for index, (info, param) in enumerate(zip(self.param_infos, self._orig_params)):
-                param.data = self._orig_sharded_view(self._local_shard, index)
-                _set_module_param(info.module, info.param_name, param)
-            for shared in self.shared_param_infos:
-                _set_module_param(shared.module, shared.param_name, self._orig_params[shared.prim_index])
-            return
-        if not self.uses_sharding:
-            # NO_SHARD with low-precision parameters at rest: the local shard is the whole
-            # parameter, so the names view it in full precision.
-            with torch.no_grad():
-                views = self._unsharded_views(self.flat_param)
-            for info, view in zip(self.param_infos, views):
-                _set_module_tensor(info.module, info.param_name, view)
-            for shared in self.shared_param_infos:
-                _set_module_tensor(shared.module, shared.param_name, views[shared.prim_index])
-            return
-        if self._placeholders is None:  # made once: they hold no data and never change
-            self._placeholders = [
-                _ShardedParamPlaceholder.make(self, info.fqn, info.module_name, self.dtype)
-                for info in self.param_infos
-            ]
-        placeholders = self._placeholders
-        for info, placeholder in zip(self.param_infos, placeholders):
-            _set_module_tensor(info.module, info.param_name, placeholder)
-        for shared in self.shared_param_infos:
-            _set_module_tensor(shared.module, shared.param_name, placeholders[shared.prim_index])
+        """Points each original parameter name at what it holds while the unit is sharded
+        (see ``_views.use_sharded_views``)."""
+        _views.use_sharded_views(self)
 
     def module_tensors(self) -> list[torch.Tensor]:
         """The tensors the original parameter names currently hold (in ``param_infos`` order)."""
         return [getattr(info.module, info.param_name) for info in self.param_infos]
 
-    def unsharded_views(self, source: torch.Tensor) -> list[torch.Tensor]:
-        """Views of a padded unsharded flat tensor shaped like the original parameters."""
-        return self._unsharded_views(source)
+    def managed_orig_params(self) -> list[nn.Parameter]:
+        """The original Parameters this handle keeps registered (use_orig_params), else []."""
+        return list(self._orig_params)
 
-    def local_slice(self, padded_unsharded: torch.Tensor) -> torch.Tensor:
-        """This rank's shard-sized slice of a padded unsharded flat tensor."""
-        if not self.uses_sharding:
-            return padded_unsharded
-        start, end = shard_bounds(self.unpadded_unsharded_numel, self.rank, self.world_size)
-        return padded_unsharded[start:end]
+    def use_sharded_grad_views(self) -> None:
+        """use_orig_params: each original Parameter's ``.grad`` views the sharded gradient (see
+        ``_views.use_sharded_grad_views``)."""
+        _views.use_sharded_grad_views(self)
 
-    def write_back_shard(self, padded_unsharded: torch.Tensor) -> None:
-        """Copies this rank's slice of ``padded_unsharded`` into the local shard."""
-        if padded_unsharded.data_ptr() != self._local_shard.data_ptr():
-            self._local_shard.copy_(self.local_slice(padded_unsharded))
+    def sync_flat_grad_from_orig(self) -> Optional[torch.Tensor]:
+        """Makes the sharded flat gradient agree with the original Parameters' ``.grad`` and
+        returns it (see ``_views.sync_flat_grad_from_orig``)."""
+        return _views.sync_flat_grad_from_orig(self)
+
+    def check_params_not_replaced_since_forward(self) -> None:
+        """use_orig_params: raises RuntimeError if a parameter was replaced between forward and
+        backward (see ``_views.check_params_not_replaced_since_forward``)."""
+        _views.check_params_not_replaced_since_forward(self)
+
+    def writeback_orig_params(self) -> None:
+        """use_orig_params: adopts ``.data`` or Parameters the user replaced since the last step
+        (see ``_views.writeback_orig_params``; raises ValueError for a wrong shape)."""
+        _views.writeback_orig_params(self)
 
     # ------------------------------------------------------------------ gradients
+    @property
+    def _param_grads(self) -> Optional[list[Optional[torch.Tensor]]]:
+        """Per-parameter gradients kept for a reduction from the pieces, else None."""
+        return self.grads.param_grads
+
+    @property
+    def _inflight(self) -> Optional[Any]:
+        """A reduce-scatter still in flight, else None."""
+        return self.grads.inflight
+
     def stash_sharded_grad(self) -> None:
-        """Moves an existing (already reduced) ``.grad`` aside before autograd accumulates.
-
-        Called from a hook on the FlatParameter just before AccumulateGrad, so the new
-        unsharded gradient never mixes with the reduced sharded one; the stash is added back
-        after the reduction (gradient accumulation without ``no_sync``).
-        """
-        grad = self.sync_flat_grad_from_orig()
-        if grad is not None and not self.uses_sharding:
-            # The existing gradient is already the whole (averaged) gradient: like torch FSDP1,
-            # add the new one to it and reduce the sum, in the existing gradient's dtype.
-            self._prior_grad_to_reduce = grad
-            self.flat_param.grad = None
-            return
-        if grad is not None:
-            p_assert(
-                self._sharded_grad_stash is None,
-                f"unit '{self.unit_name}': gradient stashed twice in one backward",
-            )
-            # keep_low_precision_grads: accumulate in full precision (as torch FSDP1 does).
-            self._sharded_grad_stash = grad.to(self.dtype)
-            self.flat_param.grad = None
-
-    def _reduces_from_pieces(self, grads: Sequence[Optional[torch.Tensor]]) -> bool:
-        return (
-            can_take_early(self)  # the reduction itself takes the pieces this backward
-            and any(g is not None for g in grads)
-            and all(g is None or (g.dtype == self.precision.reduce_dtype and g.is_contiguous()) for g in grads)
-        )
+        """Moves an existing (already reduced) ``.grad`` aside before autograd accumulates."""
+        _reduction.stash_sharded_grad(self)
 
     def collect_param_grads(self, grads: list[Optional[torch.Tensor]]) -> bool:
-        """Keeps this backward's per-parameter gradients for a reduction from the pieces.
-
-        Returns False (nothing kept) where that reduction does not apply; the caller then
-        hands autograd the concatenated gradient. A unit used twice in one forward gets its
-        gradients summed here, as autograd would sum them.
-        """
-        if not self._reduces_from_pieces(grads):
-            return False
-        if self._param_grads is None:
-            self._param_grads = list(grads)
-        else:
-            self._param_grads = [
-                b if a is None else a if b is None else a + b for a, b in zip(self._param_grads, grads)
-            ]
-        return True
+        """Keeps this backward's per-parameter gradients for a reduction from the pieces;
+        False (nothing kept) where that reduction does not apply."""
+        return _reduction.collect_param_grads(self, grads)
 
     def flatten_param_grads(self, grads: list[Optional[torch.Tensor]]) -> torch.Tensor:
         """The padded unsharded gradient from per-parameter gradients (``split``'s backward)."""
-        reference = next((g for g in grads if g is not None), None)
-        if reference is None:
-            return self.flat_param.new_zeros(self.padded_unsharded_numel)
-        pieces: list[torch.Tensor] = []
-        param_grads = iter(grads)
-        for numel, is_padding in zip(self.layout.numels_with_padding, self.layout.is_padding_mask):
-            grad = None if is_padding else next(param_grads)
-            pieces.append(grad.reshape(-1) if grad is not None else reference.new_zeros(numel))
-        padding = self.padded_unsharded_numel - self.unpadded_unsharded_numel
-        if padding:
-            pieces.append(reference.new_zeros(padding))
-        return torch.cat(pieces)
+        return self.shard_layout.padded_unsharded_grad(grads, self.flat_param)
 
     def _reduce_pieces(self) -> None:
         """Launches the two-rank reduce-scatter from the per-parameter gradients (async)."""
-        grads, self._param_grads = self._param_grads, None
-        assert grads is not None
-        reference = next(g for g in grads if g is not None)
-        numel = self.sharded_numel
-        own_start = self.rank * numel
-        peer_start = (1 - self.rank) * numel
-        peer_half = reference.new_zeros(numel) if self._has_gaps(grads, peer_start) else reference.new_empty(numel)
-        own_parts: list[tuple[int, torch.Tensor]] = []
-        for grad, info, param_start in zip(grads, self.param_infos, self.layout.param_offsets):
-            param_end = param_start + info.numel
-            if grad is not None:
-                flat_grad = grad.reshape(-1)
-                lo, hi = max(param_start, peer_start), min(param_end, peer_start + numel)
-                if lo < hi:
-                    torch.div(
-                        flat_grad[lo - param_start : hi - param_start],
-                        self.pre_divide,
-                        out=peer_half[lo - peer_start : hi - peer_start],
-                    )
-                lo, hi = max(param_start, own_start), min(param_end, own_start + numel)
-                if lo < hi:
-                    own_parts.append((lo - own_start, flat_grad[lo - param_start : hi - param_start]))
-        sharded_grad = torch.empty(numel, dtype=reference.dtype, device=reference.device)
-        work = comm.reduce_scatter_halves(
-            sharded_grad, peer_half, own_parts, 1.0 / self.pre_divide, self.process_group
-        )
-        self._inflight = (work, sharded_grad, (peer_half, own_parts))
-
-    def _has_gaps(self, grads: Sequence[Optional[torch.Tensor]], half_start: int) -> bool:
-        """Whether part of ``[half_start, half_start + sharded_numel)`` gets no gradient
-        (padding, alignment padding included, or a parameter without one): it must then be
-        sent as zeros."""
-        half_end = half_start + self.sharded_numel
-        if half_end > self.unpadded_unsharded_numel:
-            return True
-        if any(offset < half_end and offset + numel > half_start for offset, numel in self.layout.padding_runs()):
-            return True
-        for grad, info, param_start in zip(grads, self.param_infos, self.layout.param_offsets):
-            param_end = param_start + info.numel
-            if grad is None and param_start < half_end and param_end > half_start:
-                return True
-        return False
+        _reduction.reduce_pieces(self)
 
     def reduce_grad(
         self,
@@ -1027,326 +516,24 @@ class FlatParamHandle:
         completes it (see [Note: Overlapped gradient reduction] in docs/hook_order.md).
 
         Postcondition: ``.grad`` is None; the reduced sharded gradient waits in
-        ``_pending_sharded_grad`` (or in flight) until :meth:`finalize_grad`.
+        ``grads.pending_sharded_grad`` (or in flight) until :meth:`finalize_grad`.
         """
-        settle_open_run(self)
-        if self._param_grads is not None:
-            p_assert(
-                sync and comm_hook is None and async_op,
-                f"unit '{self.unit_name}': per-parameter gradients kept for a reduction that "
-                f"cannot take them",
-            )
-            self._reduce_pieces()
-            return
-        unsharded_grad = self.flat_param.grad
-        self.flat_param.grad = None
-        p_assert(unsharded_grad is not None, f"unit '{self.unit_name}': no gradient to reduce")
-        assert unsharded_grad is not None  # for type checkers
-        p_assert(
-            unsharded_grad.numel() == self.padded_unsharded_numel,
-            f"unit '{self.unit_name}': expected an unsharded gradient of "
-            f"{self.padded_unsharded_numel} elements, got {unsharded_grad.numel()}",
-        )
-        if self._prior_grad_to_reduce is not None:
-            unsharded_grad = self._prior_grad_to_reduce.add(unsharded_grad.to(self._prior_grad_to_reduce.dtype))
-            self._prior_grad_to_reduce = None
-        if self._unsynced_unsharded_grad is not None:
-            unsharded_grad = unsharded_grad + self._unsynced_unsharded_grad
-            self._unsynced_unsharded_grad = None
-        if not sync:
-            self._unsynced_unsharded_grad = unsharded_grad
-            return
-        if unsharded_grad.dtype != self.precision.reduce_dtype and not full_precision:
-            # (full_precision: a backward of a full-precision eval forward keeps its dtype.)
-            unsharded_grad = unsharded_grad.to(self.precision.reduce_dtype)
-        if async_op and comm_hook is None and self.uses_sharding and self.replicate_world_size == 1:
-            p_assert(self._inflight is None, f"unit '{self.unit_name}': two reductions in flight")
-            if self.pre_divide > 1:
-                unsharded_grad.div_(self.pre_divide)
-            sharded_grad = torch.empty(
-                self.sharded_numel, dtype=unsharded_grad.dtype, device=unsharded_grad.device
-            )
-            work = comm.reduce_scatter_flat(
-                sharded_grad, unsharded_grad, self.process_group, async_op=True
-            )
-            # The unsharded gradient must stay alive until the collective has read it.
-            self._inflight = (work, sharded_grad, unsharded_grad)
-            return
-        if comm_hook is not None:
-            sharded_grad = self._reduce_with_hook(unsharded_grad, comm_hook, comm_hook_state)
-        else:
-            sharded_grad = self._reduce_default(unsharded_grad)
-        self._accumulate_reduced(sharded_grad)
+        _reduction.reduce_grad(self, sync, comm_hook, comm_hook_state, async_op, full_precision)
 
     def wait_reduction(self) -> None:
         """Completes an in-flight reduce-scatter: wait, post-divide, accumulate. Else a no-op."""
-        if self._inflight is None:
-            return
-        work, sharded_grad, _unsharded_grad = self._inflight
-        self._inflight = None
-        if work is not None:
-            work.wait()
-        if self.post_divide > 1:
-            sharded_grad.div_(self.post_divide)
-        self._accumulate_reduced(sharded_grad)
-
-    def _accumulate_reduced(self, sharded_grad: torch.Tensor) -> None:
-        """Adds a reduced (post-divided) gradient to this backward's pending sharded gradient.
-
-        The gradient is cast back to full precision first: accumulation, the stash and the
-        optimizer work on full-precision gradients (see [Note: Mixed precision dtypes]).
-        """
-        if sharded_grad.dtype != self.dtype:
-            sharded_grad = sharded_grad.to(self.dtype)
-        if self.offload_params:
-            # Copied back to pinned CPU memory; finalize_grad waits for it (end of backward).
-            offloaded = torch.empty(sharded_grad.shape, dtype=sharded_grad.dtype, pin_memory=True)
-            offloaded.copy_(sharded_grad, non_blocking=True)
-            sharded_grad = offloaded
-        if self._pending_sharded_grad is not None:
-            if self.offload_params and self.device.type == "cuda":
-                # Both are pinned CPU tensors that non-blocking copies may still be writing; the
-                # CPU add must not read them before the copies are done.
-                torch.cuda.current_stream(self.device).synchronize()
-            self._pending_sharded_grad.add_(sharded_grad)
-        else:
-            self._pending_sharded_grad = sharded_grad
-
-    def _reduce_with_hook(
-        self, unsharded_grad: torch.Tensor, comm_hook: Callable[..., Any], comm_hook_state: Any
-    ) -> torch.Tensor:
-        """torch FSDP1's hook convention: ``hook(state, grad, output)`` sharded, else ``hook(state, grad)``."""
-        if not self.uses_sharding:
-            comm_hook(comm_hook_state, unsharded_grad)
-            return unsharded_grad
-        output = torch.empty(self.sharded_numel, dtype=unsharded_grad.dtype, device=unsharded_grad.device)
-        comm_hook(comm_hook_state, unsharded_grad, output)
-        return output
-
-    def _reduce_default(self, unsharded_grad: torch.Tensor) -> torch.Tensor:
-        """Pre-divide, reduce-scatter (all-reduce for NO_SHARD), all-reduce across replicas, post-divide."""
-        sharded_grad = unsharded_grad
-        if self.pre_divide > 1:
-            unsharded_grad.div_(self.pre_divide)
-        if self.uses_sharding:
-            sharded_grad = torch.empty(
-                self.sharded_numel, dtype=unsharded_grad.dtype, device=unsharded_grad.device
-            )
-            comm.reduce_scatter_flat(sharded_grad, unsharded_grad, self.process_group)
-        elif self.world_size > 1:
-            comm.all_reduce_sum(unsharded_grad, self.process_group)
-        if self.replicate_world_size > 1:
-            comm.all_reduce_sum(sharded_grad, self.replicate_group)
-        if self.post_divide > 1:
-            sharded_grad.div_(self.post_divide)
-        return sharded_grad
+        _reduction.wait_reduction(self)
 
     def finalize_grad(self) -> None:
         """At the end of backward: sets ``.grad`` to the sharded gradient (plus any stash).
 
         Precondition: the FlatParameter holds its sharded data (or never shards).
         """
-        self.wait_reduction()
-        if self.offload_params and self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()  # offloaded gradient copies
-        pending, stash = self._pending_sharded_grad, self._sharded_grad_stash
-        self._pending_sharded_grad = None
-        self._sharded_grad_stash = None
-        if pending is None and stash is None:
-            self.use_sharded_grad_views()  # no_sync: the held unsharded gradient's views
-            return
-        if self.has_unsharded_buffer:
-            p_assert(
-                self.flat_param.data.data_ptr() == self._local_shard.data_ptr(),
-                f"unit '{self.unit_name}': finalize_grad while the FlatParameter is unsharded",
-            )
-        grad: Optional[torch.Tensor] = pending if pending is not None else stash
-        if pending is not None and stash is not None:
-            stash.add_(pending)
-            grad = stash
-        self._set_sharded_grad(grad)
+        _reduction.finalize_grad(self)
 
     def _set_sharded_grad(self, grad: Optional[torch.Tensor]) -> None:
         """Sets the FlatParameter's ``.grad`` (in ``grad_dtype``) and the original params' views."""
-        if grad is not None and grad.dtype != self.precision.grad_dtype:
-            grad = grad.to(self.precision.grad_dtype)
-        assign_grad(self.flat_param, grad)
-        self.use_sharded_grad_views()
-
-    def use_sharded_grad_views(self) -> None:
-        """use_orig_params: each original Parameter's ``.grad`` views the sharded gradient.
-
-        Inside ``no_sync`` (an unsynchronized gradient is held) they view that accumulated
-        unsharded gradient instead, in their original shapes, as torch FSDP1 shows them; any
-        sharded gradient from before stays on the FlatParameter, hidden until the next
-        synchronized backward adds the reduced gradient to it.
-        """
-        if not self.use_orig_params:
-            return
-        unsynced = self._unsynced_unsharded_grad
-        if unsynced is not None:
-            for view, param in zip(self._unsharded_views(unsynced), self._orig_params):
-                assign_grad(param, view if param.requires_grad else None)
-            return
-        grad = self.flat_param.grad
-        for index, param in enumerate(self._orig_params):
-            if (
-                grad is None
-                or grad.shape != self._local_shard.shape
-                or not param.requires_grad
-                or self.shard_slices[index] is None
-            ):
-                # A parameter this rank holds no part of gets no gradient (None, as torch
-                # FSDP1 gives it), not an empty one: code that walks ``.grad`` (an inf-norm
-                # over every gradient, say) must not meet empty tensors.
-                param.grad = None
-            else:
-                assign_grad(param, self._orig_sharded_view(grad, index))
-
-    def sync_flat_grad_from_orig(self) -> Optional[torch.Tensor]:
-        """Makes the sharded flat gradient agree with the original Parameters' ``.grad``.
-
-        With use_orig_params the optimizer and the user see the original Parameters: after
-        ``zero_grad(set_to_none=True)`` their grads are None (so is the flat gradient then),
-        and a replaced ``.grad`` is copied into the flat gradient. Returns the flat gradient.
-        """
-        flat_grad = self.flat_param.grad
-        if not self.use_orig_params or (
-            flat_grad is not None and flat_grad.shape != self._local_shard.shape
-        ):
-            return flat_grad
-        grads = [p.grad for p in self._orig_params]
-        if self._unsynced_unsharded_grad is not None:
-            self._sync_unsynced_grad_from_orig(grads)
-            return flat_grad
-        if all(g is None for g in grads):
-            self.flat_param.grad = None
-            return None
-        if flat_grad is not None and all(
-            g is not None and g.data_ptr() == self._orig_sharded_view(flat_grad, i).data_ptr()
-            for i, g in enumerate(grads)
-            if self._orig_sharded_ranges[i][1] > 0
-        ):
-            return flat_grad
-        rebuilt = torch.zeros_like(self._local_shard, dtype=self.precision.grad_dtype)
-        for index, grad in enumerate(grads):
-            if grad is not None and self._orig_sharded_ranges[index][1] > 0:
-                self._orig_sharded_view(rebuilt, index).copy_(grad.reshape(self._orig_sharded_view(rebuilt, index).shape))
-        self._set_sharded_grad(rebuilt)
-        return rebuilt
-
-    def check_params_not_replaced_since_forward(self) -> None:
-        """use_orig_params: raises if a parameter was replaced between forward and backward.
-
-        During forward (and until backward for a unit kept unsharded) the names hold the
-        unsharded views; once resharded, the original Parameters. A new ``nn.Parameter`` set on
-        the module in between is neither: the backward would compute with (and send gradients
-        for) the old values, so this raises instead (torch FSDP1 fails with a RuntimeError).
-
-        Raises:
-            RuntimeError: A parameter was replaced (or the unit cast since that forward); the
-                message names it and the remedy.
-        """
-        if not self.use_orig_params:
-            return
-        for index, info in enumerate(self.param_infos):
-            current = info.module._parameters.get(info.param_name)
-            if not isinstance(current, nn.Parameter) or current is self._orig_params[index]:
-                continue
-            raise RuntimeError(
-                f"fsdp: parameter '{info.fqn}' of FSDP unit '{self.unit_name}' was replaced by a "
-                f"new nn.Parameter between forward and backward; this backward uses the values "
-                f"the forward saw. Replace parameters before forward (between steps), or change "
-                f"them in place under torch.no_grad() after the optimizer step."
-            )
-
-    def _sync_unsynced_grad_from_orig(self, grads: Sequence[Optional[torch.Tensor]]) -> None:
-        """Inside ``no_sync``: makes the held unsharded gradient agree with the original grads.
-
-        They normally still view it (then nothing changes). All None (``zero_grad`` with
-        ``set_to_none=True``): the accumulated gradients are dropped, the held unsharded one
-        and any sharded one from before. Otherwise each replaced gradient is copied in (zeros
-        for a None one).
-
-        Raises:
-            ValueError: A replaced gradient has neither the parameter's original shape nor
-                its number of elements.
-        """
-        unsynced = self._unsynced_unsharded_grad
-        assert unsynced is not None
-        if all(g is None for g in grads):
-            self._unsynced_unsharded_grad = None
-            self.flat_param.grad = None
-            return
-        views = self._unsharded_views(unsynced)
-        for grad, view, info in zip(grads, views, self.param_infos):
-            if grad is not None and grad.data_ptr() == view.data_ptr() and grad.shape == view.shape:
-                continue
-            if grad is None:
-                view.zero_()
-            elif grad.numel() != view.numel():
-                raise ValueError(
-                    f"fsdp: the gradient of parameter '{info.fqn}' (FSDP unit "
-                    f"'{self.unit_name}') was replaced inside no_sync() by one of shape "
-                    f"{tuple(grad.shape)}; it must have the parameter's shape {tuple(info.shape)}."
-                )
-            else:
-                view.copy_(grad.reshape(view.shape))
-
-    def writeback_orig_params(self) -> None:
-        """use_orig_params: adopts ``.data`` or Parameters the user replaced since the last step.
-
-        The original Parameters' ``.data`` always view the local shard (forward only swaps the
-        module attributes), so this works in any state; a stale gathered copy is dropped.
-        An in-place change already lives in the local shard. A new ``.data`` (or a new
-        Parameter set on the module) is copied in: either in the sharded 1-D shape the
-        parameter has between steps, or in its original full shape (this rank's part is taken).
-
-        Raises:
-            ValueError: The new value has neither shape.
-            RuntimeError, TypeError: A cast that reached the parameters around the wrapper
-                cannot be honoured (see ``adopt_external_cast``).
-        """
-        if not self.use_orig_params:
-            return
-        changed = False
-        for index, info in enumerate(self.param_infos):
-            current = info.module._parameters.get(info.param_name)
-            tracked = self._orig_params[index]
-            expected = self._orig_sharded_view(self._local_shard, index)
-            if current is tracked and (expected.numel() == 0 or current.data_ptr() == expected.data_ptr()) and current.shape == expected.shape:
-                continue
-            if current is None or not isinstance(current, nn.Parameter):
-                continue  # name currently holds a view (forward in progress)
-            changed = True
-            new = current.detach()
-            with torch.no_grad():
-                if new.shape == expected.shape:
-                    expected.copy_(new)
-                elif new.shape == info.shape:
-                    full = new.reshape(-1)
-                    if self.uses_sharding:
-                        start, _ = shard_bounds(self.unpadded_unsharded_numel, self.rank, self.world_size)
-                        offset, numel = self._orig_sharded_ranges[index]
-                        param_start = self.layout.param_offsets[index]
-                        lo = start + offset - param_start
-                        expected.copy_(full[lo : lo + numel])
-                    else:
-                        expected.copy_(new)
-                else:
-                    raise ValueError(
-                        f"fsdp: parameter '{info.fqn}' of FSDP unit '{self.unit_name}' was given "
-                        f"shape {tuple(new.shape)}; it must keep its shape {tuple(info.shape)} (or "
-                        f"its sharded shape {tuple(expected.shape)} between steps)."
-                    )
-            if current is not tracked:
-                current.data = expected
-                self._orig_params[index] = current
-        if not changed:
-            return
-        if self.has_unsharded_buffer and self.is_unsharded:
-            self.reshard()  # the gathered copy is stale; the next unshard gathers the new values
-        self.use_sharded_views()
+        _reduction.set_sharded_grad(self, grad)
 
     def abandon_backward(self) -> None:
         """Drops what an interrupted backward left behind; restores the gradient from before it.
@@ -1354,22 +541,8 @@ class FlatParamHandle:
         Postcondition: sharded (if the handle shards), no pending reduction, ``.grad`` as it
         was before that backward.
         """
-        self.wait_reduction()  # never leave a collective in flight
-        self._pending_sharded_grad = None
-        self._param_grads = None
-        self._open_run_grads, self._open_run = None, None
-        grad = self.flat_param.grad
-        if grad is not None and grad.shape != self._local_shard.shape:
-            self.flat_param.grad = None  # an unreduced unsharded gradient
-        if self.has_unsharded_buffer:
-            self.reshard()
-        stash, self._sharded_grad_stash = self._sharded_grad_stash, None
-        if self._prior_grad_to_reduce is not None:
-            stash, self._prior_grad_to_reduce = self._prior_grad_to_reduce, None
-        if stash is not None:
-            assign_grad(self.flat_param, stash.to(self.precision.grad_dtype))
-        self.use_sharded_grad_views()
+        _reduction.abandon_backward(self)
 
     def has_unsynced_grad(self) -> bool:
         """Whether a ``no_sync`` gradient is waiting to be synchronized."""
-        return self._unsynced_unsharded_grad is not None
+        return self.grads.unsynced_unsharded_grad is not None

@@ -1,0 +1,308 @@
+"""The tensors behind one FlatParameter, and unsharding and resharding them.
+
+The storage concern of :class:`~fsdp.flat_param.flat_param.FlatParamHandle`: the local shard
+(optionally offloaded to CPU), the padded unsharded buffers of each precision, which of them
+the FlatParameter's ``.data`` is (:class:`HandleState`, an explicit state machine with checked
+transitions), and the all-gather that fills an unsharded buffer (on CUDA possibly on a side
+stream, ordered by an event). See docs/flat_param_lifecycle.md, [Note: Flat parameter storage
+lifecycle], for what memory each state holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from enum import Enum, auto
+from typing import Any, NamedTuple, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp._comm import _collectives as comm
+from fsdp._common import p_assert
+from fsdp.flat_param._layout import FSDP_FLATTENED
+from fsdp.flat_param._precision import HandlePrecision
+
+__all__ = ["FlatParameter", "FlatParamStorage", "HandleState"]
+
+#: The attribute that marks a parameter as a FlatParameter (torch FSDP1's name).
+IS_FLAT_PARAM = "_is_flat_param"
+
+
+class _FlatParameterMeta(type(nn.Parameter)):  # type: ignore[misc]
+    """``isinstance(t, FlatParameter)`` is True for a parameter carrying the flat-parameter flag."""
+
+    def __instancecheck__(cls, instance: Any) -> bool:
+        return isinstance(instance, torch.Tensor) and getattr(instance, IS_FLAT_PARAM, False)
+
+
+class FlatParameter(nn.Parameter, metaclass=_FlatParameterMeta):
+    """The one ``nn.Parameter`` a unit registers: its original parameters, flattened and padded.
+
+    Its ``.data`` is the local shard (1-D, ``sharded_numel`` elements) while the handle is
+    SHARDED, and the padded unsharded tensor while it is UNSHARDED. All metadata lives on the
+    owning :class:`~fsdp.flat_param.flat_param.FlatParamHandle`; optimizers only ever see the
+    sharded form.
+
+    [Note: A FlatParameter's type is nn.Parameter]
+    ``FlatParameter(...)`` returns a plain ``nn.Parameter`` flagged as flat
+    (``isinstance(p, FlatParameter)`` checks the flag), as torch FSDP1's does. ``type(p)`` must
+    be ``nn.Parameter``: torch's optimizers take their fast multi-tensor (``foreach``) path on
+    CUDA only when every parameter's type is exactly ``Tensor`` or ``Parameter``. A subclass
+    falls back to the per-tensor loop, which is slower on GPUs and rounds AdamW's update
+    differently, so results would no longer equal torch FSDP1's bit for bit.
+    """
+
+    def __new__(cls, data: torch.Tensor, requires_grad: bool = True) -> "FlatParameter":
+        p_assert(data.dim() == 1, f"FlatParameter data must be 1-D, got shape {tuple(data.shape)}")
+        flat_param = nn.Parameter.__new__(nn.Parameter, data, requires_grad)
+        setattr(flat_param, IS_FLAT_PARAM, True)
+        setattr(flat_param, FSDP_FLATTENED, True)
+        return flat_param  # type: ignore[return-value]
+
+
+class HandleState(Enum):
+    """What the FlatParameter's ``.data`` is, and so what memory the unit holds.
+
+    - ``SHARDED``: ``.data`` is the local shard; every unsharded buffer's storage has size 0;
+      the original parameter names on the modules hold placeholders that raise a clear error
+      (NO_SHARD: full-precision views of the local shard, which is the whole parameter).
+    - ``UNSHARDED``: ``.data`` is the padded unsharded tensor in the compute dtype
+      (``param_dtype``; allocated, gathered); forward and backward use it.
+    - ``UNSHARDED_FULL_PRECISION``: ``.data`` is the padded unsharded tensor in full precision,
+      for summon_full_params and state dicts. Only a handle with low-precision parameters is
+      ever in this state; for the others full precision *is* the compute dtype (UNSHARDED).
+
+    A handle that never frees anything (NO_SHARD or world size 1, without mixed precision)
+    stays UNSHARDED: its local shard is the whole parameter in its only dtype.
+    """
+
+    SHARDED = auto()
+    UNSHARDED = auto()
+    UNSHARDED_FULL_PRECISION = auto()
+
+
+# The transitions unshard and reshard make; a recast starts the machine afresh (rebuild).
+_TRANSITIONS: dict[HandleState, tuple[HandleState, ...]] = {
+    HandleState.SHARDED: (HandleState.UNSHARDED, HandleState.UNSHARDED_FULL_PRECISION),
+    HandleState.UNSHARDED: (HandleState.SHARDED,),
+    HandleState.UNSHARDED_FULL_PRECISION: (HandleState.SHARDED,),
+}
+
+
+class _PendingUnshard(NamedTuple):
+    """A launched all-gather: its work handle (CPU) or its completion event (CUDA), and the
+    input shard, kept alive until the collective has read it."""
+
+    work: Any
+    event: Any
+    shard: torch.Tensor
+
+
+def _on_stream(stream: Any, device: torch.device) -> Any:
+    """``torch.cuda.stream(stream)``, ordered after the current stream's work; else a no-op."""
+    if stream is None:
+        return contextlib.nullcontext()
+    stream.wait_stream(torch.cuda.current_stream(device))
+    return torch.cuda.stream(stream)
+
+
+def _record_event(stream: Any) -> Any:
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
+
+
+def _free_storage(tensor: torch.Tensor) -> None:
+    storage = tensor.untyped_storage()
+    if storage.size() != 0:
+        storage.resize_(0)
+
+
+def _alloc_storage(tensor: torch.Tensor) -> None:
+    storage = tensor.untyped_storage()
+    nbytes = tensor.numel() * tensor.element_size()
+    if storage.size() != nbytes:
+        storage.resize_(nbytes)
+
+
+class FlatParamStorage:
+    """The local shard, the padded unsharded buffers and the :class:`HandleState` between them.
+
+    Args:
+        local_shard: This rank's shard (1-D; the whole flat parameter without sharding).
+        requires_grad: Whether the FlatParameter requires a gradient.
+        precision: The handle's dtypes (``_precision.py``).
+        device: The compute device.
+        process_group: The group the parameter is sharded over.
+        uses_sharding: Whether the handle shards (see ``ShardLayout.uses_sharding``).
+        padded_unsharded_numel: Elements of each padded unsharded buffer.
+        offload_params: Keep the local shard on CPU; see [Note: CPU offload].
+
+    Raises:
+        NotImplementedError: CPU offload of a handle that does not shard, on an accelerator.
+    """
+
+    def __init__(
+        self,
+        local_shard: torch.Tensor,
+        requires_grad: bool,
+        precision: HandlePrecision,
+        device: torch.device,
+        process_group: dist.ProcessGroup,
+        uses_sharding: bool,
+        padded_unsharded_numel: int,
+        offload_params: bool,
+    ) -> None:
+        self.device = device
+        self.process_group = process_group
+        self.uses_sharding = uses_sharding
+        self.padded_unsharded_numel = padded_unsharded_numel
+        # [Note: CPU offload] The local shard (what the optimizer updates) and its gradient
+        # live on CPU; unshard copies the shard to the compute device (non-blocking, from
+        # pinned memory) before gathering, and the reduced gradient is copied back. With a CPU
+        # compute device this is the ordinary layout (torch FSDP1 refuses CPU offload on CPU).
+        self.offload_params = offload_params and device.type != "cpu"
+        if self.offload_params:
+            if not uses_sharding:
+                raise NotImplementedError(
+                    "fsdp: CPUOffload(offload_params=True) with NO_SHARD on more than one rank "
+                    "on an accelerator is not supported yet; use FULL_SHARD or SHARD_GRAD_OP."
+                )
+            local_shard = local_shard.cpu().pin_memory()
+        self.flat_param = FlatParameter(local_shard, requires_grad=requires_grad)
+        self.local_shard: torch.Tensor = self.flat_param.data
+        # A prefetched all-gather not yet waited for (see [Note: Prefetch]).
+        self.pending_unshard: Optional[_PendingUnshard] = None
+        # CUDA: the side stream prefetched all-gathers run on (set at lazy init); None on CPU.
+        self.unshard_stream: Optional[Any] = None
+        self.precision = precision
+        self.padded_unsharded_full: Optional[torch.Tensor] = None
+        self.padded_unsharded_low: Optional[torch.Tensor] = None
+        self.has_unsharded_buffer = False
+        self.state = HandleState.SHARDED
+        self._new_buffers()
+
+    def _new_buffers(self) -> None:
+        """(Re)makes the padded unsharded buffers, freed, for :attr:`precision`, and starts
+        the state machine: SHARDED, or UNSHARDED for good if there is nothing to free.
+
+        The buffers are allocated once, their storage resized to 0 when freed so that views
+        saved by autograd stay valid once refilled (see the design note). The full-precision
+        one exists when the handle shards; the low-precision one (the compute copy for forward
+        and backward) when parameters run in another dtype.
+        """
+        self.padded_unsharded_full = self._new_freed_buffer(self.precision.full_dtype) if self.uses_sharding else None
+        self.padded_unsharded_low = (
+            self._new_freed_buffer(self.precision.param_dtype) if self.precision.low_precision_params else None
+        )
+        # Whether the handle ever frees an unsharded copy (else it stays UNSHARDED for good).
+        self.has_unsharded_buffer = self.padded_unsharded_full is not None or self.padded_unsharded_low is not None
+        self.state = HandleState.SHARDED if self.has_unsharded_buffer else HandleState.UNSHARDED
+
+    def _new_freed_buffer(self, dtype: torch.dtype) -> torch.Tensor:
+        buffer = torch.empty(self.padded_unsharded_numel, dtype=dtype, device=self.device)
+        _free_storage(buffer)
+        return buffer
+
+    def _transition(self, target: HandleState) -> None:
+        p_assert(
+            target in _TRANSITIONS[self.state],
+            f"flat parameter storage: no transition from {self.state} to {target}",
+        )
+        self.state = target
+
+    def rebuild(self, new_local_shard: torch.Tensor, precision: HandlePrecision) -> None:
+        """Takes ``new_local_shard`` (a cast of the local shard) as the local shard.
+
+        Precondition: no unsharded buffer is in use (SHARDED, or never frees anything), no
+        gather pending, and the FlatParameter has no gradient.
+
+        Postcondition: ``.data`` is the new local shard; the buffers are made again (freed) in
+        the new dtypes; the state is SHARDED (UNSHARDED if nothing is ever freed).
+        """
+        self.flat_param.data = new_local_shard
+        self.local_shard = new_local_shard
+        self.precision = precision
+        self._new_buffers()
+
+    def padded_unsharded_for(self, full_precision: bool) -> torch.Tensor:
+        """The padded unsharded tensor of the requested precision (its storage may be freed)."""
+        if not full_precision and self.padded_unsharded_low is not None:
+            return self.padded_unsharded_low
+        if self.padded_unsharded_full is not None:
+            return self.padded_unsharded_full
+        return self.local_shard  # never sharded: the local shard is the whole parameter
+
+    def unsharded_storage_nbytes(self) -> int:
+        """Bytes the padded unsharded buffers hold right now (0 when freed)."""
+        buffers = [self.padded_unsharded_full, self.padded_unsharded_low]
+        if not self.has_unsharded_buffer:
+            buffers = [self.local_shard]
+        return sum(b.untyped_storage().nbytes() for b in buffers if b is not None)
+
+    def target_state(self, full_precision: bool) -> HandleState:
+        """The state an unshard of that precision ends in."""
+        if self.precision.low_precision_params and full_precision:
+            return HandleState.UNSHARDED_FULL_PRECISION
+        return HandleState.UNSHARDED
+
+    def gather(self, target: HandleState, full_precision: bool, async_op: bool) -> None:
+        """Fills the padded unsharded buffer of ``target``'s precision and makes it ``.data``.
+
+        Precondition: SHARDED, no gather pending. Postcondition: the state is ``target``; the
+        values are valid unless ``async_op`` (then :meth:`wait_unshard` completes them).
+        """
+        low = self.precision.low_precision_params and not full_precision
+        padded_unsharded = self.padded_unsharded_for(full_precision)
+        if padded_unsharded is not self.local_shard:
+            stream = self.unshard_stream if async_op and self.uses_sharding else None
+            with _on_stream(stream, self.device):
+                _alloc_storage(padded_unsharded)
+                shard = self.local_shard
+                if self.offload_params:
+                    shard = shard.to(self.device, non_blocking=True)
+                if low:
+                    # Cast the shard first so the gather moves param_dtype bytes (as torch FSDP1).
+                    shard = shard.to(self.precision.param_dtype)
+                if not self.uses_sharding:
+                    padded_unsharded.copy_(shard)
+                elif stream is not None:  # CUDA prefetch: ordered by an event
+                    comm.all_gather_flat(padded_unsharded, shard, self.process_group)
+                    self.pending_unshard = _PendingUnshard(None, _record_event(stream), shard)
+                elif async_op:
+                    work = comm.all_gather_flat(padded_unsharded, shard, self.process_group, async_op=True)
+                    self.pending_unshard = _PendingUnshard(work, None, shard)
+                else:
+                    comm.all_gather_flat(padded_unsharded, shard, self.process_group)
+        self.flat_param.data = padded_unsharded
+        self._transition(target)
+
+    def wait_unshard(self) -> None:
+        """Completes a prefetched all-gather (a no-op without one)."""
+        pending, self.pending_unshard = self.pending_unshard, None
+        if pending is None:
+            return
+        if pending.work is not None:
+            pending.work.wait()
+        if pending.event is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(pending.event)
+            # Allocated on the unshard stream, used on this one: keep it from being reused early.
+            self.flat_param.data.record_stream(current)
+
+    def free_unsharded(self) -> None:
+        """Points ``.data`` back at the local shard and frees the padded unsharded buffers.
+
+        Precondition: an unsharded state, no gather pending. Postcondition: SHARDED.
+        """
+        self.flat_param.data = self.local_shard
+        for buffer in (self.padded_unsharded_full, self.padded_unsharded_low):
+            if buffer is not None:
+                _free_storage(buffer)
+        self._transition(HandleState.SHARDED)
+
+    def write_back_shard(self, padded_unsharded: torch.Tensor, local_slice: torch.Tensor) -> None:
+        """Copies ``local_slice`` (this rank's slice of ``padded_unsharded``) into the local shard."""
+        if padded_unsharded.data_ptr() != self.local_shard.data_ptr():
+            self.local_shard.copy_(local_slice)
