@@ -99,6 +99,10 @@ def _wrap(name: str, model: nn.Module, cfg: dict[str, Any]) -> nn.Module:
         )
     if cfg.get("offload"):
         kwargs["cpu_offload"] = lib.CPUOffload(offload_params=True)
+    if "mesh" in cfg:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        kwargs["device_mesh"] = init_device_mesh("cuda", cfg["mesh"])
     for key in ("sync_module_states", "param_init_fn"):
         if key in cfg:
             kwargs[key] = cfg[key]
@@ -164,10 +168,10 @@ def lane_training_parity(configs: list[dict[str, Any]]) -> int:
             if dist.get_world_size() == 1:
                 continue  # nothing to shard nor replicate
         if "HYBRID" in cfg.get("strategy", ""):
-            # The lane's ranks share one node (one GPU). torch FSDP1 sizes its node by
-            # torch.cuda.device_count() (1: replicate only); fsdp reads torchrun's
-            # LOCAL_WORLD_SIZE (here 2: shard only). The arithmetic is a sum of two either way.
-            os.environ["LOCAL_WORLD_SIZE"] = str(dist.get_world_size())
+            # One layout for both: a (replicate, shard) mesh that replicates over the two ranks
+            # (torch FSDP1 would size a node by torch.cuda.device_count(), fsdp by torchrun's
+            # LOCAL_WORLD_SIZE; the lane's two ranks share one GPU).
+            cfg = {**cfg, "mesh": (dist.get_world_size(), 1)}
         ref = make_toy().to(_dev())
         # Offloaded models start on the CPU (as users build them); the others on the GPU.
         ours = _wrap("ours", make_toy() if cfg.get("offload") else make_toy().to(_dev()), cfg)
@@ -184,7 +188,6 @@ def lane_training_parity(configs: list[dict[str, Any]]) -> int:
                 opt.step()
                 opt.zero_grad()
                 losses.append(loss.detach().cpu())
-            assert torch.equal(losses[1], losses[2]), f"{what}: step {step}: loss {losses[1]} != torch {losses[2]}"
             if cfg.get("mp") is None:
                 # Rank-local losses: the mean of the ranks' losses is the global batch's.
                 mean = losses[1].to(_dev())
@@ -195,6 +198,8 @@ def lane_training_parity(configs: list[dict[str, Any]]) -> int:
                 dist.all_reduce(mean)
                 rel = ((mean.cpu() / dist.get_world_size() - losses[0]).abs() / losses[0].abs()).item()
                 assert rel < LOW_PRECISION_LOSS_RTOL, f"{what}: step {step}: loss off the fp32 model by {rel:.3g}"
+            # After the single-process check: a mismatch here means fsdp matched the plain model.
+            assert torch.equal(losses[1], losses[2]), f"{what}: step {step}: loss {losses[1]} != torch {losses[2]}"
         mine, torch_full = _full(ours, "ours"), _full(theirs, "torch")
         assert list(mine) == list(torch_full), what
         for name in mine:
@@ -206,7 +211,6 @@ def lane_training_parity(configs: list[dict[str, Any]]) -> int:
             for p in ours.parameters():
                 assert p.device.type == "cuda", f"{what}: parameter on {p.device}"
         del ours, theirs, ref, opts
-        os.environ.pop("LOCAL_WORLD_SIZE", None)
         torch.cuda.empty_cache()
     return len(configs)
 
@@ -316,6 +320,18 @@ def _to_local(value: Any) -> Any:
     return value
 
 
+def _assert_still_equal(models: dict[str, nn.Module], opts: dict[str, torch.optim.Optimizer], after: str) -> None:
+    """Taking a state dict changes neither model nor optimizer: fsdp's and torch's still agree."""
+    mine, theirs = _full(models["ours"], "ours"), _full(models["torch"], "torch")
+    for key in mine:
+        assert torch.equal(mine[key], theirs[key]), f"after {after}: parameter {key} differs from torch's"
+    for (p_ours, s_ours), (p_torch, s_torch) in zip(opts["ours"].state.items(), opts["torch"].state.items()):
+        for field, value in s_ours.items():
+            other = s_torch[field]
+            assert value.device == other.device, f"after {after}: optimizer {field} on {value.device}, torch's on {other.device}"
+            assert torch.equal(value, other), f"after {after}: optimizer {field} differs from torch's"
+
+
 def lane_state_dicts(directory: str, uop: bool) -> int:
     """Full (offload_to_cpu, rank0_only), sharded (offload_to_cpu) and local model state dicts,
     full optimizer state dicts and a DCP round trip: equal to torch FSDP1's, and loadable."""
@@ -344,6 +360,7 @@ def lane_state_dicts(directory: str, uop: bool) -> int:
             assert torch.equal(value, full["torch"][key].cpu()), f"full state dict {key}"
     if rank != 0:
         assert full["ours"] == {} and full["torch"] == {}, "rank0_only: other ranks get empty dicts"
+    _assert_still_equal(models, opts, "the full state dict")
     checked += 1
     # SHARDED_STATE_DICT offloaded: the same local shards as torch's.
     sharded: dict[str, dict[str, Any]] = {}
@@ -358,6 +375,7 @@ def lane_state_dicts(directory: str, uop: bool) -> int:
         mine, theirs = _to_local(sharded["ours"][key]), _to_local(sharded["torch"][key])
         assert mine.device.type == "cpu", f"sharded {key} on {mine.device}"
         assert torch.equal(mine, theirs.cpu()), f"sharded state dict {key}"
+    _assert_still_equal(models, opts, "the sharded state dict")
     checked += 1
     # LOCAL_STATE_DICT: the flat shard, as torch keeps it.
     local: dict[str, dict[str, Any]] = {}
@@ -368,6 +386,7 @@ def lane_state_dicts(directory: str, uop: bool) -> int:
     assert list(local["ours"]) == list(local["torch"])
     for key in local["ours"]:
         assert torch.equal(_to_local(local["ours"][key]).cpu(), _to_local(local["torch"][key]).cpu()), f"local {key}"
+    _assert_still_equal(models, opts, "the local state dict")
     checked += 1
     # Full optimizer state dicts, then load ours into a fresh fsdp model and keep training.
     osd = {}
@@ -385,6 +404,7 @@ def lane_state_dicts(directory: str, uop: bool) -> int:
     for key, state in osd["ours"]["state"].items():
         for field, value in state.items():
             assert torch.equal(torch.as_tensor(value).cpu(), torch.as_tensor(osd["torch"]["state"][key][field]).cpu()), (key, field)
+    _assert_still_equal(models, opts, "the optimizer state dict")
     checked += 1
     # DCP: fsdp's sharded model state dict saved, loaded into a fresh fsdp model and a fresh
     # torch FSDP1 model; both then train on like the originals.
@@ -405,9 +425,12 @@ def lane_state_dicts(directory: str, uop: bool) -> int:
         fresh_opt = torch.optim.AdamW(model.parameters(), lr=LR)
         fresh_opt.load_state_dict(optim_input)
         opts[f"fresh_{name}"] = fresh_opt
+    _train_pair(models, opts, range(2, 3))
+    _assert_still_equal(models, opts, "one more step of the originals")
     restored = {f"fresh_{name}": m for name, m in fresh.items()}
     everything = {**models, **restored}
-    _train_pair(everything, opts, range(2, 4))
+    _train_pair(restored, opts, range(2, 3))  # the originals took step 2 above
+    _train_pair(everything, opts, range(3, 4))
     after = {name: _full(m, "ours" if "ours" in name else "torch") for name, m in everything.items()}
     for key in after["ours"]:
         for other in ("torch", "fresh_ours", "fresh_torch"):
