@@ -16,12 +16,13 @@ setup(
     package_data={"fsdp": ["py.typed"], "fsdp.examples": ["data/*.txt"]},
     include_package_data=True,
     python_requires=">=3.10",
-    # torch is pinned by the README / CI commands (``pip install torch==2.13.0`` first); the
-    # range here is one that 2.13.0 satisfies (and the one we test) so that installing fsdp never pulls another build.
+    # torch is pinned by the README / CI commands (``pip install torch==2.13.0`` first), so
+    # installing fsdp never pulls another build. 2.11 is the oldest torch the whole suite has run
+    # on (the GPU machine's 2.11.0+cu130, docs/results/gpu_h100_2026-11-24/); see README.
     # numpy: torch.distributed's object collectives and torch.distributed.checkpoint (used by
     # the optimizer/sharded state dicts and the demo's checkpoints) need it at run time, and
     # torch's wheel does not declare it.
-    install_requires=["torch>=2.13", "typing-extensions>=4.0", "packaging>=21.0", "numpy"],
+    install_requires=["torch>=2.11", "typing-extensions>=4.0", "packaging>=21.0", "numpy"],
     extras_require={
         "test": ["pytest>=7", "ruff==0.17.6"],  # ruff: the lint .ci/run runs (ruff.toml)
         # The training stacks that tests/test_stacks_*.py run on fsdp (through

@@ -172,6 +172,10 @@ def lane_training_parity(configs: list[dict[str, Any]]) -> int:
             # (torch FSDP1 would size a node by torch.cuda.device_count(), fsdp by torchrun's
             # LOCAL_WORLD_SIZE; the lane's two ranks share one GPU).
             cfg = {**cfg, "mesh": (dist.get_world_size(), 1)}
+        # torch FSDP1's hybrid strategies over gloo with CUDA tensors (the two-rank pool) end
+        # their second step off the single-process model (loss 2.6695 vs 2.6593 on rank 0; H100,
+        # torch 2.11) while fsdp matches it within FP32_RTOL; there the plain model is the oracle.
+        torch_is_oracle = not ("HYBRID" in cfg.get("strategy", "") and dist.get_backend() == "gloo")
         ref = make_toy().to(_dev())
         # Offloaded models start on the CPU (as users build them); the others on the GPU.
         ours = _wrap("ours", make_toy() if cfg.get("offload") else make_toy().to(_dev()), cfg)
@@ -199,11 +203,13 @@ def lane_training_parity(configs: list[dict[str, Any]]) -> int:
                 rel = ((mean.cpu() / dist.get_world_size() - losses[0]).abs() / losses[0].abs()).item()
                 assert rel < LOW_PRECISION_LOSS_RTOL, f"{what}: step {step}: loss off the fp32 model by {rel:.3g}"
             # After the single-process check: a mismatch here means fsdp matched the plain model.
-            assert torch.equal(losses[1], losses[2]), f"{what}: step {step}: loss {losses[1]} != torch {losses[2]}"
+            if torch_is_oracle:
+                assert torch.equal(losses[1], losses[2]), f"{what}: step {step}: loss {losses[1]} != torch {losses[2]}"
         mine, torch_full = _full(ours, "ours"), _full(theirs, "torch")
         assert list(mine) == list(torch_full), what
         for name in mine:
-            assert torch.equal(mine[name], torch_full[name]), f"{what}: {name} differs from torch FSDP1"
+            if torch_is_oracle:
+                assert torch.equal(mine[name], torch_full[name]), f"{what}: {name} differs from torch FSDP1"
             if cfg.get("mp") is None:
                 ref_value = dict(ref.named_parameters())[name].detach().cpu()
                 torch.testing.assert_close(mine[name], ref_value, rtol=FP32_RTOL, atol=FP32_ATOL, msg=f"{what}: {name}")
