@@ -17,6 +17,7 @@ whole batch, a few ulps per step.
 
 from __future__ import annotations
 
+import copy
 import os
 import types
 from typing import Any, Optional
@@ -427,7 +428,13 @@ def lane_state_dicts(directory: str, uop: bool) -> int:
         with flib.FSDP.state_dict_type(
             model, flib.StateDictType.FULL_STATE_DICT, flib.FullStateDictConfig(offload_to_cpu=True, rank0_only=False)
         ):
-            optim_input = flib.FSDP.optim_state_dict_to_load(model, torch.optim.AdamW(model.parameters(), lr=LR), osd[name])
+            # A copy for torch: at world size 1 torch FSDP1's optim_state_dict returns the
+            # optimizer's own state tensors (views, and the step tensors themselves), so loading
+            # it into a second optimizer would make the two share state, and stepping one would
+            # move the other (found here: torch's original diverged after fresh_torch's step).
+            # fsdp's never aliases (tests/test_optim_state_dict.py::test_saved_state_is_not_aliased).
+            source = osd[name] if name == "ours" else copy.deepcopy(osd[name])
+            optim_input = flib.FSDP.optim_state_dict_to_load(model, torch.optim.AdamW(model.parameters(), lr=LR), source)
         fresh_opt = torch.optim.AdamW(model.parameters(), lr=LR)
         fresh_opt.load_state_dict(optim_input)
         opts[f"fresh_{name}"] = fresh_opt

@@ -803,3 +803,38 @@ def _named_errors(model: nn.Module, uop: bool, full: dict, wrong_name: dict) -> 
 
 def test_errors_are_clear_and_change_nothing(pool2: RankPool) -> None:
     pool2.run(_errors)
+
+
+def _saved_state_aliases() -> list[tuple[str, bool, bool, int]]:
+    """(strategy, use_orig_params, offload_to_cpu, entries sharing storage with the optimizer)."""
+    m, _ = _lib("ours")
+    rows = []
+    for strategy in ("FULL_SHARD", "NO_SHARD"):
+        for uop in (False, True):
+            model = _wrap("ours", strategy, uop)
+            opt = _optim("adamw", model, uop)
+            _train(model, opt, range(2))
+            own = {t.untyped_storage().data_ptr() for s in opt.state.values() for t in s.values() if torch.is_tensor(t)}
+            for offload in (False, True):
+                configs = (m.FullStateDictConfig(offload_to_cpu=offload), m.FullOptimStateDictConfig(offload_to_cpu=offload))
+                with m.FullyShardedDataParallel.state_dict_type(model, m.StateDictType.FULL_STATE_DICT, *configs):
+                    osd = m.FullyShardedDataParallel.optim_state_dict(model, opt)
+                shared = sum(
+                    1
+                    for state in osd["state"].values()
+                    for value in state.values()
+                    if torch.is_tensor(value) and value.untyped_storage().data_ptr() in own
+                )
+                rows.append((strategy, uop, offload, shared))
+    return rows
+
+
+@pytest.mark.parametrize("dist_pool", [1, 2], indirect=True)
+def test_saved_state_is_not_aliased(dist_pool: RankPool) -> None:
+    """The saved optimizer state shares no storage with the optimizer's own state, so loading it
+    into another optimizer (or editing it) never moves this one. Found by the CUDA lane: at world
+    size 1 torch FSDP1 returns its optimizer's own tensors (views of the flat state, and the step
+    tensors themselves), and a second optimizer loaded from that dict stepped the first one too."""
+    for rows in dist_pool.run(_saved_state_aliases):
+        assert [row for row in rows if row[3]] == [], rows
+        assert len(rows) == 8
