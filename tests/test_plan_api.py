@@ -191,3 +191,21 @@ def test_budget_search_equals_per_configuration_estimates() -> None:
         model, inputs = _search_model(c.checkpointing)
         fresh = estimate_memory(model, inputs, world_size=c.world_size, intra_node_size=c.intra_node_size, **kwargs)
         assert c.estimate == fresh, (c.world_size, c.strategy, c.bf16, c.offload, c.checkpointing)
+
+
+def test_validate_device_cuda_without_cuda_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    """``python -m fsdp.plan.validate --device cuda`` (the GPU validation of the planner) says why
+    it cannot run on a machine without CUDA, and still lists the GPU predictions."""
+    import torch
+
+    from fsdp.plan import validate
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the error path does not apply")
+    with pytest.raises(SystemExit) as exit_info:
+        validate.main(["--device", "cuda", "10M"])
+    assert exit_info.value.code == 2
+    assert "--device cuda: CUDA is not available" in capsys.readouterr().err
+    assert validate.main(["--list", "--device", "cuda", "10M"]) == 0
+    listed = capsys.readouterr().out
+    assert "| 10M |" in listed and ", cuda |" in listed

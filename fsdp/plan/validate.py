@@ -57,6 +57,9 @@ class ValidationPoint:
         checkpointing: Activation checkpointing of every block.
         optimizer: ``"AdamW"`` or ``"SGD"`` (plain SGD: no momentum, no state).
         intra_node_size: Hybrid strategies: the shard group size.
+        device: ``"cpu"`` (peak RSS) or ``"cuda"`` (``torch.cuda.max_memory_allocated``; the
+            ranks share the visible GPUs round-robin, NCCL when each rank has its own, else gloo
+            with CUDA tensors).
     """
 
     layers: int
@@ -72,6 +75,7 @@ class ValidationPoint:
     checkpointing: bool = False
     optimizer: str = "AdamW"
     intra_node_size: Optional[int] = None
+    device: str = "cpu"
 
     def num_params(self) -> int:
         """Parameters of the GPT (blocks, both embeddings, final LayerNorm, untied head)."""
@@ -95,6 +99,8 @@ class ValidationPoint:
         if self.checkpointing:
             parts.append("activation checkpointing")
         parts.append(self.optimizer if self.optimizer == "AdamW" else "SGD (no momentum)")
+        if self.device != "cpu":
+            parts.append(self.device)
         return ", ".join(parts)
 
 
@@ -145,6 +151,14 @@ def _build_model(point: ValidationPoint) -> nn.Module:
     return model
 
 
+def _device(point: ValidationPoint) -> torch.device:
+    """The training device: the CPU, or this rank's GPU (``cuda:0`` when planning)."""
+    if point.device == "cpu":
+        return torch.device("cpu")
+    index = torch.cuda.current_device() if torch.cuda.is_available() else 0
+    return torch.device("cuda", index)
+
+
 def _fsdp_kwargs(point: ValidationPoint) -> dict[str, Any]:
     from fsdp import BackwardPrefetch, MixedPrecision, ShardingStrategy
     from fsdp.examples.model import Block
@@ -154,7 +168,7 @@ def _fsdp_kwargs(point: ValidationPoint) -> dict[str, Any]:
         "auto_wrap_policy": ModuleWrapPolicy({Block}),
         "sharding_strategy": ShardingStrategy[point.strategy],
         "backward_prefetch": BackwardPrefetch.BACKWARD_PRE,
-        "device_id": torch.device("cpu"),
+        "device_id": _device(point),
     }
     if point.bf16_mixed:
         kwargs["mixed_precision"] = MixedPrecision(param_dtype=torch.bfloat16)
@@ -207,8 +221,8 @@ def _train(point: ValidationPoint, model: nn.Module, steps: int, on_step: Callab
     optimizer_cls, optimizer_kwargs = _optimizer(point)
     optimizer = optimizer_cls([p for p in wrapped.parameters() if p.requires_grad], **optimizer_kwargs)
     generator = torch.Generator().manual_seed(dist.get_rank())
-    x = torch.randint(0, point.vocab, (point.batch_size, point.seq_len), generator=generator)
-    y = torch.randint(0, point.vocab, (point.batch_size, point.seq_len), generator=generator)
+    x = torch.randint(0, point.vocab, (point.batch_size, point.seq_len), generator=generator).to(_device(point))
+    y = torch.randint(0, point.vocab, (point.batch_size, point.seq_len), generator=generator).to(_device(point))
     for step in range(steps):
         on_step(step)
         _loss(wrapped(x), y).backward()
@@ -217,19 +231,71 @@ def _train(point: ValidationPoint, model: nn.Module, steps: int, on_step: Callab
     return wrapped
 
 
+class _Meter:
+    """The measured figure: peak RSS above a baseline on the CPU ([Note: Measuring peak RSS]),
+    or ``torch.cuda.max_memory_allocated`` above the allocated bytes at the baseline on a GPU
+    (what the planner's ``peak_bytes`` predicts there: tensors, not the CUDA context or the
+    caching allocator's reserve)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.base = 0
+
+    def set_baseline(self) -> None:
+        from fsdp.plan._measure import rss_bytes
+
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+        else:
+            self.base = rss_bytes()
+
+    def reset_peak(self) -> None:
+        from fsdp.plan._measure import reset_peak_rss
+
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            reset_peak_rss()
+
+    def peak(self) -> int:
+        from fsdp.plan._measure import peak_rss_bytes
+
+        if self.cuda:
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated() - self.base
+        return peak_rss_bytes() - self.base
+
+
+def _join_group(point: ValidationPoint, rank: int, workdir: str) -> None:
+    """The rank's process group: gloo on the CPU; on GPUs each rank takes GPU ``rank % count``,
+    NCCL when every rank has its own GPU, else gloo with CUDA tensors (NCCL refuses two ranks
+    on one GPU)."""
+    import torch.distributed as dist
+
+    backend = "gloo"
+    if point.device == "cuda":
+        count = torch.cuda.device_count()
+        torch.cuda.set_device(rank % count)
+        backend = "nccl" if point.world_size <= count else "gloo"
+    dist.init_process_group(
+        backend, init_method=f"file://{workdir}/rendezvous", rank=rank, world_size=point.world_size
+    )
+
+
 def _rank_main(rank: int, point_fields: dict[str, Any], workdir: str) -> None:
     """One spawned rank: warm up, measure two steps, write ``rank{N}.json`` into ``workdir``."""
     import torch.distributed as dist
 
-    from fsdp.plan._measure import peak_rss_bytes, reset_peak_rss, rss_bytes, set_mmap_threshold
+    from fsdp.plan._measure import set_mmap_threshold
 
     point = ValidationPoint(**point_fields)
-    if not set_mmap_threshold(65536):
+    if point.device == "cpu" and not set_mmap_threshold(65536):
         raise RuntimeError("fsdp.plan.validate: could not set glibc's mmap threshold (not glibc?)")
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{workdir}/rendezvous", rank=rank, world_size=point.world_size
-    )
+    _join_group(point, rank, workdir)
     try:
         # Warm-up: a tiny model of the same dtype and configuration trains two steps first, so
         # one-off allocations (kernel libraries' buffers, gloo's threads, lazy imports) are in
@@ -238,21 +304,21 @@ def _rank_main(rank: int, point_fields: dict[str, Any], workdir: str) -> None:
         _train(tiny, _build_model(tiny), 2, lambda step: None)  # the wrapper is dropped at once
         gc.collect()
         dist.barrier()
-        base = rss_bytes()
+        meter = _Meter(_device(point))
+        meter.set_baseline()
         marks: dict[str, float] = {}
 
         def on_step(step: int) -> None:
             if step == 1:
-                marks["construction_peak"] = peak_rss_bytes() - base
+                marks["construction_peak"] = meter.peak()
                 gc.collect()
                 dist.barrier()
-                reset_peak_rss()
+                meter.reset_peak()
                 marks["start"] = time.perf_counter()
 
         wrapped = _train(point, _build_model(point), 2, on_step)
-        peak = peak_rss_bytes() - base
         result = {
-            "peak_bytes": peak,
+            "peak_bytes": meter.peak(),
             "first_step_peak_bytes": marks["construction_peak"],
             "step_seconds": time.perf_counter() - marks["start"],
         }
@@ -285,6 +351,11 @@ def _available_bytes() -> int:
     raise RuntimeError("fsdp.plan.validate: /proc/meminfo has no MemAvailable (not Linux?)")
 
 
+def _free_gpu_bytes() -> int:
+    """Free memory over the visible GPUs (the ranks share them round-robin)."""
+    return sum(torch.cuda.mem_get_info(index)[0] for index in range(torch.cuda.device_count()))
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     from fsdp.plan.__main__ import parse_bytes
 
@@ -293,17 +364,23 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--list", action="store_true", help="list the points and their predictions, run nothing")
     parser.add_argument("--max-total", type=parse_bytes, default=parse_bytes("9GiB"), help="all ranks together")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per point")
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu",
+        help="cpu: peak RSS of CPU ranks; cuda: torch.cuda.max_memory_allocated on the GPUs",
+    )
     args = parser.parse_args(argv)
     names = args.points or list(POINTS)
     unknown = [n for n in names if n not in POINTS]
     if unknown:
         parser.error(f"unknown point(s) {unknown}; choose from {list(POINTS)}")
+    if args.device == "cuda" and not torch.cuda.is_available() and not args.list:
+        parser.error("--device cuda: CUDA is not available (no GPU, or a CPU build of torch)")
 
     print("| point | model and configuration | predicted | measured | error | construction + first step |")
     print("|---|---|---:|---:|---:|---:|")
     worst = 0.0
     for name in names:
-        point = POINTS[name]
+        point = dataclasses.replace(POINTS[name], device=args.device)
         start = time.perf_counter()
         estimate = predict(point)
         plan_s = time.perf_counter() - start
@@ -313,7 +390,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.list:
             print(f"{prefix} | | | (needs about {needed / 2**30:.2f} GiB; planned in {plan_s:.1f} s) |")
             continue
-        available = _available_bytes()
+        available = _available_bytes() if args.device == "cpu" else _free_gpu_bytes()
         if needed > args.max_total or needed > 0.8 * available:
             print(
                 f"{prefix} | refused: needs about {needed / 2**30:.2f} GiB, limit "
