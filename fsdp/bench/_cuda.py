@@ -234,10 +234,11 @@ def measure_isolated(
 
     [Note: One process per measured run]
     Each run starts from an empty CUDA caching allocator, so no run's peak includes what an
-    earlier run left: freeing a wrapped model does not return all of its memory, with torch
-    FSDP1 as with fsdp (measured in one process on the H100: about one fp32 copy of the model
-    stayed allocated after each FSDP1-design run, gc.collect() notwithstanding; FSDP2 and the
-    unwrapped model returned everything). On the CPU dry run the measurement stays in-process.
+    earlier run left: freeing a torch FSDP1 model does not return all of its memory (measured
+    in one process on the H100: about one fp32 copy of the model stayed allocated after each
+    FSDP1-design run, gc.collect() notwithstanding; FSDP2 and the unwrapped model returned
+    everything). fsdp had the same reference cycle and now breaks it ([Note: Freeing a wrapped
+    model] in ``fsdp/flat_param/flat_param.py``). On the CPU dry run the measurement stays in-process.
     """
     if device.type != "cuda":
         return measure(cfg, device, impl, rnd, layers, offload, warmup, steps)

@@ -80,7 +80,9 @@ class _ShardedParamPlaceholder(torch.Tensor):
     directly, outside the unit's forward).
     """
 
-    _fsdp_handle: _Handle
+    # A weak reference: a strong one would keep a dropped model alive ([Note: Freeing a wrapped
+    # model] in flat_param.py); the unit's name is read when needed (lazy init refines it).
+    _fsdp_handle_ref: "weakref.ref[_Handle]"
     _fsdp_fqn: str
     _fsdp_module_name: str
 
@@ -89,13 +91,18 @@ class _ShardedParamPlaceholder(torch.Tensor):
         t = torch.Tensor._make_subclass(
             _ShardedParamPlaceholder, torch.empty(0, dtype=dtype, device=handle.device)
         )
-        t._fsdp_handle = handle
+        t._fsdp_handle_ref = weakref.ref(handle)
         t._fsdp_fqn = fqn
         t._fsdp_module_name = module_name
         return t
 
+    @property
+    def _fsdp_unit_name(self) -> str:
+        handle = self._fsdp_handle_ref()
+        return handle.unit_name if handle is not None else "<a dropped unit>"
+
     def describe(self) -> str:
-        unit = self._fsdp_handle.unit_name
+        unit = self._fsdp_unit_name
         module = self._fsdp_module_name or "<the unit's module>"
         return (
             f"fsdp: parameter '{self._fsdp_fqn}' belongs to the FSDP unit '{unit}', which is "
@@ -118,7 +125,7 @@ class _ShardedParamPlaceholder(torch.Tensor):
         raise RuntimeError("fsdp: a sharded parameter placeholder was used in a computation")
 
     def __repr__(self, *args: Any, **kwargs: Any) -> str:  # type: ignore[override]
-        return f"<sharded fsdp parameter '{self._fsdp_fqn}' of unit '{self._fsdp_handle.unit_name}'>"
+        return f"<sharded fsdp parameter '{self._fsdp_fqn}' of unit '{self._fsdp_unit_name}'>"
 
 
 _PLACEHOLDER_SAFE_FUNCS = {
