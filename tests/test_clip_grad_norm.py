@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -274,52 +274,77 @@ def _upcast_grads(model: nn.Module) -> None:
 _ADAMW_LR = 0.01
 
 
+def _saved_grads(model: nn.Module) -> list[Optional[torch.Tensor]]:
+    return [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
+
+
+def _restore_grads(model: nn.Module, saved: list[Optional[torch.Tensor]]) -> None:
+    """Writes the saved values back into the same gradient tensors (clipping scales in place;
+    with use_orig_params the original parameters' gradients are views of the flat one)."""
+    for p, grad in zip(model.parameters(), saved):
+        if grad is not None:
+            p.grad.copy_(grad)
+    restored = _saved_grads(model)
+    assert all(a is None and b is None or torch.equal(a, b) for a, b in zip(restored, saved)), "grads not restored"
+
+
 def _check_exact(strategies: tuple[str, ...], orig_params: tuple[bool, ...], precisions: tuple[str, ...]) -> int:
-    """Every config: the returned norm (value and dtype), the clipped gradients and the
-    parameters after each AdamW step equal torch FSDP1's bit for bit, with use_orig_params
-    too (the same flat layout, alignment padding included). Returns how many (config, step)
-    pairs compared."""
+    """Every config: at every step, for every norm type, the returned norm (value and dtype)
+    and the clipped gradients equal torch FSDP1's bit for bit, with use_orig_params too (the
+    same flat layout, alignment padding included); each step's AdamW update uses one norm type's
+    clipping, in turn (the others' are undone first), and the parameters after it equal torch's.
+    Returns how many (config, step) pairs compared."""
     ws = dist.get_world_size()
     compared = 0
     for strategy in strategies:
         if strategy == "HYBRID_SHARD" and ws == 1:
             continue  # nothing to shard nor replicate
         sharded = ws > 1 and strategy != "NO_SHARD"
+        # The 0-"norm" is not defined over sharded gradients: torch FSDP1 fails with a bare
+        # ZeroDivisionError; ours says why. It never drives an update there.
+        drivers = [n for n in EXACT_NORM_TYPES if not (n == 0 and sharded)]
         for use_orig_params in orig_params:
             for precision in precisions:
-                for norm_type in EXACT_NORM_TYPES:
-                    what = f"{strategy} use_orig_params={use_orig_params} {precision} norm_type={norm_type}"
-                    ours, theirs = _wrap_both(strategy, use_orig_params, precision)
-                    opts = [torch.optim.AdamW(m.parameters(), lr=_ADAMW_LR) for m in (ours, theirs)]
-                    for step in range(EXACT_STEPS):
-                        for model in (ours, theirs):
-                            x, y = _local_batch(step)
-                            out = model(x)  # bf16 with mixed precision; torch 2.11's
-                            # mse_loss backward rejects mixed dtypes, so the target follows it
-                            F.mse_loss(out, y.to(out.dtype)).backward()
-                        _compare(ours, theirs, use_orig_params, True, f"{what}: step {step}: grads")
+                what = f"{strategy} use_orig_params={use_orig_params} {precision}"
+                ours, theirs = _wrap_both(strategy, use_orig_params, precision)
+                opts = [torch.optim.AdamW(m.parameters(), lr=_ADAMW_LR) for m in (ours, theirs)]
+                for step in range(EXACT_STEPS):
+                    for model in (ours, theirs):
+                        x, y = _local_batch(step)
+                        out = model(x)  # bf16 with mixed precision; torch 2.11's
+                        # mse_loss backward rejects mixed dtypes, so the target follows it
+                        F.mse_loss(out, y.to(out.dtype)).backward()
+                    _compare(ours, theirs, use_orig_params, True, f"{what}: step {step}: grads")
+                    saved = (_saved_grads(ours), _saved_grads(theirs))
+                    driver = drivers[step % len(drivers)]
+                    for norm_type in [n for n in EXACT_NORM_TYPES if n != driver] + [driver]:
+                        label = f"{what} norm_type={norm_type}: step {step}"
                         if norm_type == 0 and sharded:
-                            # torch FSDP1 fails with a bare ZeroDivisionError; ours says why.
                             with pytest.raises(ZeroDivisionError):
                                 theirs.clip_grad_norm_(EXACT_MAX_NORM, norm_type)
                             with pytest.raises(ZeroDivisionError, match="not defined when gradients are sharded"):
                                 ours.clip_grad_norm_(EXACT_MAX_NORM, norm_type)
-                            break
+                            _restore_grads(theirs, saved[1])  # whatever torch did before failing
+                            _compare(ours, theirs, use_orig_params, True, f"{label}: grads kept")
+                            continue
                         our_norm = ours.clip_grad_norm_(EXACT_MAX_NORM, norm_type)
                         their_norm = theirs.clip_grad_norm_(EXACT_MAX_NORM, norm_type)
-                        assert our_norm.dtype == their_norm.dtype, f"{what}: step {step}: {our_norm.dtype} vs {their_norm.dtype}"
-                        norm_msg = f"{what}: step {step}: norm {our_norm.item()!r} vs torch FSDP1 {their_norm.item()!r}"
+                        assert our_norm.dtype == their_norm.dtype, f"{label}: {our_norm.dtype} vs {their_norm.dtype}"
+                        norm_msg = f"{label}: norm {our_norm.item()!r} vs torch FSDP1 {their_norm.item()!r}"
                         assert torch.equal(our_norm, their_norm), norm_msg
-                        assert float(our_norm) > EXACT_MAX_NORM, f"{what}: step {step}: did not clip"
-                        _compare(ours, theirs, use_orig_params, True, f"{what}: step {step}: clipped grads")
-                        for model, opt in zip((ours, theirs), opts):
-                            _upcast_grads(model)
-                            opt.step()
-                            # (torch FSDP1 cannot summon use_orig_params with low-precision
-                            # gradients, so they go before the parameters are compared.)
-                            opt.zero_grad(set_to_none=True)
-                        _compare(ours, theirs, use_orig_params, False, f"{what}: step {step}: params")
-                        compared += 1
+                        assert float(our_norm) > EXACT_MAX_NORM, f"{label}: did not clip"
+                        _compare(ours, theirs, use_orig_params, True, f"{label}: clipped grads")
+                        if norm_type != driver:
+                            _restore_grads(ours, saved[0])
+                            _restore_grads(theirs, saved[1])
+                    for model, opt in zip((ours, theirs), opts):
+                        _upcast_grads(model)
+                        opt.step()
+                        # (torch FSDP1 cannot summon use_orig_params with low-precision
+                        # gradients, so they go before the parameters are compared.)
+                        opt.zero_grad(set_to_none=True)
+                    _compare(ours, theirs, use_orig_params, False, f"{what}: step {step} (norm_type={driver}): params")
+                    compared += 1
     return compared
 
 
