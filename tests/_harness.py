@@ -44,6 +44,7 @@ import atexit
 import contextlib
 import dataclasses
 import faulthandler
+import gc
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -564,6 +565,11 @@ def _worker_main(
             # fsdp with torch FSDP1 bit for bit, which needs the same kernel to give the same bits.
             torch.use_deterministic_algorithms(True)
         dist.init_process_group(backend, init_method=init_method, rank=rank_, world_size=world_size_)
+        # The preloaded modules' objects (a few hundred thousand) live as long as the rank: move
+        # them out of the collector's reach, so each full collection (tests call gc.collect() to
+        # free models; Python runs them too) scans only what the jobs made: ~0.2 s less each.
+        gc.collect()
+        gc.freeze()
     except BaseException as exc:
         _flush_output()
         conn.send_bytes(pickle.dumps(("startup_error", _describe_exception(exc))))

@@ -30,6 +30,7 @@ Example::
 
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
@@ -48,6 +49,14 @@ def test_device() -> str:
 
 
 test_device.__test__ = False  # type: ignore[attr-defined]  # not a test despite the name
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Moves what collection imported (torch, fsdp, every test module) out of the collector's
+    reach, as each rank process does at start-up: Python's full collections during the run then
+    scan only what the tests make."""
+    gc.collect()
+    gc.freeze()
 
 
 def pytest_configure(config: pytest.Config) -> None:
