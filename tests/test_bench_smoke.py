@@ -26,7 +26,9 @@ def _minimum_full_shard_bytes(layers: int, d_model: int, world_size: int) -> int
     def padded(n: int) -> int:
         return -(-n // world_size) * world_size
 
-    all_gather = 2 * layers * padded(layer_numel) + padded(root_numel)  # layers twice, root once
+    # Layers twice (forward, backward) but the last once, root once: those two stay gathered
+    # from their forward into their backward, which comes first.
+    all_gather = (2 * layers - 1) * padded(layer_numel) + padded(root_numel)
     reduce_scatter = (layers * padded(layer_numel) + padded(root_numel)) // world_size
     return 4 * (all_gather + reduce_scatter)
 

@@ -51,10 +51,11 @@ def test_collectives_per_step(dist_pool: RankPool, strategy: str, freeze_block: 
     trained_blocks = [b for i, b in enumerate(blocks) if not (freeze_block and i == 1)]
     trained = [root] + trained_blocks
     if strategy == "FULL_SHARD":
-        # Each non-root unit twice (forward, backward); the root once: it stays unsharded from
-        # its forward into its backward, as in torch FSDP1.
-        expected_calls = {"all_gather": 2 * len(blocks) + 1, "reduce_scatter": len(trained)}
-        expected_bytes = {"all_gather": 2 * sum(blocks) + root, "reduce_scatter": sum(res["sharded_bytes"][i] for i in range(len(padded)) if not (freeze_block and i == 2))}
+        # Each non-root unit twice (forward, backward), except the last block: its backward comes
+        # right after the root's, so it stays unsharded from its forward into its backward
+        # ([Note: The first backward unit stays gathered]), as the root does.
+        expected_calls = {"all_gather": 2 * len(blocks) + 1 - 1, "reduce_scatter": len(trained)}
+        expected_bytes = {"all_gather": 2 * sum(blocks) + root - blocks[-1], "reduce_scatter": sum(res["sharded_bytes"][i] for i in range(len(padded)) if not (freeze_block and i == 2))}
     elif strategy == "SHARD_GRAD_OP":
         expected_calls = {"all_gather": len(padded), "reduce_scatter": len(trained)}
         expected_bytes = {"all_gather": sum(padded), "reduce_scatter": sum(res["sharded_bytes"][i] for i in range(len(padded)) if not (freeze_block and i == 2))}
@@ -63,8 +64,14 @@ def test_collectives_per_step(dist_pool: RankPool, strategy: str, freeze_block: 
         expected_bytes = {"all_reduce": sum(trained)}
     assert calls == expected_calls
     assert nbytes == expected_bytes
-    # torch FSDP1 issues the same collectives with the same sizes.
-    assert res["torch"] == res["ours"]
+    torch_calls, torch_bytes = res["torch"]
+    if strategy == "FULL_SHARD":
+        # torch FSDP1 frees the last block after its forward and gathers it again at once.
+        assert torch_calls == {**calls, "all_gather": calls["all_gather"] + 1}
+        assert torch_bytes == {**nbytes, "all_gather": nbytes["all_gather"] + blocks[-1]}
+    else:
+        # torch FSDP1 issues the same collectives with the same sizes.
+        assert res["torch"] == res["ours"]
 
 
 def memory_lifecycle(strategy: str) -> None:
@@ -92,10 +99,35 @@ def memory_lifecycle(strategy: str) -> None:
         assert nbytes(unit) == 0, f"{unit._fsdp_state.unit_name} still holds unsharded storage"
         assert handle.flat_param.numel() == handle.sharded_numel
         assert handle.flat_param.grad.shape == (handle.sharded_numel,)
+    # Steady state (from the second iteration): the last block, whose backward comes right
+    # after the root's, stays unsharded from its forward into its backward.
+    x = local_rows(tokens, rank, ws)
+    loss = lm_loss(model(x), local_rows(targets, rank, ws))
+    if strategy == "FULL_SHARD":
+        assert all(nbytes(b) == 0 for b in blocks[:-1]), "FULL_SHARD frees the other blocks"
+        assert nbytes(blocks[-1]) > 0, "the first unit of the backward stays gathered"
+    loss.backward()
+    assert all(nbytes(u) == 0 for u in units), "the backward frees the kept block"
+    if strategy == "FULL_SHARD":
+        # A forward whose backward never comes: the next forward frees the kept block and
+        # gathers the blocks' parameters as they are now (changed in between, here by hand; no
+        # optimizer step has run, so the root's own parameters are still make_toy()'s).
+        # (SHARD_GRAD_OP keeps every unit gathered until a backward, as torch FSDP1 does.)
+        model(x)
+        with torch.no_grad():
+            for block in blocks:
+                block._fsdp_state.handle._local_shard.fill_(0.01)  # the local shards
+        out_after_change = model(x)
+        plain = make_toy()
+        with torch.no_grad():
+            for param in plain.blocks.parameters():
+                param.fill_(0.01)
+        # The same ops on the same values as the plain model: bit-identical.
+        assert torch.equal(out_after_change, plain(x)), "a forward used parameters gathered before the change"
     # eval / no_grad: forward frees everything and leaves no backward state behind.
     model.eval()
     with torch.no_grad():
-        model(local_rows(tokens, rank, ws))
+        model(x)
     assert all(nbytes(u) == 0 for u in units)
     assert all(u.training_state.name == "IDLE" for u in units)
 

@@ -147,8 +147,10 @@ _EXPECTED = {
     # its prefetch allocates) or when that unit's first gradient arrives, whichever comes first.
     "backward_reduce": r"reduce-scatter over the process group of global ranks \[0, 1\] failed during "
     r"backward reduce( \(within backward unshard\))? of FSDP unit 'blocks\.1', waiting for rank 1",
+    # blocks.1, the last block, stays gathered from its forward into its backward ([Note: The
+    # first backward unit stays gathered]): the first gather of the backward is blocks.0's.
     "backward_unshard": r"all-gather over the process group of global ranks \[0, 1\] failed during "
-    r"backward unshard of FSDP unit 'blocks\.1', waiting for rank 1",
+    r"backward unshard of FSDP unit 'blocks\.0', waiting for rank 1",
     "summon_full_params": r"all-gather over the process group of global ranks \[0, 1\] failed during "
     r"summon_full_params of FSDP unit '<root>', waiting for rank 1",
     "state_dict": r"all-gather over the process group of global ranks \[0, 1\] failed during state_dict "

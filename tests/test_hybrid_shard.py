@@ -110,7 +110,10 @@ def hybrid_collectives(strategy: str) -> tuple[dict[str, int], dict[str, int]]:
 def test_hybrid_collectives(pool4: RankPool, strategy: str) -> None:
     calls, info = pool4.run(hybrid_collectives, strategy)[0]
     units = info["units"]
-    gathers = 2 * (units - 1) + 1 if strategy == "HYBRID_SHARD" else units
+    # HYBRID_SHARD: each non-root unit twice (forward, backward) but the last block once, the
+    # root once: both stay gathered into the backward, which starts with them ([Note: The
+    # first backward unit stays gathered]).
+    gathers = 2 * (units - 1) + 1 - 1 if strategy == "HYBRID_SHARD" else units
     # Reduce-scatter inside the pair, then all-reduce of the shard across pairs.
     assert calls == {"all_gather": gathers, "reduce_scatter": units, "all_reduce": units}
 

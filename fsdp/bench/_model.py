@@ -140,9 +140,10 @@ def minimum_bytes(cfg: BenchConfig) -> dict[str, int]:
 
     A unit's flat parameter is padded to a multiple of the world size (``padded``), so each rank
     holds ``padded / world_size`` elements. FULL_SHARD: every layer unit is all-gathered twice
-    (forward and backward, since it is freed after its forward), the root once (it stays
-    gathered from its forward into its backward), and each unit's gradient is reduce-scattered
-    once. SHARD_GRAD_OP: one all-gather per unit, one reduce-scatter per unit. NO_SHARD: one
+    (forward and backward, since it is freed after its forward) except the last, and the root
+    once: those two stay gathered from their forward into their backward, which comes first
+    ([Note: The first backward unit stays gathered]; torch FSDP1 gathers the last layer twice);
+    each unit's gradient is reduce-scattered once. SHARD_GRAD_OP: one all-gather per unit, one reduce-scatter per unit. NO_SHARD: one
     all-reduce of each unit's gradient.
     """
     ws = cfg.world_size
@@ -153,7 +154,7 @@ def minimum_bytes(cfg: BenchConfig) -> dict[str, int]:
 
     units = [root, *layers]
     if cfg.strategy == "FULL_SHARD":
-        ag = 2 * sum(padded(n) for n in layers) + padded(root)
+        ag = 2 * sum(padded(n) for n in layers) - padded(layers[-1]) + padded(root)
         return {"all_gather": 4 * ag, "reduce_scatter": 4 * sum(padded(n) // ws for n in units)}
     if cfg.strategy == "SHARD_GRAD_OP":
         return {

@@ -9,7 +9,10 @@ and free in a steady-state step (the second on, when prefetching is on):
 - pre-forward / pre-backward: the padded unsharded parameter (``param_dtype``), plus, while
   the all-gather runs, the shard cast to ``param_dtype`` and (offload) its device copy;
   ``forward_prefetch`` / ``BACKWARD_PRE`` gather the next unit of the recorded order too.
-- post-forward: FULL_SHARD and HYBRID_SHARD free it (never the root); SHARD_GRAD_OP keeps it.
+- post-forward: FULL_SHARD and HYBRID_SHARD free it (never the root, nor the unit whose
+  backward comes first: [Note: The first backward unit stays gathered] in
+  ``runtime/_prefetch.py``, the same rule through ``unit_kept_for_backward``); SHARD_GRAD_OP
+  keeps it.
 - gradients: each parameter's gradient lives until the handle's last one is ready; then
   either they are concatenated into the padded unsharded gradient (cast to ``reduce_dtype``
   if it differs) and reduce-scattered into a new sharded gradient, or (two ranks on gloo)
@@ -32,6 +35,7 @@ import torch
 from fsdp.api import BackwardPrefetch
 from fsdp.plan._trace import Trace
 from fsdp.plan._units import HandleSpec, UnitSpec
+from fsdp.runtime._prefetch import unit_kept_for_backward
 
 __all__ = ["ScheduleConfig", "ReplayResult", "replay"]
 
@@ -111,6 +115,12 @@ class _Replay:
                 self.forward_order.append(event[1])
             elif event[0] == "bwd_pre" and event[1] not in self.backward_order:
                 self.backward_order.append(event[1])
+        roots = [index for index, unit in enumerate(units) if unit.is_root]
+        self.kept_unit = (
+            unit_kept_for_backward(self.forward_order, self.backward_order, roots[0], cfg.backward_prefetch)
+            if roots
+            else None
+        )
 
     # ------------------------------------------------------------------ accounting
     def add(self, kind: str, nbytes: int, cpu: bool = False) -> None:
@@ -294,7 +304,7 @@ class _Replay:
                     self.prefetch(u, self.forward_order, backward=False)
             elif kind == "fwd_post":
                 u = event[1]
-                if self.phase == "forward" and self.units[u].reshards_after_forward:
+                if self.phase == "forward" and self.units[u].reshards_after_forward and u != self.kept_unit:
                     self.reshard(u)
             elif kind == "bwd_pre":
                 u = event[1]

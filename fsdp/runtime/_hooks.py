@@ -42,6 +42,7 @@ def unit_forward(wrapper: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     state.forward_in_full_precision = state.full_precision_in_eval and not wrapper.training
     if state.is_root:
         _recover_if_backward_interrupted(state)
+        _release_kept_unit(state)
         args, kwargs = _root_pre_forward(state, args, kwargs)
     args, kwargs = cast_forward_inputs(state, args, kwargs)
     if not state.is_root and _in_backward(state):
@@ -102,6 +103,37 @@ def _recover_if_backward_interrupted(state: UnitState) -> None:
         unit.ran_pre_backward = False
         unit.training_state = HandleTrainingState.IDLE
     ctx.final_callback_queued = False
+
+
+@eager_only
+def _release_kept_unit(root: UnitState) -> None:
+    """Reshards the unit an earlier forward kept for a backward that never came.
+
+    [Note: The first backward unit stays gathered] in ``_prefetch.py``: a forward whose outputs
+    required grad but were never backpropagated (a second forward before the backward, an
+    evaluation under grad) leaves that unit gathered; the next forward of the root frees it, so
+    that forward gathers the current parameters.
+    """
+    ctx = root.ctx
+    if ctx is None or ctx.kept_unit_pending is None or ctx.final_callback_queued:
+        return
+    kept, ctx.kept_unit_pending = ctx.kept_unit_pending, None
+    if kept.ran_pre_backward:
+        return
+    for handle in kept.handles:
+        if handle.is_unsharded:
+            handle.reshard()
+    record_free_event(kept)
+
+
+def _keeps_for_backward(state: UnitState) -> bool:
+    """Whether this post-forward keeps the unit gathered for the backward that follows."""
+    ctx = state.ctx
+    return (
+        ctx is not None
+        and ctx.unit_kept_for_backward is state
+        and ctx.root.training_state is HandleTrainingState.FORWARD  # inside the root's forward
+    )
 
 
 @eager_only  # FSDP bookkeeping runs eagerly; the module's own forward compiles
@@ -183,8 +215,10 @@ def _post_forward(state: UnitState, output: Any) -> Any:
     """Reshards per strategy and registers the pre-backward hooks on the outputs.
 
     The root keeps its parameters unsharded after forward when a backward is expected (it
-    would gather them again at once); every unit reshards when no backward can follow (grad
-    disabled, or no output requires grad), so eval and ``no_grad`` leave nothing behind.
+    would gather them again at once), and so does the unit whose backward comes first ([Note:
+    The first backward unit stays gathered] in ``_prefetch.py``); every unit reshards when no
+    backward can follow (grad disabled, or no output requires grad), so eval and ``no_grad``
+    leave nothing behind.
     """
     grad_outputs: list[torch.Tensor] = []
     if torch.is_grad_enabled():
@@ -196,7 +230,10 @@ def _post_forward(state: UnitState, output: Any) -> Any:
 
         apply_to_tensors(collect, output)
     expects_backward = bool(grad_outputs)
-    if not expects_backward or state.frees_after_forward():
+    if expects_backward and state.frees_after_forward() and _keeps_for_backward(state):
+        assert state.ctx is not None
+        state.ctx.kept_unit_pending = state  # [Note: The first backward unit stays gathered]
+    elif not expects_backward or state.frees_after_forward():
         for handle in state.handles:
             handle.reshard()
         record_free_event(state)
@@ -229,6 +266,8 @@ def _pre_backward_hook(state: UnitState, grad: torch.Tensor) -> torch.Tensor:
         check_not_recast_since_forward(handle)  # user error: before any state change
         handle.check_params_not_replaced_since_forward()  # user error: before any state change
     state.ran_pre_backward = True
+    if state.ctx.kept_unit_pending is state:
+        state.ctx.kept_unit_pending = None  # kept from its forward for this backward
     check_execution_order(state, "backward")
     transition(state, HandleTrainingState.BACKWARD_PRE)
     for handle in state.handles:
@@ -344,4 +383,5 @@ def _final_callback(ctx: RootContext) -> None:
         state.ran_pre_backward = False
         state.training_state = HandleTrainingState.IDLE
     ctx.final_callback_queued = False
+    ctx.kept_unit_pending = None  # resharded above if this backward never reached it
     finish_first_iteration(ctx)

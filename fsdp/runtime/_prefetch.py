@@ -29,18 +29,42 @@ gets there) and a prefetch is always consumed by the very next unit, so nothing 
 
 Prefetching only changes *when* collectives run, never which ones or their order on a rank (all
 ranks follow the same recorded order), so results are bit-identical with and without it.
+
+[Note: The first backward unit stays gathered]
+With ``BACKWARD_PRE``, the root's pre-backward hook (the first of a backward) prefetches the
+unit whose backward comes next, before any backward computation. When that unit is also the
+last non-root unit of the forward, freeing it at its post-forward only to gather it again
+moments later buys nothing: nothing in between gathers, and the moment the backward starts
+already holds it (the prefetch). The same holds, whatever the prefetch setting, when that unit's
+own backward is the first (a root with no computation after it). So from the second iteration on (when both orders are known)
+that unit keeps its unsharded parameters from its post-forward into its backward, like the
+root: one all-gather less per step (FULL_SHARD: 2 x blocks - 1 gathers of the blocks instead of
+2 x blocks) and no exposed gather at the start of backward, at no cost to the step's peak.
+torchtitan makes the same choice with FSDP2 (``reshard_after_forward=False`` for the last
+block). The unit is released (resharded) wherever the backward that should take it does not
+come: at the end of backward if the backward never reached it, at the root's next forward
+after a forward with no backward, and by a failed backward's reset. With ``BACKWARD_POST`` or
+no backward prefetch, a unit whose backward is not the first is freed at post-forward as before
+(keeping it would raise the memory between forward and backward). The memory planner replays the same rule
+(``fsdp/plan/_schedule.py``, through :func:`unit_kept_for_backward`).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
 from fsdp.api import BackwardPrefetch
 from fsdp.runtime._state import RootContext, UnitState
 
-__all__ = ["MAX_INFLIGHT_UNSHARDS", "prefetch_after", "record_free_event", "record_phase_orders"]
+__all__ = [
+    "MAX_INFLIGHT_UNSHARDS",
+    "prefetch_after",
+    "record_free_event",
+    "record_phase_orders",
+    "unit_kept_for_backward",
+]
 
 # limit_all_gathers: freed side-stream buffers that may await reuse at once (CUDA).
 MAX_INFLIGHT_UNSHARDS = 2
@@ -52,6 +76,44 @@ def record_phase_orders(ctx: RootContext) -> None:
     """Splits the first iteration's recorded order into the forward and backward unit orders."""
     ctx.forward_order = _first_occurrences(ctx, _FORWARD)
     ctx.backward_order = _first_occurrences(ctx, _BACKWARD)
+    index = {id(unit): position for position, unit in enumerate(ctx.states)}
+    kept = unit_kept_for_backward(
+        [index[id(unit)] for unit in ctx.forward_order],
+        [index[id(unit)] for unit in ctx.backward_order],
+        index[id(ctx.root)],
+        ctx.root.backward_prefetch,
+    )
+    unit = None if kept is None else ctx.states[kept]
+    ctx.unit_kept_for_backward = unit if unit is not None and unit.frees_after_forward() else None
+
+
+def unit_kept_for_backward(
+    forward_order: Sequence[int],
+    backward_order: Sequence[int],
+    root: int,
+    backward_prefetch: Optional[BackwardPrefetch],
+) -> Optional[int]:
+    """The unit that keeps its parameters from its post-forward into its backward, if any.
+
+    [Note: The first backward unit stays gathered]: the last non-root unit of the forward, when
+    its backward is the first of the backward, or the second after the root's with
+    ``BACKWARD_PRE`` (the root's pre-backward hook prefetches it). Units are given by index
+    (the runtime's and the planner's recorded orders alike).
+    """
+    non_root_forward = [unit for unit in forward_order if unit != root]
+    if not non_root_forward or not backward_order:
+        return None
+    candidate = non_root_forward[-1]
+    if backward_order[0] == candidate:
+        return candidate
+    if (
+        backward_prefetch is BackwardPrefetch.BACKWARD_PRE
+        and len(backward_order) >= 2
+        and backward_order[0] == root
+        and backward_order[1] == candidate
+    ):
+        return candidate
+    return None
 
 
 def _first_occurrences(ctx: RootContext, phase: int) -> list[UnitState]:

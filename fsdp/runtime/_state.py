@@ -254,6 +254,11 @@ class RootContext:
         free_events: CUDA, limit_all_gathers: events recorded where units were resharded,
             oldest first ([Note: Prefetch]).
         prefetches_issued: Prefetched all-gathers launched so far (for tests and profiling).
+        unit_kept_for_backward: The unit that keeps its parameters from its post-forward into
+            its backward, from the second iteration on ([Note: The first backward unit stays
+            gathered] in ``_prefetch.py``); None when no unit qualifies.
+        kept_unit_pending: That unit, while a forward has kept it and its backward has not yet
+            taken it.
         buffers_in_full_precision: Cast buffers are in full precision (eval, see
             ``full_precision_in_eval``).
     """
@@ -271,6 +276,8 @@ class RootContext:
     backward_order: list[UnitState] = field(default_factory=list)
     free_events: list[Any] = field(default_factory=list)
     prefetches_issued: int = 0
+    unit_kept_for_backward: Optional[UnitState] = None
+    kept_unit_pending: Optional[UnitState] = None
     buffers_in_full_precision: bool = False
 
 
