@@ -53,10 +53,16 @@ def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
     return a / b
 
 
-def _round_ratio(entry: dict[str, Any], ref: Optional[dict[str, Any]]) -> Optional[float]:
+def _round_ratios(entry: dict[str, Any], ref: Optional[dict[str, Any]]) -> Optional[list[float]]:
+    """Per-round ratios of the step times (the implementations of a round run back to back)."""
     if ref is None:
         return None
-    return statistics.median(a / b for a, b in zip(entry["step_s_rounds"], ref["step_s_rounds"]))
+    return [a / b for a, b in zip(entry["step_s_rounds"], ref["step_s_rounds"])]
+
+
+def _round_ratio(entry: dict[str, Any], ref: Optional[dict[str, Any]]) -> Optional[float]:
+    ratios = _round_ratios(entry, ref)
+    return None if ratios is None else statistics.median(ratios)
 
 
 def _cpu_entry(cfg: BenchConfig, ranks: list[dict[str, Any]], name: str) -> dict[str, Any]:
@@ -116,6 +122,8 @@ def _add_ratios(impls: dict[str, dict[str, Any]]) -> None:
         entry["step_vs_fsdp1"] = _round_ratio(entry, ref)
         entry["step_vs_local"] = _round_ratio(entry, local)
         entry["step_vs_ddp"] = _round_ratio(entry, impls.get("ddp"))
+        entry["step_vs_fsdp1_rounds"] = _round_ratios(entry, ref)
+        entry["step_vs_ddp_rounds"] = _round_ratios(entry, impls.get("ddp"))
         entry["floor_vs_local"] = (
             statistics.median(f / t for f, t in zip(entry["floor_s_rounds"], local["step_s_rounds"]))
             if local is not None
@@ -168,9 +176,15 @@ def _targets(
         "model_sd_vs_fsdp1": ours_ckpt.get("model_vs_fsdp1"),
         "optim_sd_vs_fsdp1": ours_ckpt.get("optim_vs_fsdp1"),
     }
-    details = {}
+    details: dict[str, str] = {}
+    for key in ("step_vs_fsdp1", "step_vs_ddp"):
+        # The spread says how much one run's median can be trusted on a noisy machine.
+        rounds = ours.get(f"{key}_rounds")
+        if rounds:
+            details[key] = f"(rounds {min(rounds):.3f}x-{max(rounds):.3f}x)"
     if ours.get("floor_vs_local") is not None:
-        details["step_vs_ddp"] = f"(the CPU floor alone is {_x(ours['floor_vs_local'])} local)"
+        floor = f"the CPU floor alone is {_x(ours['floor_vs_local'])} local"
+        details["step_vs_ddp"] = f"{details['step_vs_ddp'][:-1]}; {floor})" if "step_vs_ddp" in details else f"({floor})"
     targets = [
         {"key": key, "description": desc, "threshold": thr, "value": values[key],
          "met": _met(values[key], thr), "detail": details.get(key)}
