@@ -265,6 +265,10 @@ def rank_entry(rank: int, cfg_dict: dict[str, Any], workdir: str) -> None:
         with open(path + ".tmp", "w") as f:
             json.dump(result, f)
         os.replace(path + ".tmp", path)
+        # Both ranks are done with every exchange before either tears its group down: a rank
+        # whose peer closed the connections while its own gloo threads still held work can
+        # abort at exit ("terminate called without an active exception", seen once).
+        dist.barrier()
     except BaseException:
         traceback.print_exc()
         raise
