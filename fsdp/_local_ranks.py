@@ -13,16 +13,34 @@ atomically). The first rank to exit with a non-zero code, or the deadline, ends 
 ranks still alive are terminated, because they would block in a collective waiting for the
 failed one.
 
+[Note: Rank exit without interpreter finalization]
+Each rank process runs ``target`` inside :func:`_rank_process`, which ends the process with
+``os._exit`` once ``target`` returns (code 0) or raises (code 1, after printing the traceback),
+with its output flushed. A rank's work is over by then: its result is written and its target has
+destroyed its process group. What ``os._exit`` skips is the interpreter's finalization, and that
+is where a rank of the benchmark's smoke test aborted twice in CI (exit code -6, ``terminate
+called without an active exception``; never in 60 runs here, with or without competing load).
+That message is what a C++ thread gets when it is ended by ``pthread_exit`` inside a destructor,
+which is what CPython does to a foreign thread asking for the GIL of an interpreter that is
+finalizing: a gloo or transport thread dropping its last reference to a tensor that has a Python
+object (a buffer of a collective whose work the thread still held) is such a thread. The same
+mechanism is reported against torch for processes that skip ``destroy_process_group``. The
+wrapper also enables :mod:`faulthandler` for every thread, so an abort that still happens
+prints each thread's Python stack instead of one line.
+
 It imports nothing from ``fsdp``; only the tools on top use it (``tests/test_layering.py``).
 """
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import multiprocessing
 import os
+import sys
 import tempfile
 import time
+import traceback
 from typing import Any, Callable, Optional
 
 __all__ = ["run_local_ranks", "write_rank_result"]
@@ -48,6 +66,31 @@ def write_rank_result(workdir: str, rank: int, result: Any) -> None:
     with open(path + ".tmp", "w") as f:
         json.dump(result, f)
     os.replace(path + ".tmp", path)
+
+
+def _rank_process(target: Callable[[int, Any, str], None], rank: int, payload: Any, workdir: str) -> None:
+    """A rank process's entry: runs ``target``, then leaves with ``os._exit``.
+
+    The exit code is 0 when ``target`` returns, the code of a ``sys.exit`` in it, and 1 when it
+    raises anything else (the traceback is printed first). See
+    [Note: Rank exit without interpreter finalization]. Never returns.
+    """
+    faulthandler.enable(all_threads=True)
+    code = 1
+    try:
+        target(rank, payload, workdir)
+        code = 0
+    except SystemExit as exit_:  # sys.exit(n) in the target keeps its code, as in a plain process
+        code = exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # a closed or broken stream must not keep the rank from exiting
+                pass
+        os._exit(code)
 
 
 def _first_failure(procs: list[Any]) -> Optional[str]:
@@ -117,7 +160,9 @@ def run_local_ranks(
     ctx = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix=prog.replace(".", "_") + "_") as workdir:
         procs = [
-            ctx.Process(target=target, args=(rank, payload, workdir), name=f"{prog}-rank{rank}")
+            ctx.Process(
+                target=_rank_process, args=(target, rank, payload, workdir), name=f"{prog}-rank{rank}"
+            )
             for rank in range(world_size)
         ]
         for p in procs:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import sys
+import threading
 import time
 from typing import Any
 
@@ -37,6 +38,19 @@ def _sleeps(rank: int, payload: dict[str, Any], workdir: str) -> None:
 def _writes_nothing(rank: int, payload: dict[str, Any], workdir: str) -> None:
     if rank == 0:
         write_rank_result(workdir, rank, {})
+
+
+def _leaves_a_thread_running(rank: int, payload: dict[str, Any], workdir: str) -> None:
+    """Writes its result, then leaves a non-daemon thread that would hold a finalizing
+    interpreter for an hour: the rank must still exit at once, without finalization."""
+    threading.Thread(target=time.sleep, args=(3600,), name="never-joined").start()
+    write_rank_result(workdir, rank, {"rank": rank})
+
+
+def _raises(rank: int, payload: dict[str, Any], workdir: str) -> None:
+    if rank == 1:
+        raise ValueError("rank 1 found a bad batch")
+    write_rank_result(workdir, rank, {})
 
 
 def _children() -> list[str]:
@@ -72,3 +86,22 @@ def test_deadline_terminates_every_rank() -> None:
 def test_rank_without_result_is_named() -> None:
     with pytest.raises(RuntimeError, match=r"rank 1 exited with code 0 without writing .*rank1\.json"):
         run_local_ranks(_writes_nothing, {}, 2, 300.0, prog="test.local_ranks")
+
+
+def test_rank_exits_without_finalizing_the_interpreter() -> None:
+    # A normal exit would join the never-joined thread (an hour); the runner's ranks leave with
+    # os._exit once the target returns ([Note: Rank exit without interpreter finalization]).
+    start = time.monotonic()
+    results = run_local_ranks(_leaves_a_thread_running, {}, 2, 120.0, prog="test.local_ranks")
+    assert [r["rank"] for r in results] == [0, 1]
+    assert time.monotonic() - start < 120.0
+    assert _children() == []
+
+
+def test_raising_rank_prints_its_traceback_and_exits_with_1(capfd: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(RuntimeError, match=r"^test\.local_ranks: rank 1 exited with code 1$"):
+        run_local_ranks(_raises, {}, 2, 300.0, prog="test.local_ranks")
+    err = capfd.readouterr().err
+    assert "Traceback (most recent call last)" in err
+    assert "ValueError: rank 1 found a bad batch" in err
+    assert _children() == []

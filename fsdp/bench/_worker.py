@@ -10,10 +10,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
-import json
 import os
 import time
-import traceback
 import warnings
 from typing import Any, Callable, Iterator
 
@@ -21,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdp._local_ranks import write_rank_result
 from fsdp.bench._comm import count_collectives
 from fsdp.bench._config import CHECKPOINTED, BenchConfig
 from fsdp.bench._memory import MemoryTrace
@@ -261,17 +260,12 @@ def rank_entry(rank: int, cfg_dict: dict[str, Any], workdir: str) -> None:
     )
     try:
         result = run_profile(cfg) if cfg.profile else run_bench(cfg)
-        path = os.path.join(workdir, f"rank{rank}.json")
-        with open(path + ".tmp", "w") as f:
-            json.dump(result, f)
-        os.replace(path + ".tmp", path)
-        # Both ranks are done with every exchange before either tears its group down: a rank
-        # whose peer closed the connections while its own gloo threads still held work can
-        # abort at exit ("terminate called without an active exception", seen once).
+        write_rank_result(workdir, rank, result)
+        # Both ranks are done with every exchange before either tears its group down (a rank
+        # whose peer closed its connections while its own gloo threads still held work could
+        # abort); the runner then ends the process without finalizing the interpreter, see
+        # [Note: Rank exit without interpreter finalization] in fsdp/_local_ranks.py.
         dist.barrier()
-    except BaseException:
-        traceback.print_exc()
-        raise
     finally:
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
