@@ -16,9 +16,27 @@ the math fallback that materializes the whole attention matrix, which no real ru
 Markers interleave with the allocations: ``fwd_pre``/``fwd_post`` from module hooks on every
 unit's module, ``bwd_pre`` from a hook on the unit's outputs (where FSDP's pre-backward hook
 sits), ``grad`` when autograd finishes one parameter's gradient (where FSDP's hooks on the
-parameter views run) and ``bwd_post`` when the last one of a FlatParameter is done (FSDP's
-post-backward hook). :mod:`fsdp.plan._schedule` replays FSDP's unshard, reshard, prefetch and
-reduction on this stream.
+parameter views run) and ``bwd_post`` where FSDP's post-backward hook runs (see below).
+:mod:`fsdp.plan._schedule` replays FSDP's unshard, reshard, prefetch and reduction on this
+stream.
+
+[Note: Post-backward follows the views node]
+FSDP's post-backward hook for a handle runs when autograd runs the node that turns the
+parameters' gradients back into the FlatParameter's: the backward of the views the pre-forward
+hook made (``FlatParamHandle``'s split and views). That node is ready once the handle's last
+parameter gradient is in, but autograd runs the ready node with the highest sequence number
+first, and the views node is numbered at the unit's pre-forward, before every operator of the
+unit's forward. For a unit that contains no other unit nothing lies between, and the hook runs
+right after the last gradient. A unit whose forward runs other units (the root, always) made its
+views before all of their operators: its post-backward waits until autograd has run every node
+numbered after it, that is, until backward reaches what was computed before the unit's forward
+(for the root: the end of backward), however early its gradients were complete (a root whose
+embeddings are frozen has all its gradients after the head's backward, and stays gathered with
+them through the whole backward). The trace reproduces this: each unit's pre-forward records
+the next sequence number (a view of one of its parameters, which allocates nothing), a handle
+whose last gradient is in becomes pending, and a pending handle's ``bwd_post`` is emitted just
+before the first backward operator or pre-backward marker of a node numbered below its unit's,
+or at the end of backward.
 """
 
 from __future__ import annotations
@@ -67,8 +85,11 @@ class _StorageTracker(TorchDispatchMode):
         self.external = external
         self.live: dict[int, int] = {}  # storage address -> serial number
         self.serial = 0
+        self.before_op: Optional[Callable[[], None]] = None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if self.before_op is not None:
+            self.before_op()
         out = func(*args, **(kwargs or {}))
         self.trace.op_count += 1
         for t in tree_flatten(out)[0]:
@@ -122,6 +143,10 @@ class _TraceRun:
         ran_pre_backward: Units whose pre-backward marker was emitted.
         remaining_grads: Per ``(unit, handle)``, the trainable parameters whose gradient is
             still to come in this backward.
+        views_seq: Per unit, the autograd sequence number its views would get, from its first
+            forward ([Note: Post-backward follows the views node]).
+        pending_post: Handles whose gradients are all in and whose ``bwd_post`` waits for
+            backward to reach their unit's views node.
         handles: Every hook registered (removed at the end).
     """
 
@@ -131,7 +156,28 @@ class _TraceRun:
     in_backward: bool = False
     ran_pre_backward: set[int] = field(default_factory=set)
     remaining_grads: dict[tuple[int, int], int] = field(default_factory=dict)
+    views_seq: dict[int, int] = field(default_factory=dict)
+    pending_post: list[tuple[int, int]] = field(default_factory=list)
     handles: list[Any] = field(default_factory=list)
+
+    def emit_post_backward(self, below_seq: Optional[int]) -> None:
+        """Emits ``bwd_post`` for each pending handle whose views node runs before a node
+        numbered ``below_seq`` (all of them when None), highest sequence number first."""
+        due = [
+            hid for hid in self.pending_post if below_seq is None or self.views_seq[hid[0]] > below_seq
+        ]
+        for hid in sorted(due, key=lambda hid: -self.views_seq[hid[0]]):
+            self.pending_post.remove(hid)
+            self.trace.events.append(("bwd_post", hid[0], hid[1]))
+
+    def before_backward_work(self) -> None:
+        """Called before each backward operator and pre-backward marker: a pending views node
+        numbered above the node now running has run first."""
+        if not self.pending_post:
+            return
+        node = torch._C._current_autograd_node()
+        if node is not None:
+            self.emit_post_backward(node._sequence_nr())
 
 
 def trace_forward_backward(
@@ -227,7 +273,7 @@ def _fake_buffers(model: nn.Module, buffer_dtype: Optional[torch.dtype]) -> dict
 def _register_unit_hooks(run: _TraceRun) -> None:
     """The forward markers on every unit's module, and from them the pre-backward markers."""
     for u, unit in enumerate(run.units):
-        run.handles.append(unit.module.register_forward_pre_hook(_fwd_pre_hook(run.trace, u)))
+        run.handles.append(unit.module.register_forward_pre_hook(_fwd_pre_hook(run, u)))
         run.handles.append(unit.module.register_forward_hook(_fwd_post_hook(run, u)))
 
 
@@ -250,7 +296,10 @@ def _run_forward_backward(
         del output
         trace.events.append(("phase", "backward"))
         run.in_backward = True
+        run.tracker.before_op = run.before_backward_work
         loss.backward()
+        run.tracker.before_op = None
+        run.emit_post_backward(None)  # the views nodes numbered first run last
         del loss
         trace.events.append(("phase", "end"))
 
@@ -266,21 +315,38 @@ def _grad_hook(run: _TraceRun, u_h: tuple[int, int]) -> Callable[[torch.Tensor],
         param.grad = None  # FSDP hands it to the reduction; the replay decides how long it lives
         run.remaining_grads[u_h] -= 1
         if run.remaining_grads[u_h] == 0:
-            run.trace.events.append(("bwd_post", u_h[0], u_h[1]))
+            if u_h[0] in run.views_seq:  # [Note: Post-backward follows the views node]
+                run.pending_post.append(u_h)
+            else:  # the unit never ran forward with grad enabled: nothing to wait for
+                run.trace.events.append(("bwd_post", u_h[0], u_h[1]))
 
     return hook
 
 
-def _fwd_pre_hook(trace: Trace, u: int) -> Callable[..., None]:
+def _fwd_pre_hook(run: _TraceRun, u: int) -> Callable[..., None]:
     def hook(module: nn.Module, args: Any) -> None:
-        trace.events.append(("fwd_pre", u))
+        run.trace.events.append(("fwd_pre", u))
+        if u not in run.views_seq and not run.in_backward and torch.is_grad_enabled():
+            run.views_seq[u] = _next_sequence_nr(module)
 
     return hook
+
+
+def _next_sequence_nr(module: nn.Module) -> int:
+    """The sequence number autograd gives the next node made now (probed with a view of a
+    trainable parameter of ``module``, which allocates nothing); -1 when it has none (then its
+    handles have no gradients to wait for)."""
+    for p in module.parameters():
+        if p.requires_grad:
+            probe = p.view(p.shape)
+            return probe.grad_fn._sequence_nr()
+    return -1
 
 
 def _fwd_post_hook(run: _TraceRun, u: int) -> Callable[..., None]:
     def on_grad(grad: torch.Tensor) -> None:
         if u not in run.ran_pre_backward:
+            run.before_backward_work()
             run.ran_pre_backward.add(u)
             run.trace.events.append(("bwd_pre", u))
 
