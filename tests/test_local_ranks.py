@@ -20,8 +20,11 @@ from fsdp._local_ranks import run_local_ranks, write_rank_result
 
 
 def _echo(rank: int, payload: dict[str, Any], workdir: str) -> None:
-    """Writes what it was given, so the test sees rank order and the payload."""
+    """Writes what it was given, so the test sees rank order and the payload; then leaves a
+    non-daemon thread that would hold a finalizing interpreter for an hour: the rank must still
+    exit at once ([Note: Rank exit without interpreter finalization])."""
     write_rank_result(workdir, rank, {"rank": rank, "payload": payload, "pid": os.getpid()})
+    threading.Thread(target=time.sleep, args=(3600,), name="never-joined", daemon=False).start()
 
 
 def _one_rank_fails(rank: int, payload: dict[str, Any], workdir: str) -> None:
@@ -40,13 +43,6 @@ def _writes_nothing(rank: int, payload: dict[str, Any], workdir: str) -> None:
         write_rank_result(workdir, rank, {})
 
 
-def _leaves_a_thread_running(rank: int, payload: dict[str, Any], workdir: str) -> None:
-    """Writes its result, then leaves a non-daemon thread that would hold a finalizing
-    interpreter for an hour: the rank must still exit at once, without finalization."""
-    threading.Thread(target=time.sleep, args=(3600,), name="never-joined").start()
-    write_rank_result(workdir, rank, {"rank": rank})
-
-
 def _raises(rank: int, payload: dict[str, Any], workdir: str) -> None:
     if rank == 1:
         raise ValueError("rank 1 found a bad batch")
@@ -59,9 +55,12 @@ def _children() -> list[str]:
     return [p.name for p in multiprocessing.active_children() if not p.name.startswith("rankpool-")]
 
 
-def test_results_in_rank_order() -> None:
+def test_results_in_rank_order_and_ranks_exit_without_finalizing() -> None:
     payload = {"layers": 2, "only": ["fsdp", "ddp"]}
+    start = time.monotonic()
     results = run_local_ranks(_echo, payload, 3, 300.0, prog="test.local_ranks")
+    # A normal exit would have joined each rank's hour-long thread.
+    assert time.monotonic() - start < 300.0
     assert [r["rank"] for r in results] == [0, 1, 2]
     assert all(r["payload"] == payload for r in results)  # JSON round trip of the payload
     assert len({r["pid"] for r in results}) == 3  # one process per rank
@@ -86,16 +85,6 @@ def test_deadline_terminates_every_rank() -> None:
 def test_rank_without_result_is_named() -> None:
     with pytest.raises(RuntimeError, match=r"rank 1 exited with code 0 without writing .*rank1\.json"):
         run_local_ranks(_writes_nothing, {}, 2, 300.0, prog="test.local_ranks")
-
-
-def test_rank_exits_without_finalizing_the_interpreter() -> None:
-    # A normal exit would join the never-joined thread (an hour); the runner's ranks leave with
-    # os._exit once the target returns ([Note: Rank exit without interpreter finalization]).
-    start = time.monotonic()
-    results = run_local_ranks(_leaves_a_thread_running, {}, 2, 120.0, prog="test.local_ranks")
-    assert [r["rank"] for r in results] == [0, 1]
-    assert time.monotonic() - start < 120.0
-    assert _children() == []
 
 
 def test_raising_rank_prints_its_traceback_and_exits_with_1(capfd: pytest.CaptureFixture[str]) -> None:
