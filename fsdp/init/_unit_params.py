@@ -102,17 +102,17 @@ def unit_modules(unit_module: nn.Module, ignored_modules: set[nn.Module]) -> lis
     """
     result: list[nn.Module] = []
     seen: set[int] = set()
-
-    def visit(mod: nn.Module) -> None:
+    # Pre-order with an explicit stack (children pushed in reverse): a recursive closure would
+    # be a reference cycle holding the modules until the cyclic collector runs.
+    stack = [unit_module]
+    while stack:
+        mod = stack.pop()
         if id(mod) in seen:
-            return
+            continue
         seen.add(id(mod))
         result.append(mod)
-        for child in mod.children():
-            if not is_fsdp(child) and child not in ignored_modules:
-                visit(child)
-
-    visit(unit_module)
+        children = [c for c in mod.children() if not is_fsdp(c) and c not in ignored_modules]
+        stack.extend(reversed(children))
     return result
 
 

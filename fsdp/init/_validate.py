@@ -250,16 +250,16 @@ class UnitPlan:
 def _unit_tree(module: nn.Module, unit_modules: set[nn.Module]) -> dict[nn.Module, Optional[nn.Module]]:
     """Maps each unit module to its parent unit module (None for the root)."""
     parent: dict[nn.Module, Optional[nn.Module]] = {module: None}
-
-    def visit(m: nn.Module, current: nn.Module) -> None:
-        for child in m.children():
-            if child in unit_modules and child not in parent:
-                parent[child] = current
-                visit(child, child)
-            else:
-                visit(child, current)
-
-    visit(module, module)
+    # An explicit stack, not a recursive closure: a closure that calls itself is a reference
+    # cycle, which would keep the modules it saw alive until the cyclic collector runs.
+    # Entries are (module, the unit above it), popped in the recursive walk's pre-order.
+    stack: list[tuple[nn.Module, nn.Module]] = [(c, module) for c in reversed(list(module.children()))]
+    while stack:
+        child, current = stack.pop()
+        if child in unit_modules and child not in parent:
+            parent[child] = current
+            current = child
+        stack.extend((grandchild, current) for grandchild in reversed(list(child.children())))
     return parent
 
 

@@ -3,9 +3,22 @@
 The first FSDP instance to run becomes the root unless an FSDP ancestor already claimed it. It
 creates the shared :class:`RootContext`, hands it to every unit in its tree, and names units by
 their qualified names (for messages).
+
+[Note: Releasing the root context]
+Every unit's state points to the shared context (``state.ctx``) and the context lists every
+state, so the two form reference cycles: without help, a deleted model's FlatParameters, their
+gradients and its process group would stay alive until Python's cyclic collector happens to
+run (on the GPU, memory that ``del model`` does not give back; with gloo, worker threads that
+outlive ``destroy_process_group`` into interpreter shutdown). The root's wrapper module itself
+is not in a cycle, so it dies as soon as the user drops it: a ``weakref.finalize`` on it then
+unlinks each unit of its tree from the context (``ctx = None``, ``is_root = None``), which
+breaks every cycle and lets reference counting free the rest at once. A unit the user still
+holds is left as before lazy initialization, so its next forward makes it a root of its own.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 from torch import nn
@@ -39,7 +52,18 @@ def lazy_init(module: nn.Module) -> UnitState:
         for unit in ctx.states:
             for handle in unit.handles:
                 handle.unshard_stream = unshard_stream
+    # [Note: Releasing the root context]; nothing to do at interpreter exit.
+    weakref.finalize(module, _release_context, ctx).atexit = False
     return state
+
+
+def _release_context(ctx: RootContext) -> None:
+    """Unlinks the units of a deleted root's tree from ``ctx`` (see the note above)."""
+    for unit in ctx.states:
+        if unit.ctx is ctx:  # not re-initialized under another root since
+            unit.ctx = None
+            unit.is_root = None
+    ctx.states.clear()
 
 
 def reset_lazy_init(module: nn.Module) -> None:
