@@ -18,6 +18,7 @@ check.
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import os
 import resource
@@ -244,6 +245,11 @@ def train_worker(
         dist.barrier()
         return fell
     finally:
+        # The model holds the process group. fsdp frees a dropped model at once, but torch's
+        # lazy imports on the first step can leave reference cycles through the training
+        # frames; collect them, so destroy_process_group() really stops gloo's threads before
+        # the interpreter shuts down.
+        gc.collect()
         dist.destroy_process_group()
 
 
