@@ -350,15 +350,15 @@ def fsdp_modules(module: nn.Module, root_only: bool = False) -> list[nn.Module]:
     if not root_only:
         return [m for m in module.modules() if is_fsdp(m)]
     result: list[nn.Module] = []
-
-    def visit(mod: nn.Module) -> None:
+    # Pre-order with an explicit stack: a recursive closure is a reference cycle that would
+    # hold the modules it saw until the cyclic collector runs.
+    stack = [module]
+    while stack:
+        mod = stack.pop()
         if is_fsdp(mod):
             result.append(mod)
-            return
-        for child in mod.children():
-            visit(child)
-
-    visit(module)
+            continue
+        stack.extend(reversed(list(mod.children())))
     return result
 
 

@@ -41,7 +41,7 @@ def _post_order_apply(root_module: nn.Module, fn: Callable[[nn.Module], Optional
         for child_name, child in module.named_children():
             if child is not None and child not in visited:
                 visited.add(child)
-                visit(child, child_name, module)
+                visit(child, child_name, module)  # noqa: F821 (deleted below)
         replacement = fn(module)
         if replacement is None:
             return
@@ -49,7 +49,10 @@ def _post_order_apply(root_module: nn.Module, fn: Callable[[nn.Module], Optional
         p_assert(isinstance(replacement, nn.Module), f"fn returned {replacement!r}, not a module")
         setattr(parent, name, replacement)
 
-    visit(root_module, "", None)
+    try:
+        visit(root_module, "", None)
+    finally:
+        del visit  # breaks the closure's self-reference (a cycle that would hold the modules)
 
 
 def _construct_wrap_fn(
