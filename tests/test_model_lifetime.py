@@ -138,3 +138,33 @@ def _child_outlives_root() -> list[Any]:
 
 def test_unit_kept_after_its_root_is_dropped_trains_alone(pool1: RankPool) -> None:
     assert pool1.run(_child_outlives_root) == [[[True, True, True], True, True]]
+
+
+def _dropped_after_failed_backward() -> list[Any]:
+    """A backward that raises on every rank at the first block's pre-backward hook (a
+    parameter replaced between forward and backward, a user error checked before anything
+    else), while the second block's reduction is still in flight; the model is dropped at once.
+    That collective must be completed on the way out, or the group is unusable: a gloo work
+    destroyed mid-transfer hung the group's next collective (the next model's first
+    all-gather) until the group's timeout."""
+    from fsdp import FullyShardedDataParallel as FSDP
+    from fsdp.wrap import ModuleWrapPolicy
+
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    model = FSDP(make_toy(), auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=True)
+    tokens, targets = global_batch(0, ws)
+    loss = lm_loss(model(local_rows(tokens, rank, ws)), local_rows(targets, rank, ws))
+    model.module.blocks[0].module.fc1.weight = torch.nn.Parameter(torch.zeros(11, 7))
+    with pytest.raises(RuntimeError, match="replaced by a new nn.Parameter between forward and backward"):
+        loss.backward()
+    del loss, model
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    # A new model trains over the same group.
+    fresh = FSDP(make_toy(), auto_wrap_policy=ModuleWrapPolicy({Block}))
+    lm_loss(fresh(local_rows(tokens, rank, ws)), local_rows(targets, rank, ws)).backward()
+    return [total.item(), all(p.grad is not None for p in fresh.parameters())]
+
+
+def test_model_dropped_after_a_failed_backward_leaves_the_group_usable(pool2: RankPool) -> None:
+    assert pool2.run(_dropped_after_failed_backward) == [[2.0, True], [2.0, True]]

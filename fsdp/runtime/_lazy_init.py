@@ -14,10 +14,13 @@ is not in a cycle, so it dies as soon as the user drops it: a ``weakref.finalize
 unlinks each unit of its tree from the context (``ctx = None``, ``is_root = None``), which
 breaks every cycle and lets reference counting free the rest at once. A unit the user still
 holds is left as before lazy initialization, so its next forward makes it a root of its own.
+Collectives an interrupted backward left in flight are waited for first (a gloo transfer whose
+work object is destroyed mid-flight leaves the connection unusable for the next model).
 """
 
 from __future__ import annotations
 
+import warnings
 import weakref
 
 import torch
@@ -58,11 +61,28 @@ def lazy_init(module: nn.Module) -> UnitState:
 
 
 def _release_context(ctx: RootContext) -> None:
-    """Unlinks the units of a deleted root's tree from ``ctx`` (see the note above)."""
+    """Unlinks the units of a deleted root's tree from ``ctx`` (see the note above).
+
+    Collectives a failed backward left in flight (a prefetched all-gather, a reduction) are
+    completed first: a gloo work destroyed while its transfer runs leaves the connection to the
+    peer unusable, and the next collective of the group, another model's, hangs. Where the peer
+    never takes part, the wait ends at the group's timeout with a warning.
+    """
     for unit in ctx.states:
-        if unit.ctx is ctx:  # not re-initialized under another root since
-            unit.ctx = None
-            unit.is_root = None
+        if unit.ctx is not ctx:  # re-initialized under another root since
+            continue
+        for handle in unit.handles:
+            try:
+                handle.wait_unshard()
+                handle.wait_reduction()
+            except Exception as err:  # a finalizer cannot raise: say so, free the rest
+                warnings.warn(
+                    f"fsdp: finishing a collective of the dropped model's unit '{unit.unit_name}' "
+                    f"failed (the peer is gone or stuck?): {err}",
+                    stacklevel=1,
+                )
+        unit.ctx = None
+        unit.is_root = None
     ctx.states.clear()
 
 
