@@ -168,3 +168,26 @@ def _dropped_after_failed_backward() -> list[Any]:
 
 def test_model_dropped_after_a_failed_backward_leaves_the_group_usable(pool2: RankPool) -> None:
     assert pool2.run(_dropped_after_failed_backward) == [[2.0, True], [2.0, True]]
+
+
+def _dropped_between_forward_and_backward() -> list[Any]:
+    """``loss = FSDP(model)(x)...; del model; loss.backward()``: the graph keeps the root alive
+    until its backward ran (the hooks on the outputs hold it), then the model is freed."""
+    from fsdp import FullyShardedDataParallel as FSDP
+    from fsdp.wrap import ModuleWrapPolicy
+
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    model = FSDP(make_toy(), auto_wrap_policy=ModuleWrapPolicy({Block}))
+    flat_params = list(model.parameters())
+    model_ref = weakref.ref(model)
+    tokens, targets = global_batch(0, ws)
+    loss = lm_loss(model(local_rows(tokens, rank, ws)), local_rows(targets, rank, ws))
+    del model
+    alive_before_backward = model_ref() is not None
+    loss.backward()
+    del loss
+    return [alive_before_backward, model_ref() is None, all(p.grad is not None for p in flat_params)]
+
+
+def test_model_dropped_between_forward_and_backward_runs_its_backward(pool2: RankPool) -> None:
+    assert pool2.run(_dropped_between_forward_and_backward) == [[True, True, True]] * 2

@@ -103,10 +103,10 @@ def _runtime_order(name: str) -> list[tuple[Any, ...]]:
     original_pre, original_post = hooks._pre_backward_hook, hooks._post_backward_hook
     module_of: dict[int, str] = {}
 
-    def pre(state: Any, grad: torch.Tensor) -> torch.Tensor:
+    def pre(state: Any, grad: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         if not state.ran_pre_backward:
             events.append(("bwd_pre", module_of[id(state)]))
-        return original_pre(state, grad)
+        return original_pre(state, grad, **kwargs)
 
     def post(state_ref: Any, handle_ref: Any, flat_param: Any) -> None:
         state, handle = state_ref(), handle_ref()

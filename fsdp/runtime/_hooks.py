@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import warnings
 import weakref
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -56,7 +56,9 @@ def unit_forward(wrapper: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     except BaseException:
         state.training_state = HandleTrainingState.IDLE
         raise
-    return _post_forward(state, output)
+    # The root's wrapper rides on the outputs' hooks: a model dropped between its forward and
+    # its backward lives until that backward ([Note: Releasing the root context]).
+    return _post_forward(state, output, wrapper if state.is_root else None)
 
 
 @eager_only
@@ -211,8 +213,10 @@ def _finish_inflight_reductions(ctx_ref: "weakref.ref[RootContext]", grad: torch
 
 
 @eager_only  # FSDP bookkeeping runs eagerly; the module's own forward compiles
-def _post_forward(state: UnitState, output: Any) -> Any:
+def _post_forward(state: UnitState, output: Any, owner: Optional[nn.Module] = None) -> Any:
     """Reshards per strategy and registers the pre-backward hooks on the outputs.
+
+    ``owner`` (the root's wrapper) is bound into those hooks, so the autograd graph keeps it.
 
     The root keeps its parameters unsharded after forward when a backward is expected (it
     would gather them again at once), and so does the unit whose backward comes first ([Note:
@@ -237,7 +241,7 @@ def _post_forward(state: UnitState, output: Any) -> Any:
         for handle in state.handles:
             handle.reshard()
         record_free_event(state)
-    hook = functools.partial(_pre_backward_hook, state)
+    hook = functools.partial(_pre_backward_hook, state, owner=owner)
     for t in grad_outputs:
         t.register_hook(hook)
     hook_view_consumers(state, grad_outputs)  # [Note: Gradient hooks on the views' consumers]
@@ -251,8 +255,11 @@ def _queue_final_callback(ctx: RootContext) -> None:
         Variable._execution_engine.queue_callback(functools.partial(_final_callback, ctx))
 
 
-def _pre_backward_hook(state: UnitState, grad: torch.Tensor) -> torch.Tensor:
+def _pre_backward_hook(state: UnitState, grad: torch.Tensor, owner: Optional[nn.Module] = None) -> torch.Tensor:
     """Runs when a gradient w.r.t. one of the unit's outputs is ready: unshard for backward.
+
+    ``owner`` is unused: bound into the hook, it keeps the root's wrapper alive as long as
+    the graph can still run this backward (see ``_post_forward``).
 
     Postcondition: the unit's FlatParameter holds the padded unsharded tensor, so the views
     autograd saved in forward see valid data again.

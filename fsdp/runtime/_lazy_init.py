@@ -14,6 +14,8 @@ is not in a cycle, so it dies as soon as the user drops it: a ``weakref.finalize
 unlinks each unit of its tree from the context (``ctx = None``, ``is_root = None``), which
 breaks every cycle and lets reference counting free the rest at once. A unit the user still
 holds is left as before lazy initialization, so its next forward makes it a root of its own.
+A root dropped between its forward and its backward (``FSDP(model)(x).sum().backward()``) is
+not dead yet: the hooks on the forward's outputs hold it until the graph is freed.
 Collectives an interrupted backward left in flight are waited for first (a gloo transfer whose
 work object is destroyed mid-flight leaves the connection unusable for the next model).
 """
