@@ -24,8 +24,12 @@ That message is what a C++ thread gets when it is ended by ``pthread_exit`` insi
 which is what CPython does to a foreign thread asking for the GIL of an interpreter that is
 finalizing: a gloo or transport thread dropping its last reference to a tensor that has a Python
 object (a buffer of a collective whose work the thread still held) is such a thread. The same
-mechanism is reported against torch for processes that skip ``destroy_process_group``. The
-wrapper also enables :mod:`faulthandler` for every thread, so an abort that still happens
+mechanism is reported against torch for processes that skip ``destroy_process_group``. Gloo's
+threads were alive at shutdown because ``destroy_process_group`` stops them only once nothing
+else holds the group, and the benchmark's wrapped models held it through reference cycles until
+the cyclic collector ran; fsdp's own models are freed at once since ([Note: Releasing the root
+context] in ``fsdp/runtime/_lazy_init.py``), and ``os._exit`` stays as the guard for what other
+libraries' models (torch's FSDP1 keeps its cycle) still hold. The wrapper also enables :mod:`faulthandler` for every thread, so an abort that still happens
 prints each thread's Python stack instead of one line.
 
 It imports nothing from ``fsdp``; only the tools on top use it (``tests/test_layering.py``).
