@@ -16,6 +16,15 @@ is built. Two things make that a measure of live tensors rather than of the allo
 What RSS includes that the planner does not: small tensors (< 64 KiB) and Python objects kept
 in glibc's heap, page rounding of each mapping, gloo's internal buffers and threads' stacks.
 On the test's models that is well under a megabyte (see docs/memory.md).
+
+[Note: One-time kernel state]
+The first call of a CPU kernel for a dtype and shape can leave memory resident for the rest of
+the process: oneDNN JIT-compiles and caches its primitives (about 15 MiB for the first bf16
+steps of the test's GPT, on AMX and on AVX512-BF16 CPUs alike; what it is depends on the CPU's
+ISA), and ``torch.utils.checkpoint``'s first use keeps a few MiB. None of it is allocated by
+later steps, so it is no part of a step's peak, and a baseline taken before it exists counts it
+as if it were. A measurement therefore trains the same configuration once in the same process
+before it takes its baseline, as ``tests/test_plan_measure.py`` does per configuration.
 """
 
 from __future__ import annotations
