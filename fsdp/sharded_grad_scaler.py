@@ -7,10 +7,21 @@ agrees across ranks: after unscaling, the per-rank "found inf" flags are summed 
 process group (one all-reduce per optimizer, however many devices the gradients live on, so a
 rank with no local gradients cannot leave the others waiting), and every rank skips or steps
 together. It also accepts fp16 gradients (``keep_low_precision_grads``) and CPU tensors.
+
+[Note: Host copies of the scale]
+With ``CPUOffload`` the sharded gradients live in host memory while the scale lives on the GPU.
+``GradScaler._unscale_grads_`` serves each device its copy of ``inv_scale`` and ``found_inf``
+through ``.to(device, non_blocking=True)``: a device-to-host copy that returns before the GPU has
+written the host tensor. The CPU kernel that unscales the gradients runs at once, on no stream,
+so it can read the scale before the copy lands (gradients multiplied by garbage), and the copy
+can land after the kernel set ``found_inf`` (an overflow forgotten, the step taken). torch
+FSDP1's scaler inherits that race. Here a device other than the scale's gets blocking copies:
+one scalar each way per step, against gradients that are read there in full anyway.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import Any, Optional, Union
 
 import torch
@@ -96,6 +107,42 @@ class ShardedGradScaler(GradScaler):
         found_per_device = self._unscale_grads_(optimizer, inv_scale, found_inf, True)
         optimizer_state["found_inf_per_device"] = self._agree_on_found_inf(found_per_device)
         optimizer_state["stage"] = OptState.UNSCALED
+
+    def _unscale_grads_(
+        self,
+        optimizer: torch.optim.Optimizer,
+        inv_scale: torch.Tensor,
+        found_inf: torch.Tensor,
+        allow_fp16: bool,
+    ) -> dict[torch.device, torch.Tensor]:
+        """Unscales the optimizer's gradients in place, per device and dtype; returns each
+        device's overflow flag. Every device gets ``inv_scale`` and ``found_inf`` by a copy that
+        has landed before its kernel runs ([Note: Host copies of the scale])."""
+        grads_by_device: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(
+            lambda: defaultdict(list)
+        )
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    if param.grad is None:
+                        continue
+                    if not allow_fp16 and param.grad.dtype == torch.float16:
+                        raise ValueError("Attempting to unscale FP16 gradients.")
+                    if param.grad.is_sparse:
+                        if param.grad.dtype is torch.float16:  # duplicates summed may overflow
+                            param.grad = param.grad.coalesce()
+                        grad = param.grad._values()
+                    else:
+                        grad = param.grad
+                    grads_by_device[grad.device][grad.dtype].append(grad)
+            found_per_device: dict[torch.device, torch.Tensor] = {}
+            for device, grads_by_dtype in grads_by_device.items():
+                device_inv_scale = inv_scale.to(device, non_blocking=False)
+                device_found_inf = found_inf.to(device, non_blocking=False, copy=True)
+                for grads in grads_by_dtype.values():
+                    torch._amp_foreach_non_finite_check_and_unscale_(grads, device_found_inf, device_inv_scale)
+                found_per_device[device] = device_found_inf
+        return found_per_device
 
     def _agree_on_found_inf(
         self, found_per_device: dict[torch.device, torch.Tensor]

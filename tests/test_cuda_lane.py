@@ -261,6 +261,46 @@ def test_fp16_sharded_grad_scaler(pool_name: str, request: pytest.FixtureRequest
 
 
 # ------------------------------------------------------------------------------ initialization
+def lane_scaler_with_offload() -> int:
+    """fp16 + ``CPUOffload`` + ShardedGradScaler with the GPU busy when ``unscale_`` runs
+    ([Note: Host copies of the scale] in fsdp/sharded_grad_scaler.py): the host gradients are
+    unscaled by exactly the scale's reciprocal, and an inf planted in a host gradient skips the
+    step and halves the scale. A ``torch.cuda._sleep`` queued first keeps the stream busy, so a
+    non-blocking copy of the scale to host memory would land after the CPU kernel read it."""
+    cfg = dict(strategy="FULL_SHARD", mp=torch.float16, offload=True)
+    model = _wrap("ours", make_toy().to(_dev()), cfg)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    scaler = _lib("ours").ShardedGradScaler(init_scale=2.0**12)
+    for step in range(2):
+        _, _, x, y = _batch(step)
+        scaler.scale(_loss(model, x, y)).backward()
+        params = [p for p in model.parameters() if p.grad is not None]
+        assert params and all(p.grad.device.type == "cpu" for p in params), "offloaded grads on the host"
+        if step == 1:
+            params[0].grad.view(-1)[0] = float("inf")
+        scaled = [p.grad.clone() for p in params]
+        before = [p.detach().clone() for p in model.parameters()]
+        inv_scale = torch.tensor(scaler.get_scale(), dtype=torch.float64).reciprocal().float()
+        torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU cycles queued ahead of the scale's copies
+        scaler.unscale_(opt)
+        for param, grad in zip(params, scaled):
+            assert torch.equal(param.grad, grad * inv_scale.to(grad.dtype)), f"step {step}: unscaled wrongly"
+        scaler.step(opt)
+        scaler.update()
+        after = list(model.parameters())
+        if step == 1:
+            assert all(torch.equal(a, b) for a, b in zip(after, before)), "the inf step was taken"
+            assert scaler.get_scale() == 2.0**11, scaler.get_scale()
+        else:
+            assert any(not torch.equal(a, b) for a, b in zip(after, before)), "the clean step was skipped"
+        opt.zero_grad()
+    return len(params)
+
+
+def test_scaler_with_offload_and_busy_gpu(cuda_pool1: RankPool) -> None:
+    assert all(n > 0 for n in cuda_pool1.run(lane_scaler_with_offload))
+
+
 def _init_on_gpu(module: nn.Module) -> None:
     module.to_empty(device=_dev(), recurse=False)
     for m in [module]:
