@@ -148,7 +148,8 @@ def group_backend(group: Optional["dist.ProcessGroup"]) -> str:
     try:
         return str(dist.get_backend(group))
     except (ValueError, RuntimeError, KeyError):
-        return group.name()
+        name = getattr(group, "name", None)  # a stand-in group object may have no name()
+        return str(name()) if callable(name) else type(group).__name__
 
 
 def describe_group_rank(group: Optional["dist.ProcessGroup"], rank_in_group: int) -> str:

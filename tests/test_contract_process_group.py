@@ -22,6 +22,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -132,6 +133,69 @@ def test_explicit_group_without_default_group_matches_torch(tmp_path: Path) -> N
         for name, value in synced.items():
             assert torch.equal(value, rank0_init[name]), f"rank {rank}: {name} not rank 0's"
 
+
+
+class _StandInGroup:
+    """An object with the process-group interface construction uses (torch's FSDP tests build
+    FSDP over such a stand-in), not a ``torch.distributed.ProcessGroup``."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self._rank, self._size = rank, size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+
+def _construct_over_stand_in(size: int) -> dict[str, Any]:
+    """Both libraries wrap the same model over a stand-in group of ``size`` ranks; returns what
+    each reports (rank, world size, sharded numels, the local shards' values)."""
+    import warnings
+
+    import torch.distributed.fsdp as torch_fsdp
+
+    import fsdp
+
+    out: dict[str, Any] = {}
+    for name, lib, wrap in (("ours", fsdp, fsdp.wrap), ("torch", torch_fsdp, torch_fsdp.wrap)):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 5))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the one-rank NO_SHARD warning
+            wrapped = lib.FullyShardedDataParallel(
+                model,
+                process_group=_StandInGroup(0, size),
+                auto_wrap_policy=wrap.ModuleWrapPolicy({torch.nn.Linear}),
+                device_id=torch.device("cpu"),
+            )
+        out[name] = {
+            "rank": wrapped.rank,
+            "world_size": wrapped.world_size,
+            "shards": [p.detach().clone() for p in wrapped.parameters()],
+        }
+    return out
+
+
+def test_stand_in_group_object_accepted_like_torch() -> None:
+    """torch FSDP1 accepts any object with ``rank()`` and ``size()`` as ``process_group``, and
+    shards as the size it reports; so does fsdp. Construction runs no collective, so no process
+    group is needed at all."""
+    for size in (1, 2, 4):
+        result = _construct_over_stand_in(size)
+        ours, theirs = result["ours"], result["torch"]
+        assert (ours["rank"], ours["world_size"]) == (theirs["rank"], theirs["world_size"]) == (0, size)
+        assert len(ours["shards"]) == len(theirs["shards"]) == 2  # one per Linear unit (the root has none)
+        for mine, other in zip(ours["shards"], theirs["shards"]):
+            assert torch.equal(mine, other), (size, mine, other)
+
+
+def test_object_without_group_interface_is_refused() -> None:
+    import fsdp
+
+    with pytest.raises(TypeError, match=r"process_group must be a torch\.distributed\.ProcessGroup.*object"):
+        fsdp.FullyShardedDataParallel(torch.nn.Linear(2, 2), process_group="world", device_id=torch.device("cpu"))
 
 def _main(out_dir: str) -> None:
     import torch.multiprocessing as mp

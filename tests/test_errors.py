@@ -514,7 +514,8 @@ def _wrong_argument_types() -> None:
         ),
         (
             dict(process_group="world"),
-            r"fsdp: process_group must be a torch\.distributed\.ProcessGroup, got str",
+            r"fsdp: process_group must be a torch\.distributed\.ProcessGroup \(or an object with its "
+            r"rank\(\) and size\(\) methods\), got str; create one with torch\.distributed\.new_group",
         ),
         # TypeError, as torch FSDP1 (strings such as "cpu" are device ids there and here).
         (dict(device_id=1.5), r"device_id must be an int \(CUDA index\), a str or a torch\.device, got float 1\.5"),
@@ -692,7 +693,7 @@ LAYOUT_MISTAKES: dict[str, tuple[type[BaseException], str]] = {
     "tuple_of_non_groups": (
         TypeError,
         r"fsdp: process_group\[0\] \(the intra-node group\) must be a "
-        r"torch\.distributed\.ProcessGroup, got str",
+        r"torch\.distributed\.ProcessGroup \(or an object with its rank\(\) and size\(\) methods\), got str",
     ),
     "tuple_sizes_do_not_cover_world": (
         ValueError,

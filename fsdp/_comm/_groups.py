@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp._comm import _collectives as comm
+from fsdp._common import group_size
 
 
 class ShardingGroups(NamedTuple):
@@ -29,5 +30,5 @@ class ShardingGroups(NamedTuple):
 def broadcast_from_group_rank0(tensor: torch.Tensor, groups: ShardingGroups) -> None:
     """Overwrites ``tensor`` with the value of group-rank 0 of the shard (then replicate) group."""
     for group in (groups.shard, groups.replicate):
-        if group is not None and dist.get_world_size(group) > 1:
+        if group is not None and group_size(group) > 1:
             comm.broadcast_from_rank0(tensor, group)

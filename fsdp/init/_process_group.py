@@ -37,11 +37,22 @@ def _check_initialized() -> None:
 
 
 def _check_group(group: Any, what: str) -> dist.ProcessGroup:
-    if not isinstance(group, dist.ProcessGroup):
+    """``group`` if it can serve as a process group, else a TypeError.
+
+    As in torch FSDP1, any object with the group interface is accepted, not only a
+    ``torch.distributed.ProcessGroup``: construction asks a group only for ``rank()`` and
+    ``size()``, and stand-in group objects (torch's own tests build FSDP over one) shard as the
+    size they report. Collectives need a real group, and fail there as torch's do.
+    """
+    if isinstance(group, dist.ProcessGroup):
+        return group
+    if not (callable(getattr(group, "rank", None)) and callable(getattr(group, "size", None))):
         raise TypeError(
-            f"fsdp: {what} must be a torch.distributed.ProcessGroup, got {type(group).__name__}"
+            f"fsdp: {what} must be a torch.distributed.ProcessGroup (or an object with its rank() "
+            f"and size() methods), got {type(group).__name__}; create one with "
+            "torch.distributed.new_group(ranks)"
         )
-    return group
+    return group  # type: ignore[no-any-return]  # duck-typed stand-in, see the docstring
 
 
 def resolve_process_groups(
