@@ -254,12 +254,31 @@ class _Planned(NamedTuple):
     ignored_params: set[nn.Parameter]
 
 
+def _values_not_needed(module: nn.Module) -> None:
+    """The ``param_init_fn`` planning hands the wrapper's unit planning: never called.
+
+    [Note: Planning needs no values]
+    ``FullyShardedDataParallel`` materializes meta modules, so its unit planning
+    (:func:`fsdp.init._validate.plan_units`) first checks that every meta module can be
+    materialized: ``param_init_fn`` given, or a ``reset_parameters()`` on each module with meta
+    states (torch FSDP1 fails there too, calling ``reset_parameters()``). That check is the
+    wrapper's contract and stays. Planning materializes nothing: units and sizes need shapes and
+    dtypes only, and the trace runs on fake copies ([Note: Activation trace]). So planning
+    passes this function as ``param_init_fn`` when the user gave none, and any model that can be
+    built on the meta device plans, ``nn.MultiheadAttention`` (no ``reset_parameters()``)
+    included. Nothing else in unit planning reads ``param_init_fn``.
+    """
+    raise AssertionError("fsdp.plan: planning never materializes a module")  # pragma: no cover
+
+
 def _plan_units(model: nn.Module, setup: _Setup, cache: Optional[PlanCache]) -> _Planned:
     """The wrap policy's units, sized for the shard world size, and the ignored parameters."""
     kwargs = setup.kwargs
     root_kwargs = {
         k: v for k, v in kwargs.items() if k not in ("auto_wrap_policy", "ignored_modules", "ignored_states")
     }
+    if root_kwargs.get("param_init_fn") is None:
+        root_kwargs["param_init_fn"] = _values_not_needed  # [Note: Planning needs no values]
     layouts, _ignored_modules, ignored_params = _cached(
         cache.layouts if cache is not None else None,
         _kwargs_key(kwargs),
