@@ -290,7 +290,8 @@ def _plan_units(model: nn.Module, setup: _Setup, cache: Optional[PlanCache]) -> 
             ignored_states=kwargs.get("ignored_states"),
         ),
     )
-    return _Planned(size_unit_specs(layouts, setup.shard_world_size), ignored_params)
+    offloads_to_host = _offloads(setup) and setup.device.type != "cpu"
+    return _Planned(size_unit_specs(layouts, setup.shard_world_size, offloads_to_host), ignored_params)
 
 
 def _trace(
