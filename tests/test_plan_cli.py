@@ -294,3 +294,14 @@ def test_user_model_without_wrap_class_searches_no_checkpointing(capsys: pytest.
     _, out = _run(capsys, "--model", f"{__name__}:make", "--budget", "1GiB", "--world-size", "2", "--no-bf16", "--no-offload")
     assert "wrapping: none: the whole model is one FSDP unit (pass --wrap-class)" in out
     assert "checkpointing no;" in out and {r[4] for r in _rows(out)} == {"no"}
+
+
+def make_without_parameters() -> tuple[nn.Module, torch.Tensor]:
+    """A ``--model`` factory whose model has nothing to shard."""
+    return nn.ReLU(), torch.zeros(8, 32, device="meta")
+
+
+def test_planning_error_is_a_message_not_a_traceback(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["--model", f"{__name__}:make_without_parameters"])
+    assert str(info.value.code).startswith("python -m fsdp.plan: cannot plan this model: fsdp.estimate_memory: the model (ReLU) has no parameters")

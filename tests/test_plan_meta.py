@@ -181,3 +181,22 @@ def test_meta_transformer_prediction_vs_measured(pool2: RankPool) -> None:
     error = (predicted - measured) / measured
     print(f"predicted {predicted / 2**20:.2f} MiB, measured {measured / 2**20:.2f} MiB, {error:+.1%}")
     assert abs(error) <= 0.10, (predicted, measured)
+
+
+class _ReadsValues(nn.Module):
+    """A forward that branches on a tensor's value: no fake tensor can run it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D_MODEL, D_MODEL)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        return y * 2 if y.sum() > 0 else y
+
+
+def test_forward_that_reads_values_is_a_clear_error() -> None:
+    with torch.device("meta"):
+        model = _ReadsValues()
+    with pytest.raises(ValueError, match=r"the model's forward or loss needs tensor values \(aten\._local_scalar_dense"):
+        estimate_memory(model, _inputs(), world_size=2)

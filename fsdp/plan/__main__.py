@@ -436,7 +436,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     for line in request.description:
         print(line)
     start = time.perf_counter()
-    status = _print_search(args, request) if args.budget is not None else _print_estimate(args, request)
+    try:
+        status = _print_search(args, request) if args.budget is not None else _print_estimate(args, request)
+    except (ValueError, TypeError, NotImplementedError) as exc:
+        if not str(exc).startswith("fsdp"):
+            raise  # not a planning error: the user's model failed, its traceback says where
+        raise SystemExit(f"python -m fsdp.plan: cannot plan this model: {exc}") from exc
     print(f"(planned in {time.perf_counter() - start:.1f} s)")
     return status
 

@@ -97,7 +97,8 @@ def estimate_memory(
     tensors, and FSDP's schedule is replayed on top (see docs/memory.md).
 
     Args:
-        model: The unwrapped model; may be on the meta device.
+        model: The unwrapped model; may be on the meta device, whatever its modules' init
+            methods ([Note: Planning needs no values]).
         example_inputs: One micro-batch: a tensor or a tuple of tensors (meta allowed).
         world_size: Number of ranks.
         optimizer: The optimizer class (its state and step temporaries are traced).
@@ -115,7 +116,8 @@ def estimate_memory(
     Raises:
         TypeError: An unknown keyword, or a bad argument type.
         ValueError: A model without parameters, a world size that is not positive or that the
-            hybrid layout does not divide, and the wrapper's own argument errors.
+            hybrid layout does not divide, a forward that needs tensor values, and the
+            wrapper's own argument errors.
     """
     setup = _setup(model, world_size, intra_node_size, fsdp_kwargs)
     planned = _plan_units(model, setup, _cache)
