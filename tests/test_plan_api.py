@@ -9,7 +9,6 @@ from torch import nn
 from fsdp import FullyShardedDataParallel as FSDP
 from fsdp import MixedPrecision, ShardingStrategy, estimate_memory
 from fsdp.examples.model import GPT, Block, GPTConfig
-from fsdp.plan.__main__ import main, parse_bytes
 from fsdp.wrap import ModuleWrapPolicy
 from tests._harness import RankPool
 
@@ -101,6 +100,28 @@ def test_cpu_offload_moves_model_states_to_cpu() -> None:
     assert on_cpu.peak_bytes == plain_cpu.peak_bytes == on_cpu.cpu_peak_bytes
 
 
+def test_cpu_offload_on_one_rank_copies_each_unit_to_the_device() -> None:
+    """One rank with CPU offload on an accelerator: the handle takes the sharded path, its whole
+    flat parameter on the host and copied to the device to compute ([Note: CPU offload on one
+    rank] in fsdp/flat_param/flat_param.py): the device holds gathered units, not the parameters."""
+    from fsdp import CPUOffload
+
+    model, policy = _gpt("meta"), ModuleWrapPolicy({Block})
+    plain = estimate_memory(model, _inputs(), world_size=1, auto_wrap_policy=policy)
+    offload = estimate_memory(
+        model, _inputs(), world_size=1, auto_wrap_policy=policy, cpu_offload=CPUOffload(offload_params=True)
+    )
+    param_bytes = sum(p.numel() for p in model.parameters()) * 4
+    assert plain.breakdown["sharded parameters"] == param_bytes and "gathered units" not in plain.breakdown
+    assert "sharded parameters" not in offload.breakdown and offload.breakdown["gathered units"] > 0
+    # One rank: the "shard" is the whole flat parameter, unpadded.
+    assert [(u.padded_sharded_numel, u.padded_unsharded_numel) for u in offload.units] == [
+        (u.unpadded_unsharded_numel, u.unpadded_unsharded_numel) for u in offload.units
+    ]
+    # On the host: parameters, their AdamW state (2x) and gradients (1x), at least.
+    assert offload.cpu_peak_bytes >= 4 * param_bytes
+
+
 def test_errors_name_the_problem() -> None:
     with pytest.raises(ValueError, match="has no parameters"):
         estimate_memory(nn.ReLU(), torch.zeros(2, device="meta"), world_size=2)
@@ -116,21 +137,6 @@ def test_errors_name_the_problem() -> None:
         estimate_memory(_gpt("meta"), _inputs(), world_size=0)
     with pytest.raises(ValueError, match="process_group= needs a process group"):
         estimate_memory(_gpt("meta"), _inputs(), world_size=2, process_group=object())
-
-
-def test_cli_estimate_and_budget(capsys: pytest.CaptureFixture[str]) -> None:
-    assert parse_bytes("80GiB") == 80 * 2**30 and parse_bytes("40GB") == 40 * 10**9
-    assert main(["--layers", "2", "--d-model", "64", "--heads", "4", "--vocab", "128", "--seq-len", "32", "--world-size", "4"]) == 0
-    out = capsys.readouterr().out
-    assert "peak on the training device" in out and "world_size=4" in out
-    code = main(
-        ["--layers", "2", "--d-model", "64", "--heads", "4", "--vocab", "128", "--seq-len", "32", "--budget", "3MiB", "--max-world-size", "8"]
-    )
-    out = capsys.readouterr().out
-    rows = [line.split() for line in out.splitlines()[2:] if line.strip() and line.strip()[0].isdigit()]
-    assert code == 0 and rows
-    world_sizes = [int(r[0]) for r in rows]
-    assert world_sizes == sorted(world_sizes)  # cheapest (fewest ranks) first
 
 
 def test_plan_70b_on_meta() -> None:
@@ -167,20 +173,23 @@ def test_budget_search_equals_per_configuration_estimates() -> None:
     """The search reuses traces and optimizer results across configurations ([Note: Plan cache]);
     every estimate it returns must equal an independent ``estimate_memory`` call on a fresh model."""
     from fsdp import CPUOffload
-    from fsdp.plan._search import search_configurations
+    from fsdp.plan._search import SearchSpace, search_configurations
 
     policy = ModuleWrapPolicy({Block})
-    fits = search_configurations(
-        _search_model,
-        budget_bytes=2**62,  # everything fits: every configuration tried is returned
-        max_world_size=2,
-        gpus_per_node=1,
+    space = SearchSpace(
+        world_sizes=[1, 2],
+        strategies=[ShardingStrategy.NO_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.HYBRID_SHARD, ShardingStrategy.FULL_SHARD],
+        bf16=[False, True],
+        offload=[False, True],
+        checkpointing=[False, True],
+        intra_node_size=1,
         device="cuda",
-        fsdp_kwargs={"auto_wrap_policy": policy},
     )
-    # Per checkpointing setting: 1 rank (NO_SHARD, fp32/bf16); 2 ranks: NO_SHARD (2), and
-    # SHARD_GRAD_OP, FULL_SHARD and HYBRID_SHARD over 2 one-rank nodes (precision x offload, 4 each).
-    assert len(fits) == 2 * (2 + 2 + 4 + 4 + 4)
+    fits = search_configurations(_search_model, space, fsdp_kwargs={"auto_wrap_policy": policy})
+    # Per checkpointing setting: 1 rank: NO_SHARD (precision x offload, 4); 2 ranks: NO_SHARD
+    # without offload (2), and SHARD_GRAD_OP, FULL_SHARD and HYBRID_SHARD over 2 one-rank nodes
+    # (precision x offload, 4 each).
+    assert len(fits) == space.size() == 2 * (4 + 2 + 4 + 4 + 4)
     assert len({(c.world_size, c.strategy, c.bf16, c.offload, c.checkpointing) for c in fits}) == len(fits)
     for c in fits:
         kwargs: dict = {"auto_wrap_policy": policy, "sharding_strategy": c.strategy, "device_id": torch.device("cuda")}

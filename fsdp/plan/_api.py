@@ -97,7 +97,8 @@ def estimate_memory(
     tensors, and FSDP's schedule is replayed on top (see docs/memory.md).
 
     Args:
-        model: The unwrapped model; may be on the meta device.
+        model: The unwrapped model; may be on the meta device, whatever its modules' init
+            methods ([Note: Planning needs no values]).
         example_inputs: One micro-batch: a tensor or a tuple of tensors (meta allowed).
         world_size: Number of ranks.
         optimizer: The optimizer class (its state and step temporaries are traced).
@@ -115,7 +116,8 @@ def estimate_memory(
     Raises:
         TypeError: An unknown keyword, or a bad argument type.
         ValueError: A model without parameters, a world size that is not positive or that the
-            hybrid layout does not divide, and the wrapper's own argument errors.
+            hybrid layout does not divide, a forward that needs tensor values, and the
+            wrapper's own argument errors.
     """
     setup = _setup(model, world_size, intra_node_size, fsdp_kwargs)
     planned = _plan_units(model, setup, _cache)
@@ -254,12 +256,31 @@ class _Planned(NamedTuple):
     ignored_params: set[nn.Parameter]
 
 
+def _values_not_needed(module: nn.Module) -> None:
+    """The ``param_init_fn`` planning hands the wrapper's unit planning: never called.
+
+    [Note: Planning needs no values]
+    ``FullyShardedDataParallel`` materializes meta modules, so its unit planning
+    (:func:`fsdp.init._validate.plan_units`) first checks that every meta module can be
+    materialized: ``param_init_fn`` given, or a ``reset_parameters()`` on each module with meta
+    states (torch FSDP1 fails there too, calling ``reset_parameters()``). That check is the
+    wrapper's contract and stays. Planning materializes nothing: units and sizes need shapes and
+    dtypes only, and the trace runs on fake copies ([Note: Activation trace]). So planning
+    passes this function as ``param_init_fn`` when the user gave none, and any model that can be
+    built on the meta device plans, ``nn.MultiheadAttention`` (no ``reset_parameters()``)
+    included. Nothing else in unit planning reads ``param_init_fn``.
+    """
+    raise AssertionError("fsdp.plan: planning never materializes a module")  # pragma: no cover
+
+
 def _plan_units(model: nn.Module, setup: _Setup, cache: Optional[PlanCache]) -> _Planned:
     """The wrap policy's units, sized for the shard world size, and the ignored parameters."""
     kwargs = setup.kwargs
     root_kwargs = {
         k: v for k, v in kwargs.items() if k not in ("auto_wrap_policy", "ignored_modules", "ignored_states")
     }
+    if root_kwargs.get("param_init_fn") is None:
+        root_kwargs["param_init_fn"] = _values_not_needed  # [Note: Planning needs no values]
     layouts, _ignored_modules, ignored_params = _cached(
         cache.layouts if cache is not None else None,
         _kwargs_key(kwargs),
@@ -271,7 +292,8 @@ def _plan_units(model: nn.Module, setup: _Setup, cache: Optional[PlanCache]) -> 
             ignored_states=kwargs.get("ignored_states"),
         ),
     )
-    return _Planned(size_unit_specs(layouts, setup.shard_world_size), ignored_params)
+    offloads_to_host = _offloads(setup) and setup.device.type != "cpu"
+    return _Planned(size_unit_specs(layouts, setup.shard_world_size, offloads_to_host), ignored_params)
 
 
 def _trace(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["MemoryEstimate", "UnitEstimate", "format_bytes"]
+__all__ = ["MemoryEstimate", "UnitEstimate", "format_bytes", "format_count"]
 
 
 def format_bytes(nbytes: float) -> str:
@@ -15,6 +15,18 @@ def format_bytes(nbytes: float) -> str:
             return f"{value:.0f} B" if unit == "B" else f"{value:.2f} {unit}"
         value /= 1024
     return f"{value:.2f} TiB"
+
+
+def format_count(count: int) -> str:
+    """A parameter count with its unit, three significant digits: ``819840 -> '0.82M'``,
+    ``85_000_000 -> '85M'``, ``69_500_000_000 -> '69.5B'``; under 100,000 the exact number."""
+    if count < 100_000:
+        return f"{count:,}"
+    for scale, unit in ((1e6, "M"), (1e9, "B")):
+        text = f"{count / scale:.3g}"
+        if float(text) < 1000:
+            return text + unit
+    return f"{count / 1e12:.3g}T"
 
 
 @dataclass
@@ -67,21 +79,22 @@ class MemoryEstimate:
             + f", world_size={self.world_size}",
             f"  peak on the training device: {format_bytes(self.peak_bytes)} (during {self.peak_phase})",
         ]
-        if self.cpu_peak_bytes:
-            lines.append(f"  CPU memory (offload): {format_bytes(self.cpu_peak_bytes)}")
+        if self.cpu_peak_bytes and self.config.get("device") != "cpu":
+            lines.append(f"  host memory (CPU offload): {format_bytes(self.cpu_peak_bytes)}")
         lines.append("  at the peak:")
         width = max((len(k) for k in self.breakdown), default=10)
         for name, nbytes in sorted(self.breakdown.items(), key=lambda kv: -kv[1]):
             if nbytes:
                 lines.append(f"    {name:<{width}}  {format_bytes(nbytes):>12}")
         lines.append(f"  units ({len(self.units)}):")
-        lines.append(f"    {'unit':<28} {'flat numel':>14} {'padded shard':>14} {'gathered':>12}")
         shown = self.units if len(self.units) <= 12 else self.units[:5] + self.units[-5:]
+        name_width = max([len("unit")] + [len(u.name) for u in shown])
+        lines.append(f"    {'unit':<{name_width}} {'flat numel':>14} {'padded shard':>14} {'gathered':>12}")
         for i, unit in enumerate(shown):
             if len(self.units) > 12 and i == 5:
                 lines.append(f"    ... {len(self.units) - 10} more")
             lines.append(
-                f"    {unit.name[:28]:<28} {unit.unpadded_unsharded_numel:>14,} "
+                f"    {unit.name:<{name_width}} {unit.unpadded_unsharded_numel:>14,} "
                 f"{unit.padded_sharded_numel:>14,} {format_bytes(unit.unsharded_bytes):>12}"
             )
         return "\n".join(lines)

@@ -12,15 +12,17 @@ from fsdp.api import CPUOffload, MixedPrecision, ShardingStrategy
 from fsdp.plan._api import PlanCache, estimate_memory
 from fsdp.plan._estimate import MemoryEstimate
 
-__all__ = ["Candidate", "search_configurations"]
+__all__ = ["Candidate", "SearchSpace", "search_configurations", "HYBRID_STRATEGIES", "STRATEGY_COST"]
 
 # Cheaper first: less communication per step (SHARD_GRAD_OP gathers once, NO_SHARD never).
-_STRATEGY_COST = {
+STRATEGY_COST = {
     ShardingStrategy.NO_SHARD: 0,
     ShardingStrategy.SHARD_GRAD_OP: 1,
+    ShardingStrategy._HYBRID_SHARD_ZERO2: 2,
     ShardingStrategy.HYBRID_SHARD: 2,
     ShardingStrategy.FULL_SHARD: 3,
 }
+HYBRID_STRATEGIES = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
 
 
 @dataclass
@@ -51,52 +53,99 @@ class Candidate:
             self.world_size,
             int(self.offload),
             int(self.checkpointing),
-            _STRATEGY_COST[self.strategy],
+            STRATEGY_COST[self.strategy],
             self.estimate.peak_bytes,
+        )
+
+    def fits(self, budget_bytes: int, host_budget_bytes: Optional[int] = None) -> bool:
+        """Whether the device peak fits ``budget_bytes`` and the host peak ``host_budget_bytes``."""
+        if self.estimate.peak_bytes > budget_bytes:
+            return False
+        return host_budget_bytes is None or self.estimate.cpu_peak_bytes <= host_budget_bytes
+
+
+@dataclass
+class SearchSpace:
+    """The configurations to try: every combination of the lists, less the redundant ones.
+
+    Attributes:
+        world_sizes: Ranks.
+        strategies: Sharding strategies.
+        bf16: Mixed-precision settings (False: full precision; True: ``param_dtype=bfloat16``).
+        offload: CPU offload settings.
+        checkpointing: Activation checkpointing settings.
+        intra_node_size: Hybrid strategies' node size (the shard group).
+        device: The training device type (``"cuda"`` or ``"cpu"``).
+    """
+
+    world_sizes: list[int]
+    strategies: list[ShardingStrategy]
+    bf16: list[bool]
+    offload: list[bool]
+    checkpointing: list[bool]
+    intra_node_size: int
+    device: str
+
+    def strategies_at(self, world_size: int, offload: bool) -> list[ShardingStrategy]:
+        """The strategies worth trying at ``world_size``: what the runtime can run, once each.
+
+        - Hybrid strategies need more than one node of whole nodes (one node is FULL_SHARD).
+        - CPU offload has no effect when the training device is the CPU, and fsdp's offload
+          refuses NO_SHARD on more than one rank.
+        - On one rank every strategy trains as NO_SHARD (offload too: [Note: CPU offload on
+          one rank]): only the cheapest is tried.
+        """
+        if offload and self.device == "cpu":
+            return []
+        tried = []
+        for strategy in sorted(self.strategies, key=STRATEGY_COST.__getitem__):
+            if strategy in HYBRID_STRATEGIES and (
+                world_size <= self.intra_node_size or world_size % self.intra_node_size
+            ):
+                continue
+            if offload and world_size > 1 and strategy is ShardingStrategy.NO_SHARD:
+                continue
+            tried.append(strategy)
+        return tried[:1] if world_size == 1 else tried
+
+    def size(self) -> int:
+        """How many configurations :func:`search_configurations` plans."""
+        return sum(
+            len(self.strategies_at(ws, offload)) * len(self.bf16) * len(self.checkpointing)
+            for ws in self.world_sizes
+            for offload in self.offload
         )
 
 
 def search_configurations(
     build: Callable[[bool], tuple[nn.Module, Any]],
+    space: SearchSpace,
     *,
-    budget_bytes: int,
-    max_world_size: int,
-    gpus_per_node: int,
-    device: str,
     fsdp_kwargs: dict[str, Any],
     loss_fn: Optional[Callable[[Any], torch.Tensor]] = None,
 ) -> list[Candidate]:
-    """Estimates every configuration and returns those that fit, cheapest first.
+    """Estimates every configuration of ``space``; returns them all, cheapest first.
+
+    Filter with :meth:`Candidate.fits`.
 
     Args:
         build: ``build(checkpointing) -> (meta model, example inputs)``.
-        budget_bytes: Device memory per rank.
-        max_world_size: Largest world size tried (powers of two from 1).
-        gpus_per_node: The intra-node size for HYBRID_SHARD.
-        device: The training device type (``"cuda"`` or ``"cpu"``).
+        space: What to try.
         fsdp_kwargs: Other keywords for the wrapper (``auto_wrap_policy``...).
         loss_fn: As for :func:`fsdp.estimate_memory`.
     """
-    fits: list[Candidate] = []
-    world_sizes = [1 << i for i in range(max_world_size.bit_length()) if (1 << i) <= max_world_size]
-    for checkpointing in (False, True):
+    candidates: list[Candidate] = []
+    for checkpointing in space.checkpointing:
         model, inputs = build(checkpointing)
         cache = PlanCache()  # [Note: Plan cache]: one per model object
-        for world_size in world_sizes:
-            for strategy in _STRATEGY_COST:
-                if world_size == 1 and strategy is not ShardingStrategy.NO_SHARD:
-                    continue  # the same as NO_SHARD at one rank
-                intra = None
-                if strategy is ShardingStrategy.HYBRID_SHARD:
-                    intra = min(gpus_per_node, world_size)
-                    if world_size <= gpus_per_node or world_size % intra:
-                        continue  # one node: that is FULL_SHARD
-                for bf16 in (False, True):
-                    offloads = (False, True) if strategy not in (ShardingStrategy.NO_SHARD,) and device != "cpu" else (False,)
-                    for offload in offloads:
+        for world_size in space.world_sizes:
+            for offload in space.offload:
+                for strategy in space.strategies_at(world_size, offload):
+                    intra = space.intra_node_size if strategy in HYBRID_STRATEGIES else None
+                    for bf16 in space.bf16:
                         kwargs = dict(fsdp_kwargs)
                         kwargs["sharding_strategy"] = strategy
-                        kwargs["device_id"] = torch.device(device)
+                        kwargs["device_id"] = torch.device(space.device)
                         if bf16:
                             kwargs["mixed_precision"] = MixedPrecision(param_dtype=torch.bfloat16)
                         if offload:
@@ -110,8 +159,7 @@ def search_configurations(
                             _cache=cache,
                             **kwargs,
                         )
-                        if estimate.peak_bytes <= budget_bytes:
-                            fits.append(
-                                Candidate(world_size, strategy, bf16, offload, checkpointing, intra, estimate)
-                            )
-    return sorted(fits, key=Candidate.cost)
+                        candidates.append(
+                            Candidate(world_size, strategy, bf16, offload, checkpointing, intra, estimate)
+                        )
+    return sorted(candidates, key=Candidate.cost)

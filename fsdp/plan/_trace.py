@@ -201,7 +201,11 @@ def trace_forward_backward(
     Returns:
         The event stream.
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+        FakeTensorMode,
+    )
 
     run = _TraceRun(Trace(), units)
     try:
@@ -225,6 +229,14 @@ def trace_forward_backward(
             run.tracker = _StorageTracker(run.trace, external)
             _run_forward_backward(model, replacements, args, loss_fn, run)
             del replacements, fake_inputs, args
+    except (DataDependentOutputException, DynamicOutputShapeException) as exc:
+        raise ValueError(
+            f"fsdp.estimate_memory: the model's forward or loss needs tensor values ({exc}: "
+            f".item(), bool(tensor), Python control flow on a tensor, or an output whose shape "
+            f"depends on values, such as nonzero() or boolean-mask indexing). Planning runs on "
+            f"fake tensors, which have shapes and no values; make that part depend on shapes only "
+            f"while planning."
+        ) from exc
     finally:
         for hook in run.handles:
             hook.remove()

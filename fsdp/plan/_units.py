@@ -159,12 +159,18 @@ def plan_unit_layouts(
     return layouts, plan.ignored_modules, plan.ignored_params
 
 
-def size_unit_specs(layouts: list[UnitLayout], shard_world_size: int) -> list[UnitSpec]:
+def size_unit_specs(
+    layouts: list[UnitLayout], shard_world_size: int, offloads_to_host: bool = False
+) -> list[UnitSpec]:
     """Sizes every FlatParameter of the planned units for one shard world size.
 
     Args:
         layouts: From :func:`plan_unit_layouts`.
         shard_world_size: Ranks a parameter is sharded over (the intra-node size for hybrid).
+        offloads_to_host: CPU offload of parameters with an accelerator as the training
+            device: on one rank the handle then takes the sharded path, its whole flat
+            parameter on the host and copied to the device for compute ([Note: CPU offload on
+            one rank] in fsdp/flat_param/flat_param.py).
     """
     specs: list[UnitSpec] = []
     for layout in layouts:
@@ -174,7 +180,9 @@ def size_unit_specs(layouts: list[UnitLayout], shard_world_size: int) -> list[Un
             ShardingStrategy._HYBRID_SHARD_ZERO2,
         ):
             strategy = ShardingStrategy.NO_SHARD  # as the wrapper does at world size 1
-        uses_sharding = strategy is not ShardingStrategy.NO_SHARD and shard_world_size > 1
+        uses_sharding = (strategy is not ShardingStrategy.NO_SHARD and shard_world_size > 1) or (
+            offloads_to_host and shard_world_size == 1
+        )
         use_orig_params = bool(layout.kwargs.get("use_orig_params"))
         handles: list[HandleSpec] = []
         for unique in layout.handle_params:
