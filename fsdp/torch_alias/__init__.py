@@ -36,6 +36,7 @@ import types
 import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
+from fsdp.torch_alias import _dcp_bridge
 from fsdp.torch_alias._wrap_compat import build_wrap_alias
 
 __all__ = ["TorchFSDPRedirect", "redirect_torch_fsdp"]
@@ -59,6 +60,10 @@ _PUBLIC_SUBMODULES: Tuple[str, ...] = (
 _INIT_ORDER: Tuple[str, ...] = ("_flat_param", _FSDP2_SUBPACKAGE)
 
 _active: Optional["TorchFSDPRedirect"] = None
+
+# torch.distributed.checkpoint.state_dict sees fsdp's units as FSDP1 units, with or without the
+# redirect, from the moment fsdp is imported ([Note: DCP state-dict bridge] in docs/stacks.md).
+_dcp_bridge.install()
 
 
 class _PrivateOrder(importlib.abc.MetaPathFinder):
