@@ -54,16 +54,32 @@ def _wrap(fsdp_cls: Any, policy_cls: Any, orig: bool, seed: int, frozen: bool, *
     return fsdp_cls(model, auto_wrap_policy=policy_cls({Block}), use_orig_params=orig, **kw)
 
 
-def _model(lib: str, orig: bool, seed: int, frozen: bool = False) -> nn.Module:
+_MESHES: Dict[int, Any] = {}
+
+
+def _model(lib: str, orig: bool, seed: int, frozen: bool = False, case: str = "") -> nn.Module:
+    """``case == "hybrid"``: HYBRID_SHARD over a (2, 2) mesh (world size 4)."""
+    kw: Dict[str, Any] = {}
+    if case == "hybrid":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if 4 not in _MESHES:
+            _MESHES[4] = init_device_mesh("cpu", (2, 2))
+        kw["device_mesh"] = _MESHES[4]
     if lib == "ours":
-        from fsdp import FullyShardedDataParallel as FSDP
+        from fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
         from fsdp.wrap import ModuleWrapPolicy
 
-        return _wrap(FSDP, ModuleWrapPolicy, orig, seed, frozen)
+        if kw:
+            kw["sharding_strategy"] = ShardingStrategy.HYBRID_SHARD
+        return _wrap(FSDP, ModuleWrapPolicy, orig, seed, frozen, **kw)
     from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+    from torch.distributed.fsdp import ShardingStrategy as TorchStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchPolicy
 
-    return _wrap(TorchFSDP, TorchPolicy, orig, seed, frozen, device_id=torch.device("cpu"))
+    if kw:
+        kw["sharding_strategy"] = TorchStrategy.HYBRID_SHARD
+    return _wrap(TorchFSDP, TorchPolicy, orig, seed, frozen, device_id=torch.device("cpu"), **kw)
 
 
 def _optim(model: nn.Module) -> torch.optim.Optimizer:
@@ -127,7 +143,7 @@ def _options(**kw: bool) -> Any:
 def _get(model: nn.Module, optim: torch.optim.Optimizer, case: str) -> Tuple[dict, dict]:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    return get_state_dict(model, optim, options=_options(**OPTIONS[case]))
+    return get_state_dict(model, optim, options=_options(**OPTIONS.get(case, {})))
 
 
 def _set(model: nn.Module, optim: torch.optim.Optimizer, msd: dict, osd: dict, case: str) -> Any:
@@ -146,7 +162,7 @@ def _set(model: nn.Module, optim: torch.optim.Optimizer, msd: dict, osd: dict, c
         set_optimizer_state_dict(model, optim, osd, options=options)
         return result
     # Without its frozen parameters a state dict loads only with strict=False (torch's rule).
-    options = _options(**OPTIONS[case], strict=case != "frozen")
+    options = _options(**OPTIONS.get(case, {}), strict=case != "frozen")
     return set_state_dict(model, optim, model_state_dict=msd, optim_state_dict=osd, options=options)
 
 
@@ -264,7 +280,7 @@ def dcp_resume(directory: str, cases: List[str]) -> None:
         for case in cases:
             continuous = {}
             for writer in ("torch", "ours"):
-                model = _model(writer, orig, seed=7)
+                model = _model(writer, orig, seed=7, case=case)
                 optim = _optim(model)
                 _train(model, optim, range(3))
                 msd, osd = _get(model, optim, case)
@@ -272,7 +288,7 @@ def dcp_resume(directory: str, cases: List[str]) -> None:
                 continuous[writer] = _train(model, optim, range(3, 5))
             assert continuous["ours"] == continuous["torch"], (orig, case)
             for writer, reader in PAIRS:
-                model = _model(reader, orig, seed=8)
+                model = _model(reader, orig, seed=8, case=case)
                 optim = _optim(model)
                 msd, osd = _get(model, optim, case)
                 state = {"model": msd, "optim": osd}
@@ -281,7 +297,10 @@ def dcp_resume(directory: str, cases: List[str]) -> None:
                 assert _train(model, optim, range(3, 5)) == continuous[writer], (orig, case, writer, reader)
 
 
-@pytest.mark.parametrize("world_size,cases", [(2, ["sharded", "full"]), (4, ["sharded"])])
+# "hybrid": HYBRID_SHARD on a (2, 2) mesh. Torch FSDP1 gives DTensors on that 2-D mesh
+# (Replicate(), Shard(0)), fsdp on the 1-D shard group (Shard(0)): the same pieces, and DCP moves
+# checkpoints between them exactly.
+@pytest.mark.parametrize("world_size,cases", [(2, ["sharded", "full"]), (4, ["sharded", "hybrid"])])
 def test_dcp_checkpoint_resumes_exactly_across_libraries(tmp_path: Any, world_size: int, cases: List[str]) -> None:
     get_pool(world_size).run(dcp_resume, str(tmp_path), cases, _timeout=300)
 
