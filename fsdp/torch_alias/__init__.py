@@ -18,6 +18,10 @@ short:
   fetched from torch's ``_fully_shard`` subpackage by the alias's ``__getattr__``, only when
   asked for. Nothing of torch's FSDP is imported by the call itself.
 
+Importing this module (``import fsdp`` does) also teaches
+``torch.distributed.checkpoint.state_dict`` that fsdp's units are FSDP1 units, with or without
+the redirect (:mod:`fsdp.torch_alias._dcp_bridge`, "[Note: DCP state-dict bridge]").
+
 ``python -m fsdp.torch_alias SCRIPT [ARGS...]`` (``__main__.py``) makes the call and runs an
 unchanged script; launchers take it as a module (``torchrun ... -m fsdp.torch_alias train.py``).
 
