@@ -38,12 +38,12 @@ from torch import nn
 
 import fsdp.api as fsdp_api
 from fsdp.fully_sharded_data_parallel import FullyShardedDataParallel as _OurFSDP
+from fsdp.runtime._state import HYBRID_STRATEGIES
 
 __all__ = ["install"]
 
 _DCP_STATE_DICT = "torch.distributed.checkpoint.state_dict"
 _INSTALLED_FLAG = "_fsdp_dcp_bridge"
-_OUR_HYBRID = frozenset({fsdp_api.ShardingStrategy.HYBRID_SHARD, fsdp_api.ShardingStrategy._HYBRID_SHARD_ZERO2})
 
 
 def _has_our_units(module: nn.Module) -> bool:
@@ -153,7 +153,7 @@ def _patch(module: types.ModuleType) -> None:
     module._get_module_fsdp_state_if_fully_sharded_module = _make_state_lookup(
         module._get_module_fsdp_state_if_fully_sharded_module
     )
-    module.HYBRID_SHARDING_STRATEGIES = set(module.HYBRID_SHARDING_STRATEGIES) | _OUR_HYBRID
+    module.HYBRID_SHARDING_STRATEGIES = set(module.HYBRID_SHARDING_STRATEGIES) | set(HYBRID_STRATEGIES)
     setattr(module, _INSTALLED_FLAG, True)
 
 
