@@ -20,9 +20,10 @@ def _settings(module: nn.Module) -> Any:
 
 
 def _effective_kind(module: nn.Module, state: UnitState, warn: bool) -> StateDictType:
-    """The unit's state-dict type; a NO_SHARD unit gives FULL instead of LOCAL (torch warns too)."""
+    """The unit's state-dict type; a NO_SHARD unit gives (and takes) FULL instead of LOCAL or
+    SHARDED, as torch FSDP1 does, with its warning: its values are whole on every rank."""
     kind = _settings(module).state_dict_type
-    if kind is StateDictType.LOCAL_STATE_DICT and state.sharding_strategy is ShardingStrategy.NO_SHARD:
+    if kind is not StateDictType.FULL_STATE_DICT and state.sharding_strategy is ShardingStrategy.NO_SHARD:
         if warn:
             warnings.warn(_NO_SHARD_WARNING, stacklevel=3)
         return StateDictType.FULL_STATE_DICT

@@ -18,6 +18,10 @@ short:
   fetched from torch's ``_fully_shard`` subpackage by the alias's ``__getattr__``, only when
   asked for. Nothing of torch's FSDP is imported by the call itself.
 
+Importing this module (``import fsdp`` does) also teaches
+``torch.distributed.checkpoint.state_dict`` that fsdp's units are FSDP1 units, with or without
+the redirect (:mod:`fsdp.torch_alias._dcp_bridge`, "[Note: DCP state-dict bridge]").
+
 ``python -m fsdp.torch_alias SCRIPT [ARGS...]`` (``__main__.py``) makes the call and runs an
 unchanged script; launchers take it as a module (``torchrun ... -m fsdp.torch_alias train.py``).
 
@@ -36,6 +40,7 @@ import types
 import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
+from fsdp.torch_alias import _dcp_bridge
 from fsdp.torch_alias._wrap_compat import build_wrap_alias
 
 __all__ = ["TorchFSDPRedirect", "redirect_torch_fsdp"]
@@ -59,6 +64,10 @@ _PUBLIC_SUBMODULES: Tuple[str, ...] = (
 _INIT_ORDER: Tuple[str, ...] = ("_flat_param", _FSDP2_SUBPACKAGE)
 
 _active: Optional["TorchFSDPRedirect"] = None
+
+# torch.distributed.checkpoint.state_dict sees fsdp's units as FSDP1 units, with or without the
+# redirect, from the moment fsdp is imported ([Note: DCP state-dict bridge] in docs/stacks.md).
+_dcp_bridge.install()
 
 
 class _PrivateOrder(importlib.abc.MetaPathFinder):

@@ -1,0 +1,207 @@
+"""Teach ``torch.distributed.checkpoint.state_dict`` that fsdp's units are FSDP1 units.
+
+Torch's DCP state-dict API (``get_state_dict``, ``set_state_dict`` and the model / optimizer
+variants) recognises FSDP1 through four names bound in its module when it is first imported: the
+wrapper class (``isinstance`` checks and the static methods ``fsdp_modules``,
+``state_dict_type``, ``optim_state_dict``, ``optim_state_dict_to_load``), the state lookup
+``_get_module_fsdp_state_if_fully_sharded_module`` (torch's composable-state registry, which
+knows only torch's own state objects) and ``HYBRID_SHARDING_STRATEGIES``. Without help it treats
+an fsdp model as a plain module (full tensors on every rank, optimizer state keyed by fsdp's
+internal names: checkpoints that save but do not load, or load wrongly), or, after
+:func:`fsdp.redirect_torch_fsdp`, fails in ``_verify_state_dict``.
+
+:func:`install` rebinds those four names in that module, once, to objects that answer for both
+libraries: a model holding fsdp's units is driven through fsdp's FSDP1 methods (torch's enums
+and configs translated to fsdp's by name), any other model through whatever the module had
+bound (torch's FSDP1, or under the redirect fsdp's wrapper itself). A model holding units of
+both libraries is refused with an error before anything is gathered or saved. The design note
+is "[Note: DCP state-dict bridge]" in docs/stacks.md.
+
+``import fsdp`` calls :func:`install`: if torch's module is already imported it is patched at
+once, otherwise a meta-path finder patches it right after its first import. Nothing of torch's
+FSDP is imported by fsdp for this: the wrapper class the bridge falls back to is the one
+torch's module bound itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import importlib.abc
+import importlib.machinery
+import sys
+import types
+from typing import Any, Callable, List, Optional, Sequence
+
+import torch
+from torch import nn
+
+import fsdp.api as fsdp_api
+from fsdp.fully_sharded_data_parallel import FullyShardedDataParallel as _OurFSDP
+from fsdp.runtime._state import HYBRID_STRATEGIES
+
+__all__ = ["install"]
+
+_DCP_STATE_DICT = "torch.distributed.checkpoint.state_dict"
+_INSTALLED_FLAG = "_fsdp_dcp_bridge"
+
+
+def _has_our_units(module: nn.Module) -> bool:
+    return any(isinstance(m, _OurFSDP) for m in module.modules())
+
+
+def _ours(value: Any) -> Any:
+    """torch's FSDP1 enum member or state-dict config as fsdp's equal one (by name and fields)."""
+    if value is None or type(value).__module__.startswith("fsdp."):
+        return value
+    ours = getattr(fsdp_api, type(value).__name__, None)
+    if isinstance(value, enum.Enum) and isinstance(ours, type) and issubclass(ours, enum.Enum):
+        return ours[value.name]
+    if dataclasses.is_dataclass(value) and isinstance(ours, type) and dataclasses.is_dataclass(ours):
+        names = {f.name for f in dataclasses.fields(ours)}
+        return ours(**{f.name: getattr(value, f.name) for f in dataclasses.fields(value) if f.name in names})
+    raise TypeError(
+        f"fsdp: cannot translate {value!r} ({type(value).__qualname__}) to fsdp's state-dict settings; "
+        "pass fsdp's StateDictType and configs"
+    )
+
+
+def _make_wrapper_class(bound: type) -> type:
+    """The class torch's module sees as ``FSDP``: both libraries' wrappers are instances of it."""
+
+    class _BothMeta(type):
+        def __instancecheck__(cls, obj: Any) -> bool:
+            return isinstance(obj, (bound, _OurFSDP))
+
+        def __subclasscheck__(cls, sub: type) -> bool:
+            return issubclass(sub, (bound, _OurFSDP))
+
+    def _pick(module: nn.Module) -> type:
+        return _OurFSDP if _has_our_units(module) else bound
+
+    class FullyShardedDataParallel(metaclass=_BothMeta):
+        """torch's FSDP1 wrapper for torch's units, fsdp's for fsdp's (see this module's docstring)."""
+
+        @staticmethod
+        def fsdp_modules(module: nn.Module, root_only: bool = False) -> List[nn.Module]:
+            ours = _OurFSDP.fsdp_modules(module, root_only)
+            theirs = [m for m in bound.fsdp_modules(module, root_only) if not isinstance(m, _OurFSDP)]
+            if ours and theirs:
+                raise ValueError(
+                    "fsdp: this model holds units of both fsdp and torch.distributed.fsdp "
+                    f"({type(ours[0]).__module__}.{type(ours[0]).__qualname__} and "
+                    f"{type(theirs[0]).__module__}.{type(theirs[0]).__qualname__}); "
+                    "torch.distributed.checkpoint.state_dict cannot save or load such a model: wrap it "
+                    "with one library only"
+                )
+            return ours or theirs
+
+        @staticmethod
+        def state_dict_type(
+            module: nn.Module,
+            state_dict_type: Any,
+            state_dict_config: Any = None,
+            optim_state_dict_config: Any = None,
+        ) -> Any:
+            if _pick(module) is _OurFSDP:
+                return _OurFSDP.state_dict_type(
+                    module, _ours(state_dict_type), _ours(state_dict_config), _ours(optim_state_dict_config)
+                )
+            return bound.state_dict_type(module, state_dict_type, state_dict_config, optim_state_dict_config)
+
+        @staticmethod
+        def optim_state_dict(
+            model: nn.Module,
+            optim: torch.optim.Optimizer,
+            optim_state_dict: Optional[dict] = None,
+            group: Any = None,
+        ) -> dict:
+            return _pick(model).optim_state_dict(model, optim, optim_state_dict, group=group)
+
+        @staticmethod
+        def optim_state_dict_to_load(
+            model: nn.Module,
+            optim: torch.optim.Optimizer,
+            optim_state_dict: dict,
+            is_named_optimizer: bool = False,
+            load_directly: bool = False,
+            group: Any = None,
+        ) -> dict:
+            return _pick(model).optim_state_dict_to_load(
+                model, optim, optim_state_dict, is_named_optimizer, load_directly, group
+            )
+
+    FullyShardedDataParallel.__module__ = __name__
+    return FullyShardedDataParallel
+
+
+def _make_state_lookup(bound: Callable[[nn.Module], Any]) -> Callable[[nn.Module], Any]:
+    def _get_module_fsdp_state_if_fully_sharded_module(module: nn.Module) -> Any:
+        # An fsdp unit is its own state, as torch's FSDP1 wrapper is (torch returns the module).
+        return module if isinstance(module, _OurFSDP) else bound(module)
+
+    return _get_module_fsdp_state_if_fully_sharded_module
+
+
+def _patch(module: types.ModuleType) -> None:
+    """Rebinds the four FSDP1 names of torch's DCP state-dict module (once)."""
+    if getattr(module, _INSTALLED_FLAG, False):
+        return
+    bound = module.FSDP
+    if not (isinstance(bound, type) and issubclass(bound, _OurFSDP)):
+        module.FSDP = _make_wrapper_class(bound)
+    module._get_module_fsdp_state_if_fully_sharded_module = _make_state_lookup(
+        module._get_module_fsdp_state_if_fully_sharded_module
+    )
+    module.HYBRID_SHARDING_STRATEGIES = set(module.HYBRID_SHARDING_STRATEGIES) | set(HYBRID_STRATEGIES)
+    setattr(module, _INSTALLED_FLAG, True)
+
+
+class _PatchAfterImport(importlib.abc.MetaPathFinder):
+    """Patches torch's DCP state-dict module right after its first import (finds nothing itself)."""
+
+    def find_spec(self, fullname: str, path: Optional[Sequence[str]] = None, target: Any = None) -> Any:
+        if fullname != _DCP_STATE_DICT:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            spec.loader = _PatchingLoader(spec.loader)
+        return spec
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    """Runs the module's own loader, then :func:`_patch` on the module."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Optional[types.ModuleType]:
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        self._inner.exec_module(module)
+        _patch(module)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def install() -> None:
+    """Makes torch's DCP state-dict API drive fsdp's units (idempotent).
+
+    Patches ``torch.distributed.checkpoint.state_dict`` now if it is imported, otherwise right
+    after it is (see the module docstring).
+    """
+    loaded = sys.modules.get(_DCP_STATE_DICT)
+    if loaded is not None:
+        _patch(loaded)
+        return
+    if not any(isinstance(f, _PatchAfterImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _PatchAfterImport())
