@@ -19,10 +19,17 @@ def _assert_loss_fell(stdout: str) -> None:
 
 def test_trainer_command_line_bf16() -> None:
     """bf16 mixed precision, no checkpoints, a chosen collective timeout (full precision with
-    checkpoints and the default timeout: the first run of the checkpoint test below)."""
+    checkpoints and the default timeout: the first run of the checkpoint test below).
+
+    Four steps, in which the loss falls by about 20% on every CPU tried (4.34 -> 3.41, the same to
+    3 decimals with oneDNN limited to AVX2, AVX512-BF16 or AMX). Not more: on a CPU with AMX, bf16
+    training of this model at its default learning rate diverges from step 6 (3.39 -> 5.94); the
+    same loop on torch FSDP1 gives the same losses as fsdp to the bit there, and with AVX512-BF16
+    or AVX2 kernels both go on falling. That is the CPU's bf16 kernels, not the trainer.
+    """
     cmd = [
-        sys.executable, "-m", "fsdp.examples.train", "--steps", "8", "--batch-size", "4",
-        "--log-every", "4", "--checkpoint-dir", "", "--mixed-precision", "bf16", "--timeout", "90",
+        sys.executable, "-m", "fsdp.examples.train", "--steps", "4", "--batch-size", "4",
+        "--log-every", "2", "--checkpoint-dir", "", "--mixed-precision", "bf16", "--timeout", "90",
     ]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
