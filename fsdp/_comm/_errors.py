@@ -17,10 +17,27 @@ the *same type*, chained to the original, saying:
 * for a timeout or a lost peer, a hint: which timeout elapsed, and how to set it.
 
 Code that catches torch's exception types keeps working; ``__cause__`` holds the original.
+
+[Note: Phases exchanged on failure]
+A rank that waits alone cannot tell a stalled peer from one that is somewhere else in the
+program. The classic case: only rank 0 calls ``model.state_dict()`` while the others train on;
+rank 0 waits in the state dict's gather, the others in their next forward's all-gather, and
+both sides time out blaming "a slow data loader". So a rank whose collective times out or
+loses a peer first writes what it was doing into the default group's store (one key per
+group and global rank: a group that failed is abandoned, so a key never outlives its failure)
+and reads what the group's other ranks wrote, waiting a moment
+for them (a quarter of the group's timeout, between 1 and 10 s): ranks stuck in mismatched
+collectives time out together and see each other's phase. Only failures inside an FSDP phase
+exchange (cleanup of a dropped model's collectives never waits). The message then lists each rank's
+phase, or that it reported no failure (it is busy or blocked elsewhere), and, where a state
+dict is involved on some ranks, says that state dicts are collectives. A connection closed by
+a peer is said as such: that peer exited or crashed, and nobody waited for a timeout. All of
+it runs only while failing; a store that cannot be reached just leaves the exchange out.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from datetime import timedelta
 from types import FrameType
@@ -65,8 +82,17 @@ _UNIT_HOLDERS = ("self", "handle", "state")
 _UNIT_HOLDERS_OF_FUNCTION: dict[tuple[str, str], tuple[str, ...]] = {
     ("fsdp.runtime._clip_grad", "clip_grad_norm_"): ("state",),
 }
-# Words of a timed-out wait or a lost peer in gloo's and NCCL's messages.
+# Words of a timed-out wait or a lost peer in gloo's and NCCL's messages; a lost peer's name no
+# timeout (gloo's own timeout says "Application timeout caused pair closure").
 _TIMEOUT_WORDS = ("timed out", "timeout", "pair closure", "connection closed", "connection reset", "broken pipe")
+_REPORT_KEY = "fsdp/collective_failure/group{}/rank{}"
+# Phases of the state-dict collectives, which users call on one rank by mistake.
+_STATE_DICT_PHASES = ("state_dict", "load_state_dict", "optimizer state dict")
+_STATE_DICT_HINT = (
+    "State dicts are collectives: every rank must call model.state_dict() / load_state_dict() "
+    "(and FSDP.optim_state_dict), not only the rank that saves or loads; rank0_only=True only "
+    "decides which rank receives the result."
+)
 _CONTEXT_ATTR = "_fsdp_collective_context"
 
 
@@ -121,10 +147,22 @@ def _describe(
     waiting = f", waiting for rank {peer}" if peer is not None else ""
     original = str(err).strip()
     message = f"fsdp: {collective} over the process group of global ranks {ranks} failed{where}{waiting}: {original}"
-    if any(word in original.lower() for word in _TIMEOUT_WORDS):
-        timeout = _group_timeout(group)
+    lowered = original.lower()
+    if not any(word in lowered for word in _TIMEOUT_WORDS):
+        return message
+    timeout = _group_timeout(group)
+    suspect = f"rank {peer}" if peer is not None else "another rank of the group"
+    # Only a failure inside an FSDP phase reaches the user; one outside (completing a dropped
+    # model's collectives) must not spend the exchange's wait.
+    phases = _phases_of_ranks(group, f"{collective}{where}", timeout) if phase else None
+    if not any(word in lowered for word in ("timed out", "timeout")):  # gloo: "timeout caused pair closure"
+        message += (
+            f"\nfsdp hint: the connection to {suspect} closed: that process most likely exited "
+            f"or crashed (this rank did not wait for a timeout); look at its output for its own "
+            f"error."
+        )
+    elif phases is None or not phases.differ:
         after = f" ({timeout} for this group)" if timeout is not None else ""
-        suspect = f"rank {peer}" if peer is not None else "another rank of the group"
         message += (
             f"\nfsdp hint: {suspect} probably stalled (alive but stuck: a slow data loader, a "
             f"deadlock, uneven work or a debugger) or died, and this rank waited for the process "
@@ -133,7 +171,70 @@ def _describe(
             f"dist.init_process_group(timeout=datetime.timedelta(seconds=...)) for the default "
             f"group, dist.new_group(..., timeout=...) for your own."
         )
-    return message
+    return message + (phases.describe(dist.get_rank()) if phases is not None else "")
+
+
+@dataclasses.dataclass
+class _RankPhases:
+    """What the ranks of a failed collective's group said they were doing."""
+
+    mine: str
+    theirs: dict[int, Optional[str]]  # global rank -> its phase, None if it did not report
+    wait_s: float
+
+    @property
+    def differ(self) -> bool:
+        """Every rank reported, and not all the same phase."""
+        return None not in self.theirs.values() and len({self.mine, *self.theirs.values()}) > 1
+
+    def _state_dict_on_some(self) -> bool:
+        phases = [self.mine, *self.theirs.values()]
+        in_state_dict = [p for p in phases if p is not None and any(f"during {s}" in p for s in _STATE_DICT_PHASES)]
+        return 0 < len(in_state_dict) < len(phases)
+
+    def describe(self, me: int) -> str:
+        lines = [f"\nfsdp: what each rank of the group was doing: rank {me} (this one): {self.mine}"]
+        for rank, phase in self.theirs.items():
+            lines.append(
+                f"rank {rank}: {phase}" if phase is not None
+                else f"rank {rank}: reported no failed collective within {self.wait_s:.0f} s (busy, or "
+                "blocked in something else)"
+            )
+        if self._state_dict_on_some():
+            lead = "The ranks are in different phases." if self.differ else "A rank that reported nothing may have skipped the state dict."
+            lines.append(f"{lead} {_STATE_DICT_HINT}")
+        elif self.differ:
+            lines.append("The ranks are in different phases: every rank must run the same FSDP calls in the same order.")
+        return "\n  ".join(lines)
+
+
+def _phases_of_ranks(
+    group: Optional[dist.ProcessGroup], mine: str, timeout: Optional[timedelta]
+) -> Optional[_RankPhases]:
+    """Publishes this rank's phase and reads the group's other ranks' ([Note: Phases exchanged
+    on failure]); None where the default store cannot be reached."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        me = dist.get_rank()
+        ranks = [r for r in _global_ranks(group) if r != me]
+        name = _resolved(group).group_name  # type: ignore[union-attr]
+    except Exception:  # no default group (explicit groups only), or ranks unknown
+        return None
+    timeout_s = timeout.total_seconds() if timeout is not None else 1800.0
+    wait_s = min(10.0, max(1.0, timeout_s / 4))
+    theirs: dict[int, Optional[str]] = {}
+    try:
+        store.set(_REPORT_KEY.format(name, me), mine)
+        try:
+            store.wait([_REPORT_KEY.format(name, r) for r in ranks], timedelta(seconds=wait_s))
+        except Exception:  # some ranks did not report: said in the message
+            pass
+        for r in ranks:
+            key = _REPORT_KEY.format(name, r)
+            theirs[r] = store.get(key).decode() if store.check([key]) else None
+    except Exception:  # describing must never hide the original error
+        return None
+    return _RankPhases(mine, theirs, wait_s)
 
 
 def _phase_and_unit(frame: Optional[FrameType]) -> tuple[Optional[str], Optional[str]]:
