@@ -21,7 +21,7 @@ def test_trainer_command_line_bf16() -> None:
     """bf16 mixed precision, no checkpoints, a chosen collective timeout (full precision with
     checkpoints and the default timeout: the first run of the checkpoint test below)."""
     cmd = [
-        sys.executable, "-m", "fsdp.examples.train", "--steps", "8", "--batch-size", "4",
+        sys.executable, "-m", "examples.train", "--steps", "8", "--batch-size", "4",
         "--log-every", "4", "--checkpoint-dir", "", "--mixed-precision", "bf16", "--timeout", "90",
     ]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
@@ -31,7 +31,7 @@ def test_trainer_command_line_bf16() -> None:
 
 
 def _train(*args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "fsdp.examples.train", "--batch-size", "4", *args]
+    cmd = [sys.executable, "-m", "examples.train", "--batch-size", "4", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
 
@@ -50,7 +50,7 @@ def test_trainer_checkpoint_dir_resume_and_refusal(tmp_path: object, capsys: pyt
 
     # Refused before any rank starts: main() returns the exit status without spawning, so it
     # runs in this process (``python -m`` passes that status to sys.exit).
-    from fsdp.examples.train import main
+    from examples.train import main
 
     assert main(["--batch-size", "4", "--steps", "8", "--checkpoint-dir", ckpt]) == 2
     again = capsys.readouterr()
@@ -69,12 +69,12 @@ def test_trainer_checkpoint_dir_resume_and_refusal(tmp_path: object, capsys: pyt
 
 def test_trainer_timeout_argument(capsys: pytest.CaptureFixture[str]) -> None:
     """``--timeout`` (seconds, default 600) is validated before any rank starts."""
-    from fsdp.examples.train import parse_args
+    from examples.train import parse_args
 
     assert parse_args([]).timeout == 600
     assert parse_args(["--timeout", "2.5"]).timeout == 2.5
     # Refused by the argument parser (exit status 2), before any rank starts.
-    from fsdp.examples.train import main
+    from examples.train import main
 
     with pytest.raises(SystemExit) as exited:
         main(["--batch-size", "4", "--timeout", "0"])

@@ -46,7 +46,7 @@ Builder = Callable[[bool], tuple[nn.Module, Any]]
 
 
 def _gpt_builder(args: argparse.Namespace) -> Builder:
-    from fsdp.examples.model import GPT, Block, GPTConfig, checkpoint_blocks
+    from fsdp.plan.gpt import GPT, Block, GPTConfig, checkpoint_blocks
 
     def build(checkpointing: bool) -> tuple[nn.Module, Any]:
         config = GPTConfig(
@@ -82,7 +82,7 @@ def _user_builder(spec: str, wrap_class: Optional[str]) -> tuple[Builder, Option
                 raise SystemExit(f"fsdp.plan: --wrap-class {wrap_class!r}: no module of that class in the model")
             block_cls[0] = classes.pop()
             if checkpointing:
-                from fsdp.examples.model import checkpoint_blocks
+                from fsdp.plan.gpt import checkpoint_blocks
 
                 checkpoint_blocks(model, block_cls[0])
         return model, inputs
@@ -129,7 +129,7 @@ def _model_and_loss(
     if args.model:
         build, block_cls = _user_builder(args.model, args.wrap_class)
         return build, block_cls, None
-    from fsdp.examples.model import Block
+    from fsdp.plan.gpt import Block
 
     return _gpt_builder(args), Block, _gpt_loss
 
