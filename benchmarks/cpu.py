@@ -123,7 +123,7 @@ def _timed_steps(model: nn.Module, opt: torch.optim.Optimizer, batches: list, n:
 
     The process's CPU time covers every thread of the rank (the training thread, gloo's
     communication threads, ...); the training thread's own is ``main_cpu_s``. See
-    [Note: CPU floor] in ``_report.py`` for what the report makes of them.
+    [Note: CPU floor] in ``report.py`` for what the report makes of them.
     """
     dist.barrier()
     start, cpu_start, main_start = time.perf_counter(), time.process_time(), time.thread_time()

@@ -283,7 +283,7 @@ def _header(cfg: BenchConfig, s: dict[str, Any]) -> str:
 
 
 def _memory_source(s: dict[str, Any]) -> str:
-    """How the peaks were counted (see [Note: Frees on other threads] in ``_memory.py``)."""
+    """How the peaks were counted (see [Note: Frees on other threads] in ``memory.py``)."""
     if s.get("memory_all_threads", True):
         return "allocator's live total, frees on every thread counted"
     return "main thread's allocator events only: frees on other threads missed, peaks overstated"
