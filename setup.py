@@ -12,8 +12,9 @@ setup(
     description="Fully sharded data parallel (FlatParameter / wrapper-module design) for PyTorch",
     long_description=_README.read_text(encoding="utf-8") if _README.exists() else "",
     long_description_content_type="text/markdown",
+    # Only the library: benchmarks/, examples/ and tests/ are tools run from a clone.
     packages=find_packages(include=["fsdp", "fsdp.*"]),
-    package_data={"fsdp": ["py.typed"], "fsdp.examples": ["data/*.txt"]},
+    package_data={"fsdp": ["py.typed"]},
     include_package_data=True,
     python_requires=">=3.10",
     # torch is pinned by the README / CI commands (``pip install torch==2.13.0`` first), so

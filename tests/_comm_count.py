@@ -1,5 +1,5 @@
 """Counting collectives in tests: the benchmark's counter (patches ``torch.distributed``)."""
 
-from fsdp.bench._comm import CommCounts, count_collectives
+from benchmarks.comm import CommCounts, count_collectives
 
 __all__ = ["CommCounts", "count_collectives"]

@@ -6,7 +6,7 @@ import threading
 
 import torch
 
-from fsdp.bench._memory import MemoryTrace, all_thread_accounting_available
+from benchmarks.memory import MemoryTrace, all_thread_accounting_available
 
 MiB = 1 << 20
 
@@ -50,7 +50,7 @@ def test_blocks_from_before_the_trace_do_not_count() -> None:
 
 def test_main_thread_only_fallback_misses_the_other_thread_free(monkeypatch) -> None:
     # Where the flag is unavailable the trace says so; its timeline then overstates (documented).
-    monkeypatch.setattr("fsdp.bench._memory._report_flag", lambda: None)
+    monkeypatch.setattr("benchmarks.memory._report_flag", lambda: None)
     holder: list[torch.Tensor] = []
     with MemoryTrace() as trace:
         with trace.window("a"):

@@ -13,11 +13,12 @@ arithmetic. Resharding itself involves no arithmetic, so it is checked bit for b
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import shutil
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 import torch
@@ -29,8 +30,8 @@ from tests._harness import get_pool
 
 def _setup(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
     from fsdp import FullyShardedDataParallel as FSDP
-    from fsdp.examples.data import CharTokenizer, load_corpus
-    from fsdp.examples.model import GPT, Block, GPTConfig
+    from examples.data import CharTokenizer, load_corpus
+    from fsdp.plan.gpt import GPT, Block, GPTConfig
     from fsdp.wrap import ModuleWrapPolicy
 
     text = load_corpus()
@@ -46,7 +47,7 @@ def _setup(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
 
 def _steps(model: nn.Module, optimizer: torch.optim.Optimizer, data: torch.Tensor, steps: range, data_ws: int) -> None:
     """Trains on the global batch of ``data_ws`` ranks, split over this run's ranks."""
-    from fsdp.examples.data import sample_batch
+    from examples.data import sample_batch
 
     rank, ws = dist.get_rank(), dist.get_world_size()
     for step in steps:
@@ -94,7 +95,7 @@ def _reference_path(directory: str) -> str:
 
 
 def save_phase(directory: str) -> None:
-    from fsdp.examples.checkpoint import save_checkpoint
+    from examples.checkpoint import save_checkpoint
 
     model, optimizer, data = _setup()
     _steps(model, optimizer, data, range(2), 4)
@@ -113,7 +114,7 @@ def save_phase(directory: str) -> None:
 
 def resume_phase(directory: str) -> None:
     """At the world size that saved: resuming equals training straight, bit for bit."""
-    from fsdp.examples.checkpoint import latest_checkpoint, load_checkpoint
+    from examples.checkpoint import latest_checkpoint, load_checkpoint
 
     path = latest_checkpoint(directory)
     assert path is not None and path.endswith("step_000002"), path  # the half-written save is ignored
@@ -132,7 +133,7 @@ def reshard_phase(directory: str) -> None:
     """At another world size: the load restores the saved state bit for bit, and training from
     it equals training from the same state loaded as full state dicts (see the module docstring)."""
     from fsdp import FullyShardedDataParallel as FSDP
-    from fsdp.examples.checkpoint import _init_optimizer_state, latest_checkpoint, load_checkpoint
+    from examples.checkpoint import _init_optimizer_state, latest_checkpoint, load_checkpoint
 
     path = latest_checkpoint(directory)
     assert path is not None and path.endswith("step_000002"), path
@@ -151,7 +152,7 @@ def reshard_phase(directory: str) -> None:
 
 
 def corrupt_phase(directory: str) -> None:
-    from fsdp.examples.checkpoint import latest_checkpoint, load_checkpoint
+    from examples.checkpoint import latest_checkpoint, load_checkpoint
 
     path = latest_checkpoint(directory)
     assert path is not None
@@ -178,7 +179,7 @@ def test_resume_bit_exact_and_interrupted_save(tmp_path: Any) -> None:
 
 
 # ---------------------------------------------------------------- kills during a save
-# [Note: Atomic checkpoints] in fsdp/examples/checkpoint.py. Each scenario starts from a copy of a
+# [Note: Atomic checkpoints] in examples/checkpoint.py. Each scenario starts from a copy of a
 # directory holding one complete save of step 2 (``reference_step_2.pt`` is its full state), then
 # trains two more steps, writes that state as ``reference_new.pt`` and saves again: the same step
 # (a re-save) or step 4. A rank SIGKILLs itself at a named point of the save, or at a seeded random
@@ -187,11 +188,53 @@ def test_resume_bit_exact_and_interrupted_save(tmp_path: Any) -> None:
 _OLD, _NEW, _EITHER = "reference_step_2.pt", "reference_new.pt", "either"
 
 
+#: The points of a save where a rank kills itself, each right after the step it names:
+#: (the function the save calls there, which call of it). ``dcp.save`` writes the shards; rank 0's
+#: ``os.replace`` calls move the old step aside, rename the ``.partial`` in, and replace the
+#: ``latest`` pointer.
+_CRASH_POINTS = {
+    "shards_written": ("dcp.save", lambda args: True),
+    "old_moved_aside": ("os.replace", lambda args: str(args[1]).endswith(".old")),
+    "renamed": ("os.replace", lambda args: str(args[0]).endswith(".partial")),
+    "pointer_written": ("os.replace", lambda args: os.path.basename(str(args[0])) == "latest.tmp"),
+}
+
+
+@contextlib.contextmanager
+def _crash_after(crash_at: str) -> Iterator[None]:
+    """Kills this rank (SIGKILL) right after the save step ``crash_at`` names (``point`` or
+    ``point@RANK`` for one rank only), by wrapping the call that makes it; nothing if empty."""
+    import signal
+
+    from examples import checkpoint
+
+    point, _, only_rank = crash_at.partition("@")
+    if not point or (only_rank and int(only_rank) != dist.get_rank()):
+        yield
+        return
+    where, matches = _CRASH_POINTS[point]
+    owner = checkpoint.dcp if where == "dcp.save" else checkpoint.os
+    name = where.split(".")[1]
+    original = getattr(owner, name)
+
+    def call_then_die(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        if matches(args):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return result
+
+    setattr(owner, name, call_then_die)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
 def crash_save_phase(directory: str, step: int, crash_at: str, delay_s: float) -> None:
     import signal
     import threading
 
-    from fsdp.examples.checkpoint import CRASH_ENV, save_checkpoint
+    from examples.checkpoint import save_checkpoint
 
     model, optimizer, data = _setup()
     _steps(model, optimizer, data, range(2), 4)
@@ -200,11 +243,10 @@ def crash_save_phase(directory: str, step: int, crash_at: str, delay_s: float) -
     if dist.get_rank() == 0:
         torch.save(reference, os.path.join(directory, _NEW))
     dist.barrier()
-    if crash_at:
-        os.environ[CRASH_ENV] = crash_at
     if delay_s > 0:
         threading.Timer(delay_s, os.kill, (os.getpid(), signal.SIGKILL)).start()
-    save_checkpoint(directory, step, model, optimizer, {"step": step})
+    with _crash_after(crash_at):
+        save_checkpoint(directory, step, model, optimizer, {"step": step})
     if delay_s > 0:
         time.sleep(60)  # the timer fires: this rank dies after (or during) the save
 
@@ -212,7 +254,7 @@ def crash_save_phase(directory: str, step: int, crash_at: str, delay_s: float) -
 def check_latest_phase(directory: str, expected: str) -> str:
     import warnings
 
-    from fsdp.examples.checkpoint import latest_checkpoint, load_checkpoint
+    from examples.checkpoint import latest_checkpoint, load_checkpoint
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -286,7 +328,7 @@ def _keep_as_kill_base(saved: str) -> None:
 
 
 def keep_phase(directory: str) -> list[str]:
-    from fsdp.examples.checkpoint import latest_checkpoint, save_checkpoint
+    from examples.checkpoint import latest_checkpoint, save_checkpoint
 
     model, optimizer, _ = _setup()
     for step in (1, 2, 3, 4):
@@ -298,7 +340,7 @@ def keep_phase(directory: str) -> list[str]:
 
 
 def test_keep_prunes_old_steps_and_a_missing_latest_falls_back(tmp_path: Any) -> None:
-    from fsdp.examples.checkpoint import LATEST, latest_checkpoint
+    from examples.checkpoint import LATEST, latest_checkpoint
 
     directory = str(tmp_path)
     assert get_pool(2).run(keep_phase, directory)[0] == ["step_000003", "step_000004"]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fsdp.examples.data import CharTokenizer, batch_seed, load_corpus, sample_batch
-from fsdp.examples.model import GPT, PRESETS, Block, GPTConfig
+from examples.data import CharTokenizer, batch_seed, load_corpus, sample_batch
+from fsdp.plan.gpt import GPT, PRESETS, Block, GPTConfig
 
 
 @pytest.fixture(scope="module")

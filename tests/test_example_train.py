@@ -28,7 +28,7 @@ def test_trainer_command_line_bf16() -> None:
     or AVX2 kernels both go on falling. That is the CPU's bf16 kernels, not the trainer.
     """
     cmd = [
-        sys.executable, "-m", "fsdp.examples.train", "--steps", "4", "--batch-size", "4",
+        sys.executable, "-m", "examples.train", "--steps", "4", "--batch-size", "4",
         "--log-every", "2", "--checkpoint-dir", "", "--mixed-precision", "bf16", "--timeout", "90",
     ]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
@@ -38,7 +38,7 @@ def test_trainer_command_line_bf16() -> None:
 
 
 def _train(*args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "fsdp.examples.train", "--batch-size", "4", *args]
+    cmd = [sys.executable, "-m", "examples.train", "--batch-size", "4", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
 
@@ -57,7 +57,7 @@ def test_trainer_checkpoint_dir_resume_and_refusal(tmp_path: object, capsys: pyt
 
     # Refused before any rank starts: main() returns the exit status without spawning, so it
     # runs in this process (``python -m`` passes that status to sys.exit).
-    from fsdp.examples.train import main
+    from examples.train import main
 
     assert main(["--batch-size", "4", "--steps", "8", "--checkpoint-dir", ckpt]) == 2
     again = capsys.readouterr()
@@ -76,12 +76,12 @@ def test_trainer_checkpoint_dir_resume_and_refusal(tmp_path: object, capsys: pyt
 
 def test_trainer_timeout_argument(capsys: pytest.CaptureFixture[str]) -> None:
     """``--timeout`` (seconds, default 600) is validated before any rank starts."""
-    from fsdp.examples.train import parse_args
+    from examples.train import parse_args
 
     assert parse_args([]).timeout == 600
     assert parse_args(["--timeout", "2.5"]).timeout == 2.5
     # Refused by the argument parser (exit status 2), before any rank starts.
-    from fsdp.examples.train import main
+    from examples.train import main
 
     with pytest.raises(SystemExit) as exited:
         main(["--batch-size", "4", "--timeout", "0"])

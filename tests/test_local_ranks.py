@@ -1,4 +1,4 @@
-"""The local-rank runner shared by ``fsdp.bench`` and ``fsdp.plan.validate`` (``fsdp/_local_ranks.py``).
+"""The local-rank runner shared by ``python -m benchmarks`` and ``python -m benchmarks.validate_plan`` (``benchmarks/local_ranks.py``).
 
 Its ranks are plain spawned processes, not the test harness's pools: the runner itself is under
 test, its start, its deadline and its clean-up. The targets do no torch work, so each run costs
@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from fsdp._local_ranks import run_local_ranks, write_rank_result
+from benchmarks.local_ranks import run_local_ranks, write_rank_result
 
 
 def _echo(rank: int, payload: dict[str, Any], workdir: str) -> None:

@@ -8,7 +8,7 @@ from torch import nn
 
 from fsdp import FullyShardedDataParallel as FSDP
 from fsdp import MixedPrecision, ShardingStrategy, estimate_memory
-from fsdp.examples.model import GPT, Block, GPTConfig
+from fsdp.plan.gpt import GPT, Block, GPTConfig
 from fsdp.wrap import ModuleWrapPolicy
 from tests._harness import RankPool
 
@@ -161,7 +161,7 @@ def test_plan_70b_on_meta() -> None:
 
 
 def _search_model(checkpointing: bool) -> tuple[nn.Module, torch.Tensor]:
-    from fsdp.examples.model import checkpoint_blocks
+    from fsdp.plan.gpt import checkpoint_blocks
 
     model = _gpt("meta", layers=2, d_model=32)
     if checkpointing:
@@ -203,11 +203,11 @@ def test_budget_search_equals_per_configuration_estimates() -> None:
 
 
 def test_validate_device_cuda_without_cuda_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
-    """``python -m fsdp.plan.validate --device cuda`` (the GPU validation of the planner) says why
+    """``python -m benchmarks.validate_plan --device cuda`` (the GPU validation of the planner) says why
     it cannot run on a machine without CUDA, and still lists the GPU predictions."""
     import torch
 
-    from fsdp.plan import validate
+    from benchmarks import validate_plan as validate
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: the error path does not apply")

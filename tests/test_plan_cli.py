@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fsdp import CPUOffload, MixedPrecision, ShardingStrategy, estimate_memory
-from fsdp.examples.model import GPT, Block, GPTConfig, checkpoint_blocks
+from fsdp.plan.gpt import GPT, Block, GPTConfig, checkpoint_blocks
 from fsdp.plan.__main__ import _parser, main, parse_bytes
 from fsdp.plan._estimate import format_bytes, format_count
 from fsdp.wrap import ModuleWrapPolicy

@@ -66,13 +66,13 @@ BATCH, SEQ, VOCAB = 4, 64, 512
 
 
 def _gpt_config() -> Any:
-    from fsdp.examples.model import GPTConfig
+    from fsdp.plan.gpt import GPTConfig
 
     return GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=4, n_head=4, d_model=256)
 
 
 def _build_model(options: dict[str, Any], device: str) -> torch.nn.Module:
-    from fsdp.examples.model import GPT, Block, checkpoint_blocks
+    from fsdp.plan.gpt import GPT, Block, checkpoint_blocks
 
     with torch.device(device):
         model = GPT(_gpt_config())
@@ -86,7 +86,7 @@ def _build_model(options: dict[str, Any], device: str) -> torch.nn.Module:
 
 def _fsdp_kwargs(options: dict[str, Any]) -> dict[str, Any]:
     from fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
-    from fsdp.examples.model import Block
+    from fsdp.plan.gpt import Block
     from fsdp.wrap import ModuleWrapPolicy
 
     bwd = options.get("bwd", "BACKWARD_PRE")

@@ -55,7 +55,7 @@ class _Nested(nn.Module):
 
 
 def _gpt(device: str, frozen_embeddings: bool) -> nn.Module:
-    from fsdp.examples.model import GPT, GPTConfig
+    from fsdp.plan.gpt import GPT, GPTConfig
 
     with torch.device(device):
         model = GPT(GPTConfig(vocab_size=61, block_size=8, n_layer=3, n_head=2, d_model=16))
@@ -67,7 +67,7 @@ def _gpt(device: str, frozen_embeddings: bool) -> nn.Module:
 
 def _case(name: str, device: str) -> tuple[nn.Module, dict[str, Any], torch.Tensor, Callable[[Any], torch.Tensor]]:
     """(model, wrapper keywords, one input, loss function) of a named case."""
-    from fsdp.examples.model import Block
+    from fsdp.plan.gpt import Block
     from fsdp.wrap import ModuleWrapPolicy
 
     if name == "nested stages":

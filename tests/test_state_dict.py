@@ -118,7 +118,7 @@ def rank0_only_memory() -> dict[str, Any]:
     """
     import fsdp.state_dict._model_save as model_sd
     from fsdp import FullStateDictConfig, FullyShardedDataParallel as FSDP, StateDictType
-    from fsdp.bench._memory import MemoryTrace
+    from benchmarks.memory import MemoryTrace
     from fsdp.flat_param.flat_param import FlatParamHandle
 
     model = _ours("FULL_SHARD")

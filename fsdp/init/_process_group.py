@@ -32,7 +32,7 @@ def _check_initialized() -> None:
             "torch.distributed is not initialized. Call "
             "torch.distributed.init_process_group(backend='gloo') (CPU) or backend='nccl' (GPU) "
             "first, typically under `torchrun --nproc_per_node=N train.py`; or try the "
-            "self-launching demo: python -m fsdp.examples.train"
+            "self-launching demo in a clone of the repository: python -m examples.train"
         )
 
 

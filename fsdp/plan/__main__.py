@@ -42,9 +42,8 @@ from fsdp.plan._api import estimate_memory
 from fsdp.plan._estimate import format_bytes, format_count
 from fsdp.plan._search import HYBRID_STRATEGIES, STRATEGY_COST, Candidate, SearchSpace
 
-# The example GPT that plans when no --model is given. Its only import: the module moves with
-# the examples (one line to change).
-_EXAMPLE_MODEL = "fsdp.examples.model"
+# The GPT that plans when no --model is given (the example trainer's and the benchmarks' model).
+_EXAMPLE_MODEL = "fsdp.plan.gpt"
 
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 

@@ -1,13 +1,15 @@
-"""What each rank runs: the memory phase, the alternating timing rounds, the communication
-count and the checkpoint timings (or, with ``--profile``, a profile of fsdp's steps).
+"""The CPU benchmark's ranks: :func:`launch` spawns them, and each runs the memory phase, the
+alternating timing rounds, the communication count and the checkpoint timings (or, with
+``--profile``, a profile of one implementation's steps).
 
 Every rank returns a JSON-serializable dict of its own measurements; the parent process
-(:mod:`fsdp.bench.__main__`) combines them (the slowest rank's time, the largest rank's peak).
+(:mod:`benchmarks.__main__`) combines them (the slowest rank's time, the largest rank's peak).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import gc
 import os
@@ -19,19 +21,22 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp._local_ranks import write_rank_result
-from fsdp.bench._comm import count_collectives
-from fsdp.bench._config import CHECKPOINTED, BenchConfig
-from fsdp.bench._memory import MemoryTrace
-from fsdp.bench._model import loss_fn, make_batches, make_optimizer, torch_fsdp, wrap
+from benchmarks.comm import count_collectives
+from benchmarks.config import CHECKPOINTED, BenchConfig
+from benchmarks.core import Batch, WrapOptions, build_model, make_batches, make_optimizer, torch_fsdp, train_step, wrap
+from benchmarks.local_ranks import run_local_ranks, write_rank_result
+from benchmarks.memory import MemoryTrace
 
-__all__ = ["rank_entry", "CHECKPOINTED"]
+__all__ = ["launch", "rank_entry"]
 
 
-def _step(model: nn.Module, opt: torch.optim.Optimizer, batch: tuple[torch.Tensor, torch.Tensor]) -> None:
-    loss_fn(model, batch).backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
+def _wrapped(name: str, cfg: BenchConfig) -> nn.Module:
+    """A fresh model wrapped by implementation ``name``."""
+    return wrap(name, build_model(cfg.spec), WrapOptions(strategy=cfg.strategy, forward_prefetch=cfg.forward_prefetch))
+
+
+def _batches(cfg: BenchConfig) -> list[Batch]:
+    return make_batches(cfg.spec, 2, dist.get_rank())
 
 
 def _fsdp_api(name: str) -> tuple[Any, bool]:
@@ -78,20 +83,20 @@ def _memory_phase(cfg: BenchConfig, name: str) -> dict[str, Any]:
     gc.collect()
     dist.barrier()
     with MemoryTrace() as trace:
-        model = wrap(name, cfg)
+        model = _wrapped(name, cfg)
         # The unwrapped model's replaced parameters can sit in reference cycles until Python's
         # cyclic collector happens to run; collect now, for every implementation alike, so the
         # step peak measures the implementation, not when garbage collection last ran.
         gc.collect()
         opt = make_optimizer(model)
-        batches = make_batches(cfg, dist.get_rank())
+        batches = _batches(cfg)
         for i in range(cfg.warmup_steps):
-            _step(model, opt, batches[i % len(batches)])
+            train_step(model, opt, batches[i % len(batches)])
         # The peak moves a little from step to step (when gloo's threads finish a collective
         # decides when its buffers die), so the window spans several steps.
         with trace.window("step"):
             for i in range(cfg.memory_steps):
-                _step(model, opt, batches[i % len(batches)])
+                train_step(model, opt, batches[i % len(batches)])
         if cfg.checkpoint and name in CHECKPOINTED:
             dist.barrier()
             with trace.window("save_model"):
@@ -118,12 +123,12 @@ def _timed_steps(model: nn.Module, opt: torch.optim.Optimizer, batches: list, n:
 
     The process's CPU time covers every thread of the rank (the training thread, gloo's
     communication threads, ...); the training thread's own is ``main_cpu_s``. See
-    [Note: CPU floor] in ``_report.py`` for what the report makes of them.
+    [Note: CPU floor] in ``report.py`` for what the report makes of them.
     """
     dist.barrier()
     start, cpu_start, main_start = time.perf_counter(), time.process_time(), time.thread_time()
     for i in range(n):
-        _step(model, opt, batches[(offset + i) % len(batches)])
+        train_step(model, opt, batches[(offset + i) % len(batches)])
     return {
         "step_s": (time.perf_counter() - start) / n,
         "cpu_s": (time.process_time() - cpu_start) / n,
@@ -156,7 +161,7 @@ def _timing_rounds(
     for name in names:
         dist.barrier()
         with count_collectives() as counts:
-            _step(models[name], opts[name], batches[0])
+            train_step(models[name], opts[name], batches[0])
         out["comm"][name] = {"calls": dict(counts.calls), "bytes": dict(counts.bytes)}
 
 
@@ -184,12 +189,12 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
             out["memory"][name] = _memory_phase(cfg, name)
     # Timing: every implementation lives side by side; rounds alternate between them, and the
     # order rotates each round so none is always first after another's cache footprint.
-    models = {name: wrap(name, cfg) for name in names}
+    models = {name: _wrapped(name, cfg) for name in names}
     opts = {name: make_optimizer(models[name]) for name in names}
-    batches = make_batches(cfg, rank)
+    batches = _batches(cfg)
     for name in names:
         for i in range(cfg.warmup_steps):
-            _step(models[name], opts[name], batches[i % len(batches)])
+            train_step(models[name], opts[name], batches[i % len(batches)])
     if not cfg.checkpoint_only:
         _timing_rounds(cfg, names, models, opts, batches, out)
     ckpt_names = [n for n in names if n in CHECKPOINTED] if cfg.checkpoint else []
@@ -216,16 +221,16 @@ def run_profile(cfg: BenchConfig) -> dict[str, Any]:
     """
     from torch.profiler import ProfilerActivity, profile
 
-    model = wrap(cfg.profile_impl, cfg)
+    model = _wrapped(cfg.profile_impl, cfg)
     opt = make_optimizer(model)
-    batches = make_batches(cfg, dist.get_rank())
+    batches = _batches(cfg)
     for i in range(cfg.warmup_steps):
-        _step(model, opt, batches[i % len(batches)])
+        train_step(model, opt, batches[i % len(batches)])
     dist.barrier()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
         for i in range(cfg.profile_steps):
-            _step(model, opt, batches[i % len(batches)])
+            train_step(model, opt, batches[i % len(batches)])
         wall = (time.perf_counter() - start) / cfg.profile_steps
     averages = prof.key_averages()
     rows = sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)
@@ -264,8 +269,24 @@ def rank_entry(rank: int, cfg_dict: dict[str, Any], workdir: str) -> None:
         # Both ranks are done with every exchange before either tears its group down (a rank
         # whose peer closed its connections while its own gloo threads still held work could
         # abort); the runner then ends the process without finalizing the interpreter, see
-        # [Note: Rank exit without interpreter finalization] in fsdp/_local_ranks.py.
+        # [Note: Rank exit without interpreter finalization] in benchmarks/local_ranks.py.
         dist.barrier()
     finally:
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
+
+
+def launch(cfg: BenchConfig) -> list[dict[str, Any]]:
+    """Runs :func:`rank_entry` on ``cfg.world_size`` spawned processes.
+
+    Ranks rendezvous through a file in a fresh temporary folder ([Note: Local rank protocol] in
+    ``benchmarks/local_ranks.py``). Returns each rank's result in rank order; raises ``RuntimeError``
+    if a rank fails or the run exceeds ``cfg.timeout_s`` (the other ranks are then terminated,
+    they would block in a collective).
+    """
+    # The profiler's kineto backend logs every start/stop (at its USDT level, 5) unless told otherwise;
+    # the spawned ranks inherit this before they import torch.
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    return run_local_ranks(
+        rank_entry, dataclasses.asdict(cfg), cfg.world_size, cfg.timeout_s, prog="benchmarks"
+    )

@@ -1,8 +1,8 @@
 """Running a tool's ranks as local spawned processes and collecting each rank's JSON result.
 
-The benchmark (``python -m fsdp.bench``) and the planner's validation run
-(``python -m fsdp.plan.validate``) both start ``world_size`` processes on this machine, wait for
-them under a deadline, and read back what each rank wrote. This module is that runner, shared.
+The CPU benchmark (``python -m benchmarks``) and the planner's validation run
+(``python -m benchmarks.validate_plan``) both start ``world_size`` processes on this machine,
+wait for them under a deadline, and read back what each rank wrote. This module is that runner.
 
 [Note: Local rank protocol]
 The runner calls ``target(rank, payload, workdir)`` in each spawned process, ``rank`` from 0 to
@@ -16,23 +16,17 @@ failed one.
 [Note: Rank exit without interpreter finalization]
 Each rank process runs ``target`` inside :func:`_rank_process`, which ends the process with
 ``os._exit`` once ``target`` returns (code 0) or raises (code 1, after printing the traceback),
-with its output flushed. A rank's work is over by then: its result is written and its target has
-destroyed its process group. What ``os._exit`` skips is the interpreter's finalization, and that
-is where a rank of the benchmark's smoke test aborted twice in CI (exit code -6, ``terminate
-called without an active exception``; never in 60 runs here, with or without competing load).
-That message is what a C++ thread gets when it is ended by ``pthread_exit`` inside a destructor,
-which is what CPython does to a foreign thread asking for the GIL of an interpreter that is
-finalizing: a gloo or transport thread dropping its last reference to a tensor that has a Python
-object (a buffer of a collective whose work the thread still held) is such a thread. The same
-mechanism is reported against torch for processes that skip ``destroy_process_group``. Gloo's
-threads were alive at shutdown because ``destroy_process_group`` stops them only once nothing
-else holds the group, and the benchmark's wrapped models held it through reference cycles until
-the cyclic collector ran; fsdp's own models are freed at once since ([Note: Releasing the root
-context] in ``fsdp/runtime/_lazy_init.py``), and ``os._exit`` stays as the guard for what other
-libraries' models (torch's FSDP1 keeps its cycle) still hold. The wrapper also enables :mod:`faulthandler` for every thread, so an abort that still happens
-prints each thread's Python stack instead of one line.
+with its output flushed. A rank's work is over by then (its result written, its process group
+destroyed); what ``os._exit`` skips is the interpreter's finalization. That is where a process
+can abort (``terminate called without an active exception``) when a backend thread still
+alive drops the last reference to a Python-owned tensor: CPython ends a foreign thread that
+asks for the GIL of a finalizing interpreter, inside a C++ destructor. Gloo's threads stay alive
+while anything holds the process group, and models of other libraries (torch's FSDP1) hold it
+through reference cycles; fsdp's own models release it at once ([Note: Releasing the root
+context] in ``fsdp/runtime/_lazy_init.py``). :mod:`faulthandler` is enabled for every thread,
+so an abort that still happens prints each thread's Python stack.
 
-It imports nothing from ``fsdp``; only the tools on top use it (``tests/test_layering.py``).
+It imports nothing from ``fsdp``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``python -m fsdp.plan.validate``: the planner's prediction against a measured CPU run, 10M to 1B.
+"""``python -m benchmarks.validate_plan``: the planner's prediction against a measured CPU run, 10M to 1B.
 
 Each point builds the example GPT on the meta device, wraps it with ``FullyShardedDataParallel``
 on ``world_size`` spawned CPU ranks (gloo), which materializes only each unit's parameters, one
@@ -10,9 +10,9 @@ the same keywords.
 
 Examples::
 
-    python -m fsdp.plan.validate --list
-    python -m fsdp.plan.validate 10M 50M 100M
-    python -m fsdp.plan.validate 1B --max-total 9GiB
+    python -m benchmarks.validate_plan --list
+    python -m benchmarks.validate_plan 10M 50M 100M
+    python -m benchmarks.validate_plan 1B --max-total 9GiB
 
 Memory safety: before starting a point, the predicted peaks of all its ranks (plus each
 process's own start-up footprint) must fit under ``--max-total`` and under the machine's
@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fsdp._local_ranks import run_local_ranks, write_rank_result
+from benchmarks.local_ranks import run_local_ranks, write_rank_result
 
 __all__ = ["ValidationPoint", "POINTS", "predict", "measure", "main"]
 
@@ -139,7 +139,7 @@ POINTS: dict[str, ValidationPoint] = {
 def _build_model(point: ValidationPoint) -> nn.Module:
     """The GPT on the meta device, in the point's dtype, checkpointed if asked."""
 
-    from fsdp.examples.model import GPT, Block, GPTConfig, checkpoint_blocks
+    from fsdp.plan.gpt import GPT, Block, GPTConfig, checkpoint_blocks
 
     config = GPTConfig(
         vocab_size=point.vocab, block_size=point.seq_len, n_layer=point.layers, n_head=point.heads, d_model=point.d_model
@@ -161,7 +161,7 @@ def _device(point: ValidationPoint) -> torch.device:
 
 def _fsdp_kwargs(point: ValidationPoint) -> dict[str, Any]:
     from fsdp import BackwardPrefetch, MixedPrecision, ShardingStrategy
-    from fsdp.examples.model import Block
+    from fsdp.plan.gpt import Block
     from fsdp.wrap import ModuleWrapPolicy
 
     kwargs: dict[str, Any] = {
@@ -180,7 +180,7 @@ def _optimizer(point: ValidationPoint) -> tuple[type, dict[str, Any]]:
         return torch.optim.AdamW, {"lr": 1e-4}
     if point.optimizer == "SGD":
         return torch.optim.SGD, {"lr": 1e-4, "momentum": 0.0}
-    raise ValueError(f"fsdp.plan.validate: optimizer must be 'AdamW' or 'SGD', got {point.optimizer!r}")
+    raise ValueError(f"benchmarks.validate_plan: optimizer must be 'AdamW' or 'SGD', got {point.optimizer!r}")
 
 
 def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -293,7 +293,7 @@ def _rank_main(rank: int, point_fields: dict[str, Any], workdir: str) -> None:
 
     point = ValidationPoint(**point_fields)
     if point.device == "cpu" and not set_mmap_threshold(65536):
-        raise RuntimeError("fsdp.plan.validate: could not set glibc's mmap threshold (not glibc?)")
+        raise RuntimeError("benchmarks.validate_plan: could not set glibc's mmap threshold (not glibc?)")
     torch.set_num_threads(1)
     _join_group(point, rank, workdir)
     try:
@@ -338,7 +338,7 @@ def measure(point: ValidationPoint, timeout_s: float = 3600.0) -> list[dict[str,
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     return run_local_ranks(
-        _rank_main, dataclasses.asdict(point), point.world_size, timeout_s, prog="fsdp.plan.validate"
+        _rank_main, dataclasses.asdict(point), point.world_size, timeout_s, prog="benchmarks.validate_plan"
     )
 
 
@@ -348,7 +348,7 @@ def _available_bytes() -> int:
         for line in f:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
-    raise RuntimeError("fsdp.plan.validate: /proc/meminfo has no MemAvailable (not Linux?)")
+    raise RuntimeError("benchmarks.validate_plan: /proc/meminfo has no MemAvailable (not Linux?)")
 
 
 def _free_gpu_bytes() -> int:
@@ -359,7 +359,7 @@ def _free_gpu_bytes() -> int:
 def main(argv: Optional[list[str]] = None) -> int:
     from fsdp.plan.__main__ import parse_bytes
 
-    parser = argparse.ArgumentParser(prog="python -m fsdp.plan.validate", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.validate_plan", description=__doc__.split("\n")[0])
     parser.add_argument("points", nargs="*", help=f"point names (default: all): {', '.join(POINTS)}")
     parser.add_argument("--list", action="store_true", help="list the points and their predictions, run nothing")
     parser.add_argument("--max-total", type=parse_bytes, default=parse_bytes("9GiB"), help="all ranks together")

@@ -1,12 +1,12 @@
 """Train a small character-level GPT with ``fsdp.FullyShardedDataParallel``.
 
-Run ``python -m fsdp.examples.train``. With no launcher it starts ``--nprocs`` (default 2) local
+Run ``python -m examples.train`` from the repository root (after ``pip install -e .``). With no launcher it starts ``--nprocs`` (default 2) local
 CPU ranks itself (``torch.multiprocessing`` spawn, gloo, rendezvous on 127.0.0.1 at a free port).
 Under ``torchrun`` (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` set) it joins that
 rendezvous instead, using NCCL and ``device_id=cuda:LOCAL_RANK`` when CUDA is available and gloo
 on CPU otherwise::
 
-    torchrun --nproc_per_node=8 -m fsdp.examples.train --model small --strategy SHARD_GRAD_OP
+    torchrun --nproc_per_node=8 -m examples.train --model small --strategy SHARD_GRAD_OP
 
 Each block of the model is one FSDP unit (``ModuleWrapPolicy({Block})``); the optimizer is AdamW
 with a warmup + cosine learning-rate schedule and ``clip_grad_norm_(1.0)``. Rank 0 logs the loss
@@ -36,10 +36,11 @@ import torch.nn.functional as F
 
 from fsdp import FullyShardedDataParallel as FSDP
 from fsdp import MixedPrecision, ShardingStrategy
-from fsdp.examples.checkpoint import DEFAULT_KEEP, latest_checkpoint, load_checkpoint, save_checkpoint
-from fsdp.examples.data import CharTokenizer, load_corpus, sample_batch
-from fsdp.examples.model import GPT, PRESETS, Block, GPTConfig
+from fsdp.plan.gpt import GPT, PRESETS, Block, GPTConfig
 from fsdp.wrap import ModuleWrapPolicy
+
+from examples.checkpoint import DEFAULT_KEEP, latest_checkpoint, load_checkpoint, save_checkpoint
+from examples.data import CharTokenizer, load_corpus, sample_batch
 
 if TYPE_CHECKING:
     from multiprocessing.sharedctypes import Synchronized
@@ -55,9 +56,9 @@ DEFAULT_TIMEOUT_S = 600
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    """Parse the command line (see ``python -m fsdp.examples.train --help``)."""
+    """Parse the command line (see ``python -m examples.train --help``)."""
     parser = argparse.ArgumentParser(
-        prog="python -m fsdp.examples.train",
+        prog="python -m examples.train",
         description="Train a character-level GPT with fsdp.FullyShardedDataParallel.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )

@@ -1,6 +1,6 @@
-"""``python -m fsdp.bench [flags]``: see :mod:`fsdp.bench` and ``docs/performance.md``.
+"""``python -m benchmarks [flags]``: see :mod:`benchmarks` and ``docs/performance.md``.
 
-``--device cuda`` runs the GPU benchmark instead (:mod:`fsdp.bench._cuda`, its own flags).
+``--device cuda`` runs the GPU benchmark instead (:mod:`benchmarks.cuda`, its own flags).
 """
 
 from __future__ import annotations
@@ -10,14 +10,14 @@ import sys
 import time
 from typing import Optional, Sequence
 
-from fsdp.bench._config import parse_args, parse_device
-from fsdp.bench._launch import launch
-from fsdp.bench._report import format_profile, format_report, summarize
+from benchmarks.config import parse_args, parse_device
+from benchmarks.cpu import launch
+from benchmarks.report import format_profile, format_report, summarize
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     if parse_device(argv) == "cuda":
-        from fsdp.bench._cuda import main_cuda
+        from benchmarks.cuda import main_cuda
 
         return main_cuda(argv)
     cfg = parse_args(argv)

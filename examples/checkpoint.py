@@ -25,7 +25,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import signal
 import warnings
 from typing import Any, Optional
 
@@ -42,18 +41,6 @@ LATEST = "latest"
 #: How many complete step folders a save keeps by default (the newest ones).
 DEFAULT_KEEP = 3
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-#: Test hook: a save kills this process (SIGKILL) at the named point; see [Note: Atomic checkpoints].
-CRASH_ENV = "FSDP_EXAMPLE_CHECKPOINT_CRASH_AT"
-CRASH_POINTS = ("shards_written", "old_moved_aside", "renamed", "pointer_written")
-
-
-def _crash_point(name: str) -> None:
-    """Kills this process here when ``$FSDP_EXAMPLE_CHECKPOINT_CRASH_AT`` names this point
-    (``name`` or ``name@RANK`` for one rank only); used by the kill tests."""
-    wanted = os.environ.get(CRASH_ENV, "")
-    point, _, rank = wanted.partition("@")
-    if point == name and (not rank or int(rank) == dist.get_rank()):
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def is_complete(path: str) -> bool:
@@ -120,21 +107,17 @@ def save_checkpoint(
             shutil.rmtree(old)  # a complete step_N exists: the .old of an earlier re-save is stale
     dist.barrier()
     dcp.save(_state(model, optimizer, extra), checkpoint_id=partial)
-    _crash_point("shards_written")
     dist.barrier()  # every rank's shards are on disk
     if dist.get_rank() == 0:
         if os.path.isdir(final):
             os.replace(final, old)  # set aside, not deleted, until the new one is published
-            _crash_point("old_moved_aside")
         os.replace(partial, final)
-        _crash_point("renamed")
         pointer = os.path.join(directory, LATEST)
         with open(pointer + ".tmp", "w", encoding="utf-8") as f:
             f.write(name + "\n")
             f.flush()
             os.fsync(f.fileno())
         os.replace(pointer + ".tmp", pointer)
-        _crash_point("pointer_written")
         shutil.rmtree(old, ignore_errors=True)
         _prune(directory, keep, final)
     dist.barrier()

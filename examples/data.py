@@ -1,7 +1,7 @@
 """Character-level tokenizer and deterministic per-rank batch sampling for the example.
 
-The corpus is a small public-domain English text shipped inside the package
-(``fsdp/examples/data/corpus.txt``). Batches are random windows of the encoded corpus; the
+The corpus is a small public-domain English text next to this module
+(``examples/data/corpus.txt``). Batches are random windows of the encoded corpus; the
 windows of a batch are a pure function of ``(seed, rank, step)``, so every rank draws a different
 batch at every step and a run is reproducible regardless of how many steps were taken before.
 """
@@ -9,20 +9,20 @@ batch at every step and a run is reproducible regardless of how many steps were 
 from __future__ import annotations
 
 import hashlib
-from importlib import resources
+from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
 import torch
 
 __all__ = ["CORPUS_RESOURCE", "load_corpus", "CharTokenizer", "batch_seed", "sample_batch"]
 
-#: Location of the corpus inside the ``fsdp.examples`` package.
+#: Location of the corpus, relative to this module's folder.
 CORPUS_RESOURCE = "data/corpus.txt"
 
 
 def load_corpus() -> str:
     """Return the text of the shipped corpus (UTF-8)."""
-    return resources.files("fsdp.examples").joinpath(CORPUS_RESOURCE).read_text(encoding="utf-8")
+    return (Path(__file__).parent / CORPUS_RESOURCE).read_text(encoding="utf-8")
 
 
 class CharTokenizer:

@@ -1,5 +1,9 @@
 """A small GPT-style decoder-only language model, written from scratch in plain PyTorch.
 
+It is the model ``python -m fsdp.plan`` plans when no ``--model`` is given, so it lives in the
+package; the example trainer (``examples/``) and the benchmarks (``benchmarks/``), which are not
+installed, import it from here.
+
 Architecture (pre-LayerNorm transformer decoder)::
 
     tokens -> token embedding + learned position embedding -> dropout

@@ -1,4 +1,5 @@
-"""``python -m fsdp.bench --device cuda``: the GPU benchmark's process group and measurements.
+"""``python -m benchmarks --device cuda``: the GPU benchmark's process group, measurements and
+``--profile``.
 
 One process, world size 1 (NCCL on ``cuda:0``; gloo on CPU for ``--cpu-dry-run``). Each *run*
 builds one implementation from scratch, so every implementation starts from the same state:
@@ -7,7 +8,7 @@ counters, run the warm-up steps and then the timed ones (a CUDA event pair aroun
 one synchronization after the loop), read the peaks (over warm-up and timed steps), then drop
 everything, ``gc.collect()`` and ``torch.cuda.empty_cache()``. The training comparison
 alternates implementations within each round (the order rotates by one each round) and the
-report takes medians over rounds; see :mod:`fsdp.bench._cuda_report`.
+report takes medians over rounds; see :mod:`benchmarks.report`.
 
 A run that fails (out of memory, or an exception from an implementation) is recorded with the
 end of its traceback and that implementation is skipped in later rounds; the others go on.
@@ -31,14 +32,14 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from fsdp.bench._cuda_config import CudaBenchConfig, gpt_params, layers_for_size, parse_cuda_args
-from fsdp.bench._cuda_model import build_model, make_batches, make_optimizer, train_step, wrap
-from fsdp.bench._cuda_report import (
+from benchmarks.config import CudaBenchConfig, gpt_params, layers_for_size, parse_cuda_args
+from benchmarks.core import WrapOptions, build_model, make_batches, make_optimizer, train_step, wrap
+from benchmarks.report import (
     evaluate_targets,
+    format_gpu_report,
     format_offload,
-    format_report,
     peak_flops,
-    summarize,
+    summarize_gpu,
     summarize_offload,
 )
 
@@ -53,11 +54,16 @@ _HOST_BYTES_PER_PARAM = 20
 def cuda_unavailable_message() -> str:
     """The one-line error of ``--device cuda`` on a machine without a usable GPU."""
     return (
-        f"python -m fsdp.bench: error: --device cuda: CUDA is not available (torch "
+        f"python -m benchmarks: error: --device cuda: CUDA is not available (torch "
         f"{torch.__version__}, built for CUDA {torch.version.cuda}, "
         f"{torch.cuda.device_count()} GPUs visible); run it on a machine with an NVIDIA GPU, "
         f"or use --device cpu"
     )
+
+
+def _wrap_options(cfg: CudaBenchConfig, device: torch.device, offload: bool) -> WrapOptions:
+    """FULL_SHARD (both FSDP1 designs run NO_SHARD at world size 1), bf16, and the flags."""
+    return WrapOptions(strategy="FULL_SHARD", device=device, bf16=True, offload=offload, compile=cfg.compile)
 
 
 def _free_port() -> int:
@@ -177,13 +183,13 @@ def measure(
     try:
         start = time.perf_counter()
         rec["allocated_before"] = torch.cuda.memory_allocated() if cuda else None
-        model = build_model(cfg, layers, device)
+        model = build_model(cfg.spec(layers), device)
         if offload:  # an fp32 model on the host (built on the GPU: its RNG is far faster)
             model = model.cpu()
             _cleanup(device)
-        model = wrap(impl, model, device, offload)
+        model = wrap(impl, model, _wrap_options(cfg, device, offload))
         opt = make_optimizer(model)
-        batches = make_batches(cfg, warmup + steps, device)
+        batches = make_batches(cfg.spec(layers), warmup + steps, 0, device)
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -192,7 +198,7 @@ def measure(
         for i, batch in enumerate(batches):
             if i >= warmup:
                 timer.mark()
-            losses.append(train_step(model, opt, batch, impl == "local", device.type))
+            losses.append(train_step(model, opt, batch, autocast=impl == "local"))
             if i >= warmup:
                 timer.mark()
         rec["step_s"] = timer.seconds()
@@ -374,13 +380,11 @@ def _env(device: torch.device) -> dict[str, Any]:
 
 def _run(cfg: CudaBenchConfig, device: torch.device) -> dict[str, Any]:
     """Everything the configuration asks for; prints as it goes and the report at the end."""
-    from fsdp.bench._cuda_profile import format_profile, profile_fsdp
-
     env = _env(device)
-    print(f"fsdp.bench --device cuda: {env['device_name']}, torch {env['torch']}, CUDA {env['cuda']}", flush=True)
+    print(f"benchmarks --device cuda: {env['device_name']}, torch {env['torch']}, CUDA {env['cuda']}", flush=True)
     params, matmul_params = gpt_params(cfg.layers_, cfg.d_model, cfg.vocab, cfg.seq)
     doc: dict[str, Any] = {
-        "schema": "fsdp.bench.cuda/1", "env": env, "config": vars(cfg).copy(),
+        "schema": "benchmarks.cuda/1", "env": env, "config": vars(cfg).copy(),
         "model": {"params": params, "matmul_params": matmul_params}, "runs": [],
     }
 
@@ -397,17 +401,17 @@ def _run(cfg: CudaBenchConfig, device: torch.device) -> dict[str, Any]:
     runs = _rounds(cfg, device, False, on_run)
     profile = profile_fsdp(cfg, device) if cfg.profile else None
     peak = peak_flops(env["device_name"], cfg.peak_tflops)
-    summary = summarize(cfg, runs, peak)
+    summary = summarize_gpu(cfg, runs, peak)
     targets = evaluate_targets(summary)
     doc.update(runs=runs, summary=summary, targets=targets, profile=profile)
     if profile is not None:
-        print(format_profile(profile), flush=True)
-    print(format_report(cfg, env, summary, targets), flush=True)
+        print(format_gpu_profile(profile), flush=True)
+    print(format_gpu_report(cfg, env, summary, targets), flush=True)
     return doc
 
 
 def main_cuda(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m fsdp.bench --device cuda [flags]``; returns the exit status."""
+    """``python -m benchmarks --device cuda [flags]``; returns the exit status."""
     cfg = parse_cuda_args(argv)
     if not cfg.cpu_dry_run and not torch.cuda.is_available():
         print(cuda_unavailable_message(), file=sys.stderr)
@@ -427,6 +431,89 @@ def main_cuda(argv: Optional[Sequence[str]] = None) -> int:
         _write_json(cfg, doc)
         print(f"wrote {cfg.json_out}", flush=True)
     return 0
+
+
+# ------------------------------------------------------------------ --profile
+
+#: Rows of the profile's table.
+ROWS = 25
+
+
+def _total(event: Any, *names: str) -> float:
+    """The first of ``names`` that ``event`` has, in microseconds (0 if none)."""
+    for name in names:
+        value = getattr(event, name, None)
+        if value is not None:
+            return float(value)
+    return 0.0
+
+
+def _rows(prof: Any, by_device: bool) -> list[dict[str, Any]]:
+    rows = []
+    for event in prof.key_averages():
+        rows.append(
+            {
+                "name": event.key,
+                "count": int(event.count),
+                "cpu_total_us": _total(event, "cpu_time_total"),
+                "self_cpu_us": _total(event, "self_cpu_time_total"),
+                "device_total_us": _total(event, "device_time_total", "cuda_time_total"),
+                "self_device_us": _total(event, "self_device_time_total", "self_cuda_time_total"),
+            }
+        )
+    key = "self_device_us" if by_device else "self_cpu_us"
+    rows.sort(key=lambda row: row[key], reverse=True)
+    return rows[:ROWS]
+
+
+def profile_fsdp(cfg: CudaBenchConfig, device: torch.device) -> dict[str, Any]:
+    """fsdp built fresh, ``cfg.warmup_steps`` unprofiled steps, then ``cfg.profile_steps``
+    steps under the profiler (CPU and CUDA activity); the top :data:`ROWS` ops by self GPU time
+    (self CPU time on the CPU dry run). A failure is returned as ``{"error": ...}``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    model: Any = None
+    opt: Any = None
+    try:
+        warmup = cfg.warmup_steps or 1
+        model = wrap("fsdp", build_model(cfg.spec(), device), _wrap_options(cfg, device, False))
+        opt = make_optimizer(model)
+        batches = make_batches(cfg.spec(), warmup + cfg.profile_steps, 0, device)
+        for batch in batches[:warmup]:
+            train_step(model, opt, batch)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        if cuda:
+            torch.cuda.synchronize()
+        with profile(activities=activities) as prof:
+            for batch in batches[warmup:]:
+                train_step(model, opt, batch)
+            if cuda:
+                torch.cuda.synchronize()
+        return {"steps": cfg.profile_steps, "sorted_by": "self_device_us" if cuda else "self_cpu_us", "rows": _rows(prof, cuda)}
+    except Exception:
+        return {"error": "".join(traceback.format_exc().splitlines(keepends=True)[-30:])}
+    finally:
+        model = opt = None
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+
+
+def format_gpu_profile(p: dict[str, Any]) -> str:
+    """The profile's top ops: calls and total / self times in milliseconds over all steps."""
+    if "error" in p:
+        return "== fsdp profile FAILED:\n" + p["error"]
+    lines = [
+        f"== fsdp profile: {p['steps']} steps, top {len(p['rows'])} ops by {p['sorted_by']} (ms over all steps)",
+        f"{'op':<52} {'calls':>6} {'gpu_self':>9} {'gpu_tot':>9} {'cpu_self':>9} {'cpu_tot':>9}",
+    ]
+    for r in p["rows"]:
+        lines.append(
+            f"{r['name'][:52]:<52} {r['count']:>6} {r['self_device_us'] / 1e3:>9.2f} "
+            f"{r['device_total_us'] / 1e3:>9.2f} {r['self_cpu_us'] / 1e3:>9.2f} {r['cpu_total_us'] / 1e3:>9.2f}"
+        )
+    return "\n".join(lines)
 
 
 def _write_json(cfg: CudaBenchConfig, doc: dict[str, Any]) -> None:

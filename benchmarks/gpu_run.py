@@ -1,0 +1,226 @@
+"""The prepared GPU run (issue 25, part 1): everything that has not run on a GPU, in order, in one
+command, within a time budget.
+
+On the GPU machine, from the repository root (torch preinstalled, no network)::
+
+    python benchmarks/gpu_run.py --out $OUT --budget-s 540
+
+The script installs fsdp itself (``pip install --no-deps --no-build-isolation -e .``, which
+touches no other package; ``--no-install`` skips it) and every step also runs with the
+repository root on ``PYTHONPATH``, so a failed install does not stop the run. Steps, in order,
+each a subprocess with its own time limit (its log in ``$OUT/NN_<step>.log``, JSON or JUnit XML
+beside it):
+
+1. ``cuda_lane``: ``FSDP_TEST_DEVICE=cuda python -m pytest tests/test_cuda_lane.py``;
+2. ``plan_gpu``: the memory planner against ``torch.cuda.max_memory_allocated`` (10M, 100M, 1B);
+3. ``bench_eager`` and ``bench_compile``: the GPU benchmark at world size 1, then ``--compile``
+   runs of fsdp, torch FSDP1 and the unwrapped model;
+4. ``offload``: CPU offload, fsdp against torch FSDP1, walking 1B, 2B, 4B (one size compared,
+   and the largest each trains);
+5. ``ws2_memory``: world size 2 on the one GPU, per-rank max allocated, fsdp against torch FSDP1;
+6. ``lane_sanitizer``: the lane's training parity under ``TORCH_CUDA_SANITIZER=1``, if time allows;
+7. ``cpu_suite``: whatever time is left, the CPU suite on the GPU machine's torch.
+
+A step starts only while at least its minimum time is left; its limit is the smaller of its cap
+and the time left, and a step over its limit is killed with its whole process group. After each
+step ``$OUT/summary.json`` is rewritten (step, command, exit code, seconds, status), so a run
+cut short still says what it did. ``--steps a,b`` runs a subset (to split the run over two device
+calls: one command may run at most 10 minutes, hence the default budget of 540 s).
+
+``--dry-run`` runs the same orchestration on CPU: each step's modules are imported in a fresh
+interpreter, and each step runs a quick CPU equivalent of its command (the benchmarks'
+``--cpu-dry-run`` or ``--dry-run`` on a tiny GPT, the planner's ``--list``, the lane collected
+without a GPU, the suite collected); the exact GPU command is written beside it. The install is
+never run in a dry run. ``tests/test_gpu_run.py`` runs it.
+
+This file uses only the standard library: it runs before fsdp is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Callable, Optional, Sequence
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PY = sys.executable
+#: A tiny GPT for the dry run's benchmark steps.
+TINY = ["--layers", "2", "--d-model", "32", "--n-head", "4", "--vocab", "64", "--seq", "16", "--batch", "2"]
+
+#: ``(limit in seconds) -> argv`` of a step.
+Command = Callable[[float], list[str]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One step of the run.
+
+    Attributes:
+        name: Its name (the log is ``NN_<name>.log``).
+        cap_s: The most seconds it may run.
+        min_s: It starts only with at least this many seconds of the budget left.
+        gpu: The command on the GPU machine.
+        dry: The CPU equivalent for ``--dry-run``.
+        modules: What the commands import (checked in the dry run; a test module is checked by
+            pytest collecting it, since the lane skips itself at import without a GPU).
+        env: Extra environment of the command (the dry run's too).
+        dry_codes: Exit codes that pass in the dry run: the lane, run without a GPU, skips itself
+            at collection, which pytest reports as exit code 5 (nothing ran).
+    """
+
+    name: str
+    cap_s: float
+    min_s: float
+    gpu: Command
+    dry: Command
+    modules: tuple[str, ...]
+    env: tuple[tuple[str, str], ...] = ()
+    dry_codes: tuple[int, ...] = (0,)
+
+
+def _bench(out: str, name: str, *flags: str) -> Command:
+    """The GPU benchmark with ``flags``; its own time budget and hang timeout inside the limit."""
+
+    def cmd(limit: float) -> list[str]:
+        budget, hang = max(20.0, limit - 60.0), max(30.0, limit - 10.0)
+        return [PY, "-m", "benchmarks", "--device", "cuda", *flags, "--json", os.path.join(out, f"{name}.json"),
+                "--time-budget", f"{budget:.0f}", "--hang-timeout", f"{hang:.0f}"]
+
+    return cmd
+
+
+def _pytest(out: str, name: str, *args: str) -> Command:
+    return lambda limit: [PY, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider",
+                          f"--junitxml={os.path.join(out, name + '.xml')}", *args]
+
+
+def steps(out: str) -> list[Step]:
+    """Every step, in run order (see the module docstring)."""
+    lane = "tests/test_cuda_lane.py"
+    return [
+        Step("install", 90, 10,
+             lambda limit: [PY, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "-e", "."],
+             lambda limit: [PY, "-c", "print('dry run: the install is not run')"], ()),
+        Step("env", 30, 5,
+             lambda limit: [PY, "-c", "import torch, fsdp; print(torch.__version__, torch.version.cuda, "
+                            "torch.cuda.get_device_name(0), torch.cuda.mem_get_info(0))"],
+             lambda limit: [PY, "-c", "import torch, fsdp; print(torch.__version__, torch.cuda.is_available())"],
+             ("torch", "fsdp")),
+        Step("cuda_lane", 150, 60, _pytest(out, "cuda_lane", lane), _pytest(out, "cuda_lane", lane),
+             ("pytest", "tests.conftest", "tests._models"), (("FSDP_TEST_DEVICE", "cuda"),), (0, 5)),
+        Step("plan_gpu", 75, 40,
+             lambda limit: [PY, "-m", "benchmarks.validate_plan", "--device", "cuda", "--max-total", "60GiB",
+                            "--timeout", f"{max(10.0, limit - 10):.0f}", "10M", "100M", "1B"],
+             lambda limit: [PY, "-m", "benchmarks.validate_plan", "--device", "cuda", "--list", "10M", "100M", "1B"],
+             ("benchmarks.validate_plan",)),
+        Step("bench_eager", 150, 60, _bench(out, "bench_eager", "--rounds", "3"),
+             _bench(out, "bench_eager", "--cpu-dry-run", *TINY, "--rounds", "1", "--warmup-steps", "1", "--steps", "1"),
+             ("benchmarks.__main__", "benchmarks.cuda")),
+        Step("bench_compile", 180, 90,
+             _bench(out, "bench_compile", "--compile", "--only", "fsdp,torch_fsdp1,local", "--rounds", "1",
+                    "--warmup-steps", "3", "--steps", "5"),
+             _bench(out, "bench_compile", "--cpu-dry-run", *TINY, "--compile", "--only", "fsdp,torch_fsdp1",
+                    "--rounds", "1", "--warmup-steps", "1", "--steps", "1"),
+             ("benchmarks.__main__", "benchmarks.cuda")),
+        Step("offload", 120, 60, _bench(out, "offload", "--offload", "--offload-sizes", "1,2,4"),
+             _bench(out, "offload", "--cpu-dry-run", *TINY, "--offload-sizes", "3e-5,1e-5"),
+             ("benchmarks.__main__", "benchmarks.cuda")),
+        Step("ws2_memory", 90, 40,
+             lambda limit: [PY, "-m", "benchmarks.ws2_memory", "--timeout", f"{max(10.0, limit / 2 - 5):.0f}",
+                            "--json", os.path.join(out, "ws2_memory.json")],
+             lambda limit: [PY, "-m", "benchmarks.ws2_memory", "--dry-run", *TINY, "--steps", "2",
+                            "--json", os.path.join(out, "ws2_memory.json")],
+             ("benchmarks.ws2_memory",)),
+        Step("lane_sanitizer", 75, 45, _pytest(out, "lane_sanitizer", lane, "-k", "test_training_parity"),
+             _pytest(out, "lane_sanitizer", lane, "-k", "test_training_parity"),
+             ("pytest", "tests.conftest", "tests._models"), (("FSDP_TEST_DEVICE", "cuda"), ("TORCH_CUDA_SANITIZER", "1")),
+             (0, 5)),
+        Step("cpu_suite", 10_000, 60, _pytest(out, "cpu_suite", "tests"),
+             _pytest(out, "cpu_suite", "--collect-only", "tests"), ("tests",)),
+    ]
+
+
+def _run(argv: list[str], env: dict[str, str], limit: float, log_path: str) -> tuple[Optional[int], float]:
+    """Runs ``argv`` from the repository root with its output in ``log_path``; kills its whole
+    process group after ``limit`` seconds. Returns (exit code or None on timeout, seconds)."""
+    start = time.monotonic()
+    with open(log_path, "w") as log:
+        log.write("$ " + " ".join(argv) + "\n")
+        log.flush()
+        proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            code: Optional[int] = proc.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            code = None
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            log.write(f"\n[gpu_run] killed after its limit of {limit:.0f} s\n")
+    return code, time.monotonic() - start
+
+
+def _import_check(modules: Sequence[str], env: dict[str, str], log_path: str) -> bool:
+    """Whether every module imports in a fresh interpreter (the dry run's first check)."""
+    if not modules:
+        return True
+    code = "import importlib\n" + "".join(f"importlib.import_module({m!r})\n" for m in modules)
+    rc, _ = _run([PY, "-c", code], env, 120, log_path)
+    return rc == 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Runs the steps; returns 0 when every step that ran passed, else 1."""
+    p = argparse.ArgumentParser(prog="python benchmarks/gpu_run.py", description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True, help="folder for logs and JSON ($OUT on the device)")
+    p.add_argument("--budget-s", type=float, default=540.0, help="total seconds; no step starts after")
+    p.add_argument("--steps", default=None, help="comma-separated subset of the step names (default: all)")
+    p.add_argument("--no-install", action="store_true", help="skip the pip install step")
+    p.add_argument("--dry-run", action="store_true", help="the same orchestration on CPU, quick equivalents")
+    a = p.parse_args(argv)
+    deadline = time.monotonic() + a.budget_s
+    os.makedirs(a.out, exist_ok=True)
+    plan = steps(os.path.abspath(a.out))
+    names = [s.name for s in plan]
+    wanted = names if a.steps is None else [n.strip() for n in a.steps.split(",") if n.strip()]
+    unknown = sorted(set(wanted) - set(names))
+    if unknown:
+        p.error(f"--steps: unknown {unknown}; choose from {names}")
+    if a.no_install:
+        wanted = [n for n in wanted if n != "install"]
+    base_env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    summary: dict[str, object] = {"dry_run": a.dry_run, "budget_s": a.budget_s, "steps": []}
+    records: list[dict[str, object]] = summary["steps"]  # type: ignore[assignment]
+    for index, step in enumerate(plan, 1):
+        if step.name not in wanted:
+            continue
+        left = deadline - time.monotonic()
+        limit = min(step.cap_s, left)
+        env = dict(base_env, **dict(step.env))
+        gpu_cmd = step.gpu(limit)
+        rec: dict[str, object] = {"step": step.name, "gpu_command": " ".join(gpu_cmd), "env": dict(step.env)}
+        log = os.path.join(a.out, f"{index:02d}_{step.name}.log")
+        if left < step.min_s:
+            rec.update(status="skipped", reason=f"{left:.0f} s left, needs {step.min_s:.0f}")
+        elif a.dry_run and not _import_check(step.modules, env, log.replace(".log", "_imports.log")):
+            rec.update(status="failed", reason="a module it references does not import (see _imports.log)")
+        else:
+            cmd = step.dry(limit) if a.dry_run else gpu_cmd
+            code, seconds = _run(cmd, env, limit, log)
+            passing = step.dry_codes if a.dry_run else (0,)
+            status = "timeout" if code is None else ("ok" if code in passing else "failed")
+            rec.update(command=" ".join(cmd), exit_code=code, seconds=round(seconds, 1), limit_s=round(limit), status=status)
+        records.append(rec)
+        print(f"[gpu_run] {step.name}: {rec['status']} {rec.get('seconds', '')}", flush=True)
+        with open(os.path.join(a.out, "summary.json.tmp"), "w") as f:
+            json.dump(summary, f, indent=1)
+        os.replace(os.path.join(a.out, "summary.json.tmp"), os.path.join(a.out, "summary.json"))
+    return 0 if all(r["status"] in ("ok", "skipped") for r in records) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
