@@ -424,7 +424,7 @@ def writeback_orig_params(handle: _Handle) -> None:
     parameter has between steps, or in its original full shape (this rank's part is taken).
 
     Raises:
-        ValueError: The new value has neither shape.
+        RuntimeError: The new value has neither shape (torch FSDP1's type).
         RuntimeError, TypeError: A cast that reached the parameters around the wrapper
             cannot be honoured (see ``adopt_external_cast``).
     """
@@ -461,7 +461,7 @@ def _copy_into_shard(handle: _Handle, index: int, info: ParamInfo, new: torch.Te
     ``expected`` of the local shard.
 
     Raises:
-        ValueError: ``new`` has neither shape.
+        RuntimeError: ``new`` has neither shape (torch FSDP1's type).
     """
     layout = handle.shard_layout
     if new.shape == expected.shape:
@@ -477,8 +477,9 @@ def _copy_into_shard(handle: _Handle, index: int, info: ParamInfo, new: torch.Te
         else:
             expected.copy_(new)
     else:
-        raise ValueError(
-            f"fsdp: parameter '{info.fqn}' of FSDP unit '{handle.unit_name}' was given "
-            f"shape {tuple(new.shape)}; it must keep its shape {tuple(info.shape)} (or "
-            f"its sharded shape {tuple(expected.shape)} between steps)."
+        raise RuntimeError(  # torch FSDP1's type
+            f"fsdp: Cannot writeback when the parameter shape changes: parameter "
+            f"'{info.fqn}' of FSDP unit '{handle.unit_name}' was given shape "
+            f"{tuple(new.shape)}; it must keep its shape {tuple(info.shape)} (or its sharded "
+            f"shape {tuple(expected.shape)} between steps)."
         )

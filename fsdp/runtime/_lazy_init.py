@@ -95,13 +95,22 @@ def reset_lazy_init(module: nn.Module) -> None:
         unit.ctx = None
 
 
-def require_root(module: nn.Module, what: str, error: type[Exception] = RuntimeError) -> UnitState:
+def require_root(
+    module: nn.Module,
+    what: str,
+    error: type[Exception] = RuntimeError,
+    torch_message: str = "",
+    anchored: bool = False,
+) -> UnitState:
     """Lazily initializes ``module``'s tree and returns its state, if it is the root.
 
     Args:
         module: An FSDP instance.
         what: The API being called, for the message.
         error: The exception type (torch FSDP1's for the same call).
+        torch_message: Torch FSDP1's message for the same call, which ours starts with.
+        anchored: The message is exactly ``torch_message`` (torch's tests match it whole);
+            ours goes into a note.
 
     Raises:
         RuntimeError (or ``error``): ``module`` is a nested unit, not the root.
@@ -110,8 +119,17 @@ def require_root(module: nn.Module, what: str, error: type[Exception] = RuntimeE
     if not state.has_fsdp_parent:
         state = lazy_init(module)
     if state.has_fsdp_parent or not state.is_root:
+        where = f"{what} was called on the nested unit '{state.unit_name}'"
+        fix = "Call it on the outermost FSDP module."
+        if anchored:
+            exc = error(torch_message)
+            exc.add_note(f"fsdp: {where}. {fix}")
+            raise exc
+        if torch_message:
+            sep = " " if torch_message.endswith(".") else ": "
+            raise error(f"fsdp: {torch_message}{sep}{where}. {fix}")
         raise error(
-            f"fsdp: {what} must be called on the root FSDP instance, but it was called on "
-            f"the nested unit '{state.unit_name}'. Call it on the outermost FSDP module."
+            f"fsdp: {what} must be called on the root FSDP instance, but it was called on the "
+            f"nested unit '{state.unit_name}'. {fix}"
         )
     return state
