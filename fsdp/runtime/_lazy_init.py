@@ -40,9 +40,11 @@ def lazy_init(module: nn.Module) -> UnitState:
     state: UnitState = unit_state(module)
     if state.is_root is not None:
         return state
+    units = [(name, unit) for name, _, unit in named_fsdp_states(module)]
+    _check_units(units)  # user errors: before any state changes
     state.is_root = True
     ctx = RootContext(root=state)
-    for name, _, unit in named_fsdp_states(module):
+    for name, unit in units:
         if unit is not state:
             unit.is_root = False
         unit.ctx = ctx
@@ -60,6 +62,45 @@ def lazy_init(module: nn.Module) -> UnitState:
     # [Note: Releasing the root context]; nothing to do at interpreter exit.
     weakref.finalize(module, _release_context, ctx).atexit = False
     return state
+
+
+# Torch FSDP1's names of the settings every unit of one tree must share.
+_HOMOGENEOUS = {
+    "_use_orig_params": "use_orig_params",
+    "limit_all_gathers": "limit_all_gathers",
+    "_use_full_prec_in_eval": "full_precision_in_eval",
+}
+
+
+def _check_units(units: list[tuple[str, UnitState]]) -> None:
+    """Raises, as torch FSDP1 does at lazy initialization, for a tree its runtime cannot serve.
+
+    Raises:
+        RuntimeError: An optimizer in backward (``_apply_optimizer_in_backward``) was given a
+            FlatParameter (it needs ``use_orig_params=True``).
+        ValueError: Units disagree on ``use_orig_params``, ``limit_all_gathers`` or
+            ``FSDP_USE_FULL_PREC_IN_EVAL``.
+    """
+    for name, unit in units:
+        for handle in unit.handles:
+            if hasattr(handle.flat_param, "_in_backward_optimizers"):
+                raise RuntimeError(
+                    f"fsdp: FSDP optimizer in backward only supported with use_orig_params=True! "
+                    f"Unit '{name or '<root>'}' has use_orig_params=False, so the optimizer was "
+                    f"given its FlatParameter; wrap with use_orig_params=True."
+                )
+    for torch_name, field in _HOMOGENEOUS.items():
+        values = {getattr(unit, field) for _, unit in units}
+        if len(values) != 1:
+            by_value = {
+                value: [name or "<root>" for name, unit in units if getattr(unit, field) == value]
+                for value in values
+            }
+            raise ValueError(
+                f"fsdp: Expects one homogeneous value for {torch_name} but got {values}: the "
+                f"FSDP units of one tree must share it ({by_value}); pass the same value to "
+                f"every FullyShardedDataParallel of the model."
+            )
 
 
 def _release_context(ctx: RootContext) -> None:
