@@ -98,8 +98,12 @@ def mark_tied_owners(tied_owner: dict[int, tuple[nn.Parameter, nn.Module]]) -> I
 def unit_modules(unit_module: nn.Module, ignored_modules: set[nn.Module]) -> list[nn.Module]:
     """The modules whose own parameters and buffers belong to this unit (pre-order).
 
-    Nested FSDP instances and ignored modules are not descended into.
+    Nested FSDP instances and ignored modules are not descended into; a unit whose wrapped
+    module is itself ignored has none (torch FSDP1 leaves such a module's buffers alone: not
+    moved, synced or cast for mixed precision, and saved as the very tensors).
     """
+    if unit_module in ignored_modules:
+        return []
     result: list[nn.Module] = []
     seen: set[int] = set()
     # Pre-order with an explicit stack (children pushed in reverse): a recursive closure would
