@@ -251,7 +251,7 @@ def ignored_errors() -> None:
     model.blocks[0] = inner
     # An ignored module that contains an FSDP unit is accepted, as in torch FSDP1
     # (tests/test_contract_construction.py); an FSDP instance itself is not.
-    with pytest.raises(ValueError, match=r"ignored module 'blocks.0' is a FullyShardedDataParallel instance"):
+    with pytest.raises(ValueError, match=r"should not include FSDP modules, but 'blocks.0' is a FullyShardedDataParallel instance"):
         FSDP(model, ignored_modules=[model.blocks[0]])
     with pytest.raises(ValueError, match="Cannot pass both ignored_modules and ignored_states at the same time"):
         FSDP(model, ignored_modules=[model.head], ignored_states=[model.head])

@@ -651,7 +651,7 @@ def test_mixed_precision_skipped_module_runs_in_fp32_and_returns_input_dtype() -
     from fsdp.api import MixedPrecision  # our own config class works too (duck-typed)
 
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
-    with pytest.warns(UserWarning, match="mixed_precision=None and runs in float32"):
+    with pytest.warns(UserWarning, match=r"These modules will be wrapped as separate FSDP instances with mixed precision disabled \(mixed_precision=None: they run in float32\)"):
         plan_and_wrap(
             model,
             ModuleWrapPolicy({nn.Linear}),
@@ -742,7 +742,7 @@ def test_already_wrapped_submodule_raises_naming_it() -> None:
     ):
         plan_and_wrap(model, always_wrap_policy, recorder, {})
     assert repr(model) == before
-    with pytest.raises(ValueError, match=r"'<root>' is already a FullyShardedDataParallel"):
+    with pytest.raises(ValueError, match=r"found <root> in \w+ \(the module passed to FullyShardedDataParallel\): it is already a FullyShardedDataParallel"):
         plan_and_wrap(fsdp_like(nn.Linear(1, 1)), always_wrap_policy, recorder, {})
     # Another wrapper class (not FSDP) is not "already wrapped".
     model = Model()
