@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tests._harness import RankPool
-from tests.test_contract_errors import Lib, _lib
+from tests.test_contract_errors import Lib, _lib, without_local_world_size
 
 # ----------------------------------------------------------------------------- models
 
@@ -655,17 +655,13 @@ def _pattern(case: Case) -> str:
 
 
 def _run_cases(names: list[str]) -> dict[str, dict[str, Outcome]]:
-    env_backup = os.environ.pop("LOCAL_WORLD_SIZE", None)  # hybrid cases: no node size known
-    try:
+    with without_local_world_size():
         results: dict[str, dict[str, Outcome]] = {}
         for name in names:
             case = CASES[name]
             results[name] = {lib: _outcome(case, _lib(lib)) for lib in ("torch", "ours")}
             dist.barrier()
         return results
-    finally:
-        if env_backup is not None:
-            os.environ["LOCAL_WORLD_SIZE"] = env_backup
 
 
 def test_messages_contain_torch_sentences(pool2: RankPool) -> None:
