@@ -303,9 +303,19 @@ class FullyShardedDataParallel(nn.Module):
     def _comm_hook(self) -> Optional[Callable]:
         return self._fsdp_state.comm_hook
 
+    @_comm_hook.setter
+    def _comm_hook(self, hook: Optional[Callable]) -> None:
+        """Sets this unit's hook alone, as assigning torch FSDP1's attribute does (its tests
+        do); ``register_comm_hook`` then finds a hook already registered."""
+        self._fsdp_state.comm_hook = hook
+
     @property
     def _comm_hook_state(self) -> Any:
         return self._fsdp_state.comm_hook_state
+
+    @_comm_hook_state.setter
+    def _comm_hook_state(self, state: Any) -> None:
+        self._fsdp_state.comm_hook_state = state
 
     @property
     def _use_full_prec_in_eval(self) -> bool:

@@ -14,8 +14,9 @@ documented there.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -232,9 +233,19 @@ def _raised(fn: Callable[[], None]) -> Optional[list[str]]:
     return None
 
 
-def _run_cases(names: list[str]) -> dict[str, tuple[Optional[list[str]], Optional[list[str]]]]:
-    env_backup = os.environ.pop("LOCAL_WORLD_SIZE", None)  # hybrid cases: no node size known
+@contextlib.contextmanager
+def without_local_world_size() -> Iterator[None]:
+    """Hides ``LOCAL_WORLD_SIZE`` (hybrid-layout cases: no node size known, as in torch's tests)."""
+    env_backup = os.environ.pop("LOCAL_WORLD_SIZE", None)
     try:
+        yield
+    finally:
+        if env_backup is not None:
+            os.environ["LOCAL_WORLD_SIZE"] = env_backup
+
+
+def _run_cases(names: list[str]) -> dict[str, tuple[Optional[list[str]], Optional[list[str]]]]:
+    with without_local_world_size():
         results = {}
         for name in names:
             theirs = _raised(lambda: CASES[name](_lib("torch")))
@@ -245,9 +256,6 @@ def _run_cases(names: list[str]) -> dict[str, tuple[Optional[list[str]], Optiona
         dist.all_reduce(t)
         assert t.item() == dist.get_world_size()
         return results
-    finally:
-        if env_backup is not None:
-            os.environ["LOCAL_WORLD_SIZE"] = env_backup
 
 
 def test_exception_types_match_torch_fsdp1(pool2: RankPool) -> None:

@@ -265,18 +265,23 @@ def _mixed_requires_grad_unit(policy_name: str) -> None:
     policy = POLICIES[policy_name]()
     if policy is None:
         match = (
-            r"fsdp: the FSDP unit '<root Deep>' mixes frozen and trainable parameters \("
-            r"requires_grad=True: stem\.weight, stem\.bias, blocks\.0\.fc1\.weight, "
-            r"blocks\.0\.fc1\.bias; requires_grad=False: blocks\.1\.1\.fc2\.weight, "
-            r"blocks\.1\.1\.fc2\.bias\)\. With use_orig_params=False a unit's parameters must all "
-            r"have the same requires_grad: .*wrap the frozen submodules as their own units, or "
-            r"freeze/unfreeze the whole unit\."
+            r"fsdp: <root Deep> has both parameters with requires_grad=True and False\. FSDP does "
+            r"not support wrapping such modules when use_orig_params=False\. If possible, wrap "
+            r"the frozen parameters with FSDP separately \(or pass use_orig_params=True, or "
+            r"freeze/unfreeze the whole unit\)\.\n"
+            r"The following parameters have requires_grad=True:\n\['stem\.weight', 'stem\.bias', "
+            r"'blocks\.0\.fc1\.weight', 'blocks\.0\.fc1\.bias', .*\]\n"
+            r"The following parameters have requires_grad=False:\n"
+            r"\['blocks\.1\.1\.fc2\.weight', 'blocks\.1\.1\.fc2\.bias'\]"
         )
     else:
         match = (
-            r"fsdp: the FSDP unit 'blocks\.1\.1' mixes frozen and trainable parameters \("
-            r"requires_grad=True: fc1\.weight, fc1\.bias; requires_grad=False: fc2\.weight, "
-            r"fc2\.bias\)\. With use_orig_params=False"
+            r"fsdp: blocks\.1\.1 has both parameters with requires_grad=True and False\. FSDP "
+            r"does not support wrapping such modules when use_orig_params=False\. .*\n"
+            r"The following parameters have requires_grad=True:\n"
+            r"\['blocks\.1\.1\.fc1\.weight', 'blocks\.1\.1\.fc1\.bias'\]\n"
+            r"The following parameters have requires_grad=False:\n"
+            r"\['blocks\.1\.1\.fc2\.weight', 'blocks\.1\.1\.fc2\.bias'\]"
         )
     expect_raises(ValueError, match, lambda: FSDP(model, auto_wrap_policy=policy))
     assert_unchanged(model, before)
@@ -314,9 +319,10 @@ def _already_wrapped() -> None:
         before = snapshot(model)
         expect_raises(
             ValueError,
-            r"Auto-wrapping requires modules that do not already have FSDP applied, but "
-            r"'blocks\.0' is already a FullyShardedDataParallel instance\. Either wrap that "
-            r"subtree manually or use auto_wrap_policy, not both on the same subtree\.",
+            r"fsdp: FSDP auto wrapping requires modules to not already have FSDP applied but "
+            r"found blocks\.0 in Deep \(the module passed to FullyShardedDataParallel\): it is "
+            r"already a FullyShardedDataParallel instance\. Either wrap that subtree manually or "
+            r"use auto_wrap_policy, not both on the same subtree\.",
             lambda: FSDP(model, auto_wrap_policy=POLICIES[policy_name]()),
         )
         assert_unchanged(model, before, allowed_fsdp=1)
@@ -552,20 +558,25 @@ def _ignored_kwargs(case: str, model: Deep) -> dict[str, Any]:
 IGNORED_MISTAKES: dict[str, tuple[type[BaseException], str]] = {
     "both_arguments": (
         ValueError,
-        r"fsdp: pass ignored_modules or ignored_states, not both \(ignored_states accepts "
-        r"modules too\)\.",
+        r"fsdp: Cannot pass both ignored_modules and ignored_states at the same time\. Please "
+        r"just pass ignored_states \(it accepts modules too\)\.",
     ),
     "mixed_kinds": (
         ValueError,
-        r"fsdp: ignored_states must hold only nn\.Parameter or only nn\.Module elements, got "
-        r"\['Linear', 'Parameter'\]\.",
+        r"fsdp: ignored_states expects all nn\.Parameter or all nn\.Module list elements but got "
+        r"types \[<class 'torch\.nn\.modules\.linear\.Linear'>, "
+        r"<class 'torch\.nn\.parameter\.Parameter'>\]\. Pass only parameters or only modules\.",
     ),
     # ValueError, as torch FSDP1 (tests/test_contract_errors.py runs the mistake through both).
-    "not_a_module": (ValueError, r"fsdp: ignored_modules must hold nn\.Module elements, got \['str'\]"),
+    "not_a_module": (
+        ValueError,
+        r"fsdp: ignored_modules expects nn\.Module list elements but got types \[<class 'str'>\]\. "
+        r"Pass the modules \(e\.g\. \[model\.frozen_encoder\]\); use ignored_states for parameters\.",
+    ),
     "fsdp_module": (
         ValueError,
-        r"fsdp: ignored module 'blocks\.0' is a FullyShardedDataParallel instance; ignored "
-        r"modules must not be FSDP wrappers\. Ignore the module it wraps \('\.module'\) before "
+        r"fsdp: `ignored_modules` should not include FSDP modules, but 'blocks\.0' is a "
+        r"FullyShardedDataParallel instance\. Ignore the module it wraps \('\.module'\) before "
         r"wrapping it, or do not ignore it\.",
     ),
     # An ignored module that *contains* an FSDP unit is accepted, as in torch FSDP1
@@ -609,8 +620,9 @@ def _meta_device_mistakes() -> None:
         assert_unchanged(model, before)
         expect_raises(  # ValueError, as torch FSDP1
             ValueError,
-            r"fsdp: param_init_fn must be a callable taking a module \(e\.g\. "
-            r"lambda m: m\.to_empty\(device='cpu', recurse=False\)\), got str: 'init'",
+            r"fsdp: Expected init to be callable but got <class 'str'>: param_init_fn must be a "
+            r"callable taking a module \(e\.g\. lambda m: m\.to_empty\(device='cpu', "
+            r"recurse=False\)\)\.",
             lambda: FSDP(model, auto_wrap_policy=policy, param_init_fn="init"),
         )
         assert_unchanged(model, before)
@@ -660,15 +672,17 @@ def _layout_kwargs(case: str) -> dict[str, Any]:
 LAYOUT_MISTAKES: dict[str, tuple[type[BaseException], str]] = {
     "hybrid_without_layout": (
         ValueError,
-        r"fsdp: HYBRID_SHARD without process_group or device_mesh needs to know the node size, "
-        r"and LOCAL_WORLD_SIZE is not set \(torchrun sets it\)\. Pass "
+        r"fsdp: Wrapping with ShardingStrategy\.HYBRID_SHARD requires explicit specification of "
+        r"process group or device_mesh\. Without them fsdp derives the node size from "
+        r"LOCAL_WORLD_SIZE, which is not set \(torchrun sets it\)\. Pass "
         r"device_mesh=init_device_mesh\(device_type, \(num_nodes, ranks_per_node\)\) or "
         r"process_group=\(intra_node_group, inter_node_group\)\.",
     ),
     "hybrid_zero2_without_layout": (
         ValueError,
-        r"fsdp: _HYBRID_SHARD_ZERO2 without process_group or device_mesh needs to know the node "
-        r"size, and LOCAL_WORLD_SIZE is not set",
+        r"fsdp: Wrapping with ShardingStrategy\._HYBRID_SHARD_ZERO2 requires explicit "
+        r"specification of process group or device_mesh\. Without them fsdp derives the node "
+        r"size from LOCAL_WORLD_SIZE, which is not set",
     ),
     "local_world_size_not_dividing": (
         ValueError,
@@ -677,7 +691,9 @@ LAYOUT_MISTAKES: dict[str, tuple[type[BaseException], str]] = {
     ),
     "hybrid_with_single_group": (
         ValueError,
-        r"fsdp: HYBRID_SHARD needs two groups: pass process_group=\(intra_node_group, "
+        r"fsdp: Expected process_group to be passed in as either None or "
+        r"Tuple\[dist\.ProcessGroup, dist\.ProcessGroup\] but got <class '.*ProcessGroup'>: "
+        r"HYBRID_SHARD needs two groups: pass process_group=\(intra_node_group, "
         r"inter_node_group\) or a 2-D device_mesh, not a single ProcessGroup\.",
     ),
     "tuple_without_hybrid": (
@@ -703,7 +719,8 @@ LAYOUT_MISTAKES: dict[str, tuple[type[BaseException], str]] = {
     ),
     "group_and_mesh": (
         ValueError,
-        r"fsdp: pass either process_group or device_mesh, not both \(got both\)\.",
+        r"fsdp: Cannot pass both process_group and device_mesh at the same time\. Please just "
+        r"pass only one of them\.",
     ),
     "mesh_of_wrong_type": (TypeError, r"fsdp: device_mesh must be a DeviceMesh, got list"),
     "2d_mesh_without_hybrid": (
@@ -774,14 +791,16 @@ def _root_only_methods(before_forward: bool) -> list[str]:
     cases = [
         (
             "no_sync()",
-            rf"fsdp: no_sync\(\) must be called on the root FSDP instance, but it was called on "
-            rf"the nested unit '{unit}'\. Call it on the outermost FSDP module\.",
+            rf"fsdp: `no_sync\(\)` on inner FSDP instances is not supported\. Please call "
+            rf"`no_sync\(\)` on root FSDP module\. no_sync\(\) was called on the nested unit "
+            rf"'{unit}'\. Call it on the outermost FSDP module\.",
             enter_no_sync,
         ),
         (
             "clip_grad_norm_()",
-            rf"fsdp: clip_grad_norm_\(\) must be called on the root FSDP instance, but it was "
-            rf"called on the nested unit '{unit}'\. Call it on the outermost FSDP module\.",
+            rf"fsdp: `clip_grad_norm_\(\)` should only be called on the root FSDP instance: "
+            rf"clip_grad_norm_\(\) was called on the nested unit '{unit}'\. Call it on the "
+            rf"outermost FSDP module\.",
             lambda: inner.clip_grad_norm_(1.0),
         ),
     ]
@@ -829,7 +848,8 @@ def _summon_inside_forward(nested: bool) -> None:
     x = torch.randn(2, D)
     expect_raises(  # an AssertionError, as torch FSDP1 raises, and a RuntimeError
         FSDPStateAssertionError,
-        rf"fsdp: summon_full_params\(\) cannot be called while FSDP units are in forward, "
+        rf"fsdp: Cannot manually unshard parameters during forward/backward: "
+        rf"summon_full_params\(\) cannot be called while FSDP units are in forward, "
         rf"backward or summon_full_params: {busy}\. Call it between training steps, outside the "
         rf"model's forward and backward\.",
         lambda: root(x),
@@ -859,7 +879,8 @@ def _summon_inside_backward() -> None:
     out.register_hook(hook)
     expect_raises(  # an AssertionError, as torch FSDP1 raises, and a RuntimeError
         FSDPStateAssertionError,
-        r"fsdp: summon_full_params\(\) cannot be called while FSDP units are in forward, "
+        r"fsdp: Cannot manually unshard parameters during forward/backward: "
+        r"summon_full_params\(\) cannot be called while FSDP units are in forward, "
         r"backward or summon_full_params: '<root>' \(BACKWARD_PRE\)\. Call it between training "
         r"steps, outside the model's forward and backward\.",
         lambda: out.sum().backward(),
@@ -885,7 +906,7 @@ def _summon_bad_arguments(after_forward: bool) -> None:
         return run
 
     rank0_msg = (
-        r"fsdp: summon_full_params\(writeback=True, rank0_only=True\) is not supported: only "
+        r"fsdp: writeback=True and rank0_only=True is not supported yet in summon_full_params: only "
         r"rank 0 would hold full parameters, so ranks would write back different data\. Pass "
         r"writeback=False with rank0_only=True, or rank0_only=False to write back\."
     )
@@ -964,14 +985,14 @@ def _state_dict_type_wrong_config() -> None:
     default = FSDP.get_state_dict_type(root)
     cases = [
         (StateDictType.FULL_STATE_DICT, ShardedStateDictConfig(), None,
-         r"fsdp: state_dict_config must be a FullStateDictConfig for StateDictType\.FULL_STATE_DICT, "
+         r"fsdp: Expected state_dict_config of type <class '.*'> but got <class '.*'>: state_dict_config must be a FullStateDictConfig for StateDictType\.FULL_STATE_DICT, "
          r"got ShardedStateDictConfig\. Pass FullStateDictConfig\(\.\.\.\) or None for the default\."),
         (StateDictType.SHARDED_STATE_DICT, FullStateDictConfig(), None,
-         r"fsdp: state_dict_config must be a ShardedStateDictConfig for "
+         r"fsdp: Expected state_dict_config of type <class '.*'> but got <class '.*'>: state_dict_config must be a ShardedStateDictConfig for "
          r"StateDictType\.SHARDED_STATE_DICT, "
          r"got FullStateDictConfig\."),
         (StateDictType.LOCAL_STATE_DICT, None, FullOptimStateDictConfig(),
-         r"fsdp: optim_state_dict_config must be a LocalOptimStateDictConfig for "
+         r"fsdp: Expected optim_state_dict_config of type <class '.*'> but got <class '.*'>: optim_state_dict_config must be a LocalOptimStateDictConfig for "
          r"StateDictType\.LOCAL_STATE_DICT, got FullOptimStateDictConfig\."),
         (StateDictType.FULL_STATE_DICT, FullStateDictConfig(), ShardedOptimStateDictConfig(),
          r"optim_state_dict_config must be a FullOptimStateDictConfig .* "

@@ -179,7 +179,7 @@ def meta_init_errors() -> None:
     before = list(model.named_parameters())
     with pytest.raises(ValueError, match=r"module '1' \(NoReset\) has parameters or buffers on the meta device but no reset_parameters\(\)"):
         FSDP(model)
-    with pytest.raises(ValueError, match="param_init_fn must be a callable taking a module"):
+    with pytest.raises(ValueError, match="Expected zeros to be callable but got <class 'str'>: param_init_fn must be a callable taking a module"):
         FSDP(model, param_init_fn="zeros")
     with pytest.raises(ValueError, match="param_init_fn left parameters or buffers of module"):
         FSDP(model, param_init_fn=lambda m: None)
@@ -251,13 +251,13 @@ def ignored_errors() -> None:
     model.blocks[0] = inner
     # An ignored module that contains an FSDP unit is accepted, as in torch FSDP1
     # (tests/test_contract_construction.py); an FSDP instance itself is not.
-    with pytest.raises(ValueError, match=r"ignored module 'blocks.0' is a FullyShardedDataParallel instance"):
+    with pytest.raises(ValueError, match=r"should not include FSDP modules, but 'blocks.0' is a FullyShardedDataParallel instance"):
         FSDP(model, ignored_modules=[model.blocks[0]])
-    with pytest.raises(ValueError, match="pass ignored_modules or ignored_states, not both"):
+    with pytest.raises(ValueError, match="Cannot pass both ignored_modules and ignored_states at the same time"):
         FSDP(model, ignored_modules=[model.head], ignored_states=[model.head])
-    with pytest.raises(ValueError, match="only nn.Parameter or only nn.Module"):
+    with pytest.raises(ValueError, match="ignored_states expects all nn.Parameter or all nn.Module list elements"):
         FSDP(model, ignored_states=[model.head, model.embed.weight])
-    with pytest.raises(ValueError, match=r"ignored_modules must hold nn.Module elements, got \['str'\]"):
+    with pytest.raises(ValueError, match=r"ignored_modules expects nn.Module list elements but got types \[<class 'str'>\]"):
         FSDP(model, ignored_modules=["head"])
     assert isinstance(model.blocks[1], Block) and not any(isinstance(m, FSDP) for m in model.blocks[1].modules())
 

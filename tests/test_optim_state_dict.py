@@ -738,8 +738,10 @@ def _errors() -> None:
     full["state"]["blocks.0.fc1.bias"]["step"] = torch.tensor(7.0)
     _expect(
         ValueError,
-        r"fsdp: the parameters \['blocks\.0\.norm\.weight', .*\] share a FlatParameter, so their "
-        r"scalar optimizer state 'step' must be present for all of them and equal",
+        r"^All unflattened parameters comprising a single flat parameter must have scalar state "
+        r"with the same value and dtype \(fsdp: the parameters \['blocks\.0\.norm\.weight', .*\] "
+        r"share a FlatParameter, so their scalar optimizer state 'step' must be present for all "
+        r"of them and equal",
         lambda: FSDP.optim_state_dict_to_load(model, opt, full),
     )
     _expect(

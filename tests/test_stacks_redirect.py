@@ -42,7 +42,7 @@ _MAIN_CHILD = r"""
 import importlib, json, os, pkgutil, sys, warnings
 warnings.simplefilter("error", UserWarning)  # the recommended order warns nothing
 # ... except torch FSDP1's own warning that one rank means NO_SHARD (this child runs one rank).
-warnings.filterwarnings("ignore", message=".*process group has one rank", category=UserWarning)
+warnings.filterwarnings("ignore", message="FSDP is switching to use `NO_SHARD`", category=UserWarning)
 import fsdp, fsdp.api, fsdp.wrap, fsdp.sharded_grad_scaler, fsdp.fully_sharded_data_parallel
 import torch
 import torch.distributed as dist

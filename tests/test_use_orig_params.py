@@ -158,7 +158,7 @@ def writeback(strategy: str) -> None:
         torch.testing.assert_close(mine[name], value.detach(), rtol=1e-6, atol=1e-7, msg=name)
     # 3. A shape change is a clear error, raised before the forward changes anything.
     inner.blocks[1].module.fc2.bias.data = torch.zeros(3, 3)
-    with pytest.raises(ValueError, match=r"parameter 'fc2.bias' of FSDP unit 'blocks.1' was given shape \(3, 3\); it must keep its shape \(7,\)"):
+    with pytest.raises(RuntimeError, match=r"Cannot writeback when the parameter shape changes: parameter 'fc2.bias' of FSDP unit 'blocks.1' was given shape \(3, 3\); it must keep its shape \(7,\)"):
         ours(local_rows(tokens, rank, ws))
     assert all(u.training_state.name == "IDLE" for u in FSDP.fsdp_modules(ours))
 

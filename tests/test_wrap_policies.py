@@ -635,7 +635,7 @@ def test_mixed_precision_wraps_batchnorm_separately_like_torch(kind: str) -> Non
 
         our_policy, ref_policy = CustomPolicy(fn), torch_wrap.CustomPolicy(fn)
     ours_model, ref_model = fresh_pair()
-    with pytest.warns(UserWarning, match=r"types \['BatchNorm1d'\] that mixed precision skips"):
+    with pytest.warns(UserWarning, match=r"submodules of type \['BatchNorm1d'\], which mixed precision skips .* These modules will be wrapped as separate FSDP"):
         got, _ = run_ours(ours_model, our_policy, root_kwargs)
     want = run_torch_auto_wrap(ref_model, ref_policy, root_kwargs)
     assert got == want
@@ -651,7 +651,7 @@ def test_mixed_precision_skipped_module_runs_in_fp32_and_returns_input_dtype() -
     from fsdp.api import MixedPrecision  # our own config class works too (duck-typed)
 
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
-    with pytest.warns(UserWarning, match="mixed_precision=None and runs in float32"):
+    with pytest.warns(UserWarning, match=r"These modules will be wrapped as separate FSDP instances with mixed precision disabled \(mixed_precision=None: they run in float32\)"):
         plan_and_wrap(
             model,
             ModuleWrapPolicy({nn.Linear}),
@@ -689,8 +689,10 @@ def test_mixed_requires_grad_in_one_unit_raises_before_changing_anything() -> No
     before = repr(model)
     with pytest.raises(
         ValueError,
-        match=r"the FSDP unit 'blocks\.0' mixes frozen and trainable parameters .*"
-        r"requires_grad=False: ff\.0\.weight\)\. With use_orig_params=False .*pass use_orig_params=True",
+        match=r"fsdp: blocks\.0 has both parameters with requires_grad=True and False\. FSDP does not "
+        r"support wrapping such modules when use_orig_params=False\. .*pass use_orig_params=True.*\n"
+        r"The following parameters have requires_grad=True:\n.*\n"
+        r"The following parameters have requires_grad=False:\n\['blocks\.0\.ff\.0\.weight'\]",
     ):
         plan_and_wrap(model, ModuleWrapPolicy({Block}), make_recorder()[0], {"use_orig_params": False})
     assert repr(model) == before
@@ -733,13 +735,14 @@ def test_already_wrapped_submodule_raises_naming_it() -> None:
     before = repr(model)
     with pytest.raises(
         ValueError,
-        match=r"Auto-wrapping requires modules that do not already have FSDP applied, but 'blocks\.1' "
-        r"is already a FullyShardedDataParallel instance\. Either wrap that subtree manually or use "
+        match=r"fsdp: FSDP auto wrapping requires modules to not already have FSDP applied but found "
+        r"blocks\.1 in \w+ \(the module passed to FullyShardedDataParallel\): it is already a "
+        r"FullyShardedDataParallel instance\. Either wrap that subtree manually or use "
         r"auto_wrap_policy, not both on the same subtree\.",
     ):
         plan_and_wrap(model, always_wrap_policy, recorder, {})
     assert repr(model) == before
-    with pytest.raises(ValueError, match=r"'<root>' is already a FullyShardedDataParallel"):
+    with pytest.raises(ValueError, match=r"found <root> in \w+ \(the module passed to FullyShardedDataParallel\): it is already a FullyShardedDataParallel"):
         plan_and_wrap(fsdp_like(nn.Linear(1, 1)), always_wrap_policy, recorder, {})
     # Another wrapper class (not FSDP) is not "already wrapped".
     model = Model()

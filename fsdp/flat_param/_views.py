@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 import torch
 from torch import nn
 
+from fsdp._common import FSDPStateAssertionError
 from fsdp.flat_param._early_grads import settle_open_run
 from fsdp.flat_param._layout import ParamInfo, SharedParamInfo, ShardLayout
 from fsdp.flat_param._precision import HandlePrecision
@@ -389,29 +390,48 @@ def _sync_unsynced_grad_from_orig(handle: _Handle, grads: Sequence[Optional[torc
 
 
 def check_params_not_replaced_since_forward(handle: _Handle) -> None:
-    """use_orig_params: raises if a parameter was replaced between forward and backward.
+    """use_orig_params: raises if a parameter was changed between forward and backward.
 
     During forward (and until backward for a unit kept unsharded) the names hold the
     unsharded views; once resharded, the original Parameters. A new ``nn.Parameter`` set on
-    the module in between is neither: the backward would compute with (and send gradients
-    for) the old values, so this raises instead (torch FSDP1 fails with a RuntimeError).
+    the module in between is neither, and a kept view whose ``.data`` was replaced no longer
+    views the unsharded FlatParameter: the backward would compute with (and send gradients
+    for) the old values, so this raises instead, as torch FSDP1 does for units it keeps
+    unsharded (SHARD_GRAD_OP).
 
     Raises:
-        RuntimeError: A parameter was replaced (or the unit cast since that forward); the
-            message names it and the remedy.
+        FSDPStateAssertionError: A parameter was replaced, or a kept view's ``.data``; the
+            message names it and the remedy. An ``AssertionError``, as torch FSDP1 raises, and
+            a ``RuntimeError``.
     """
     if not handle.use_orig_params:
         return
+    # Kept unsharded since forward (SHARD_GRAD_OP): the names hold views of the FlatParameter.
+    views = handle._unsharded_views(handle.flat_param) if handle.is_unsharded else None
     for index, info in enumerate(handle.param_infos):
         current = info.module._parameters.get(info.param_name)
-        if not isinstance(current, nn.Parameter) or current is handle._orig_params[index]:
+        if isinstance(current, nn.Parameter):
+            if current is handle._orig_params[index]:
+                continue
+            change = "was replaced by a new nn.Parameter"
+        elif views is not None and isinstance(current, torch.Tensor) and not _same_view(current, views[index]):
+            change = "had its .data replaced"
+        else:
             continue
-        raise RuntimeError(
-            f"fsdp: parameter '{info.fqn}' of FSDP unit '{handle.unit_name}' was replaced by a "
-            f"new nn.Parameter between forward and backward; this backward uses the values "
-            f"the forward saw. Replace parameters before forward (between steps), or change "
-            f"them in place under torch.no_grad() after the optimizer step."
+        raise FSDPStateAssertionError(
+            f"fsdp: FSDP does not support changing the parameters between forward and "
+            f"backward: parameter '{info.fqn}' of FSDP unit '{handle.unit_name}' {change} "
+            f"between forward and backward; this backward uses the values the forward saw. "
+            f"Replace parameters before forward (between steps), or change them in place under "
+            f"torch.no_grad() after the optimizer step."
         )
+
+
+def _same_view(tensor: torch.Tensor, view: torch.Tensor) -> bool:
+    """Whether ``tensor`` is still (a tensor sharing) the unsharded view ``view``."""
+    if tensor.shape != view.shape:
+        return False
+    return view.numel() == 0 or tensor.data_ptr() == view.data_ptr()
 
 
 def writeback_orig_params(handle: _Handle) -> None:
@@ -424,7 +444,7 @@ def writeback_orig_params(handle: _Handle) -> None:
     parameter has between steps, or in its original full shape (this rank's part is taken).
 
     Raises:
-        ValueError: The new value has neither shape.
+        RuntimeError: The new value has neither shape (torch FSDP1's type).
         RuntimeError, TypeError: A cast that reached the parameters around the wrapper
             cannot be honoured (see ``adopt_external_cast``).
     """
@@ -461,7 +481,7 @@ def _copy_into_shard(handle: _Handle, index: int, info: ParamInfo, new: torch.Te
     ``expected`` of the local shard.
 
     Raises:
-        ValueError: ``new`` has neither shape.
+        RuntimeError: ``new`` has neither shape (torch FSDP1's type).
     """
     layout = handle.shard_layout
     if new.shape == expected.shape:
@@ -477,8 +497,9 @@ def _copy_into_shard(handle: _Handle, index: int, info: ParamInfo, new: torch.Te
         else:
             expected.copy_(new)
     else:
-        raise ValueError(
-            f"fsdp: parameter '{info.fqn}' of FSDP unit '{handle.unit_name}' was given "
-            f"shape {tuple(new.shape)}; it must keep its shape {tuple(info.shape)} (or "
-            f"its sharded shape {tuple(expected.shape)} between steps)."
+        raise RuntimeError(  # torch FSDP1's type
+            f"fsdp: Cannot writeback when the parameter shape changes: parameter "
+            f"'{info.fqn}' of FSDP unit '{handle.unit_name}' was given shape "
+            f"{tuple(new.shape)}; it must keep its shape {tuple(info.shape)} (or its sharded "
+            f"shape {tuple(expected.shape)} between steps)."
         )

@@ -116,10 +116,11 @@ def check_no_existing_wrappers(root_module: nn.Module) -> None:
     for name, module in root_module.named_modules():
         if is_fsdp(module):
             raise ValueError(
-                "Auto-wrapping requires modules that do not already have FSDP applied, but "
-                f"{_module_name(name)!r} is already a FullyShardedDataParallel instance. Either "
-                "wrap that subtree manually or use auto_wrap_policy, not both on the same "
-                "subtree."
+                "fsdp: FSDP auto wrapping requires modules to not already have FSDP applied "
+                f"but found {_module_name(name)} in {type(root_module).__name__} (the module "
+                "passed to FullyShardedDataParallel): it is already a FullyShardedDataParallel "
+                "instance. Either wrap that subtree manually or use auto_wrap_policy, not both "
+                "on the same subtree."
             )
 
 

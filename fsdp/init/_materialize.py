@@ -32,9 +32,9 @@ def validate_param_init_fn(param_init_fn: Any) -> None:
     """Raises ValueError (torch FSDP1's type) for a ``param_init_fn`` that is not callable."""
     if param_init_fn is not None and not callable(param_init_fn):
         raise ValueError(
-            f"fsdp: param_init_fn must be a callable taking a module (e.g. "
-            f"lambda m: m.to_empty(device='cpu', recurse=False)), got "
-            f"{type(param_init_fn).__name__}: {param_init_fn!r}"
+            f"fsdp: Expected {param_init_fn} to be callable but got {type(param_init_fn)}: "
+            f"param_init_fn must be a callable taking a module (e.g. "
+            f"lambda m: m.to_empty(device='cpu', recurse=False))."
         )
 
 

@@ -74,7 +74,8 @@ def resolve_process_groups(
     hybrid = strategy in HYBRID_STRATEGIES
     if process_group is not None and device_mesh is not None:
         raise ValueError(
-            "fsdp: pass either process_group or device_mesh, not both (got both)."
+            "fsdp: Cannot pass both process_group and device_mesh at the same time. Please "
+            "just pass only one of them."
         )
     if process_group is None and device_mesh is None:
         _check_initialized()
@@ -99,7 +100,9 @@ def resolve_process_groups(
     if hybrid:
         if process_group is not None:
             raise ValueError(
-                f"fsdp: {strategy.name} needs two groups: pass process_group=(intra_node_group, "
+                "fsdp: Expected process_group to be passed in as either None or "
+                f"Tuple[dist.ProcessGroup, dist.ProcessGroup] but got {type(process_group)}: "
+                f"{strategy.name} needs two groups: pass process_group=(intra_node_group, "
                 f"inter_node_group) or a 2-D device_mesh, not a single ProcessGroup."
             )
         return _derived_hybrid_groups(strategy)
@@ -146,10 +149,11 @@ def _derived_hybrid_groups(strategy: ShardingStrategy) -> ShardingGroups:
     local = os.environ.get("LOCAL_WORLD_SIZE")
     if local is None:
         raise ValueError(
-            f"fsdp: {strategy.name} without process_group or device_mesh needs to know the node "
-            f"size, and LOCAL_WORLD_SIZE is not set (torchrun sets it). Pass "
-            f"device_mesh=init_device_mesh(device_type, (num_nodes, ranks_per_node)) or "
-            f"process_group=(intra_node_group, inter_node_group)."
+            f"fsdp: Wrapping with {strategy} requires explicit specification of process group "
+            f"or device_mesh. Without them fsdp derives the node size from LOCAL_WORLD_SIZE, "
+            f"which is not set (torchrun sets it). Pass device_mesh=init_device_mesh("
+            f"device_type, (num_nodes, ranks_per_node)) or process_group=(intra_node_group, "
+            f"inter_node_group)."
         )
     local_size = int(local)
     if local_size <= 0 or world % local_size != 0:

@@ -98,8 +98,12 @@ def mark_tied_owners(tied_owner: dict[int, tuple[nn.Parameter, nn.Module]]) -> I
 def unit_modules(unit_module: nn.Module, ignored_modules: set[nn.Module]) -> list[nn.Module]:
     """The modules whose own parameters and buffers belong to this unit (pre-order).
 
-    Nested FSDP instances and ignored modules are not descended into.
+    Nested FSDP instances and ignored modules are not descended into; a unit whose wrapped
+    module is itself ignored has none (torch FSDP1 leaves such a module's buffers alone: not
+    moved, synced or cast for mixed precision, and saved as the very tensors).
     """
+    if unit_module in ignored_modules:
+        return []
     result: list[nn.Module] = []
     seen: set[int] = set()
     # Pre-order with an explicit stack (children pushed in reverse): a recursive closure would
@@ -135,8 +139,17 @@ def split_by_requires_grad(params: list[UnitParam], use_orig_params: bool) -> li
     return [group for group in (trainable, frozen) if group]
 
 
-def validate_unit_params(unit_name: str, params: Iterable[UnitParam], use_orig_params: bool = False) -> None:
+def validate_unit_params(
+    unit_name: str, params: Iterable[UnitParam], use_orig_params: bool = False, fqn_prefix: str = ""
+) -> None:
     """Raises if a unit's parameters cannot share one FlatParameter.
+
+    Args:
+        unit_name: The unit's qualified name, for the message.
+        params: The parameters the unit would flatten (names relative to the unit).
+        use_orig_params: Frozen and trainable parameters may then share a unit.
+        fqn_prefix: The unit's qualified name with a trailing dot (the message lists full
+            parameter names, as torch FSDP1 does).
 
     Raises:
         ValueError: Parameters of different dtypes, or mixed requires_grad (which needs
@@ -157,14 +170,14 @@ def validate_unit_params(unit_name: str, params: Iterable[UnitParam], use_orig_p
             f"their own units."
         )
     if len(flags) > 1 and not use_orig_params:
-        listing = "; ".join(
-            f"requires_grad={flag}: {', '.join(names[:4])}" for flag, names in flags.items()
-        )
+        trainable, frozen = ([fqn_prefix + n for n in flags[flag]] for flag in (True, False))
         raise ValueError(
-            f"fsdp: the FSDP unit '{unit_name}' mixes frozen and trainable parameters ({listing}). "
-            f"With use_orig_params=False a unit's parameters must all have the same "
-            f"requires_grad: pass use_orig_params=True, wrap the frozen submodules as their "
-            f"own units, or freeze/unfreeze the whole unit."
+            f"fsdp: {unit_name} has both parameters with requires_grad=True and False. FSDP "
+            f"does not support wrapping such modules when use_orig_params=False. If possible, "
+            f"wrap the frozen parameters with FSDP separately (or pass use_orig_params=True, "
+            f"or freeze/unfreeze the whole unit).\n"
+            f"The following parameters have requires_grad=True:\n{trainable}\n"
+            f"The following parameters have requires_grad=False:\n{frozen}"
         )
 
 

@@ -92,16 +92,16 @@ def warn_construction(
 
     if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
         warnings.warn(
-            f"fsdp: wrapping a {type(module).__name__}, which has no forward: FSDP gathers a "
-            f"unit's parameters only when its forward runs, so these parameters are never "
-            f"gathered by it. Wrap the container's elements (or the module that calls them) "
-            f"instead.",
+            f"fsdp: FSDP will not all-gather parameters for containers that do not implement "
+            f"forward: {type(module).__name__}. FSDP gathers a unit's parameters only when its "
+            f"forward runs, so these parameters are never gathered by it. Wrap the container's "
+            f"elements (or the module that calls them) instead.",
             stacklevel=4,  # the caller of FullyShardedDataParallel(...)
         )
     if world_size == 1 and strategy is not ShardingStrategy.NO_SHARD and strategy not in HYBRID_STRATEGIES:
         warnings.warn(
-            f"fsdp: the process group has one rank, so FSDP uses NO_SHARD instead of "
-            f"{strategy} (nothing to shard), as torch FSDP1 does.",
+            f"FSDP is switching to use `NO_SHARD` instead of {strategy} since the world size "
+            f"is 1. (fsdp: the process group has one rank, so there is nothing to shard.)",
             stacklevel=4,
         )
     elif world_size > 1 and requested is ShardingStrategy.NO_SHARD:
@@ -170,27 +170,27 @@ def resolve_ignored(
     states_arg = _as_list(ignored_states, "ignored_states")
     if ignored_modules is not None and ignored_states is not None:
         raise ValueError(
-            "fsdp: pass ignored_modules or ignored_states, not both (ignored_states accepts "
-            "modules too)."
+            "fsdp: Cannot pass both ignored_modules and ignored_states at the same time. "
+            "Please just pass ignored_states (it accepts modules too)."
         )
     roots: list[nn.Module] = []
     params: set[nn.Parameter] = set()
     if states_arg:
-        kinds = {type(s).__name__ for s in states_arg}
         if all(isinstance(s, nn.Parameter) for s in states_arg):
             params.update(p for p in states_arg if not _flattened_by_a_unit(p))
         elif all(isinstance(s, nn.Module) for s in states_arg):
             roots = states_arg
         else:
             raise ValueError(
-                f"fsdp: ignored_states must hold only nn.Parameter or only nn.Module elements, "
-                f"got {sorted(kinds)}."
+                f"fsdp: ignored_states expects all nn.Parameter or all nn.Module list elements "
+                f"but got types {_sorted_types(states_arg)}. Pass only parameters or only "
+                f"modules."
             )
-    not_modules = sorted({type(m).__name__ for m in modules_arg if not isinstance(m, nn.Module)})
-    if not_modules:
+    if not all(isinstance(m, nn.Module) for m in modules_arg):
         raise ValueError(  # torch FSDP1's type for this mistake
-            f"fsdp: ignored_modules must hold nn.Module elements, got {not_modules}. Pass the "
-            f"modules (e.g. [model.frozen_encoder]); use ignored_states for parameters."
+            f"fsdp: ignored_modules expects nn.Module list elements but got types "
+            f"{_sorted_types(modules_arg)}. Pass the modules (e.g. [model.frozen_encoder]); "
+            f"use ignored_states for parameters."
         )
     roots.extend(modules_arg)
     names = {m: n for n, m in module.named_modules()}
@@ -199,22 +199,45 @@ def resolve_ignored(
         if is_fsdp(root):
             where = names.get(root, type(root).__name__)
             raise ValueError(
-                f"fsdp: ignored module '{clean_fqn(where)}' is a FullyShardedDataParallel "
-                f"instance; ignored modules must not be FSDP wrappers. Ignore the module it "
-                f"wraps ('.module') before wrapping it, or do not ignore it."
+                f"fsdp: `ignored_modules` should not include FSDP modules, but "
+                f"'{clean_fqn(where)}' is a FullyShardedDataParallel instance. Ignore the "
+                f"module it wraps ('.module') before wrapping it, or do not ignore it."
             )
         closed.update(sub for sub in root.modules() if not is_fsdp(sub))
     if module in closed:
         warnings.warn(
-            f"fsdp: the module passed to FullyShardedDataParallel ({type(module).__name__}) is "
-            f"itself in ignored_modules/ignored_states, so all of its parameters are ignored "
-            f"and FSDP shards nothing (torch FSDP1 warns the same). Ignore its submodules "
-            f"instead.",
+            f"fsdp: Trying to ignore the top-level module passed into the FSDP constructor "
+            f"itself will result in all parameters being ignored and is not well-supported: "
+            f"{type(module).__name__} is itself in ignored_modules/ignored_states, so FSDP "
+            f"shards nothing. Ignore its submodules instead.",
             stacklevel=warn_stacklevel,
         )
     for sub in closed:
         params.update(p for p in sub.parameters(recurse=False) if not _flattened_by_a_unit(p))
     return closed, params
+
+
+def _post_order(module: nn.Module) -> list[nn.Module]:
+    """``module``'s tree, children before parents (iterative: no recursion limit, no cycle)."""
+    order: list[nn.Module] = []
+    stack: list[tuple[nn.Module, bool]] = [(module, False)]
+    seen: set[int] = set()
+    while stack:
+        mod, children_done = stack.pop()
+        if children_done:
+            order.append(mod)
+            continue
+        if id(mod) in seen:
+            continue
+        seen.add(id(mod))
+        stack.append((mod, True))
+        stack.extend((child, False) for child in reversed(list(mod.children())))
+    return order
+
+
+def _sorted_types(values: list[Any]) -> list[type]:
+    """The elements' types as torch FSDP1 lists them in its messages (sorted by repr)."""
+    return sorted({type(v) for v in values}, key=repr)
 
 
 def _as_list(values: Optional[Iterable[Any]], what: str) -> list[Any]:
@@ -328,11 +351,15 @@ def plan_units(
     def owns(unit: nn.Module, param: nn.Parameter) -> bool:
         return id(param) not in plan.tied_owner or plan.tied_owner[id(param)][1] is unit
 
-    for unit, params in units.items():
+    # In post-order, as torch FSDP1 checks them (its message names the first it finds).
+    post_order = {m: i for i, m in enumerate(_post_order(module))}
+    for unit, params in sorted(units.items(), key=lambda item: post_order.get(item[0], -1)):
+        name = names.get(unit, "")
         validate_unit_params(
             unit_name(unit),
             [p for p in params if owns(unit, p[3])],
             bool(root_kwargs.get("use_orig_params")),
+            fqn_prefix=f"{name}." if name else "",
         )
     # Parameters already flattened by units wrapped by hand cannot move.
     handle_names: dict[object, str] = {}

@@ -48,7 +48,11 @@ def clip_root_grad_norm_(
         ValueError: A unit of the tree is in forward, backward or ``summon_full_params``
             (torch FSDP1's type).
     """
-    state = require_root(root, "clip_grad_norm_()")
+    state = require_root(
+        root,
+        "clip_grad_norm_()",
+        torch_message="`clip_grad_norm_()` should only be called on the root FSDP instance",
+    )
     check_idle(root, "clip_grad_norm_()", error=ValueError)  # torch FSDP1's type
     return clip_grad_norm_(root, state, float(max_norm), float(norm_type))
 

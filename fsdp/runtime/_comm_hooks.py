@@ -44,24 +44,33 @@ def register_comm_hook(root: nn.Module, state: Any, hook: Callable[..., Any]) ->
             unit uses a hybrid strategy.
         ValueError: ``hook`` is not callable (torch FSDP1's type).
     """
-    root_state = require_root(root, "register_comm_hook()", error=FSDPStateAssertionError)
+    root_state = require_root(
+        root,
+        "register_comm_hook()",
+        error=FSDPStateAssertionError,
+        torch_message="register_comm_hook can only be called on a root instance.",
+        anchored=True,  # torch's tests match the whole message
+    )
     if not callable(hook):
         raise ValueError(
-            f"fsdp: register_comm_hook needs a callable hook, got {type(hook).__name__}"
+            f"fsdp: The communication hook must be callable but got {hook}: pass a function "
+            f"hook(state, grad[, output]), got {type(hook).__name__}."
         )
     assert root_state.ctx is not None
     for unit in root_state.ctx.states:
         if unit.sharding_strategy in HYBRID_STRATEGIES:
             raise FSDPStateAssertionError(
-                f"fsdp: communication hooks are not supported with {unit.sharding_strategy.name} "
-                f"(unit '{unit.unit_name}'), as in torch FSDP1; use FULL_SHARD, SHARD_GRAD_OP "
-                f"or NO_SHARD."
+                f"fsdp: Communication hook is not supported for hybrid strategies: "
+                f"{unit.sharding_strategy} (unit '{unit.unit_name}'); use FULL_SHARD, "
+                f"SHARD_GRAD_OP or NO_SHARD."
             )
         if unit.comm_hook is not None:
-            raise FSDPStateAssertionError(
-                f"fsdp: a communication hook is already registered (unit '{unit.unit_name}'); "
-                f"register_comm_hook may be called once."
+            exc = FSDPStateAssertionError("A communication hook is already registered")
+            exc.add_note(  # torch's tests match the whole message; ours is a note
+                f"fsdp: unit '{unit.unit_name}' already has one; register_comm_hook may be "
+                f"called once per FSDP tree, before training."
             )
+            raise exc
     for unit in root_state.ctx.states:
         unit.comm_hook, unit.comm_hook_state = hook, state
 

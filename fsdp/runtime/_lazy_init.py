@@ -40,9 +40,11 @@ def lazy_init(module: nn.Module) -> UnitState:
     state: UnitState = unit_state(module)
     if state.is_root is not None:
         return state
+    units = [(name, unit) for name, _, unit in named_fsdp_states(module)]
+    _check_units(units)  # user errors: before any state changes
     state.is_root = True
     ctx = RootContext(root=state)
-    for name, _, unit in named_fsdp_states(module):
+    for name, unit in units:
         if unit is not state:
             unit.is_root = False
         unit.ctx = ctx
@@ -60,6 +62,45 @@ def lazy_init(module: nn.Module) -> UnitState:
     # [Note: Releasing the root context]; nothing to do at interpreter exit.
     weakref.finalize(module, _release_context, ctx).atexit = False
     return state
+
+
+# Torch FSDP1's names of the settings every unit of one tree must share.
+_HOMOGENEOUS = {
+    "_use_orig_params": "use_orig_params",
+    "limit_all_gathers": "limit_all_gathers",
+    "_use_full_prec_in_eval": "full_precision_in_eval",
+}
+
+
+def _check_units(units: list[tuple[str, UnitState]]) -> None:
+    """Raises, as torch FSDP1 does at lazy initialization, for a tree its runtime cannot serve.
+
+    Raises:
+        RuntimeError: An optimizer in backward (``_apply_optimizer_in_backward``) was given a
+            FlatParameter (it needs ``use_orig_params=True``).
+        ValueError: Units disagree on ``use_orig_params``, ``limit_all_gathers`` or
+            ``FSDP_USE_FULL_PREC_IN_EVAL``.
+    """
+    for name, unit in units:
+        for handle in unit.handles:
+            if hasattr(handle.flat_param, "_in_backward_optimizers"):
+                raise RuntimeError(
+                    f"fsdp: FSDP optimizer in backward only supported with use_orig_params=True! "
+                    f"Unit '{name or '<root>'}' has use_orig_params=False, so the optimizer was "
+                    f"given its FlatParameter; wrap with use_orig_params=True."
+                )
+    for torch_name, field in _HOMOGENEOUS.items():
+        values = {getattr(unit, field) for _, unit in units}
+        if len(values) != 1:
+            by_value = {
+                value: [name or "<root>" for name, unit in units if getattr(unit, field) == value]
+                for value in values
+            }
+            raise ValueError(
+                f"fsdp: Expects one homogeneous value for {torch_name} but got {values}: the "
+                f"FSDP units of one tree must share it ({by_value}); pass the same value to "
+                f"every FullyShardedDataParallel of the model."
+            )
 
 
 def _release_context(ctx: RootContext) -> None:
@@ -95,13 +136,22 @@ def reset_lazy_init(module: nn.Module) -> None:
         unit.ctx = None
 
 
-def require_root(module: nn.Module, what: str, error: type[Exception] = RuntimeError) -> UnitState:
+def require_root(
+    module: nn.Module,
+    what: str,
+    error: type[Exception] = RuntimeError,
+    torch_message: str = "",
+    anchored: bool = False,
+) -> UnitState:
     """Lazily initializes ``module``'s tree and returns its state, if it is the root.
 
     Args:
         module: An FSDP instance.
         what: The API being called, for the message.
         error: The exception type (torch FSDP1's for the same call).
+        torch_message: Torch FSDP1's message for the same call, which ours starts with.
+        anchored: The message is exactly ``torch_message`` (torch's tests match it whole);
+            ours goes into a note.
 
     Raises:
         RuntimeError (or ``error``): ``module`` is a nested unit, not the root.
@@ -110,8 +160,17 @@ def require_root(module: nn.Module, what: str, error: type[Exception] = RuntimeE
     if not state.has_fsdp_parent:
         state = lazy_init(module)
     if state.has_fsdp_parent or not state.is_root:
+        where = f"{what} was called on the nested unit '{state.unit_name}'"
+        fix = "Call it on the outermost FSDP module."
+        if anchored:
+            exc = error(torch_message)
+            exc.add_note(f"fsdp: {where}. {fix}")
+            raise exc
+        if torch_message:
+            sep = " " if torch_message.endswith(".") else ": "
+            raise error(f"fsdp: {torch_message}{sep}{where}. {fix}")
         raise error(
-            f"fsdp: {what} must be called on the root FSDP instance, but it was called on "
-            f"the nested unit '{state.unit_name}'. Call it on the outermost FSDP module."
+            f"fsdp: {what} must be called on the root FSDP instance, but it was called on the "
+            f"nested unit '{state.unit_name}'. {fix}"
         )
     return state

@@ -212,10 +212,11 @@ def apply_mixed_precision_overrides(
             _register_full_precision_hooks(module)
     if found:
         warnings.warn(
-            "Both mixed_precision and auto_wrap_policy were given, and the model contains "
-            f"modules of types {sorted(cls.__name__ for cls in found)} that mixed precision "
-            "skips (MixedPrecision._module_classes_to_ignore). Each of them is wrapped as its own "
-            "unit with mixed_precision=None and runs in float32.",
+            "Both mixed precision and an auto_wrap_policy were specified to FSDP, where the "
+            f"wrapped module has submodules of type {sorted(cls.__name__ for cls in found)}, "
+            "which mixed precision skips (MixedPrecision._module_classes_to_ignore). These "
+            "modules will be wrapped as separate FSDP instances with mixed precision disabled "
+            "(mixed_precision=None: they run in float32).",
             stacklevel=4,  # the caller of FullyShardedDataParallel(...)
         )
     return found

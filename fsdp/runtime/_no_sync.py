@@ -24,7 +24,12 @@ def no_sync(root: nn.Module) -> Iterator[None]:
         ValueError: A unit of the tree is in forward, backward or ``summon_full_params``
             (torch FSDP1's type).
     """
-    state = require_root(root, "no_sync()")
+    state = require_root(
+        root,
+        "no_sync()",
+        torch_message="`no_sync()` on inner FSDP instances is not supported. Please call "
+        "`no_sync()` on root FSDP module.",
+    )
     check_idle(root, "no_sync()", error=ValueError)  # torch FSDP1's type
     assert state.ctx is not None
     previous = [(unit, unit.sync_gradients) for unit in state.ctx.states]

@@ -370,7 +370,11 @@ def named_fsdp_states(module: nn.Module) -> Iterator[tuple[str, nn.Module, UnitS
 
 
 def check_idle(
-    module: nn.Module, what: str, allow_summon: bool = False, error: type[Exception] = RuntimeError
+    module: nn.Module,
+    what: str,
+    allow_summon: bool = False,
+    error: type[Exception] = RuntimeError,
+    torch_message: str = "",
 ) -> None:
     """Raises if any unit in ``module``'s root tree is in forward or backward (or summon).
 
@@ -381,6 +385,9 @@ def check_idle(
         error: The exception type (torch FSDP1's for the same call: ``ValueError`` for
             ``apply``, ``no_sync`` and ``clip_grad_norm_``, an ``AssertionError`` for
             ``summon_full_params``).
+        torch_message: Torch FSDP1's message for the same call, which ours starts with; by
+            default torch's state check (``expected to be in states [...] but current state
+            is ...``).
     """
     state: UnitState = unit_state(module)
     states = state.ctx.states if state.ctx is not None else [s for _, _, s in named_fsdp_states(module)]
@@ -390,8 +397,19 @@ def check_idle(
     busy = [s for s in states if s.training_state not in allowed]
     if busy:
         desc = ", ".join(f"'{s.unit_name}' ({s.training_state.name})" for s in busy)
+        if not torch_message:
+            current = state if state in busy else busy[0]
+            torch_message = state_mismatch_message(current.training_state)
         raise error(
-            f"fsdp: {what} cannot be called while FSDP units are in forward, backward or "
-            f"summon_full_params: {desc}. Call it between training steps, outside the model's "
-            f"forward and backward."
+            f"fsdp: {torch_message}: {what} cannot be called while FSDP units are in forward, "
+            f"backward or summon_full_params: {desc}. Call it between training steps, outside "
+            f"the model's forward and backward."
         )
+
+
+def state_mismatch_message(current: HandleTrainingState) -> str:
+    """Torch FSDP1's sentence for an API that needs an idle unit, called in ``current``."""
+    return (
+        f"expected to be in states {[TrainingState.IDLE]} but current state is "
+        f"{coarse_training_state(current)}"
+    )

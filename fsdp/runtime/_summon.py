@@ -24,6 +24,7 @@ from fsdp.runtime._state import (
     HandleTrainingState,
     UnitState,
     check_idle,
+    state_mismatch_message,
     is_fsdp,
     named_fsdp_states,
     transition,
@@ -35,7 +36,8 @@ def _validate_args(writeback: bool, rank0_only: bool, offload_to_cpu: bool, with
     # The exception types are torch FSDP1's for the same arguments.
     if writeback and rank0_only:
         raise NotImplementedError(
-            "fsdp: summon_full_params(writeback=True, rank0_only=True) is not supported: only "
+            "fsdp: writeback=True and rank0_only=True is not supported yet in "
+            "summon_full_params: only "
             "rank 0 would hold full parameters, so ranks would write back different data. Pass "
             "writeback=False with rank0_only=True, or rank0_only=False to write back."
         )
@@ -260,7 +262,13 @@ def summon_full_params(
     wrappers = _modules_to_summon(module, recurse)
     for top in _top_level_fsdp(module):
         lazy_init(top)
-        check_idle(top, "summon_full_params()", allow_summon=True, error=FSDPStateAssertionError)
+        check_idle(
+            top,
+            "summon_full_params()",
+            allow_summon=True,
+            error=FSDPStateAssertionError,
+            torch_message="Cannot manually unshard parameters during forward/backward",
+        )
     with contextlib.ExitStack() as stack:
         for wrapper in wrappers:
             state: UnitState = unit_state(wrapper)
@@ -314,7 +322,8 @@ def apply_summoned(
     if state.training_state is HandleTrainingState.SUMMON_FULL_PARAMS:
         # (Nested units' apply, called by this apply's recursion, finds them idle.)
         raise ValueError(
-            f"fsdp: apply() cannot be called inside summon_full_params on unit "
+            f"fsdp: {state_mismatch_message(state.training_state)}: "
+            f"apply() cannot be called inside summon_full_params on unit "
             f"'{state.unit_name}' (the enclosing summon decides whether changes "
             f"are written back, so apply's would be lost with writeback=False). Call apply() "
             f"outside summon_full_params, or modify the parameters inside it directly."

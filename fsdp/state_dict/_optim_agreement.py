@@ -149,7 +149,9 @@ def check_save_flat(
             missing.append(f"rank {rank} has none for {shown}")
     if missing:
         raise RuntimeError(
-            f"fsdp: every rank's optimizer must have state for the parameters rank 0's has (the "
+            "fsdp: FSDP currently requires each rank to have at least the optimizer states "
+            "needed by rank 0's optimizer but some ranks are missing some of those states: "
+            f"every rank's optimizer must have state for the parameters rank 0's has (the "
             f"order may differ between ranks), but {'; '.join(missing)}. Build every rank's "
             f"optimizer from the same parameters and step it on every rank before saving."
         )

@@ -303,17 +303,21 @@ def _validate(osd: dict[str, Any], view: _ModelView) -> None:
                 if _is_pos_dim(values[0]) or _is_sharded_value(values[0]):
                     if len({_dtype_of(v) for v in values}) != 1:
                         raise ValueError(
-                            f"fsdp: optimizer state '{name}' has different dtypes "
-                            f"{sorted({str(_dtype_of(v)) for v in values})} across the parameters "
-                            f"{present} of one FlatParameter."
+                            f"All unflattened parameters comprising a single flat parameter "
+                            f"must have positive-dimension tensor state with the same dtype "
+                            f"(fsdp: optimizer state '{name}' has different dtypes "
+                            f"{sorted({str(_dtype_of(v)) for v in values})} across the "
+                            f"parameters {present} of one FlatParameter)."
                         )
                     continue
                 scalars = [v.item() if _is_zero_dim(v) else v for v in values]
                 if len(present) != len(fqns) or any(x != scalars[0] for x in scalars):
-                    raise ValueError(
-                        f"fsdp: the parameters {fqns} share a FlatParameter, so their scalar "
-                        f"optimizer state '{name}' must be present for all of them and equal; got "
-                        f"{dict(zip(present, scalars))}."
+                    raise ValueError(  # torch's tests match its sentence at the start
+                        f"All unflattened parameters comprising a single flat parameter must "
+                        f"have scalar state with the same value and dtype (fsdp: the parameters "
+                        f"{fqns} share a FlatParameter, so their scalar optimizer state "
+                        f"'{name}' must be present for all of them and equal; got "
+                        f"{dict(zip(present, scalars))})."
                     )
 
 

@@ -38,8 +38,9 @@ def default_settings() -> StateDictSettings:
 def _check_config(kind: str, config: object, expected: type, state_dict_type: StateDictType) -> None:
     if type(config) is not expected:
         raise RuntimeError(  # torch FSDP1's type for this mistake
-            f"fsdp: {kind} must be a {expected.__name__} for {state_dict_type}, got "
-            f"{type(config).__name__}. Pass {expected.__name__}(...) or None for the default."
+            f"fsdp: Expected {kind} of type {expected} but got {type(config)}: {kind} must be "
+            f"a {expected.__name__} for {state_dict_type}, got {type(config).__name__}. Pass "
+            f"{expected.__name__}(...) or None for the default."
         )
 
 
