@@ -82,6 +82,7 @@ class _Handle(Protocol):
     device: torch.device
     flat_param: nn.Parameter
     grads: HandleGrads
+    storage: Any
     shard_layout: ShardLayout
     param_infos: list[ParamInfo]
     process_group: dist.ProcessGroup
@@ -303,7 +304,7 @@ def _accumulate_reduced(handle: _Handle, sharded_grad: torch.Tensor) -> None:
         sharded_grad = sharded_grad.to(handle.dtype)
     if handle.offload_params:
         # Copied back to pinned CPU memory; finalize_grad waits for it (end of backward).
-        offloaded = torch.empty(sharded_grad.shape, dtype=sharded_grad.dtype, pin_memory=True)
+        offloaded = handle.storage.new_host_buffer(sharded_grad)
         offloaded.copy_(sharded_grad, non_blocking=True)
         sharded_grad = offloaded
     pending = handle.grads.pending_sharded_grad

@@ -158,18 +158,23 @@ class FlatParamStorage:
         self.process_group = process_group
         self.uses_sharding = uses_sharding
         self.padded_unsharded_numel = padded_unsharded_numel
-        # [Note: CPU offload] The local shard (what the optimizer updates) and its gradient
-        # live on CPU; unshard copies the shard to the compute device (non-blocking, from
-        # pinned memory) before gathering, and the reduced gradient is copied back. With a CPU
-        # compute device this is the ordinary layout (torch FSDP1 refuses CPU offload on CPU).
-        self.offload_params = offload_params and device.type != "cpu"
-        if self.offload_params:
-            if not uses_sharding:
+        # [Note: CPU offload] The local shard (what the optimizer updates) and its reduced
+        # gradient live in host buffers: tensors of their own, pinned where an accelerator
+        # copies from them. Unshard copies the shard to the compute device (non-blocking) before
+        # gathering; the reduced gradient is copied into a new host buffer. On a CPU compute
+        # device the copies are real copies too, so the same code runs (and is tested) without
+        # an accelerator; torch FSDP1 refuses CPU offload there.
+        self.offload_params = offload_params
+        # Pinned memory needs an accelerator (and only serves copies to one).
+        self.pin_host_buffers = offload_params and device.type != "cpu"
+        if offload_params:
+            if not uses_sharding and device.type != "cpu":
+                # (On a CPU compute device the host buffer is a compute buffer: nothing to copy.)
                 raise NotImplementedError(
                     "fsdp: CPUOffload(offload_params=True) with NO_SHARD on more than one rank "
                     "on an accelerator is not supported yet; use FULL_SHARD or SHARD_GRAD_OP."
                 )
-            local_shard = local_shard.cpu().pin_memory()
+            local_shard = self.new_host_buffer(local_shard).copy_(local_shard)
         self.flat_param = FlatParameter(local_shard, requires_grad=requires_grad)
         self.local_shard: torch.Tensor = self.flat_param.data
         # A prefetched all-gather not yet waited for (see [Note: Prefetch]).
@@ -199,6 +204,11 @@ class FlatParamStorage:
         # Whether the handle ever frees an unsharded copy (else it stays UNSHARDED for good).
         self.has_unsharded_buffer = self.padded_unsharded_full is not None or self.padded_unsharded_low is not None
         self.state = HandleState.SHARDED if self.has_unsharded_buffer else HandleState.UNSHARDED
+
+    def new_host_buffer(self, like: torch.Tensor) -> torch.Tensor:
+        """An uninitialized host tensor shaped like ``like`` (pinned where an accelerator
+        copies from it), for CPU offload."""
+        return torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=self.pin_host_buffers)
 
     def _new_freed_buffer(self, dtype: torch.dtype) -> torch.Tensor:
         buffer = torch.empty(self.padded_unsharded_numel, dtype=dtype, device=self.device)
@@ -261,7 +271,8 @@ class FlatParamStorage:
                 _alloc_storage(padded_unsharded)
                 shard = self.local_shard
                 if self.offload_params:
-                    shard = shard.to(self.device, non_blocking=True)
+                    # A copy on the compute device (a real copy on a CPU compute device too).
+                    shard = shard.to(self.device, non_blocking=True, copy=True)
                 if low:
                     # Cast the shard first so the gather moves param_dtype bytes (as torch FSDP1).
                     shard = shard.to(self.precision.param_dtype)

@@ -48,7 +48,13 @@ from fsdp.flat_param._layout import (
 )
 from fsdp.flat_param._precision import HandlePrecision
 from fsdp.flat_param._reduction import HandleGrads
-from fsdp.flat_param._sharding import FlatLayout, ParamShardSlice, aligned_numel, gradient_divide_factors
+from fsdp.flat_param._sharding import (
+    FlatLayout,
+    ParamShardSlice,
+    aligned_numel,
+    gradient_divide_factors,
+    handle_uses_sharding,
+)
 from fsdp.flat_param._storage import FlatParameter, FlatParamStorage, HandleState
 from fsdp.flat_param._views import (
     _ShardedParamPlaceholder as _ShardedParamPlaceholder,
@@ -139,14 +145,8 @@ class FlatParamHandle:
         mark_flattened(self, unit_params)
         unique_params = unit_params.unique_params
         precision = HandlePrecision.resolve(mixed_precision, unique_params[0].dtype)
-        # [Note: CPU offload on one rank] Offloaded parameters on an accelerator take the
-        # sharded path even when the unit's group has one rank (where the strategy is NO_SHARD,
-        # as in torch FSDP1): the shard (the whole flat parameter) stays in pinned host memory,
-        # unshard copies it to the device (the one-rank all-gather is a copy) and the gradient
-        # goes back to the host. The single-GPU user of CPUOffload is the common one.
-        ranks = group_size(process_group)
-        offloads_to_host = offload_params and torch.device(device).type != "cpu"
-        uses_sharding = (uses_sharding and ranks > 1) or (offloads_to_host and ranks == 1)
+        # [Note: CPU offload on one rank] in _sharding.py: offload takes the sharded path on one rank.
+        uses_sharding = handle_uses_sharding(uses_sharding, group_size(process_group), offload_params)
         self.shard_layout: ShardLayout = self._init_layout(uses_sharding, precision)
         local_shard = self._flatten_local_shard(unique_params, precision.full_dtype, sync_module_states)
         self.storage = FlatParamStorage(

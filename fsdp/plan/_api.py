@@ -360,7 +360,7 @@ def _schedule(
     static += sum(p.numel() * p.element_size() for p in planned.ignored_params)
     cfg = ScheduleConfig(
         device_is_cpu=setup.device.type == "cpu",
-        offload_params=_offloads(setup) and setup.device.type != "cpu",
+        offload_params=_offloads(setup),
         backward_prefetch=setup.kwargs.get("backward_prefetch"),
         forward_prefetch=bool(setup.kwargs.get("forward_prefetch")),
         shard_world_size=setup.shard_world_size,

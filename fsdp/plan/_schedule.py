@@ -63,9 +63,10 @@ class ScheduleConfig:
     """What the replay needs to know besides the units.
 
     Attributes:
-        device_is_cpu: The training device is the CPU (one memory; gloo point-to-point
-            collectives; offload is a no-op there, as in ``FlatParamHandle``).
-        offload_params: ``CPUOffload(offload_params=True)`` on an accelerator.
+        device_is_cpu: The training device is the CPU (one memory: the host buffers of
+            offload count in the same peak).
+        offload_params: ``CPUOffload(offload_params=True)`` (host buffers and their copies,
+            on a CPU training device too, as in ``FlatParamHandle``).
         backward_prefetch: As given to the wrapper.
         forward_prefetch: As given to the wrapper.
         shard_world_size: Ranks a parameter is sharded over.

@@ -17,7 +17,13 @@ from torch import nn
 
 from fsdp.api import ShardingStrategy
 from fsdp.flat_param._precision import HandlePrecision
-from fsdp.flat_param._sharding import FlatLayout, aligned_numel, flat_layout, padded_unsharded_numel
+from fsdp.flat_param._sharding import (
+    FlatLayout,
+    aligned_numel,
+    flat_layout,
+    handle_uses_sharding,
+    padded_unsharded_numel,
+)
 from fsdp.init._unit_params import mark_tied_owners, split_by_requires_grad, unit_params
 from fsdp.init._validate import plan_units
 
@@ -174,7 +180,12 @@ def size_unit_specs(layouts: list[UnitLayout], shard_world_size: int) -> list[Un
             ShardingStrategy._HYBRID_SHARD_ZERO2,
         ):
             strategy = ShardingStrategy.NO_SHARD  # as the wrapper does at world size 1
-        uses_sharding = strategy is not ShardingStrategy.NO_SHARD and shard_world_size > 1
+        cpu_offload = layout.kwargs.get("cpu_offload")
+        uses_sharding = handle_uses_sharding(
+            strategy is not ShardingStrategy.NO_SHARD,
+            shard_world_size,
+            bool(cpu_offload and cpu_offload.offload_params),
+        )
         use_orig_params = bool(layout.kwargs.get("use_orig_params"))
         handles: list[HandleSpec] = []
         for unique in layout.handle_params:
