@@ -28,7 +28,7 @@ def _reduction_outputs() -> Iterator[list[torch.Tensor]]:
     from fsdp._comm import _collectives as comm
 
     seen: list[torch.Tensor] = []
-    names = [n for n in ("reduce_scatter_flat", "reduce_scatter_halves", "all_reduce_sum") if hasattr(comm, n)]
+    names = ["reduce_scatter_flat", "all_reduce_sum"]
     originals = {name: getattr(comm, name) for name in names}
 
     def spy(name: str) -> Any:

@@ -22,7 +22,7 @@ PACKAGE_DIR = Path(__file__).resolve().parent.parent / "fsdp"
 LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
     # Enums, configs, constants, small helpers; the public wrap policies import nothing either.
     ("base", ("fsdp.api", "fsdp._common", "fsdp.wrap")),
-    # Collectives, point-to-point exchanges, collective errors, the sharding groups.
+    # Collectives (one path for every backend), collective errors, the sharding groups.
     ("comm", ("fsdp._comm",)),
     # FlatParameter, FlatParamHandle and the pure sharding / precision arithmetic.
     ("flat_param", ("fsdp.flat_param",)),

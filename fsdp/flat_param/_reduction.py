@@ -4,9 +4,8 @@ The gradient concern of :class:`~fsdp.flat_param.flat_param.FlatParamHandle` (se
 Gradient flow] in docs/flat_param_lifecycle.md): an existing sharded gradient is stashed before
 autograd accumulates, the new unsharded gradient is pre-divided, reduce-scattered (all-reduced
 for NO_SHARD, then across replicas for hybrid strategies), post-divided and added to the stash
-at the end of backward; inside ``no_sync`` it is only kept. On two gloo ranks the reduction
-can start from the per-parameter gradients instead ([Note: Per-parameter gradient reduction]
-in ``_views.py``). With CPU offload the reduced gradient is copied back to pinned CPU memory.
+at the end of backward; inside ``no_sync`` it is only kept. With CPU offload the reduced
+gradient is copied into a host buffer.
 
 :class:`HandleGrads` holds the gradient state of one handle; the functions take the handle
 (:class:`_Handle` names what they use of it); the handle's methods of the same names call them.
@@ -15,7 +14,7 @@ in ``_views.py``). With CPU offload the reduced gradient is copied back to pinne
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple, Optional, Protocol, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -23,20 +22,23 @@ from torch import nn
 
 from fsdp._comm import _collectives as comm
 from fsdp._common import p_assert
-from fsdp.flat_param._early_grads import can_take_early, settle_open_run
 from fsdp.flat_param._layout import ParamInfo, ShardLayout
 from fsdp.flat_param._precision import HandlePrecision
+from fsdp.flat_param._storage import on_stream, record_event
 from fsdp.flat_param._views import assign_grad
 
-__all__ = ["HandleGrads"]
+__all__ = ["HandleGrads", "reduction_stays_in_flight"]
 
 
 class _InflightReduction(NamedTuple):
-    """A launched reduce-scatter: its work, the sharded output it writes, and what must stay
-    alive until the collective has read it."""
+    """A launched reduction: its work (CPU) or completion event (CUDA), the sharded output it
+    writes, whether that still needs the post-divide, and what must stay alive until the
+    collective has read it."""
 
     work: Any
+    event: Any
     sharded_grad: torch.Tensor
+    post_divide: bool
     keep_alive: Any
 
 
@@ -51,12 +53,7 @@ class HandleGrads:
             the reduction (as torch FSDP1).
         unsynced_unsharded_grad: Inside ``no_sync``: the accumulated unsharded gradient.
         pending_sharded_grad: This backward's reduced sharded gradient, until finalize_grad.
-        inflight: A reduce-scatter still in flight.
-        param_grads: Per-parameter gradients of this backward, when reduced from the pieces
-            ([Note: Per-parameter gradient reduction]).
-        open_run_grads: Early gradients of the forward call being backpropagated, not yet in
-            ``param_grads`` (``_early_grads.py``: ``take_param_grad``).
-        open_run: Which forward call ``open_run_grads`` belong to.
+        inflight: A reduction still in flight.
     """
 
     sharded_grad_stash: Optional[torch.Tensor] = None
@@ -64,14 +61,10 @@ class HandleGrads:
     unsynced_unsharded_grad: Optional[torch.Tensor] = None
     pending_sharded_grad: Optional[torch.Tensor] = None
     inflight: Optional[_InflightReduction] = None
-    param_grads: Optional[list[Optional[torch.Tensor]]] = None
-    open_run_grads: Optional[list[Optional[torch.Tensor]]] = None
-    open_run: Optional[int] = None
 
     def in_progress(self) -> bool:
-        """Whether a reduction of this backward is under way (in flight, pending, or kept
-        per parameter)."""
-        return self.inflight is not None or self.pending_sharded_grad is not None or self.param_grads is not None
+        """Whether a reduction of this backward is under way (in flight or pending)."""
+        return self.inflight is not None or self.pending_sharded_grad is not None
 
 
 class _Handle(Protocol):
@@ -90,7 +83,6 @@ class _Handle(Protocol):
     replicate_world_size: int
     pre_divide: float
     post_divide: float
-    piecewise_reduction_allowed: bool
 
     @property
     def dtype(self) -> torch.dtype: ...
@@ -107,7 +99,6 @@ class _Handle(Protocol):
     def sync_flat_grad_from_orig(self) -> Optional[torch.Tensor]: ...
     def use_sharded_grad_views(self) -> None: ...
     def _set_sharded_grad(self, grad: Optional[torch.Tensor]) -> None: ...
-    def _reduce_pieces(self) -> None: ...
     def wait_reduction(self) -> None: ...
     def reshard(self) -> None: ...
 
@@ -136,97 +127,27 @@ def stash_sharded_grad(handle: _Handle) -> None:
         handle.flat_param.grad = None
 
 
-def collect_param_grads(handle: _Handle, grads: list[Optional[torch.Tensor]]) -> bool:
-    """Keeps this backward's per-parameter gradients for a reduction from the pieces.
-
-    Returns False (nothing kept) where that reduction does not apply; the caller then
-    hands autograd the concatenated gradient. A unit used twice in one forward gets its
-    gradients summed here, as autograd would sum them.
-    """
-    reduce_dtype = handle.precision.reduce_dtype
-    reduces_from_pieces = (
-        can_take_early(handle)  # the reduction itself takes the pieces this backward
-        and any(g is not None for g in grads)
-        and all(g is None or (g.dtype == reduce_dtype and g.is_contiguous()) for g in grads)
-    )
-    if not reduces_from_pieces:
-        return False
-    kept = handle.grads.param_grads
-    if kept is None:
-        handle.grads.param_grads = list(grads)
-    else:
-        handle.grads.param_grads = [b if a is None else a if b is None else a + b for a, b in zip(kept, grads)]
-    return True
-
-
-def reduce_pieces(handle: _Handle) -> None:
-    """Launches the two-rank reduce-scatter from the per-parameter gradients (async)."""
-    grads, handle.grads.param_grads = handle.grads.param_grads, None
-    assert grads is not None
-    layout = handle.shard_layout
-    reference = next(g for g in grads if g is not None)
-    numel = layout.sharded_numel
-    own_start = layout.rank * numel
-    peer_start = (1 - layout.rank) * numel
-    peer_half = reference.new_zeros(numel) if _has_gaps(handle, grads, peer_start) else reference.new_empty(numel)
-    own_parts: list[tuple[int, torch.Tensor]] = []
-    for grad, info, param_start in zip(grads, handle.param_infos, layout.flat.param_offsets):
-        param_end = param_start + info.numel
-        if grad is not None:
-            flat_grad = grad.reshape(-1)
-            lo, hi = max(param_start, peer_start), min(param_end, peer_start + numel)
-            if lo < hi:
-                torch.div(
-                    flat_grad[lo - param_start : hi - param_start],
-                    handle.pre_divide,
-                    out=peer_half[lo - peer_start : hi - peer_start],
-                )
-            lo, hi = max(param_start, own_start), min(param_end, own_start + numel)
-            if lo < hi:
-                own_parts.append((lo - own_start, flat_grad[lo - param_start : hi - param_start]))
-    sharded_grad = torch.empty(numel, dtype=reference.dtype, device=reference.device)
-    work = comm.reduce_scatter_halves(
-        sharded_grad, peer_half, own_parts, 1.0 / handle.pre_divide, handle.process_group
-    )
-    handle.grads.inflight = _InflightReduction(work, sharded_grad, (peer_half, own_parts))
-
-
-def _has_gaps(handle: _Handle, grads: Sequence[Optional[torch.Tensor]], half_start: int) -> bool:
-    """Whether part of ``[half_start, half_start + sharded_numel)`` gets no gradient
-    (padding, alignment padding included, or a parameter without one): it must then be
-    sent as zeros."""
-    layout = handle.shard_layout
-    half_end = half_start + layout.sharded_numel
-    if half_end > layout.unpadded_unsharded_numel:
-        return True
-    if any(offset < half_end and offset + numel > half_start for offset, numel in layout.flat.padding_runs()):
-        return True
-    for grad, info, param_start in zip(grads, handle.param_infos, layout.flat.param_offsets):
-        param_end = param_start + info.numel
-        if grad is None and param_start < half_end and param_end > half_start:
-            return True
-    return False
-
-
 def reduce_grad(
     handle: _Handle,
     sync: bool,
     comm_hook: Optional[Callable[..., Any]],
     comm_hook_state: Any,
-    async_op: bool,
     full_precision: bool,
 ) -> None:
-    """Reduces the unsharded gradient autograd just accumulated (see
-    ``FlatParamHandle.reduce_grad`` for the arguments and the postcondition)."""
-    settle_open_run(handle)
-    if handle.grads.param_grads is not None:
-        p_assert(
-            sync and comm_hook is None and async_op,
-            f"unit '{handle.unit_name}': per-parameter gradients kept for a reduction that "
-            f"cannot take them",
-        )
-        handle._reduce_pieces()
-        return
+    """Launches the reduction of the unsharded gradient autograd just accumulated (see
+    ``FlatParamHandle.reduce_grad`` for the arguments and the postcondition).
+
+    [Note: One reduction path]
+    Every strategy, backend and world size takes this path: reduce-scatter (all-reduce for
+    NO_SHARD), then all-reduce across replicas for hybrid strategies, or the comm hook, and
+    :func:`wait_reduction` finishes it (post-divide, cast, offload copy, accumulation). On CUDA
+    the collectives run on the post-backward stream (``storage.post_backward_stream``), after
+    the compute stream's work so far, and the compute stream waits on an event only in
+    :func:`wait_reduction` (torch FSDP1's post-backward stream); tests/test_cuda_lane.py's
+    training parity runs it (NO_SHARD and HYBRID_SHARD on the two-rank pool, offload on the
+    one-rank NCCL pool). On CPU there is no stream: a lone reduce-scatter is an asynchronous
+    collective (gloo's thread), anything else completes before this returns.
+    """
     unsharded_grad = _take_unsharded_grad(handle)
     if not sync:
         handle.grads.unsynced_unsharded_grad = unsharded_grad
@@ -234,14 +155,33 @@ def reduce_grad(
     if unsharded_grad.dtype != handle.precision.reduce_dtype and not full_precision:
         # (full_precision: a backward of a full-precision eval forward keeps its dtype.)
         unsharded_grad = unsharded_grad.to(handle.precision.reduce_dtype)
-    if async_op and comm_hook is None and handle.uses_sharding and handle.replicate_world_size == 1:
-        _launch_reduce_scatter(handle, unsharded_grad)
+    p_assert(handle.grads.inflight is None, f"unit '{handle.unit_name}': two reductions in flight")
+    stream = handle.storage.post_backward_stream
+    in_flight = reduction_stays_in_flight(
+        stream is not None, handle.uses_sharding, handle.replicate_world_size, comm_hook is not None
+    )
+    with on_stream(stream, handle.device):
+        if comm_hook is not None:
+            sharded_grad = _reduce_with_hook(handle, unsharded_grad, comm_hook, comm_hook_state)
+            work, post_divide = None, False
+        else:
+            sharded_grad, work, post_divide = _reduce_default(handle, unsharded_grad, in_flight and stream is None)
+        event = record_event(stream) if stream is not None else None
+    if not in_flight:  # complete already (CPU)
+        _accumulate_reduced(handle, sharded_grad)
         return
-    if comm_hook is not None:
-        sharded_grad = _reduce_with_hook(handle, unsharded_grad, comm_hook, comm_hook_state)
-    else:
-        sharded_grad = _reduce_default(handle, unsharded_grad)
-    _accumulate_reduced(handle, sharded_grad)
+    # The unsharded gradient must stay alive until the collective has read it.
+    handle.grads.inflight = _InflightReduction(work, event, sharded_grad, post_divide, unsharded_grad)
+
+
+def reduction_stays_in_flight(
+    has_stream: bool, uses_sharding: bool, replicate_world_size: int, comm_hook: bool
+) -> bool:
+    """Whether a reduction stays in flight past the post-backward hook (its buffers alive until
+    it is waited for): all of them on a post-backward stream (CUDA), else a lone default
+    reduce-scatter (gloo's asynchronous collective). The runtime and the planner both ask this.
+    """
+    return has_stream or (uses_sharding and replicate_world_size == 1 and not comm_hook)
 
 
 def _take_unsharded_grad(handle: _Handle) -> torch.Tensor:
@@ -267,29 +207,21 @@ def _take_unsharded_grad(handle: _Handle) -> torch.Tensor:
     return unsharded_grad
 
 
-def _launch_reduce_scatter(handle: _Handle, unsharded_grad: torch.Tensor) -> None:
-    """Pre-divides and launches the reduce-scatter; :func:`wait_reduction` completes it."""
-    p_assert(handle.grads.inflight is None, f"unit '{handle.unit_name}': two reductions in flight")
-    if handle.pre_divide > 1:
-        unsharded_grad.div_(handle.pre_divide)
-    sharded_grad = torch.empty(
-        handle.shard_layout.sharded_numel, dtype=unsharded_grad.dtype, device=unsharded_grad.device
-    )
-    work = comm.reduce_scatter_flat(sharded_grad, unsharded_grad, handle.process_group, async_op=True)
-    # The unsharded gradient must stay alive until the collective has read it.
-    handle.grads.inflight = _InflightReduction(work, sharded_grad, unsharded_grad)
-
-
 def wait_reduction(handle: _Handle) -> None:
-    """Completes an in-flight reduce-scatter: wait, post-divide, accumulate. Else a no-op."""
+    """Completes a reduction in flight: wait, post-divide, accumulate. Else a no-op."""
     inflight = handle.grads.inflight
     if inflight is None:
         return
     handle.grads.inflight = None
+    sharded_grad = inflight.sharded_grad
     if inflight.work is not None:
         inflight.work.wait()
-    sharded_grad = inflight.sharded_grad
-    if handle.post_divide > 1:
+    if inflight.event is not None:
+        current = torch.cuda.current_stream(handle.device)
+        current.wait_event(inflight.event)
+        # Made on the post-backward stream, used on this one: keep it from being reused early.
+        sharded_grad.record_stream(current)
+    if inflight.post_divide and handle.post_divide > 1:
         sharded_grad.div_(handle.post_divide)
     _accumulate_reduced(handle, sharded_grad)
 
@@ -303,7 +235,8 @@ def _accumulate_reduced(handle: _Handle, sharded_grad: torch.Tensor) -> None:
     if sharded_grad.dtype != handle.dtype:
         sharded_grad = sharded_grad.to(handle.dtype)
     if handle.offload_params:
-        # Copied back to pinned CPU memory; finalize_grad waits for it (end of backward).
+        # Copied into a host buffer (pinned with an accelerator); finalize_grad waits for the
+        # copies (end of backward).
         offloaded = handle.storage.new_host_buffer(sharded_grad)
         offloaded.copy_(sharded_grad, non_blocking=True)
         sharded_grad = offloaded
@@ -332,23 +265,33 @@ def _reduce_with_hook(
     return output
 
 
-def _reduce_default(handle: _Handle, unsharded_grad: torch.Tensor) -> torch.Tensor:
-    """Pre-divide, reduce-scatter (all-reduce for NO_SHARD), all-reduce across replicas, post-divide."""
-    sharded_grad = unsharded_grad
+def _reduce_default(
+    handle: _Handle, unsharded_grad: torch.Tensor, async_op: bool
+) -> tuple[torch.Tensor, Optional[Any], bool]:
+    """Pre-divide, reduce-scatter (all-reduce for NO_SHARD), all-reduce across replicas.
+
+    Returns ``(sharded gradient, work, post-divide pending)``: with ``async_op`` a lone
+    reduce-scatter only launches (its work is returned and the post-divide waits for it);
+    otherwise the reduction is issued in full and post-divided here.
+    """
     if handle.pre_divide > 1:
         unsharded_grad.div_(handle.pre_divide)
+    sharded_grad = unsharded_grad
     if handle.uses_sharding:
         sharded_grad = torch.empty(
             handle.shard_layout.sharded_numel, dtype=unsharded_grad.dtype, device=unsharded_grad.device
         )
-        comm.reduce_scatter_flat(sharded_grad, unsharded_grad, handle.process_group)
+        lone = async_op and handle.replicate_world_size == 1
+        work = comm.reduce_scatter_flat(sharded_grad, unsharded_grad, handle.process_group, async_op=lone)
+        if lone:
+            return sharded_grad, work, True
     elif handle.shard_layout.world_size > 1:
         comm.all_reduce_sum(unsharded_grad, handle.process_group)
     if handle.replicate_world_size > 1:
         comm.all_reduce_sum(sharded_grad, handle.replicate_group)
     if handle.post_divide > 1:
         sharded_grad.div_(handle.post_divide)
-    return sharded_grad
+    return sharded_grad, None, False
 
 
 def finalize_grad(handle: _Handle) -> None:
@@ -395,8 +338,6 @@ def abandon_backward(handle: _Handle) -> None:
     handle.wait_reduction()  # never leave a collective in flight
     grads = handle.grads
     grads.pending_sharded_grad = None
-    grads.param_grads = None
-    grads.open_run_grads, grads.open_run = None, None
     grad = handle.flat_param.grad
     if grad is not None and grad.shape != handle._local_shard.shape:
         handle.flat_param.grad = None  # an unreduced unsharded gradient

@@ -1,8 +1,9 @@
 """What the original parameter names on the modules hold, and writing changes to them back.
 
 The views concern of :class:`~fsdp.flat_param.flat_param.FlatParamHandle`: while the unit is
-unsharded each name holds a view into the unsharded FlatParameter (made by
-:class:`_UnflattenParams` when autograd records); while it is sharded a placeholder that raises
+unsharded each name holds a view into the unsharded FlatParameter (``split`` and ``view``,
+recorded by autograd, whose backward concatenates the gradients into the FlatParameter's);
+while it is sharded a placeholder that raises
 when used, or with use_orig_params the original Parameter viewing its part of the local shard
 (see [Note: Original parameters] in docs/flat_param_lifecycle.md). With use_orig_params the
 original Parameters' ``.grad`` view the sharded gradient, and what the user replaced between
@@ -20,7 +21,6 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 import torch
 from torch import nn
 
-from fsdp.flat_param._early_grads import settle_open_run
 from fsdp.flat_param._layout import ParamInfo, SharedParamInfo, ShardLayout
 from fsdp.flat_param._precision import HandlePrecision
 from fsdp.flat_param._storage import HandleState
@@ -44,7 +44,6 @@ class _Handle(Protocol):
     shard_layout: ShardLayout
     flat_param: nn.Parameter
     grads: _Grads
-    early_grads_views_node: Optional[Any]
     cast_generation: int
     forward_cast_generation: int
     _orig_params: list[nn.Parameter]
@@ -59,8 +58,6 @@ class _Handle(Protocol):
     @property
     def _local_shard(self) -> torch.Tensor: ...
     @property
-    def _param_grads(self) -> Optional[list[Optional[torch.Tensor]]]: ...
-    @property
     def has_unsharded_buffer(self) -> bool: ...
     @property
     def is_unsharded(self) -> bool: ...
@@ -68,8 +65,6 @@ class _Handle(Protocol):
     def use_sharded_views(self) -> None: ...
     def _set_sharded_grad(self, grad: Optional[torch.Tensor]) -> None: ...
     def _unsharded_views(self, source: torch.Tensor) -> list[torch.Tensor]: ...
-    def collect_param_grads(self, grads: list[Optional[torch.Tensor]]) -> bool: ...
-    def flatten_param_grads(self, grads: list[Optional[torch.Tensor]]) -> torch.Tensor: ...
 
 
 class _ShardedParamPlaceholder(torch.Tensor):
@@ -183,63 +178,19 @@ def _set_module_params(handle: _Handle, params: Sequence[nn.Parameter]) -> None:
         _set_module_param(shared.module, shared.param_name, params[shared.prim_index])
 
 
-class _UnflattenParams(torch.autograd.Function):
-    """The original-shaped views of the unsharded FlatParameter, for forward.
-
-    [Note: Per-parameter gradient reduction]
-    With plain ``split`` views, autograd concatenates the parameters' gradients into one padded
-    unsharded gradient (a full copy) before the FlatParameter's hooks see it, and the reduction
-    then divides it in place and sends half of it. Where the reduction can work on the pieces
-    (:meth:`FlatParamHandle.collect_param_grads`: the two-rank point-to-point reduce-scatter on
-    gloo, default reduction), this function's backward hands the per-parameter gradients to the
-    handle instead and gives the FlatParameter no gradient; the post-accumulate hook (which
-    still fires) then reduces from the pieces (``FlatParamHandle._reduce_pieces``): the other
-    rank's half is written, divided, into one send buffer, and this rank's pieces are added
-    (scaled) onto what it receives. That saves the concatenation, a division pass and a
-    padded-size allocation per unit, with the same arithmetic (``b + a / 2`` for every
-    element), so results stay bit-identical. Elsewhere the backward returns the concatenated gradient, exactly like
-    ``split``'s. Where the runtime takes the gradients as autograd computes them ([Note: Early
-    per-parameter gradients] in ``_early_grads.py``), this node receives None for them.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, flat: torch.Tensor, handle: _Handle, early: bool = False) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
-        ctx.handle_ref = weakref.ref(handle)
-        # [Note: Early per-parameter gradients]: the runtime's hooks take the gradients before
-        # this node runs; without materializing, autograd then passes None, not zeros.
-        ctx.set_materialize_grads(not early)
-        return tuple(handle._unsharded_views(flat))
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], None, None]:  # type: ignore[override]
-        handle: Optional[_Handle] = ctx.handle_ref()
-        if handle is None:
-            return None, None, None
-        settle_open_run(handle)  # this call's early gradients first ([Note: Early per-parameter gradients])
-        if handle._param_grads is not None and all(g is None for g in grads):
-            return None, None, None  # all taken already
-        if handle.collect_param_grads(list(grads)):
-            return None, None, None
-        return handle.flatten_param_grads(list(grads)), None, None
-
-
-def use_unsharded_views(handle: _Handle, as_params: bool, recorded: bool, early: bool) -> None:
+def use_unsharded_views(handle: _Handle, as_params: bool, recorded: bool) -> None:
     """Points each original parameter name at a view into the unsharded FlatParameter.
 
     Args:
         handle: The handle, UNSHARDED (of either precision).
         as_params: Register the views as ``nn.Parameter`` (for summon_full_params) rather
             than as plain tensors (for forward).
-        recorded: Take the views through :class:`_UnflattenParams` (autograd records them).
-        early: The runtime may take the views' gradients early ([Note: Early per-parameter
-            gradients]); only with ``recorded``.
+        recorded: Autograd records the views (forward with grad), so their gradients flow
+            into the FlatParameter's padded unsharded gradient.
     """
+    views = handle._unsharded_views(handle.flat_param)
     if recorded:
-        views = list(_UnflattenParams.apply(handle.flat_param, handle, early))
-        handle.early_grads_views_node = views[0].grad_fn if early and views else None
         handle.forward_cast_generation = handle.cast_generation
-    else:
-        views = handle._unsharded_views(handle.flat_param)
     if as_params:
         req = handle.flat_param.requires_grad
         if handle.use_orig_params:

@@ -8,7 +8,7 @@ FSDP2's ``FSDPParam`` / ``FSDPParamGroup`` / collectives as the model):
   flattening; torch FSDP1's metadata on the FlatParameter.
 - ``_storage.py``: the local shard (CPU-offloaded or not), the padded unsharded buffers and
   the :class:`HandleState` machine between them; the all-gather of unshard, on the unshard
-  stream when prefetching on CUDA (:class:`~fsdp.flat_param._storage.FlatParamStorage`).
+  stream on CUDA (:class:`~fsdp.flat_param._storage.FlatParamStorage`).
 - ``_views.py``: what the original parameter names hold (views, placeholders, the original
   Parameters with use_orig_params) and writing user changes back.
 - ``_reduction.py``: the gradient state (:class:`~fsdp.flat_param._reduction.HandleGrads`)
@@ -32,7 +32,6 @@ from torch import nn
 
 from fsdp._common import FLAT_PARAM, group_rank, group_size, p_assert
 from fsdp.flat_param import _reduction, _views
-from fsdp.flat_param._early_grads import takes_early_grads_at_forward
 from fsdp.flat_param._layout import (
     ALIGNMENT_PADDING_VALUE as ALIGNMENT_PADDING_VALUE,
     FLATTENED_ATTR as FLATTENED_ATTR,
@@ -56,11 +55,7 @@ from fsdp.flat_param._sharding import (
     handle_uses_sharding,
 )
 from fsdp.flat_param._storage import FlatParameter, FlatParamStorage, HandleState
-from fsdp.flat_param._views import (
-    _ShardedParamPlaceholder as _ShardedParamPlaceholder,
-    _UnflattenParams as _UnflattenParams,
-    assign_grad,
-)
+from fsdp.flat_param._views import _ShardedParamPlaceholder as _ShardedParamPlaceholder, assign_grad
 
 __all__ = [
     "FlatParameter",
@@ -223,13 +218,6 @@ class FlatParamHandle:
         # torch FSDP1's handle attribute: the owning unit's HandleTrainingState
         # (fsdp/runtime/_state.py), kept in step by UnitState.training_state.
         self._training_state: Any = None
-        # Whether the next backward's reduction may start from the per-parameter gradients
-        # ([Note: Per-parameter gradient reduction]): synchronized, default reduction.
-        self.piecewise_reduction_allowed = False
-        self.early_grads_runs = 0  # forward calls whose views' consumers were hooked
-        # The views node of this forward when the runtime may take its gradients early
-        # ([Note: Early per-parameter gradients]), else None.
-        self.early_grads_views_node: Optional[Any] = None
         # Casts after wrapping ([Note: Casting after wrapping] in _recast.py): how many, and how
         # many had happened when the last forward that autograd may backpropagate took views.
         self.cast_generation = 0
@@ -362,15 +350,6 @@ class FlatParamHandle:
         return self.storage.local_shard
 
     @property
-    def unshard_stream(self) -> Optional[Any]:
-        """CUDA: the side stream prefetched all-gathers run on (set at lazy init); None on CPU."""
-        return self.storage.unshard_stream
-
-    @unshard_stream.setter
-    def unshard_stream(self, stream: Optional[Any]) -> None:
-        self.storage.unshard_stream = stream
-
-    @property
     def padded_unsharded(self) -> torch.Tensor:
         """The padded unsharded flat tensor forward and backward use (storage may be freed)."""
         return self.storage.padded_unsharded_for(full_precision=False)
@@ -385,8 +364,9 @@ class FlatParamHandle:
         Args:
             full_precision: Gather the full-precision values (summon_full_params, state dicts)
                 instead of the ``param_dtype`` copy forward and backward use.
-            async_op: Prefetch: only launch the all-gather (on CPU an asynchronous collective,
-                on CUDA on the unshard stream); the next plain ``unshard()`` waits for it.
+            async_op: Prefetch: only launch the all-gather (on CPU an asynchronous collective;
+                on CUDA every gather runs on the unshard stream); the next plain ``unshard()``
+                waits for it ([Note: One gather path] in ``_storage.py``).
 
         Postcondition: state is UNSHARDED (UNSHARDED_FULL_PRECISION when ``full_precision`` and
         the parameters run in low precision) with ``.data`` on the compute device, its values
@@ -451,8 +431,7 @@ class FlatParamHandle:
             f"unit '{self.unit_name}': use_unsharded_views needs UNSHARDED, state is {self.state}",
         )
         recorded = not as_params and torch.is_grad_enabled() and self.flat_param.requires_grad
-        early = recorded and takes_early_grads_at_forward(self)  # [Note: Early per-parameter gradients]
-        _views.use_unsharded_views(self, as_params, recorded, early)
+        _views.use_unsharded_views(self, as_params, recorded)
 
     def use_sharded_views(self) -> None:
         """Points each original parameter name at what it holds while the unit is sharded
@@ -488,59 +467,34 @@ class FlatParamHandle:
         _views.writeback_orig_params(self)
 
     # ------------------------------------------------------------------ gradients
-    @property
-    def _param_grads(self) -> Optional[list[Optional[torch.Tensor]]]:
-        """Per-parameter gradients kept for a reduction from the pieces, else None."""
-        return self.grads.param_grads
-
-    @property
-    def _inflight(self) -> Optional[Any]:
-        """A reduce-scatter still in flight, else None."""
-        return self.grads.inflight
-
     def stash_sharded_grad(self) -> None:
         """Moves an existing (already reduced) ``.grad`` aside before autograd accumulates."""
         _reduction.stash_sharded_grad(self)
-
-    def collect_param_grads(self, grads: list[Optional[torch.Tensor]]) -> bool:
-        """Keeps this backward's per-parameter gradients for a reduction from the pieces;
-        False (nothing kept) where that reduction does not apply."""
-        return _reduction.collect_param_grads(self, grads)
-
-    def flatten_param_grads(self, grads: list[Optional[torch.Tensor]]) -> torch.Tensor:
-        """The padded unsharded gradient from per-parameter gradients (``split``'s backward)."""
-        return self.shard_layout.padded_unsharded_grad(grads, self.flat_param)
-
-    def _reduce_pieces(self) -> None:
-        """Launches the two-rank reduce-scatter from the per-parameter gradients (async)."""
-        _reduction.reduce_pieces(self)
 
     def reduce_grad(
         self,
         sync: bool,
         comm_hook: Optional[Callable[..., Any]] = None,
         comm_hook_state: Any = None,
-        async_op: bool = False,
         full_precision: bool = False,
     ) -> None:
-        """Reduces the unsharded gradient autograd just accumulated.
+        """Launches the reduction of the unsharded gradient autograd just accumulated.
 
         With ``sync`` False (inside ``no_sync``) the unsharded gradient is kept locally and
         added to the next one. Otherwise it is divided by the pre-divide factor, reduce-scattered
         (all-reduced for NO_SHARD) and divided by the post-divide factor, which averages over
-        ranks exactly as torch FSDP1 does.
-
-        With ``async_op`` (default reduction of a sharded handle) the reduce-scatter is only
-        launched: it overlaps the backward of the next units, and :meth:`wait_reduction`
-        completes it (see [Note: Overlapped gradient reduction] in docs/hook_order.md).
+        ranks exactly as torch FSDP1 does ([Note: One reduction path] in ``_reduction.py``).
+        The reduction may stay in flight: it overlaps the backward of the next units, and
+        :meth:`wait_reduction` completes it (see [Note: Overlapped gradient reduction] in
+        docs/hook_order.md).
 
         Postcondition: ``.grad`` is None; the reduced sharded gradient waits in
         ``grads.pending_sharded_grad`` (or in flight) until :meth:`finalize_grad`.
         """
-        _reduction.reduce_grad(self, sync, comm_hook, comm_hook_state, async_op, full_precision)
+        _reduction.reduce_grad(self, sync, comm_hook, comm_hook_state, full_precision)
 
     def wait_reduction(self) -> None:
-        """Completes an in-flight reduce-scatter: wait, post-divide, accumulate. Else a no-op."""
+        """Completes a reduction in flight: wait, post-divide, accumulate. Else a no-op."""
         _reduction.wait_reduction(self)
 
     def finalize_grad(self) -> None:
