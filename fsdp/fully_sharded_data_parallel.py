@@ -37,10 +37,10 @@ from fsdp.init._steps import UnitArgs, build_handles, finish_unit, new_unit_stat
 from fsdp.runtime._cast import cast_units
 from fsdp.runtime._clip_grad import clip_root_grad_norm_
 from fsdp.runtime._comm_hooks import register_comm_hook as _register_comm_hook
+from fsdp.runtime._hooks import no_sync as _no_sync
 from fsdp.runtime._hooks import unit_forward
 from fsdp.runtime._lazy_init import lazy_init, reset_lazy_init
 from fsdp.runtime._mixed_precision import refresh_cast_buffers
-from fsdp.runtime._no_sync import no_sync as _no_sync
 from fsdp.runtime._state import (
     HandleTrainingState,
     TrainingState,

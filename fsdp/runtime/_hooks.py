@@ -5,10 +5,11 @@ See docs/hook_order.md, [Note: Hook order], for the sequence in one training ste
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 import weakref
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
@@ -18,10 +19,10 @@ from fsdp._common import apply_to_tensors, eager_only, p_assert
 from fsdp.flat_param.flat_param import FlatParameter, FlatParamHandle
 from fsdp.flat_param._recast import adopt_external_cast, check_not_recast_since_forward
 from fsdp.runtime._exec_order import check_execution_order, finish_first_iteration
-from fsdp.runtime._lazy_init import lazy_init
+from fsdp.runtime._lazy_init import lazy_init, require_root
 from fsdp.runtime._mixed_precision import cast_forward_inputs, set_buffers_full_precision
 from fsdp.runtime._prefetch import prefetch_after, record_free_event, unshard_unit
-from fsdp.runtime._state import HandleTrainingState, RootContext, UnitState, transition
+from fsdp.runtime._state import HandleTrainingState, RootContext, UnitState, check_idle, transition
 
 
 # Gradient reductions a backward keeps in flight (see [Note: Overlapped gradient reduction]).
@@ -163,7 +164,7 @@ def _pre_forward(state: UnitState) -> None:
         # use_orig_params: after zero_grad(set_to_none=True) on the original parameters, drop
         # the sharded flat gradient now (as torch FSDP1 does in its pre-forward), not at the
         # next backward: it would otherwise stay alive through the whole forward.
-        handle.sync_flat_grad_from_orig()
+        handle.grads.sync_from_orig()
     check_execution_order(state, "forward")  # first iteration: raises instead of hanging
     transition(state, HandleTrainingState.FORWARD)
     unshard_unit(state)
@@ -188,7 +189,7 @@ def _register_early_reduction_wait(state: UnitState) -> None:
         return
     hook = functools.partial(_finish_reductions_hook, weakref.ref(state.ctx))
     for handle in state.handles:
-        for view in handle.module_tensors():
+        for view in handle.views.module_tensors():
             if view.requires_grad:
                 view.register_hook(hook)
 
@@ -207,7 +208,7 @@ def finish_inflight_reductions(ctx: RootContext, keep: int = 0) -> None:
     end of backward.
     """
     while len(ctx.inflight_reductions) > keep:
-        ctx.inflight_reductions.pop(0).wait_reduction()
+        ctx.inflight_reductions.pop(0).grads.wait()
 
 
 @eager_only  # FSDP bookkeeping runs eagerly; the module's own forward compiles
@@ -268,7 +269,7 @@ def _pre_backward_hook(state: UnitState, grad: torch.Tensor, owner: Optional[nn.
         return grad
     for handle in state.handles:
         check_not_recast_since_forward(handle)  # user error: before any state change
-        handle.check_params_not_replaced_since_forward()  # user error: before any state change
+        handle.views.check_not_replaced_since_forward()  # user error: before any state change
     state.ran_pre_backward = True
     if state.ctx.kept_unit_pending is state:
         state.ctx.kept_unit_pending = None  # kept from its forward for this backward
@@ -292,7 +293,7 @@ def _pre_accumulate_hook(handle_ref: "weakref.ref[FlatParamHandle]", grad: torch
     """Runs just before autograd accumulates into the FlatParameter: stash the old gradient."""
     handle = handle_ref()
     if handle is not None:
-        handle.stash_sharded_grad()
+        handle.grads.stash()
     return grad
 
 
@@ -316,7 +317,7 @@ def _post_backward_hook(
     ctx = state.ctx
     # Finish the oldest reductions first, so at most MAX_INFLIGHT_REDUCTIONS stay in flight.
     finish_inflight_reductions(ctx, keep=MAX_INFLIGHT_REDUCTIONS - 1)
-    handle.reduce_grad(
+    handle.grads.reduce(
         state.sync_gradients,
         state.comm_hook,
         state.comm_hook_state,
@@ -370,12 +371,38 @@ def _final_callback(ctx: RootContext) -> None:
                 # backward's views; register the original Parameters back, as torch FSDP1 does,
                 # so the optimizer and named_parameters() see them between steps.
                 handle.use_sharded_views()
-                if handle.has_unsynced_grad():
-                    handle.use_sharded_grad_views()  # no_sync: the accumulated unsharded views
+                if handle.grads.unsynced_unsharded_grad is not None:
+                    handle.grads.use_sharded_grad_views()  # no_sync: the accumulated unsharded views
             if not handle.is_unsharded or not handle.has_unsharded_buffer:
-                handle.finalize_grad()
+                handle.grads.finalize()
         state.ran_pre_backward = False
         state.training_state = HandleTrainingState.IDLE
     ctx.final_callback_queued = False
     ctx.kept_unit_pending = None  # resharded above if this backward never reached it
     finish_first_iteration(ctx)
+
+
+@contextlib.contextmanager
+def no_sync(root: nn.Module) -> Iterator[None]:
+    """``FullyShardedDataParallel.no_sync``: every unit of ``root``'s tree skips its reduction.
+
+    Gradients accumulate unsharded on each unit (see ``UnitState.reshards_after_backward``); the
+    first backward outside the context reduces them. Each unit's previous setting is restored
+    on exit, even after an exception.
+
+    Raises:
+        RuntimeError: ``root`` is a nested unit.
+        ValueError: A unit of the tree is in forward, backward or ``summon_full_params``
+            (torch FSDP1's type).
+    """
+    state = require_root(root, "no_sync()")
+    check_idle(root, "no_sync()", error=ValueError)  # torch FSDP1's type
+    assert state.ctx is not None
+    previous = [(unit, unit.sync_gradients) for unit in state.ctx.states]
+    for unit, _ in previous:
+        unit.sync_gradients = False
+    try:
+        yield
+    finally:
+        for unit, flag in previous:
+            unit.sync_gradients = flag

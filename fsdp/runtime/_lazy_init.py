@@ -79,8 +79,8 @@ def _release_context(ctx: RootContext) -> None:
             continue
         for handle in unit.handles:
             try:
-                handle.wait_unshard()
-                handle.wait_reduction()
+                handle.storage.wait_unshard()
+                handle.grads.wait()
             except Exception as err:  # a finalizer cannot raise: say so, free the rest
                 warnings.warn(
                     f"fsdp: finishing a collective of the dropped model's unit '{unit.unit_name}' "
