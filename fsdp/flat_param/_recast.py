@@ -184,7 +184,7 @@ def recast_handle(
 
     # The names on the modules, as at construction.
     if handle.use_orig_params or handle.has_unsharded_buffer:
-        handle.use_sharded_views()
+        handle.views.use_sharded()
     else:
         with torch.no_grad():
             handle.use_unsharded_views()

@@ -370,7 +370,7 @@ def _final_callback(ctx: RootContext) -> None:
                 # Kept unsharded (no_sync, SHARD_GRAD_OP's root, ...): the names hold this
                 # backward's views; register the original Parameters back, as torch FSDP1 does,
                 # so the optimizer and named_parameters() see them between steps.
-                handle.use_sharded_views()
+                handle.views.use_sharded()
                 if handle.grads.unsynced_unsharded_grad is not None:
                     handle.grads.use_sharded_grad_views()  # no_sync: the accumulated unsharded views
             if not handle.is_unsharded or not handle.has_unsharded_buffer:

@@ -172,7 +172,7 @@ def _summon_handle(
 def _restore_names(handle: FlatParamHandle) -> None:
     """Points the names of a handle that stays unsharded back at what forward expects."""
     if handle.use_orig_params:
-        handle.use_sharded_views()
+        handle.views.use_sharded()
     elif handle.is_unsharded:
         handle.use_unsharded_views()
 
