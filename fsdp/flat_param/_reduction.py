@@ -99,6 +99,12 @@ class GradReduction:
         self.pending_sharded_grad: Optional[torch.Tensor] = None
         self.inflight: Optional[_InflightReduction] = None
 
+    @property
+    def unit_name(self) -> str:
+        """The unit's name (the views hold it); also what a failed collective's message names
+        ([Note: Collective errors] reads ``unit_name`` off the innermost frame's ``self``)."""
+        return self.views.unit_name
+
     def in_progress(self) -> bool:
         """Whether a reduction of this backward is under way (in flight or pending)."""
         return self.inflight is not None or self.pending_sharded_grad is not None
@@ -120,7 +126,7 @@ class GradReduction:
         if grad is not None:
             p_assert(
                 self.sharded_grad_stash is None,
-                f"unit '{self.views.unit_name}': gradient stashed twice in one backward",
+                f"unit '{self.unit_name}': gradient stashed twice in one backward",
             )
             # keep_low_precision_grads: accumulate in full precision (as torch FSDP1 does).
             self.sharded_grad_stash = grad.to(self.storage.precision.full_dtype)
@@ -154,7 +160,7 @@ class GradReduction:
         if unsharded_grad.dtype != self.storage.precision.reduce_dtype and not full_precision:
             # (full_precision: a backward of a full-precision eval forward keeps its dtype.)
             unsharded_grad = unsharded_grad.to(self.storage.precision.reduce_dtype)
-        p_assert(self.inflight is None, f"unit '{self.views.unit_name}': two reductions in flight")
+        p_assert(self.inflight is None, f"unit '{self.unit_name}': two reductions in flight")
         stream = self.storage.post_backward_stream
         in_flight = reduction_stays_in_flight(
             stream is not None, self.layout.uses_sharding, self.replicate_world_size, comm_hook is not None
@@ -177,12 +183,12 @@ class GradReduction:
         NO_SHARD gradient and any ``no_sync`` accumulation added to it."""
         unsharded_grad = self.storage.flat_param.grad
         self.storage.flat_param.grad = None
-        p_assert(unsharded_grad is not None, f"unit '{self.views.unit_name}': no gradient to reduce")
+        p_assert(unsharded_grad is not None, f"unit '{self.unit_name}': no gradient to reduce")
         assert unsharded_grad is not None  # for type checkers
         padded_unsharded_numel = self.layout.padded_unsharded_numel
         p_assert(
             unsharded_grad.numel() == padded_unsharded_numel,
-            f"unit '{self.views.unit_name}': expected an unsharded gradient of "
+            f"unit '{self.unit_name}': expected an unsharded gradient of "
             f"{padded_unsharded_numel} elements, got {unsharded_grad.numel()}",
         )
         if self.prior_grad_to_reduce is not None:
@@ -293,7 +299,7 @@ class GradReduction:
         if self.storage.has_unsharded_buffer:
             p_assert(
                 self.storage.flat_param.data.data_ptr() == self.storage.local_shard.data_ptr(),
-                f"unit '{self.views.unit_name}': finalize_grad while the FlatParameter is unsharded",
+                f"unit '{self.unit_name}': finalize_grad while the FlatParameter is unsharded",
             )
         grad: Optional[torch.Tensor] = pending if pending is not None else stash
         if pending is not None and stash is not None:
@@ -417,7 +423,7 @@ class GradReduction:
             elif grad.numel() != view.numel():
                 raise ValueError(
                     f"fsdp: the gradient of parameter '{info.fqn}' (FSDP unit "
-                    f"'{self.views.unit_name}') was replaced inside no_sync() by one of shape "
+                    f"'{self.unit_name}') was replaced inside no_sync() by one of shape "
                     f"{tuple(grad.shape)}; it must have the parameter's shape {tuple(info.shape)}."
                 )
             else:
