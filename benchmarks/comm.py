@@ -89,7 +89,6 @@ def count_collectives() -> Iterator[CommCounts]:
     for name, kind in (
         ("all_gather_flat", "all_gather"),
         ("reduce_scatter_flat", "reduce_scatter"),
-        ("reduce_scatter_halves", "reduce_scatter"),
     ):
         original = getattr(fsdp_comm, name)
         fsdp_originals[name] = original

@@ -32,19 +32,20 @@ from fsdp.api import (  # the config names are re-exported here too, as torch's 
     StateDictSettings,
     StateDictType,
 )
+from fsdp.flat_param._recast import hidden_from_module_apply, planned_local_shard, recast_handle
 from fsdp.flat_param.flat_param import FlatParameter, FlatParamHandle
 from fsdp.init._steps import UnitArgs, build_handles, finish_unit, new_unit_state, plan_unit
-from fsdp.runtime._cast import cast_units
 from fsdp.runtime._clip_grad import clip_root_grad_norm_
 from fsdp.runtime._comm_hooks import register_comm_hook as _register_comm_hook
+from fsdp.runtime._hooks import no_sync as _no_sync
 from fsdp.runtime._hooks import unit_forward
 from fsdp.runtime._lazy_init import lazy_init, reset_lazy_init
 from fsdp.runtime._mixed_precision import refresh_cast_buffers
-from fsdp.runtime._no_sync import no_sync as _no_sync
 from fsdp.runtime._state import (
     HandleTrainingState,
     TrainingState,
     UnitState,
+    check_idle,
     coarse_training_state,
     fsdp_modules,
     unit_state,
@@ -388,7 +389,7 @@ class FullyShardedDataParallel(nn.Module):
                 device than the one the unit keeps them on. Nothing is changed.
             TypeError: The cast would give a non-floating-point dtype. Nothing is changed.
         """
-        return cast_units(self, fn, recurse, super()._apply)  # type: ignore[return-value]
+        return _cast_units(self, fn, recurse, super()._apply)  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ training API
     def no_sync(self) -> ContextManager[None]:
@@ -595,3 +596,55 @@ class FullyShardedDataParallel(nn.Module):
         return _osd.optim_state_dict_to_load_api(
             model, optim, optim_state_dict, is_named_optimizer, load_directly, group
         )
+
+
+# Casting a wrapped tree after wrapping (the wrapper's ``nn.Module._apply``): ``to``, ``half``,
+# ``float``, ``double``, ``bfloat16`` and the like all go through ``_apply``. Each unit's local
+# shard is cast and its handle rebuilt around it (see [Note: Casting after wrapping] in
+# ``fsdp/flat_param/_recast.py``); everything else goes through ``nn.Module._apply``.
+TensorFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _cast_units(
+    wrapper: nn.Module, fn: TensorFn, recurse: bool, module_apply: Callable[[TensorFn, bool], nn.Module]
+) -> nn.Module:
+    """``FullyShardedDataParallel._apply``: applies ``fn`` to the tree, shards included.
+
+    Every unit's change is planned first; the tree must be idle if any shard changes. Then
+    buffers, unmanaged parameters and nested units go through ``module_apply`` (nested units
+    cast their own shards there) with this unit's FlatParameters hidden from it, and this
+    unit's handles are rebuilt around their cast shards.
+
+    Args:
+        wrapper: An FSDP instance.
+        fn: The tensor function (a dtype or device conversion).
+        recurse: ``nn.Module._apply``'s argument (False: only ``wrapper``'s own states, no
+            shards).
+        module_apply: ``nn.Module._apply`` bound to ``wrapper``.
+
+    Returns:
+        ``wrapper`` (with ``recurse=False``: what ``module_apply`` returns).
+
+    Raises:
+        RuntimeError: A unit of the tree is in forward, backward or ``summon_full_params``,
+            or the cast would move a shard to another device than its unit's. Nothing is
+            changed.
+        TypeError: The cast would give a non-floating-point dtype. Nothing is changed.
+    """
+    if not recurse:
+        return module_apply(fn, recurse)
+    units = [unit_state(m) for m in fsdp_modules(wrapper)]
+    changing = [h for unit in units for h in unit.handles if planned_local_shard(h, fn) is not None]
+    if changing:
+        check_idle(
+            wrapper,
+            "model.half(), .float(), .to(dtype) or another cast of the parameters",
+            error=RuntimeError,
+        )
+    own = unit_state(wrapper).handles
+    with hidden_from_module_apply(own):
+        module_apply(fn, recurse)
+    for handle in own:
+        if any(handle is h for h in changing):
+            recast_handle(handle, fn, handle.mixed_precision_config)
+    return wrapper

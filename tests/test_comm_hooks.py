@@ -62,12 +62,68 @@ def test_fp16_hook_matches_torch(pool2: RankPool, strategy: str) -> None:
     pool2.run(hook_parity, strategy, "fp16", "ours")
 
 
+def reduced_grads_match_arithmetic(strategy: str, name: str) -> None:
+    """The compression hooks' reduced gradients equal the arithmetic, element for element.
+
+    A recording hook passes each unit's unsharded gradient through fsdp's hook; every rank's
+    recorded gradient is gathered and the expected result computed here in the hook's dtype:
+    cast, divide by the pre-divide factor, sum over ranks (two ranks: one addition, the same
+    whatever the order), divide by the post-divide factor, cast back, this rank's chunk.
+    """
+    from fsdp import FullyShardedDataParallel as FSDP
+    from fsdp.flat_param._sharding import gradient_divide_factors
+
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[name]
+    state, hook = _hook("ours", name)
+    recorded: list[tuple[Any, torch.Tensor]] = []
+    current: list[Any] = []
+
+    def recording_hook(hook_state: Any, grad: torch.Tensor, output: Any = None) -> None:
+        recorded.append((current[-1], grad.detach().clone()))
+        hook(hook_state, grad, output)
+
+    model = _wrap("ours", make_toy(), strategy, "module")
+    model.register_comm_hook(state, recording_hook)
+    handles = [unit._fsdp_state.handle for unit in FSDP.fsdp_modules(model)]
+    for handle in handles:
+        # A tensor hook runs in the FlatParameter's accumulation node, just before the
+        # post-accumulate hook that reduces (and calls the comm hook): it names the handle.
+        handle.flat_param.register_hook(lambda g, handle=handle: current.append(handle) or g)
+    tokens, targets = global_batch(0, ws)
+    lm_loss(model(local_rows(tokens, rank, ws)), local_rows(targets, rank, ws)).backward()
+    pre, post = gradient_divide_factors(ws)
+    assert sorted(id(hd) for hd, _ in recorded) == sorted(id(hd) for hd in handles)
+    assert state.gradient_predivide_factor == pre and state.gradient_postdivide_factor == post
+    for handle, grad in recorded:
+        everyone = [torch.empty_like(grad) for _ in range(ws)]
+        dist.all_gather(everyone, grad)
+        total = everyone[0].to(dtype) / pre
+        for other in everyone[1:]:
+            total = total + other.to(dtype) / pre
+        expected = (total / post).to(torch.float32)
+        if handle.uses_sharding:
+            expected = expected.chunk(ws)[rank]
+        assert torch.equal(handle.flat_param.grad, expected), handle.unit_name
+
+
+@pytest.mark.parametrize("name", ["fp16", "bf16"])
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
+def test_compression_hook_reduces_exactly(pool2: RankPool, strategy: str, name: str) -> None:
+    pool2.run(reduced_grads_match_arithmetic, strategy, name)
+
+
+# torch's compression hooks end with ``record_stream(backend.current_stream())``, which a CPU
+# tensor rejects with this message (torch/distributed/algorithms/_comm_hooks/default_hooks.py).
+TORCH_HOOK_ON_CPU = "^unknown parameter type$"
+
+
 def torch_fp16_hook_fails_on_cpu() -> None:
     model = _wrap("ours", make_toy(), "FULL_SHARD", "module")
     model.register_comm_hook(*_hook("torch", "fp16"))
     rank, ws = dist.get_rank(), dist.get_world_size()
     tokens, targets = global_batch(0, ws)
-    with pytest.raises(Exception):
+    with pytest.raises(RuntimeError, match=TORCH_HOOK_ON_CPU):
         lm_loss(model(local_rows(tokens, rank, ws)), local_rows(targets, rank, ws)).backward()
 
 
@@ -76,14 +132,14 @@ def test_torch_fp16_hook_fails_on_cpu(pool2: RankPool) -> None:
 
 
 def bf16_on_gloo(strategy: str) -> None:
-    """torch's bf16 hook fails on gloo; fsdp's works and trains like the reference."""
+    """torch's bf16 hook fails on CPU (its record_stream); fsdp's works and trains like the reference."""
     from fsdp import FullyShardedDataParallel as FSDP
 
     theirs = _wrap("torch", make_toy(), strategy, "module")
     theirs.register_comm_hook(*_hook("torch", "bf16"))
     rank, ws = dist.get_rank(), dist.get_world_size()
     tokens, targets = global_batch(0, ws)
-    with pytest.raises(Exception):
+    with pytest.raises(RuntimeError, match=TORCH_HOOK_ON_CPU):
         lm_loss(theirs(local_rows(tokens, rank, ws)), local_rows(targets, rank, ws)).backward()
     ref, ours = make_toy(), _wrap("ours", make_toy(), strategy, "module")
     ours.register_comm_hook(*_hook("ours", "bf16"))

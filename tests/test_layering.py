@@ -3,7 +3,8 @@
 Layers, bottom to top (docs/design.md, "Layers"): a module may import its own layer and the
 layers below it, never one above, lazily (inside a function) or not, under ``TYPE_CHECKING`` or
 not; and no group of modules may import each other in a cycle. The test also holds the size
-limits of issue 15: no file in ``fsdp/`` over 600 lines, no function over 80; the files and
+limits: no file in ``fsdp/`` over 1,000 lines (issue 24: files are cut by what they own, not
+by a line count), no function over 80; the files and
 functions still over them are listed below, and that list is the to-do list: the test fails
 when an entry is no longer over its limit, so the list only shrinks.
 """
@@ -22,7 +23,7 @@ PACKAGE_DIR = Path(__file__).resolve().parent.parent / "fsdp"
 LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
     # Enums, configs, constants, small helpers; the public wrap policies import nothing either.
     ("base", ("fsdp.api", "fsdp._common", "fsdp.wrap")),
-    # Collectives, point-to-point exchanges, collective errors, the sharding groups.
+    # Collectives (one path for every backend), collective errors, the sharding groups.
     ("comm", ("fsdp._comm",)),
     # FlatParameter, FlatParamHandle and the pure sharding / precision arithmetic.
     ("flat_param", ("fsdp.flat_param",)),
@@ -53,7 +54,7 @@ ALLOWED_UPWARD: Dict[Tuple[str, str], str] = {
     ("fsdp.torch_alias", "fsdp"): "the alias needs the whole public package",
 }
 
-MAX_FILE_LINES = 600
+MAX_FILE_LINES = 1000
 MAX_FUNCTION_LINES = 80
 
 # Exceptions to the limits (path -> reason), relative to the repository root. Empty since issue 15's

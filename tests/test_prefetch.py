@@ -151,14 +151,16 @@ def test_prefetch_parity_ws1_ws4(dist_pool: RankPool) -> None:
 def prefetch_overlaps() -> None:
     """A prefetched all-gather is launched before, and waited for only when, its unit runs."""
     from fsdp import FullyShardedDataParallel as FSDP
+    from fsdp.flat_param._storage import FlatParamStorage
     from fsdp.flat_param.flat_param import FlatParamHandle
 
     model = _wrap("ours", "FULL_SHARD", "BACKWARD_PRE", True)
     _step(model, 0)  # the first iteration records the order
     events: list[tuple[str, str]] = []
-    original_unshard, original_wait = FlatParamHandle.unshard, FlatParamHandle.wait_unshard
+    original_unshard, original_wait = FlatParamHandle.unshard, FlatParamStorage.wait_unshard
 
     units = FSDP.fsdp_modules(model)
+    unit_of_storage = {id(h.storage): h.unit_name for u in units for h in u._fsdp_state.handles}
     most_in_flight = [0]
 
     def unshard(self: FlatParamHandle, full_precision: bool = False, async_op: bool = False) -> None:
@@ -168,16 +170,16 @@ def prefetch_overlaps() -> None:
         in_flight = sum(h.unshard_pending for u in units for h in u._fsdp_state.handles)
         most_in_flight[0] = max(most_in_flight[0], in_flight)
 
-    def wait_unshard(self: FlatParamHandle) -> None:
-        if self.unshard_pending:
-            events.append(("wait", self.unit_name))
+    def wait_unshard(self: FlatParamStorage) -> None:
+        if self.pending_unshard is not None:
+            events.append(("wait", unit_of_storage[id(self)]))
         original_wait(self)
 
-    FlatParamHandle.unshard, FlatParamHandle.wait_unshard = unshard, wait_unshard  # type: ignore[method-assign]
+    FlatParamHandle.unshard, FlatParamStorage.wait_unshard = unshard, wait_unshard  # type: ignore[method-assign]
     try:
         _step(model, 1)
     finally:
-        FlatParamHandle.unshard, FlatParamHandle.wait_unshard = original_unshard, original_wait  # type: ignore[method-assign]
+        FlatParamHandle.unshard, FlatParamStorage.wait_unshard = original_unshard, original_wait  # type: ignore[method-assign]
     forward = [("launch", "blocks.0"), ("wait", "blocks.0"), ("launch", "blocks.1"), ("wait", "blocks.1"),
                ("launch", "blocks.2"), ("wait", "blocks.2")]
     backward = [("launch", "blocks.1"), ("wait", "blocks.1"), ("launch", "blocks.0"), ("wait", "blocks.0")]

@@ -1,13 +1,14 @@
 """Every collective ``fsdp`` issues goes through this file.
 
-One place to count, trace, or swap communication. Functions look ``torch.distributed`` up at
-call time, so tests that patch ``torch.distributed.<collective>`` see every call. On gloo
-(CPU) the flat all-gather and the two-rank reduce-scatter run as point-to-point exchanges
-([Note: Point-to-point collectives on gloo] in ``_p2p.py``); counters count these functions.
+One place to count, trace, or swap communication, and one path for every backend and world
+size: the handle and the hooks say "all-gather this shard", "reduce-scatter this gradient",
+and these functions call ``torch.distributed``'s collective for it (FSDP2's
+``_fsdp_collectives.py`` is the model). Functions look ``torch.distributed`` up at call time,
+so tests that patch ``torch.distributed.<collective>`` see every call.
 
 A collective that fails or times out, here or in the ``wait()`` of the work it returned, raises
 the same exception type again with the unit, the phase, the collective and the group's ranks
-([Note: Collective errors] in ``_comm_errors.py``); that costs a ``try`` on the hot path.
+([Note: Collective errors] in ``_errors.py``); that costs a ``try`` on the hot path.
 """
 
 from __future__ import annotations
@@ -17,16 +18,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from fsdp._common import group_size
+from fsdp._common import group_rank, group_size
 from fsdp._comm._errors import raise_collective_error
-from fsdp._comm._p2p import (
-    P2PWork,
-    all_gather_p2p,
-    gather_p2p,
-    reduce_scatter_halves_p2p,
-    reduce_scatter_p2p,
-    uses_p2p,
-)
 
 
 def all_gather_flat(
@@ -39,8 +32,6 @@ def all_gather_flat(
 
     With ``async_op`` it returns the work handle to wait on before ``output`` is read.
     """
-    if uses_p2p(input, group) and group_size(group) > 1:
-        return _complete_unless_async(all_gather_p2p(output, input, group), async_op)
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     try:
         work = fn(output, input, group=group, async_op=async_op)
@@ -61,34 +52,12 @@ def reduce_scatter_flat(
     rank 0 receives ``[6, 8]`` and rank 1 ``[10, 12]``. With ``async_op`` it returns the
     work handle to wait on (gloo runs it on its own thread, overlapping compute).
     """
-    if uses_p2p(input, group) and group_size(group) == 2:
-        return _complete_unless_async(reduce_scatter_p2p(output, input, group), async_op)
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     try:
         work = fn(output, input, group=group, async_op=async_op)
     except RuntimeError as err:
         raise_collective_error(err, "reduce-scatter", group)
     return _checked(work, "reduce-scatter", group)
-
-
-def reduce_scatter_halves(
-    output: torch.Tensor,
-    peer_half: torch.Tensor,
-    own_parts: list[tuple[int, torch.Tensor]],
-    own_scale: float,
-    group: Optional[dist.ProcessGroup],
-) -> Any:
-    """Launches a two-rank reduce-scatter given as (peer half, own pieces); returns its work.
-
-    Gloo only (see :func:`fsdp._comm._p2p.reduce_scatter_halves_p2p`); the caller checks
-    :func:`can_reduce_scatter_halves` first.
-    """
-    return reduce_scatter_halves_p2p(output, peer_half, own_parts, own_scale, group)
-
-
-def can_reduce_scatter_halves(tensor: torch.Tensor, group: Optional[dist.ProcessGroup]) -> bool:
-    """Whether :func:`reduce_scatter_halves` applies: gloo, CPU tensors, two ranks."""
-    return uses_p2p(tensor, group) and group_size(group) == 2
 
 
 def gather_flat_to(
@@ -100,17 +69,18 @@ def gather_flat_to(
 ) -> Optional[Any]:
     """Gathers equal-sized 1-D ``input`` shards into ``output`` on group rank ``dst`` only.
 
-    Point to point on every backend ([Note: State dict gathers]): the other ranks send from
-    where their shard lives and pass ``output=None``. With ``async_op`` it returns the work.
+    One ``gather`` collective ([Note: State dict gathers] in ``state_dict/``): every rank sends
+    its shard from where it lives, the other ranks pass ``output=None`` (no allocation), and
+    ``dst`` receives each shard into its chunk of ``output``. On NCCL it runs inside the group's
+    own communicator (per-peer sends would build one communicator per pair). With ``async_op``
+    it returns the work.
     """
-    return _complete_unless_async(gather_p2p(output, input, group, dst), async_op)
-
-
-def _complete_unless_async(work: P2PWork, async_op: bool) -> Optional[Any]:
-    if async_op:
-        return work
-    work.wait()
-    return None
+    gather_list = list(output.chunk(group_size(group))) if group_rank(group) == dst and output is not None else None
+    try:
+        work = dist.gather(input, gather_list, group=group, group_dst=dst, async_op=async_op)
+    except RuntimeError as err:
+        raise_collective_error(err, "gather", group)
+    return _checked(work, "gather", group)
 
 
 class CheckedWork:

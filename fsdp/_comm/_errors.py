@@ -5,12 +5,12 @@ A rank that stalls (alive but stuck: a slow data loader, a deadlock, a debugger)
 its peers wait in their next collective for the process group's timeout (30 minutes by default)
 and then fail with the backend's bare words, e.g. gloo's "Timed out waiting 1800000ms for recv
 operation to complete". Every collective ``fsdp`` issues (``_collectives.py``, and the
-point-to-point works of ``_p2p.py``, whose ``wait()`` raises) catches a ``RuntimeError`` (the
+works it returns, whose ``wait()`` raises) catches a ``RuntimeError`` (the
 base of ``torch.distributed``'s ``DistError`` family and of what gloo raises) and raises one of
 the *same type*, chained to the original, saying:
 
-* the collective and the global ranks of its group (for point-to-point, the peer it waited
-  for: usually the stalled rank);
+* the collective and the global ranks of its group (in a group of two, the other rank: the
+  one it waited for, usually the stalled rank);
 * the phase and the FSDP unit: found only when failing, by walking the Python stack for the
   runtime functions of each phase and the innermost object that names its unit (a
   FlatParamHandle or a unit state), so the hot path pays nothing beyond the ``try``;
@@ -55,8 +55,7 @@ _PHASE_OF_FUNCTION: dict[tuple[str, str], str] = {
     ("fsdp.runtime._hooks", "_unshard_for_recompute"): "backward unshard for a recomputed forward",
     ("fsdp.runtime._hooks", "_pre_backward_hook"): "backward unshard",
     ("fsdp.runtime._hooks", "_post_backward_hook"): "backward reduce",
-    ("fsdp.runtime._hooks", "_finish_inflight_reductions"): "backward reduce",
-    ("fsdp.runtime._early_grads", "finish_inflight_reductions"): "backward reduce",
+    ("fsdp.runtime._hooks", "finish_inflight_reductions"): "backward reduce",
     ("fsdp.runtime._hooks", "_final_callback"): "end of backward",
     ("fsdp.runtime._hooks", "_recover_if_backward_interrupted"): "recovery from an interrupted backward",
     ("fsdp.runtime._prefetch", "prefetch_after"): "prefetch",
@@ -110,7 +109,8 @@ def raise_collective_error(
         err: What the collective raised.
         collective: Its name for people ("all-gather", "reduce-scatter", ...).
         group: The process group it ran on (None: the default group).
-        peer: Point to point: the global rank this rank sent to or waited for.
+        peer: The global rank this rank waited for, if known (in a group of two ranks it is
+            the other one).
 
     Raises:
         RuntimeError: Of ``err``'s type (``err`` itself, annotated, if that type cannot be
@@ -144,6 +144,9 @@ def _describe(
     if unit is not None:
         where += f" of FSDP unit '{unit}'"
     ranks = _global_ranks(group)
+    if peer is None and isinstance(ranks, list) and len(ranks) == 2 and dist.is_initialized():
+        others = [r for r in ranks if r != dist.get_rank()]
+        peer = others[0] if len(others) == 1 else None
     waiting = f", waiting for rank {peer}" if peer is not None else ""
     original = str(err).strip()
     message = f"fsdp: {collective} over the process group of global ranks {ranks} failed{where}{waiting}: {original}"

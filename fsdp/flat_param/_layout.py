@@ -279,22 +279,6 @@ class ShardLayout:
         view = source[offset : offset + numel]
         return view if self.uses_sharding else view.view(self.param_shapes[index])
 
-    def padded_unsharded_grad(self, grads: Sequence[Optional[torch.Tensor]], like: torch.Tensor) -> torch.Tensor:
-        """The padded unsharded gradient from per-parameter gradients (``split``'s backward):
-        zeros where a parameter has none, and for all padding; zeros like ``like`` if none has."""
-        reference = next((g for g in grads if g is not None), None)
-        if reference is None:
-            return like.new_zeros(self.padded_unsharded_numel)
-        pieces: list[torch.Tensor] = []
-        param_grads = iter(grads)
-        for numel, is_padding in zip(self.flat.numels_with_padding, self.flat.is_padding_mask):
-            grad = None if is_padding else next(param_grads)
-            pieces.append(grad.reshape(-1) if grad is not None else reference.new_zeros(numel))
-        padding = self.padded_unsharded_numel - self.unpadded_unsharded_numel
-        if padding:
-            pieces.append(reference.new_zeros(padding))
-        return torch.cat(pieces)
-
 
 def set_torch_metadata(
     flat: nn.Parameter,

@@ -146,7 +146,7 @@ def recast_handle(
     of the original Parameters), the padded unsharded buffers, the placeholders and the held
     gradients are in the new dtype; ``handle.dtype`` and ``handle.precision`` are resolved from
     it and ``mixed_precision`` as at construction; the handle is SHARDED (UNSHARDED if it never
-    frees anything); ``handle.cast_generation`` is increased.
+    frees anything); ``handle.views.cast_generation`` is increased.
     """
     p_assert(
         not handle.grads.in_progress(),
@@ -154,10 +154,10 @@ def recast_handle(
     )
     adopt_external_cast(handle)  # a cast made around the wrapper first (returns at once if none)
     handle.writeback_orig_params()  # changes made to the original Parameters since the last step
-    flat_grad = handle.sync_flat_grad_from_orig()
+    flat_grad = handle.grads.sync_from_orig()
     if handle.has_unsharded_buffer:
         handle.reshard()  # frees the unsharded buffers (their dtype is about to change)
-    handle.wait_unshard()
+    handle.storage.wait_unshard()
     old_local = handle._local_shard
     new_local = fn(old_local)
     p_assert(
@@ -173,7 +173,7 @@ def recast_handle(
     handle.flat_param.grad = None
     # The local shard, and the padded unsharded buffers rebuilt (freed) in the new dtypes.
     handle.storage.rebuild(new_local, precision)
-    handle._placeholders = None  # made again, in the new dtype, by use_sharded_views
+    handle.views.drop_placeholders()  # made again, in the new dtype, by use_sharded
 
     # Held gradients, in the dtypes a backward would give them now.
     grads = handle.grads
@@ -184,15 +184,15 @@ def recast_handle(
 
     # The names on the modules, as at construction.
     if handle.use_orig_params or handle.has_unsharded_buffer:
-        handle.use_sharded_views()
+        handle.views.use_sharded()
     else:
         with torch.no_grad():
             handle.use_unsharded_views()
     if flat_grad is not None:
-        handle._set_sharded_grad(flat_grad)  # cast to precision.grad_dtype; orig grads re-viewed
+        handle.grads.set_sharded_grad(flat_grad)  # cast to precision.grad_dtype; orig grads re-viewed
     else:
-        handle.use_sharded_grad_views()
-    handle.cast_generation += 1
+        handle.grads.use_sharded_grad_views()
+    handle.views.cast_generation += 1
 
 
 def adopt_external_cast(handle: "FlatParamHandle") -> None:
@@ -280,7 +280,7 @@ def check_not_recast_since_forward(handle: "FlatParamHandle") -> None:
         RuntimeError: Names the unit and the remedy.
     """
     cast_dtype = _cast_around_wrapper(handle)
-    if handle.forward_cast_generation == handle.cast_generation and cast_dtype is None:
+    if handle.views.forward_cast_generation == handle.views.cast_generation and cast_dtype is None:
         return
     raise RuntimeError(
         f"fsdp: FSDP unit '{handle.unit_name}' was cast to {cast_dtype or handle.dtype} (model.half(), "

@@ -1,48 +1,65 @@
 """Turning the unsharded gradient autograd produced into the reduced sharded gradient.
 
-The gradient concern of :class:`~fsdp.flat_param.flat_param.FlatParamHandle` (see [Note:
-Gradient flow] in docs/flat_param_lifecycle.md): an existing sharded gradient is stashed before
-autograd accumulates, the new unsharded gradient is pre-divided, reduce-scattered (all-reduced
-for NO_SHARD, then across replicas for hybrid strategies), post-divided and added to the stash
-at the end of backward; inside ``no_sync`` it is only kept. On two gloo ranks the reduction
-can start from the per-parameter gradients instead ([Note: Per-parameter gradient reduction]
-in ``_views.py``). With CPU offload the reduced gradient is copied back to pinned CPU memory.
-
-:class:`HandleGrads` holds the gradient state of one handle; the functions take the handle
-(:class:`_Handle` names what they use of it); the handle's methods of the same names call them.
+:class:`GradReduction` is the gradient part of :class:`~fsdp.flat_param.flat_param.FlatParamHandle`
+(see [Note: Gradient flow] in docs/flat_param_lifecycle.md): it receives the layout, the storage,
+the groups and the views at construction and owns the gradient state. An existing sharded
+gradient is stashed before autograd accumulates, the new unsharded gradient is pre-divided,
+reduce-scattered (all-reduced for NO_SHARD, then across replicas for hybrid strategies),
+post-divided and added to the stash at the end of backward; inside ``no_sync`` it is only kept.
+With CPU offload the reduced gradient is copied into a host buffer. With use_orig_params the
+original Parameters' ``.grad`` view the sharded gradient, and a ``.grad`` the user replaced is
+taken back.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple, Optional, Protocol, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from fsdp._comm import _collectives as comm
-from fsdp._common import p_assert
-from fsdp.flat_param._early_grads import can_take_early, settle_open_run
-from fsdp.flat_param._layout import ParamInfo, ShardLayout
-from fsdp.flat_param._precision import HandlePrecision
-from fsdp.flat_param._views import assign_grad
+from fsdp._common import group_size, p_assert
+from fsdp.flat_param._layout import ShardLayout
+from fsdp.flat_param._sharding import gradient_divide_factors
+from fsdp.flat_param._storage import FlatParamStorage, on_stream, record_event
+from fsdp.flat_param._views import ParamViews, assign_grad
 
-__all__ = ["HandleGrads"]
+__all__ = ["GradReduction", "reduction_stays_in_flight"]
 
 
 class _InflightReduction(NamedTuple):
-    """A launched reduce-scatter: its work, the sharded output it writes, and what must stay
-    alive until the collective has read it."""
+    """A launched reduction: its work (CPU) or completion event (CUDA), the sharded output it
+    writes, whether that still needs the post-divide, and what must stay alive until the
+    collective has read it."""
 
     work: Any
+    event: Any
     sharded_grad: torch.Tensor
+    post_divide: bool
     keep_alive: Any
 
 
-@dataclass(eq=False)
-class HandleGrads:
-    """The gradients one handle holds between autograd and the optimizer.
+def reduction_stays_in_flight(
+    has_stream: bool, uses_sharding: bool, replicate_world_size: int, comm_hook: bool
+) -> bool:
+    """Whether a reduction stays in flight past the post-backward hook (its buffers alive until
+    it is waited for): all of them on a post-backward stream (CUDA), else a lone default
+    reduce-scatter (gloo's asynchronous collective). The runtime and the planner both ask this.
+    """
+    return has_stream or (uses_sharding and replicate_world_size == 1 and not comm_hook)
+
+
+class GradReduction:
+    """The gradients one handle holds between autograd and the optimizer, and their reduction.
+
+    Args:
+        storage: The handle's storage (the FlatParameter, the local shard, the precision, the
+            post-backward stream).
+        layout: The handle's shard layout.
+        process_group: The group the gradient is reduce-scattered (NO_SHARD: all-reduced) over.
+        replicate_group: Hybrid strategies: the group it is then all-reduced over.
+        views: The handle's views (the original Parameters, the unit's name).
 
     Attributes:
         sharded_grad_stash: The reduced sharded ``.grad`` of earlier backwards, moved aside
@@ -50,360 +67,364 @@ class HandleGrads:
         prior_grad_to_reduce: NO_SHARD: an existing gradient the new one is added to *before*
             the reduction (as torch FSDP1).
         unsynced_unsharded_grad: Inside ``no_sync``: the accumulated unsharded gradient.
-        pending_sharded_grad: This backward's reduced sharded gradient, until finalize_grad.
-        inflight: A reduce-scatter still in flight.
-        param_grads: Per-parameter gradients of this backward, when reduced from the pieces
-            ([Note: Per-parameter gradient reduction]).
-        open_run_grads: Early gradients of the forward call being backpropagated, not yet in
-            ``param_grads`` (``_early_grads.py``: ``take_param_grad``).
-        open_run: Which forward call ``open_run_grads`` belong to.
+        pending_sharded_grad: This backward's reduced sharded gradient, until :meth:`finalize`.
+        inflight: A reduction still in flight.
+        pre_divide, post_divide: torch FSDP1's gradient divide factors over every
+            data-parallel replica (shard group x replicate group).
+
+    Postcondition of :meth:`reduce`: ``.grad`` is None; the reduced sharded gradient waits in
+    ``pending_sharded_grad`` (or in flight) until :meth:`finalize`.
     """
 
-    sharded_grad_stash: Optional[torch.Tensor] = None
-    prior_grad_to_reduce: Optional[torch.Tensor] = None
-    unsynced_unsharded_grad: Optional[torch.Tensor] = None
-    pending_sharded_grad: Optional[torch.Tensor] = None
-    inflight: Optional[_InflightReduction] = None
-    param_grads: Optional[list[Optional[torch.Tensor]]] = None
-    open_run_grads: Optional[list[Optional[torch.Tensor]]] = None
-    open_run: Optional[int] = None
+    def __init__(
+        self,
+        storage: FlatParamStorage,
+        layout: ShardLayout,
+        process_group: dist.ProcessGroup,
+        replicate_group: Optional[dist.ProcessGroup],
+        views: ParamViews,
+    ) -> None:
+        self.storage = storage
+        self.layout = layout
+        self.process_group = process_group
+        self.replicate_group = replicate_group
+        self.replicate_world_size = group_size(replicate_group) if replicate_group else 1
+        self.views = views
+        self.pre_divide, self.post_divide = gradient_divide_factors(
+            group_size(process_group) * self.replicate_world_size
+        )
+        self.sharded_grad_stash: Optional[torch.Tensor] = None
+        self.prior_grad_to_reduce: Optional[torch.Tensor] = None
+        self.unsynced_unsharded_grad: Optional[torch.Tensor] = None
+        self.pending_sharded_grad: Optional[torch.Tensor] = None
+        self.inflight: Optional[_InflightReduction] = None
+
+    @property
+    def unit_name(self) -> str:
+        """The unit's name (the views hold it); also what a failed collective's message names
+        ([Note: Collective errors] reads ``unit_name`` off the innermost frame's ``self``)."""
+        return self.views.unit_name
 
     def in_progress(self) -> bool:
-        """Whether a reduction of this backward is under way (in flight, pending, or kept
-        per parameter)."""
-        return self.inflight is not None or self.pending_sharded_grad is not None or self.param_grads is not None
+        """Whether a reduction of this backward is under way (in flight or pending)."""
+        return self.inflight is not None or self.pending_sharded_grad is not None
 
+    def stash(self) -> None:
+        """Moves an existing (already reduced) ``.grad`` aside before autograd accumulates.
 
-class _Handle(Protocol):
-    """What this module uses of a ``FlatParamHandle`` (a structural type: ``flat_param.py``
-    imports this module, so importing the class here would be a cycle)."""
-
-    unit_name: str
-    device: torch.device
-    flat_param: nn.Parameter
-    grads: HandleGrads
-    shard_layout: ShardLayout
-    param_infos: list[ParamInfo]
-    process_group: dist.ProcessGroup
-    replicate_group: Optional[dist.ProcessGroup]
-    replicate_world_size: int
-    pre_divide: float
-    post_divide: float
-    piecewise_reduction_allowed: bool
-
-    @property
-    def dtype(self) -> torch.dtype: ...
-    @property
-    def precision(self) -> HandlePrecision: ...
-    @property
-    def uses_sharding(self) -> bool: ...
-    @property
-    def offload_params(self) -> bool: ...
-    @property
-    def has_unsharded_buffer(self) -> bool: ...
-    @property
-    def _local_shard(self) -> torch.Tensor: ...
-    def sync_flat_grad_from_orig(self) -> Optional[torch.Tensor]: ...
-    def use_sharded_grad_views(self) -> None: ...
-    def _set_sharded_grad(self, grad: Optional[torch.Tensor]) -> None: ...
-    def _reduce_pieces(self) -> None: ...
-    def wait_reduction(self) -> None: ...
-    def reshard(self) -> None: ...
-
-
-def stash_sharded_grad(handle: _Handle) -> None:
-    """Moves an existing (already reduced) ``.grad`` aside before autograd accumulates.
-
-    Called from a hook on the FlatParameter just before AccumulateGrad, so the new
-    unsharded gradient never mixes with the reduced sharded one; the stash is added back
-    after the reduction (gradient accumulation without ``no_sync``).
-    """
-    grad = handle.sync_flat_grad_from_orig()
-    if grad is not None and not handle.uses_sharding:
-        # The existing gradient is already the whole (averaged) gradient: like torch FSDP1,
-        # add the new one to it and reduce the sum, in the existing gradient's dtype.
-        handle.grads.prior_grad_to_reduce = grad
-        handle.flat_param.grad = None
-        return
-    if grad is not None:
-        p_assert(
-            handle.grads.sharded_grad_stash is None,
-            f"unit '{handle.unit_name}': gradient stashed twice in one backward",
-        )
-        # keep_low_precision_grads: accumulate in full precision (as torch FSDP1 does).
-        handle.grads.sharded_grad_stash = grad.to(handle.dtype)
-        handle.flat_param.grad = None
-
-
-def collect_param_grads(handle: _Handle, grads: list[Optional[torch.Tensor]]) -> bool:
-    """Keeps this backward's per-parameter gradients for a reduction from the pieces.
-
-    Returns False (nothing kept) where that reduction does not apply; the caller then
-    hands autograd the concatenated gradient. A unit used twice in one forward gets its
-    gradients summed here, as autograd would sum them.
-    """
-    reduce_dtype = handle.precision.reduce_dtype
-    reduces_from_pieces = (
-        can_take_early(handle)  # the reduction itself takes the pieces this backward
-        and any(g is not None for g in grads)
-        and all(g is None or (g.dtype == reduce_dtype and g.is_contiguous()) for g in grads)
-    )
-    if not reduces_from_pieces:
-        return False
-    kept = handle.grads.param_grads
-    if kept is None:
-        handle.grads.param_grads = list(grads)
-    else:
-        handle.grads.param_grads = [b if a is None else a if b is None else a + b for a, b in zip(kept, grads)]
-    return True
-
-
-def reduce_pieces(handle: _Handle) -> None:
-    """Launches the two-rank reduce-scatter from the per-parameter gradients (async)."""
-    grads, handle.grads.param_grads = handle.grads.param_grads, None
-    assert grads is not None
-    layout = handle.shard_layout
-    reference = next(g for g in grads if g is not None)
-    numel = layout.sharded_numel
-    own_start = layout.rank * numel
-    peer_start = (1 - layout.rank) * numel
-    peer_half = reference.new_zeros(numel) if _has_gaps(handle, grads, peer_start) else reference.new_empty(numel)
-    own_parts: list[tuple[int, torch.Tensor]] = []
-    for grad, info, param_start in zip(grads, handle.param_infos, layout.flat.param_offsets):
-        param_end = param_start + info.numel
+        Called from a hook on the FlatParameter just before AccumulateGrad, so the new
+        unsharded gradient never mixes with the reduced sharded one; the stash is added back
+        after the reduction (gradient accumulation without ``no_sync``).
+        """
+        grad = self.sync_from_orig()
+        if grad is not None and not self.layout.uses_sharding:
+            # The existing gradient is already the whole (averaged) gradient: like torch FSDP1,
+            # add the new one to it and reduce the sum, in the existing gradient's dtype.
+            self.prior_grad_to_reduce = grad
+            self.storage.flat_param.grad = None
+            return
         if grad is not None:
-            flat_grad = grad.reshape(-1)
-            lo, hi = max(param_start, peer_start), min(param_end, peer_start + numel)
-            if lo < hi:
-                torch.div(
-                    flat_grad[lo - param_start : hi - param_start],
-                    handle.pre_divide,
-                    out=peer_half[lo - peer_start : hi - peer_start],
-                )
-            lo, hi = max(param_start, own_start), min(param_end, own_start + numel)
-            if lo < hi:
-                own_parts.append((lo - own_start, flat_grad[lo - param_start : hi - param_start]))
-    sharded_grad = torch.empty(numel, dtype=reference.dtype, device=reference.device)
-    work = comm.reduce_scatter_halves(
-        sharded_grad, peer_half, own_parts, 1.0 / handle.pre_divide, handle.process_group
-    )
-    handle.grads.inflight = _InflightReduction(work, sharded_grad, (peer_half, own_parts))
+            p_assert(
+                self.sharded_grad_stash is None,
+                f"unit '{self.unit_name}': gradient stashed twice in one backward",
+            )
+            # keep_low_precision_grads: accumulate in full precision (as torch FSDP1 does).
+            self.sharded_grad_stash = grad.to(self.storage.precision.full_dtype)
+            self.storage.flat_param.grad = None
 
+    def reduce(
+        self,
+        sync: bool,
+        comm_hook: Optional[Callable[..., Any]],
+        comm_hook_state: Any,
+        full_precision: bool,
+    ) -> None:
+        """Launches the reduction of the unsharded gradient autograd just accumulated (see
+        the class docstring for the postcondition).
 
-def _has_gaps(handle: _Handle, grads: Sequence[Optional[torch.Tensor]], half_start: int) -> bool:
-    """Whether part of ``[half_start, half_start + sharded_numel)`` gets no gradient
-    (padding, alignment padding included, or a parameter without one): it must then be
-    sent as zeros."""
-    layout = handle.shard_layout
-    half_end = half_start + layout.sharded_numel
-    if half_end > layout.unpadded_unsharded_numel:
-        return True
-    if any(offset < half_end and offset + numel > half_start for offset, numel in layout.flat.padding_runs()):
-        return True
-    for grad, info, param_start in zip(grads, handle.param_infos, layout.flat.param_offsets):
-        param_end = param_start + info.numel
-        if grad is None and param_start < half_end and param_end > half_start:
-            return True
-    return False
-
-
-def reduce_grad(
-    handle: _Handle,
-    sync: bool,
-    comm_hook: Optional[Callable[..., Any]],
-    comm_hook_state: Any,
-    async_op: bool,
-    full_precision: bool,
-) -> None:
-    """Reduces the unsharded gradient autograd just accumulated (see
-    ``FlatParamHandle.reduce_grad`` for the arguments and the postcondition)."""
-    settle_open_run(handle)
-    if handle.grads.param_grads is not None:
-        p_assert(
-            sync and comm_hook is None and async_op,
-            f"unit '{handle.unit_name}': per-parameter gradients kept for a reduction that "
-            f"cannot take them",
+        [Note: One reduction path]
+        Every strategy, backend and world size takes this path: reduce-scatter (all-reduce for
+        NO_SHARD), then all-reduce across replicas for hybrid strategies, or the comm hook, and
+        :meth:`wait` finishes it (post-divide, cast, offload copy, accumulation). On CUDA
+        the collectives run on the post-backward stream (``storage.post_backward_stream``), after
+        the compute stream's work so far, and the compute stream waits on an event only in
+        :meth:`wait` (torch FSDP1's post-backward stream); tests/test_cuda_lane.py's
+        training parity runs it (NO_SHARD and HYBRID_SHARD on the two-rank pool, offload on the
+        one-rank NCCL pool). On CPU there is no stream: a lone reduce-scatter is an asynchronous
+        collective (gloo's thread), anything else completes before this returns.
+        """
+        unsharded_grad = self._take_unsharded_grad()
+        if not sync:
+            self.unsynced_unsharded_grad = unsharded_grad
+            return
+        if unsharded_grad.dtype != self.storage.precision.reduce_dtype and not full_precision:
+            # (full_precision: a backward of a full-precision eval forward keeps its dtype.)
+            unsharded_grad = unsharded_grad.to(self.storage.precision.reduce_dtype)
+        p_assert(self.inflight is None, f"unit '{self.unit_name}': two reductions in flight")
+        stream = self.storage.post_backward_stream
+        in_flight = reduction_stays_in_flight(
+            stream is not None, self.layout.uses_sharding, self.replicate_world_size, comm_hook is not None
         )
-        handle._reduce_pieces()
-        return
-    unsharded_grad = _take_unsharded_grad(handle)
-    if not sync:
-        handle.grads.unsynced_unsharded_grad = unsharded_grad
-        return
-    if unsharded_grad.dtype != handle.precision.reduce_dtype and not full_precision:
-        # (full_precision: a backward of a full-precision eval forward keeps its dtype.)
-        unsharded_grad = unsharded_grad.to(handle.precision.reduce_dtype)
-    if async_op and comm_hook is None and handle.uses_sharding and handle.replicate_world_size == 1:
-        _launch_reduce_scatter(handle, unsharded_grad)
-        return
-    if comm_hook is not None:
-        sharded_grad = _reduce_with_hook(handle, unsharded_grad, comm_hook, comm_hook_state)
-    else:
-        sharded_grad = _reduce_default(handle, unsharded_grad)
-    _accumulate_reduced(handle, sharded_grad)
+        with on_stream(stream, self.storage.device):
+            if comm_hook is not None:
+                sharded_grad = self._reduce_with_hook(unsharded_grad, comm_hook, comm_hook_state)
+                work, post_divide = None, False
+            else:
+                sharded_grad, work, post_divide = self._reduce_default(unsharded_grad, in_flight and stream is None)
+            event = record_event(stream) if stream is not None else None
+        if not in_flight:  # complete already (CPU)
+            self._accumulate_reduced(sharded_grad)
+            return
+        # The unsharded gradient must stay alive until the collective has read it.
+        self.inflight = _InflightReduction(work, event, sharded_grad, post_divide, unsharded_grad)
 
-
-def _take_unsharded_grad(handle: _Handle) -> torch.Tensor:
-    """Takes the FlatParameter's unsharded gradient (``.grad`` becomes None), with any prior
-    NO_SHARD gradient and any ``no_sync`` accumulation added to it."""
-    unsharded_grad = handle.flat_param.grad
-    handle.flat_param.grad = None
-    p_assert(unsharded_grad is not None, f"unit '{handle.unit_name}': no gradient to reduce")
-    assert unsharded_grad is not None  # for type checkers
-    padded_unsharded_numel = handle.shard_layout.padded_unsharded_numel
-    p_assert(
-        unsharded_grad.numel() == padded_unsharded_numel,
-        f"unit '{handle.unit_name}': expected an unsharded gradient of "
-        f"{padded_unsharded_numel} elements, got {unsharded_grad.numel()}",
-    )
-    grads = handle.grads
-    if grads.prior_grad_to_reduce is not None:
-        unsharded_grad = grads.prior_grad_to_reduce.add(unsharded_grad.to(grads.prior_grad_to_reduce.dtype))
-        grads.prior_grad_to_reduce = None
-    if grads.unsynced_unsharded_grad is not None:
-        unsharded_grad = unsharded_grad + grads.unsynced_unsharded_grad
-        grads.unsynced_unsharded_grad = None
-    return unsharded_grad
-
-
-def _launch_reduce_scatter(handle: _Handle, unsharded_grad: torch.Tensor) -> None:
-    """Pre-divides and launches the reduce-scatter; :func:`wait_reduction` completes it."""
-    p_assert(handle.grads.inflight is None, f"unit '{handle.unit_name}': two reductions in flight")
-    if handle.pre_divide > 1:
-        unsharded_grad.div_(handle.pre_divide)
-    sharded_grad = torch.empty(
-        handle.shard_layout.sharded_numel, dtype=unsharded_grad.dtype, device=unsharded_grad.device
-    )
-    work = comm.reduce_scatter_flat(sharded_grad, unsharded_grad, handle.process_group, async_op=True)
-    # The unsharded gradient must stay alive until the collective has read it.
-    handle.grads.inflight = _InflightReduction(work, sharded_grad, unsharded_grad)
-
-
-def wait_reduction(handle: _Handle) -> None:
-    """Completes an in-flight reduce-scatter: wait, post-divide, accumulate. Else a no-op."""
-    inflight = handle.grads.inflight
-    if inflight is None:
-        return
-    handle.grads.inflight = None
-    if inflight.work is not None:
-        inflight.work.wait()
-    sharded_grad = inflight.sharded_grad
-    if handle.post_divide > 1:
-        sharded_grad.div_(handle.post_divide)
-    _accumulate_reduced(handle, sharded_grad)
-
-
-def _accumulate_reduced(handle: _Handle, sharded_grad: torch.Tensor) -> None:
-    """Adds a reduced (post-divided) gradient to this backward's pending sharded gradient.
-
-    The gradient is cast back to full precision first: accumulation, the stash and the
-    optimizer work on full-precision gradients (see [Note: Mixed precision dtypes]).
-    """
-    if sharded_grad.dtype != handle.dtype:
-        sharded_grad = sharded_grad.to(handle.dtype)
-    if handle.offload_params:
-        # Copied back to pinned CPU memory; finalize_grad waits for it (end of backward).
-        offloaded = torch.empty(sharded_grad.shape, dtype=sharded_grad.dtype, pin_memory=True)
-        offloaded.copy_(sharded_grad, non_blocking=True)
-        sharded_grad = offloaded
-    pending = handle.grads.pending_sharded_grad
-    if pending is not None:
-        if handle.offload_params and handle.device.type == "cuda":
-            # Both are pinned CPU tensors that non-blocking copies may still be writing; the
-            # CPU add must not read them before the copies are done.
-            torch.cuda.current_stream(handle.device).synchronize()
-        pending.add_(sharded_grad)
-    else:
-        handle.grads.pending_sharded_grad = sharded_grad
-
-
-def _reduce_with_hook(
-    handle: _Handle, unsharded_grad: torch.Tensor, comm_hook: Callable[..., Any], comm_hook_state: Any
-) -> torch.Tensor:
-    """torch FSDP1's hook convention: ``hook(state, grad, output)`` sharded, else ``hook(state, grad)``."""
-    if not handle.uses_sharding:
-        comm_hook(comm_hook_state, unsharded_grad)
+    def _take_unsharded_grad(self) -> torch.Tensor:
+        """Takes the FlatParameter's unsharded gradient (``.grad`` becomes None), with any prior
+        NO_SHARD gradient and any ``no_sync`` accumulation added to it."""
+        unsharded_grad = self.storage.flat_param.grad
+        self.storage.flat_param.grad = None
+        p_assert(unsharded_grad is not None, f"unit '{self.unit_name}': no gradient to reduce")
+        assert unsharded_grad is not None  # for type checkers
+        padded_unsharded_numel = self.layout.padded_unsharded_numel
+        p_assert(
+            unsharded_grad.numel() == padded_unsharded_numel,
+            f"unit '{self.unit_name}': expected an unsharded gradient of "
+            f"{padded_unsharded_numel} elements, got {unsharded_grad.numel()}",
+        )
+        if self.prior_grad_to_reduce is not None:
+            unsharded_grad = self.prior_grad_to_reduce.add(unsharded_grad.to(self.prior_grad_to_reduce.dtype))
+            self.prior_grad_to_reduce = None
+        if self.unsynced_unsharded_grad is not None:
+            unsharded_grad = unsharded_grad + self.unsynced_unsharded_grad
+            self.unsynced_unsharded_grad = None
         return unsharded_grad
-    output = torch.empty(
-        handle.shard_layout.sharded_numel, dtype=unsharded_grad.dtype, device=unsharded_grad.device
-    )
-    comm_hook(comm_hook_state, unsharded_grad, output)
-    return output
 
+    def wait(self) -> None:
+        """Completes a reduction in flight: wait, post-divide, accumulate. Else a no-op."""
+        inflight = self.inflight
+        if inflight is None:
+            return
+        self.inflight = None
+        sharded_grad = inflight.sharded_grad
+        if inflight.work is not None:
+            inflight.work.wait()
+        if inflight.event is not None:
+            current = torch.cuda.current_stream(self.storage.device)
+            current.wait_event(inflight.event)
+            # Made on the post-backward stream, used on this one: keep it from being reused early.
+            sharded_grad.record_stream(current)
+        if inflight.post_divide and self.post_divide > 1:
+            sharded_grad.div_(self.post_divide)
+        self._accumulate_reduced(sharded_grad)
 
-def _reduce_default(handle: _Handle, unsharded_grad: torch.Tensor) -> torch.Tensor:
-    """Pre-divide, reduce-scatter (all-reduce for NO_SHARD), all-reduce across replicas, post-divide."""
-    sharded_grad = unsharded_grad
-    if handle.pre_divide > 1:
-        unsharded_grad.div_(handle.pre_divide)
-    if handle.uses_sharding:
-        sharded_grad = torch.empty(
-            handle.shard_layout.sharded_numel, dtype=unsharded_grad.dtype, device=unsharded_grad.device
+    def _accumulate_reduced(self, sharded_grad: torch.Tensor) -> None:
+        """Adds a reduced (post-divided) gradient to this backward's pending sharded gradient.
+
+        The gradient is cast back to full precision first: accumulation, the stash and the
+        optimizer work on full-precision gradients (see [Note: Mixed precision dtypes]).
+        """
+        if sharded_grad.dtype != self.storage.precision.full_dtype:
+            sharded_grad = sharded_grad.to(self.storage.precision.full_dtype)
+        if self.storage.offload_params:
+            # Copied into a host buffer (pinned with an accelerator); finalize_grad waits for the
+            # copies (end of backward).
+            offloaded = self.storage.new_host_buffer(sharded_grad)
+            offloaded.copy_(sharded_grad, non_blocking=True)
+            sharded_grad = offloaded
+        pending = self.pending_sharded_grad
+        if pending is not None:
+            if self.storage.offload_params and self.storage.device.type == "cuda":
+                # Both are pinned CPU tensors that non-blocking copies may still be writing; the
+                # CPU add must not read them before the copies are done.
+                torch.cuda.current_stream(self.storage.device).synchronize()
+            pending.add_(sharded_grad)
+        else:
+            self.pending_sharded_grad = sharded_grad
+
+    def _reduce_with_hook(
+        self, unsharded_grad: torch.Tensor, comm_hook: Callable[..., Any], comm_hook_state: Any
+    ) -> torch.Tensor:
+        """torch FSDP1's hook convention: ``hook(state, grad, output)`` sharded, else ``hook(state, grad)``."""
+        if not self.layout.uses_sharding:
+            comm_hook(comm_hook_state, unsharded_grad)
+            return unsharded_grad
+        output = torch.empty(
+            self.layout.sharded_numel, dtype=unsharded_grad.dtype, device=unsharded_grad.device
         )
-        comm.reduce_scatter_flat(sharded_grad, unsharded_grad, handle.process_group)
-    elif handle.shard_layout.world_size > 1:
-        comm.all_reduce_sum(unsharded_grad, handle.process_group)
-    if handle.replicate_world_size > 1:
-        comm.all_reduce_sum(sharded_grad, handle.replicate_group)
-    if handle.post_divide > 1:
-        sharded_grad.div_(handle.post_divide)
-    return sharded_grad
+        comm_hook(comm_hook_state, unsharded_grad, output)
+        return output
 
+    def _reduce_default(
+        self, unsharded_grad: torch.Tensor, async_op: bool
+    ) -> tuple[torch.Tensor, Optional[Any], bool]:
+        """Pre-divide, reduce-scatter (all-reduce for NO_SHARD), all-reduce across replicas.
 
-def finalize_grad(handle: _Handle) -> None:
-    """At the end of backward: sets ``.grad`` to the sharded gradient (plus any stash).
+        Returns ``(sharded gradient, work, post-divide pending)``: with ``async_op`` a lone
+        reduce-scatter only launches (its work is returned and the post-divide waits for it);
+        otherwise the reduction is issued in full and post-divided here.
+        """
+        if self.pre_divide > 1:
+            unsharded_grad.div_(self.pre_divide)
+        sharded_grad = unsharded_grad
+        if self.layout.uses_sharding:
+            sharded_grad = torch.empty(
+                self.layout.sharded_numel, dtype=unsharded_grad.dtype, device=unsharded_grad.device
+            )
+            lone = async_op and self.replicate_world_size == 1
+            work = comm.reduce_scatter_flat(sharded_grad, unsharded_grad, self.process_group, async_op=lone)
+            if lone:
+                return sharded_grad, work, True
+        elif self.layout.world_size > 1:
+            comm.all_reduce_sum(unsharded_grad, self.process_group)
+        if self.replicate_world_size > 1:
+            comm.all_reduce_sum(sharded_grad, self.replicate_group)
+        if self.post_divide > 1:
+            sharded_grad.div_(self.post_divide)
+        return sharded_grad, None, False
 
-    Precondition: the FlatParameter holds its sharded data (or never shards).
-    """
-    handle.wait_reduction()
-    if handle.offload_params and handle.device.type == "cuda":
-        torch.cuda.current_stream(handle.device).synchronize()  # offloaded gradient copies
-    grads = handle.grads
-    pending, stash = grads.pending_sharded_grad, grads.sharded_grad_stash
-    grads.pending_sharded_grad = None
-    grads.sharded_grad_stash = None
-    if pending is None and stash is None:
-        handle.use_sharded_grad_views()  # no_sync: the held unsharded gradient's views
-        return
-    if handle.has_unsharded_buffer:
-        p_assert(
-            handle.flat_param.data.data_ptr() == handle._local_shard.data_ptr(),
-            f"unit '{handle.unit_name}': finalize_grad while the FlatParameter is unsharded",
-        )
-    grad: Optional[torch.Tensor] = pending if pending is not None else stash
-    if pending is not None and stash is not None:
-        stash.add_(pending)
-        grad = stash
-    handle._set_sharded_grad(grad)
+    def finalize(self) -> None:
+        """At the end of backward: sets ``.grad`` to the sharded gradient (plus any stash).
 
+        Precondition: the FlatParameter holds its sharded data (or never shards).
+        """
+        self.wait()
+        if self.storage.offload_params and self.storage.device.type == "cuda":
+            torch.cuda.current_stream(self.storage.device).synchronize()  # offloaded gradient copies
+        pending, stash = self.pending_sharded_grad, self.sharded_grad_stash
+        self.pending_sharded_grad = None
+        self.sharded_grad_stash = None
+        if pending is None and stash is None:
+            self.use_sharded_grad_views()  # no_sync: the held unsharded gradient's views
+            return
+        if self.storage.has_unsharded_buffer:
+            p_assert(
+                self.storage.flat_param.data.data_ptr() == self.storage.local_shard.data_ptr(),
+                f"unit '{self.unit_name}': finalize_grad while the FlatParameter is unsharded",
+            )
+        grad: Optional[torch.Tensor] = pending if pending is not None else stash
+        if pending is not None and stash is not None:
+            stash.add_(pending)
+            grad = stash
+        self.set_sharded_grad(grad)
 
-def set_sharded_grad(handle: _Handle, grad: Optional[torch.Tensor]) -> None:
-    """Sets the FlatParameter's ``.grad`` (in ``grad_dtype``) and the original params' views."""
-    if grad is not None and grad.dtype != handle.precision.grad_dtype:
-        grad = grad.to(handle.precision.grad_dtype)
-    assign_grad(handle.flat_param, grad)
-    handle.use_sharded_grad_views()
+    def set_sharded_grad(self, grad: Optional[torch.Tensor]) -> None:
+        """Sets the FlatParameter's ``.grad`` (in ``grad_dtype``) and the original params' views."""
+        if grad is not None and grad.dtype != self.storage.precision.grad_dtype:
+            grad = grad.to(self.storage.precision.grad_dtype)
+        assign_grad(self.storage.flat_param, grad)
+        self.use_sharded_grad_views()
 
+    def drop_backward(self) -> None:
+        """Drops what an interrupted backward left behind (first half of the handle's
+        ``abandon_backward``): completes a reduction in flight, forgets its result and any
+        unreduced unsharded gradient."""
+        self.wait()  # never leave a collective in flight
+        self.pending_sharded_grad = None
+        grad = self.storage.flat_param.grad
+        if grad is not None and grad.shape != self.storage.local_shard.shape:
+            self.storage.flat_param.grad = None  # an unreduced unsharded gradient
 
-def abandon_backward(handle: _Handle) -> None:
-    """Drops what an interrupted backward left behind; restores the gradient from before it.
+    def restore_prior_grad(self) -> None:
+        """Gives the FlatParameter back the gradient from before the dropped backward (second
+        half of ``abandon_backward``, once resharded)."""
+        stash, self.sharded_grad_stash = self.sharded_grad_stash, None
+        if self.prior_grad_to_reduce is not None:
+            stash, self.prior_grad_to_reduce = self.prior_grad_to_reduce, None
+        if stash is not None:
+            assign_grad(self.storage.flat_param, stash.to(self.storage.precision.grad_dtype))
+        self.use_sharded_grad_views()
 
-    Postcondition: sharded (if the handle shards), no pending reduction, ``.grad`` as it
-    was before that backward.
-    """
-    handle.wait_reduction()  # never leave a collective in flight
-    grads = handle.grads
-    grads.pending_sharded_grad = None
-    grads.param_grads = None
-    grads.open_run_grads, grads.open_run = None, None
-    grad = handle.flat_param.grad
-    if grad is not None and grad.shape != handle._local_shard.shape:
-        handle.flat_param.grad = None  # an unreduced unsharded gradient
-    if handle.has_unsharded_buffer:
-        handle.reshard()
-    stash, grads.sharded_grad_stash = grads.sharded_grad_stash, None
-    if grads.prior_grad_to_reduce is not None:
-        stash, grads.prior_grad_to_reduce = grads.prior_grad_to_reduce, None
-    if stash is not None:
-        assign_grad(handle.flat_param, stash.to(handle.precision.grad_dtype))
-    handle.use_sharded_grad_views()
+    def use_sharded_grad_views(self) -> None:
+        """use_orig_params: each original Parameter's ``.grad`` views the sharded gradient.
+
+        Inside ``no_sync`` (an unsynchronized gradient is held) they view that accumulated
+        unsharded gradient instead, in their original shapes, as torch FSDP1 shows them; any
+        sharded gradient from before stays on the FlatParameter, hidden until the next
+        synchronized backward adds the reduced gradient to it.
+        """
+        if not self.views.use_orig_params:
+            return
+        unsynced = self.unsynced_unsharded_grad
+        if unsynced is not None:
+            for view, param in zip(self.layout.unsharded_views(unsynced), self.views.orig_params):
+                assign_grad(param, view if param.requires_grad else None)
+            return
+        grad = self.storage.flat_param.grad
+        for index, param in enumerate(self.views.orig_params):
+            if (
+                grad is None
+                or grad.shape != self.storage.local_shard.shape
+                or not param.requires_grad
+                or self.layout.shard_slices[index] is None
+            ):
+                # A parameter this rank holds no part of gets no gradient (None, as torch
+                # FSDP1 gives it), not an empty one: code that walks ``.grad`` (an inf-norm
+                # over every gradient, say) must not meet empty tensors.
+                param.grad = None
+            else:
+                assign_grad(param, self.layout.orig_sharded_view(grad, index))
+
+    def sync_from_orig(self) -> Optional[torch.Tensor]:
+        """Makes the sharded flat gradient agree with the original Parameters' ``.grad``.
+
+        With use_orig_params the optimizer and the user see the original Parameters: after
+        ``zero_grad(set_to_none=True)`` their grads are None (so is the flat gradient then),
+        and a replaced ``.grad`` is copied into the flat gradient. Returns the flat gradient.
+        """
+        flat_grad = self.storage.flat_param.grad
+        local_shard = self.storage.local_shard
+        if not self.views.use_orig_params or (flat_grad is not None and flat_grad.shape != local_shard.shape):
+            return flat_grad
+        grads = [p.grad for p in self.views.orig_params]
+        if self.unsynced_unsharded_grad is not None:
+            self._sync_unsynced_from_orig(grads)
+            return flat_grad
+        if all(g is None for g in grads):
+            self.storage.flat_param.grad = None
+            return None
+        layout = self.layout
+        if flat_grad is not None and all(
+            g is not None and g.data_ptr() == layout.orig_sharded_view(flat_grad, i).data_ptr()
+            for i, g in enumerate(grads)
+            if layout.sharded_ranges[i][1] > 0
+        ):
+            return flat_grad
+        rebuilt = torch.zeros_like(local_shard, dtype=self.storage.precision.grad_dtype)
+        for index, grad in enumerate(grads):
+            if grad is not None and layout.sharded_ranges[index][1] > 0:
+                layout.orig_sharded_view(rebuilt, index).copy_(grad.reshape(layout.orig_sharded_view(rebuilt, index).shape))
+        self.set_sharded_grad(rebuilt)
+        return rebuilt
+
+    def _sync_unsynced_from_orig(self, grads: Sequence[Optional[torch.Tensor]]) -> None:
+        """Inside ``no_sync``: makes the held unsharded gradient agree with the original grads.
+
+        They normally still view it (then nothing changes). All None (``zero_grad`` with
+        ``set_to_none=True``): the accumulated gradients are dropped, the held unsharded one
+        and any sharded one from before. Otherwise each replaced gradient is copied in (zeros
+        for a None one).
+
+        Raises:
+            ValueError: A replaced gradient has neither the parameter's original shape nor
+                its number of elements.
+        """
+        unsynced = self.unsynced_unsharded_grad
+        assert unsynced is not None
+        if all(g is None for g in grads):
+            self.unsynced_unsharded_grad = None
+            self.storage.flat_param.grad = None
+            return
+        views = self.layout.unsharded_views(unsynced)
+        for grad, view, info in zip(grads, views, self.views.param_infos):
+            if grad is not None and grad.data_ptr() == view.data_ptr() and grad.shape == view.shape:
+                continue
+            if grad is None:
+                view.zero_()
+            elif grad.numel() != view.numel():
+                raise ValueError(
+                    f"fsdp: the gradient of parameter '{info.fqn}' (FSDP unit "
+                    f"'{self.unit_name}') was replaced inside no_sync() by one of shape "
+                    f"{tuple(grad.shape)}; it must have the parameter's shape {tuple(info.shape)}."
+                )
+            else:
+                view.copy_(grad.reshape(view.shape))

@@ -50,6 +50,7 @@ __all__ = [
     "ParamShardSlice",
     "param_slices_in_shard",
     "gradient_divide_factors",
+    "handle_uses_sharding",
 ]
 
 
@@ -224,6 +225,17 @@ def flat_layout(param_numels: Sequence[int], world_size: int, align_numel: int =
     return FlatLayout(
         tuple(param_numels), tuple(offsets), tuple(with_padding), tuple(mask), total, world_size
     )
+
+
+def handle_uses_sharding(strategy_shards: bool, shard_world_size: int, offload_params: bool) -> bool:
+    """Whether a handle takes the sharded path (local shard, padded unsharded buffer, gathers).
+
+    A sharding strategy over more than one rank does. So does CPU offload on one rank ([Note:
+    CPU offload on one rank]): the local shard (the whole flat parameter) stays in the host
+    buffer, unshard copies it to the compute device (the one-rank all-gather is a copy) and the
+    reduced gradient goes back to the host. ``FlatParamHandle`` and the planner both ask this.
+    """
+    return (strategy_shards and shard_world_size > 1) or (offload_params and shard_world_size == 1)
 
 
 def gradient_divide_factors(world_size: int) -> tuple[float, float]:

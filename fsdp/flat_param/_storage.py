@@ -99,15 +99,17 @@ class _PendingUnshard(NamedTuple):
     shard: torch.Tensor
 
 
-def _on_stream(stream: Any, device: torch.device) -> Any:
-    """``torch.cuda.stream(stream)``, ordered after the current stream's work; else a no-op."""
+def on_stream(stream: Any, device: torch.device) -> Any:
+    """``torch.cuda.stream(stream)``, ordered after the current stream's work; a no-op for
+    ``None`` (CPU: the stream layer does nothing)."""
     if stream is None:
         return contextlib.nullcontext()
     stream.wait_stream(torch.cuda.current_stream(device))
     return torch.cuda.stream(stream)
 
 
-def _record_event(stream: Any) -> Any:
+def record_event(stream: Any) -> Any:
+    """A CUDA event recorded on ``stream`` now."""
     event = torch.cuda.Event()
     event.record(stream)
     return event
@@ -158,24 +160,31 @@ class FlatParamStorage:
         self.process_group = process_group
         self.uses_sharding = uses_sharding
         self.padded_unsharded_numel = padded_unsharded_numel
-        # [Note: CPU offload] The local shard (what the optimizer updates) and its gradient
-        # live on CPU; unshard copies the shard to the compute device (non-blocking, from
-        # pinned memory) before gathering, and the reduced gradient is copied back. With a CPU
-        # compute device this is the ordinary layout (torch FSDP1 refuses CPU offload on CPU).
-        self.offload_params = offload_params and device.type != "cpu"
-        if self.offload_params:
-            if not uses_sharding:
+        # [Note: CPU offload] The local shard (what the optimizer updates) and its reduced
+        # gradient live in host buffers: tensors of their own, pinned where an accelerator
+        # copies from them. Unshard copies the shard to the compute device (non-blocking) before
+        # gathering; the reduced gradient is copied into a new host buffer. On a CPU compute
+        # device the copies are real copies too, so the same code runs (and is tested) without
+        # an accelerator; torch FSDP1 refuses CPU offload there.
+        self.offload_params = offload_params
+        # Pinned memory needs an accelerator (and only serves copies to one).
+        self.pin_host_buffers = offload_params and device.type != "cpu"
+        if offload_params:
+            if not uses_sharding and device.type != "cpu":
+                # (On a CPU compute device the host buffer is a compute buffer: nothing to copy.)
                 raise NotImplementedError(
                     "fsdp: CPUOffload(offload_params=True) with NO_SHARD on more than one rank "
                     "on an accelerator is not supported yet; use FULL_SHARD or SHARD_GRAD_OP."
                 )
-            local_shard = local_shard.cpu().pin_memory()
+            local_shard = self.new_host_buffer(local_shard).copy_(local_shard)
         self.flat_param = FlatParameter(local_shard, requires_grad=requires_grad)
         self.local_shard: torch.Tensor = self.flat_param.data
-        # A prefetched all-gather not yet waited for (see [Note: Prefetch]).
+        # An all-gather not yet waited for (a prefetch, see [Note: Prefetch]).
         self.pending_unshard: Optional[_PendingUnshard] = None
-        # CUDA: the side stream prefetched all-gathers run on (set at lazy init); None on CPU.
+        # CUDA: the side streams every all-gather and every gradient reduction run on (set at
+        # lazy init, shared by the tree, as torch FSDP1's); None on CPU.
         self.unshard_stream: Optional[Any] = None
+        self.post_backward_stream: Optional[Any] = None
         self.precision = precision
         self.padded_unsharded_full: Optional[torch.Tensor] = None
         self.padded_unsharded_low: Optional[torch.Tensor] = None
@@ -199,6 +208,11 @@ class FlatParamStorage:
         # Whether the handle ever frees an unsharded copy (else it stays UNSHARDED for good).
         self.has_unsharded_buffer = self.padded_unsharded_full is not None or self.padded_unsharded_low is not None
         self.state = HandleState.SHARDED if self.has_unsharded_buffer else HandleState.UNSHARDED
+
+    def new_host_buffer(self, like: torch.Tensor) -> torch.Tensor:
+        """An uninitialized host tensor shaped like ``like`` (pinned where an accelerator
+        copies from it), for CPU offload."""
+        return torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=self.pin_host_buffers)
 
     def _new_freed_buffer(self, dtype: torch.dtype) -> torch.Tensor:
         buffer = torch.empty(self.padded_unsharded_numel, dtype=dtype, device=self.device)
@@ -250,33 +264,42 @@ class FlatParamStorage:
     def gather(self, target: HandleState, full_precision: bool, async_op: bool) -> None:
         """Fills the padded unsharded buffer of ``target``'s precision and makes it ``.data``.
 
+        [Note: One gather path] Every unshard (forward, backward, prefetch, summon, state dicts)
+        takes this path. On CUDA it runs on the unshard stream, after the compute stream's work
+        so far, and the compute stream waits on an event (torch FSDP1's unshard stream: the CPU
+        runs ahead and the gather overlaps the previous unit's compute); tests/test_cuda_lane.py
+        runs it (every config on the two-rank pool, offload on the one-rank NCCL pool). On CPU
+        a prefetch is an asynchronous collective (gloo's thread) and any other gather completes
+        here. A prefetch (``async_op``) is waited for by :meth:`wait_unshard`, else at once.
+
         Precondition: SHARDED, no gather pending. Postcondition: the state is ``target``; the
-        values are valid unless ``async_op`` (then :meth:`wait_unshard` completes them).
+        values are valid unless ``async_op``.
         """
         low = self.precision.low_precision_params and not full_precision
         padded_unsharded = self.padded_unsharded_for(full_precision)
         if padded_unsharded is not self.local_shard:
-            stream = self.unshard_stream if async_op and self.uses_sharding else None
-            with _on_stream(stream, self.device):
+            stream = self.unshard_stream if self.uses_sharding else None
+            with on_stream(stream, self.device):
                 _alloc_storage(padded_unsharded)
                 shard = self.local_shard
                 if self.offload_params:
-                    shard = shard.to(self.device, non_blocking=True)
+                    # A copy on the compute device (a real copy on a CPU compute device too).
+                    shard = shard.to(self.device, non_blocking=True, copy=True)
                 if low:
                     # Cast the shard first so the gather moves param_dtype bytes (as torch FSDP1).
                     shard = shard.to(self.precision.param_dtype)
                 if not self.uses_sharding:
                     padded_unsharded.copy_(shard)
-                elif stream is not None:  # CUDA prefetch: ordered by an event
-                    comm.all_gather_flat(padded_unsharded, shard, self.process_group)
-                    self.pending_unshard = _PendingUnshard(None, _record_event(stream), shard)
-                elif async_op:
-                    work = comm.all_gather_flat(padded_unsharded, shard, self.process_group, async_op=True)
-                    self.pending_unshard = _PendingUnshard(work, None, shard)
                 else:
-                    comm.all_gather_flat(padded_unsharded, shard, self.process_group)
+                    lone = async_op and stream is None  # CPU prefetch: gloo's own thread
+                    work = comm.all_gather_flat(padded_unsharded, shard, self.process_group, async_op=lone)
+                    event = record_event(stream) if stream is not None else None
+                    if work is not None or event is not None:
+                        self.pending_unshard = _PendingUnshard(work, event, shard)
         self.flat_param.data = padded_unsharded
         self._transition(target)
+        if not async_op:
+            self.wait_unshard()
 
     def wait_unshard(self) -> None:
         """Completes a prefetched all-gather (a no-op without one)."""

@@ -1,76 +1,28 @@
 """What the original parameter names on the modules hold, and writing changes to them back.
 
-The views concern of :class:`~fsdp.flat_param.flat_param.FlatParamHandle`: while the unit is
-unsharded each name holds a view into the unsharded FlatParameter (made by
-:class:`_UnflattenParams` when autograd records); while it is sharded a placeholder that raises
-when used, or with use_orig_params the original Parameter viewing its part of the local shard
-(see [Note: Original parameters] in docs/flat_param_lifecycle.md). With use_orig_params the
-original Parameters' ``.grad`` view the sharded gradient, and what the user replaced between
-steps (``.data``, ``.grad``, a new Parameter) is written back into the flat parameter.
-
-The functions take the handle (:class:`_Handle` names what they use of it); the handle's
-methods of the same names call them.
+:class:`ParamViews` is the views part of :class:`~fsdp.flat_param.flat_param.FlatParamHandle`:
+it receives the layout and the storage at construction and owns the original Parameters
+(use_orig_params) and the placeholders. While the unit is unsharded each name holds a view into
+the unsharded FlatParameter (``split`` and ``view``, recorded by autograd, whose backward
+concatenates the gradients into the FlatParameter's); while it is sharded a placeholder that
+raises when used, or with use_orig_params the original Parameter viewing its part of the local
+shard (see [Note: Original parameters] in docs/flat_param_lifecycle.md). What the user replaced
+between steps (``.data``, a new Parameter) is written back into the flat parameter.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Optional, Protocol, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
 
 from fsdp._common import FSDPStateAssertionError
-from fsdp.flat_param._early_grads import settle_open_run
 from fsdp.flat_param._layout import ParamInfo, SharedParamInfo, ShardLayout
-from fsdp.flat_param._precision import HandlePrecision
-from fsdp.flat_param._storage import HandleState
+from fsdp.flat_param._storage import FlatParamStorage
 
-__all__ = ["assign_grad"]
-
-
-class _Grads(Protocol):
-    unsynced_unsharded_grad: Optional[torch.Tensor]
-
-
-class _Handle(Protocol):
-    """What this module uses of a ``FlatParamHandle`` (a structural type: ``flat_param.py``
-    imports this module, so importing the class here would be a cycle)."""
-
-    unit_name: str
-    device: torch.device
-    use_orig_params: bool
-    param_infos: list[ParamInfo]
-    shared_param_infos: list[SharedParamInfo]
-    shard_layout: ShardLayout
-    flat_param: nn.Parameter
-    grads: _Grads
-    early_grads_views_node: Optional[Any]
-    cast_generation: int
-    forward_cast_generation: int
-    _orig_params: list[nn.Parameter]
-    _placeholders: Optional[list["_ShardedParamPlaceholder"]]
-
-    @property
-    def dtype(self) -> torch.dtype: ...
-    @property
-    def precision(self) -> HandlePrecision: ...
-    @property
-    def state(self) -> HandleState: ...
-    @property
-    def _local_shard(self) -> torch.Tensor: ...
-    @property
-    def _param_grads(self) -> Optional[list[Optional[torch.Tensor]]]: ...
-    @property
-    def has_unsharded_buffer(self) -> bool: ...
-    @property
-    def is_unsharded(self) -> bool: ...
-    def reshard(self) -> None: ...
-    def use_sharded_views(self) -> None: ...
-    def _set_sharded_grad(self, grad: Optional[torch.Tensor]) -> None: ...
-    def _unsharded_views(self, source: torch.Tensor) -> list[torch.Tensor]: ...
-    def collect_param_grads(self, grads: list[Optional[torch.Tensor]]) -> bool: ...
-    def flatten_param_grads(self, grads: list[Optional[torch.Tensor]]) -> torch.Tensor: ...
+__all__ = ["ParamViews", "assign_grad"]
 
 
 class _ShardedParamPlaceholder(torch.Tensor):
@@ -83,24 +35,24 @@ class _ShardedParamPlaceholder(torch.Tensor):
 
     # A weak reference: a strong one would keep a dropped model alive ([Note: Freeing a wrapped
     # model] in flat_param.py); the unit's name is read when needed (lazy init refines it).
-    _fsdp_handle_ref: "weakref.ref[_Handle]"
+    _fsdp_views_ref: "weakref.ref[ParamViews]"
     _fsdp_fqn: str
     _fsdp_module_name: str
 
     @staticmethod
-    def make(handle: _Handle, fqn: str, module_name: str, dtype: torch.dtype) -> "_ShardedParamPlaceholder":
+    def make(views: "ParamViews", fqn: str, module_name: str, dtype: torch.dtype) -> "_ShardedParamPlaceholder":
         t = torch.Tensor._make_subclass(
-            _ShardedParamPlaceholder, torch.empty(0, dtype=dtype, device=handle.device)
+            _ShardedParamPlaceholder, torch.empty(0, dtype=dtype, device=views.storage.device)
         )
-        t._fsdp_handle_ref = weakref.ref(handle)
+        t._fsdp_views_ref = weakref.ref(views)
         t._fsdp_fqn = fqn
         t._fsdp_module_name = module_name
         return t
 
     @property
     def _fsdp_unit_name(self) -> str:
-        handle = self._fsdp_handle_ref()
-        return handle.unit_name if handle is not None else "<a dropped unit>"
+        views = self._fsdp_views_ref()
+        return views.unit_name if views is not None else "<a dropped unit>"
 
     def describe(self) -> str:
         unit = self._fsdp_unit_name
@@ -168,263 +120,232 @@ def _set_module_param(module: nn.Module, name: str, param: nn.Parameter) -> None
     module._parameters[name] = param
 
 
-def _set_module_tensors(handle: _Handle, tensors: Sequence[torch.Tensor]) -> None:
-    """Every name (shared ones too) to its parameter's entry of ``tensors``, as plain tensors."""
-    for info, tensor in zip(handle.param_infos, tensors):
-        _set_module_tensor(info.module, info.param_name, tensor)
-    for shared in handle.shared_param_infos:
-        _set_module_tensor(shared.module, shared.param_name, tensors[shared.prim_index])
-
-
-def _set_module_params(handle: _Handle, params: Sequence[nn.Parameter]) -> None:
-    """Every name (shared ones too) to its parameter's entry of ``params``, registered."""
-    for info, param in zip(handle.param_infos, params):
-        _set_module_param(info.module, info.param_name, param)
-    for shared in handle.shared_param_infos:
-        _set_module_param(shared.module, shared.param_name, params[shared.prim_index])
-
-
-class _UnflattenParams(torch.autograd.Function):
-    """The original-shaped views of the unsharded FlatParameter, for forward.
-
-    [Note: Per-parameter gradient reduction]
-    With plain ``split`` views, autograd concatenates the parameters' gradients into one padded
-    unsharded gradient (a full copy) before the FlatParameter's hooks see it, and the reduction
-    then divides it in place and sends half of it. Where the reduction can work on the pieces
-    (:meth:`FlatParamHandle.collect_param_grads`: the two-rank point-to-point reduce-scatter on
-    gloo, default reduction), this function's backward hands the per-parameter gradients to the
-    handle instead and gives the FlatParameter no gradient; the post-accumulate hook (which
-    still fires) then reduces from the pieces (``FlatParamHandle._reduce_pieces``): the other
-    rank's half is written, divided, into one send buffer, and this rank's pieces are added
-    (scaled) onto what it receives. That saves the concatenation, a division pass and a
-    padded-size allocation per unit, with the same arithmetic (``b + a / 2`` for every
-    element), so results stay bit-identical. Elsewhere the backward returns the concatenated gradient, exactly like
-    ``split``'s. Where the runtime takes the gradients as autograd computes them ([Note: Early
-    per-parameter gradients] in ``_early_grads.py``), this node receives None for them.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, flat: torch.Tensor, handle: _Handle, early: bool = False) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
-        ctx.handle_ref = weakref.ref(handle)
-        # [Note: Early per-parameter gradients]: the runtime's hooks take the gradients before
-        # this node runs; without materializing, autograd then passes None, not zeros.
-        ctx.set_materialize_grads(not early)
-        return tuple(handle._unsharded_views(flat))
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], None, None]:  # type: ignore[override]
-        handle: Optional[_Handle] = ctx.handle_ref()
-        if handle is None:
-            return None, None, None
-        settle_open_run(handle)  # this call's early gradients first ([Note: Early per-parameter gradients])
-        if handle._param_grads is not None and all(g is None for g in grads):
-            return None, None, None  # all taken already
-        if handle.collect_param_grads(list(grads)):
-            return None, None, None
-        return handle.flatten_param_grads(list(grads)), None, None
-
-
-def use_unsharded_views(handle: _Handle, as_params: bool, recorded: bool, early: bool) -> None:
-    """Points each original parameter name at a view into the unsharded FlatParameter.
+class ParamViews:
+    """What the original parameter names of one handle hold, in each state of its storage.
 
     Args:
-        handle: The handle, UNSHARDED (of either precision).
-        as_params: Register the views as ``nn.Parameter`` (for summon_full_params) rather
-            than as plain tensors (for forward).
-        recorded: Take the views through :class:`_UnflattenParams` (autograd records them).
-        early: The runtime may take the views' gradients early ([Note: Early per-parameter
-            gradients]); only with ``recorded``.
+        param_infos: Each original parameter, in flat order.
+        shared_param_infos: The names that share (tie) a parameter of ``param_infos``.
+        layout: The handle's shard layout.
+        storage: The handle's storage (the FlatParameter, the local shard).
+        orig_params: use_orig_params: the original Parameters (kept registered), else None.
+        unit_name: The unit's name for messages (refined at lazy init).
+
+    Attributes:
+        orig_params: The original Parameters this handle keeps registered (use_orig_params;
+            else empty).
+        cast_generation: Casts after wrapping so far ([Note: Casting after wrapping] in
+            ``_recast.py``).
+        forward_cast_generation: ``cast_generation`` when the last forward that autograd may
+            backpropagate took views.
     """
-    if recorded:
-        views = list(_UnflattenParams.apply(handle.flat_param, handle, early))
-        handle.early_grads_views_node = views[0].grad_fn if early and views else None
-        handle.forward_cast_generation = handle.cast_generation
-    else:
-        views = handle._unsharded_views(handle.flat_param)
-    if as_params:
-        req = handle.flat_param.requires_grad
-        if handle.use_orig_params:
-            params = handle._orig_params
-            for param, view in zip(params, views):
-                param.data = view.detach()
-        else:
-            params = [nn.Parameter(view, requires_grad=req) for view in views]
-        _set_module_params(handle, params)
-        return
-    _set_module_tensors(handle, views)
-    if handle.use_orig_params:
-        # As torch FSDP1: the views are also listed in ``_parameters``, so that
-        # ``named_parameters()`` called inside forward (or before backward) lists the
-        # parameters, as unsharded views. Attribute access still finds the view first.
-        for info, view in zip(handle.param_infos, views):
-            info.module._parameters[info.param_name] = view  # type: ignore[assignment]
-        for shared in handle.shared_param_infos:
-            shared.module._parameters[shared.param_name] = views[shared.prim_index]  # type: ignore[assignment]
 
+    def __init__(
+        self,
+        param_infos: list[ParamInfo],
+        shared_param_infos: list[SharedParamInfo],
+        layout: ShardLayout,
+        storage: FlatParamStorage,
+        orig_params: Optional[list[nn.Parameter]],
+        unit_name: str,
+    ) -> None:
+        self.param_infos = param_infos
+        self.shared_param_infos = shared_param_infos
+        self.layout = layout
+        self.storage = storage
+        self.use_orig_params = orig_params is not None
+        self.orig_params: list[nn.Parameter] = list(orig_params) if orig_params is not None else []
+        self.unit_name = unit_name
+        self._placeholders: Optional[list[_ShardedParamPlaceholder]] = None
+        self.cast_generation = 0
+        self.forward_cast_generation = 0
 
-def use_sharded_views(handle: _Handle) -> None:
-    """Points each original parameter name at what it holds while the unit is sharded.
+    def drop_placeholders(self) -> None:
+        """Forgets the placeholders (a recast: they are made again in the new dtype)."""
+        self._placeholders = None
 
-    With use_orig_params: the original Parameter, its ``.data`` this rank's 1-D part of the
-    local shard (possibly empty). Its ``.grad`` is left alone: between steps the original
-    Parameters' gradients are authoritative (the optimizer and ``zero_grad`` act on them);
-    :func:`use_sharded_grad_views` re-derives them after a backward. Otherwise: a placeholder
-    that raises when used.
-    """
-    if handle.use_orig_params:
-        for index, param in enumerate(handle._orig_params):
-            param.data = handle.shard_layout.orig_sharded_view(handle._local_shard, index)
-        _set_module_params(handle, handle._orig_params)
-        return
-    if not handle.shard_layout.uses_sharding:
-        # NO_SHARD with low-precision parameters at rest: the local shard is the whole
-        # parameter, so the names view it in full precision.
-        with torch.no_grad():
-            views = handle._unsharded_views(handle.flat_param)
-        _set_module_tensors(handle, views)
-        return
-    if handle._placeholders is None:  # made once: they hold no data and never change
-        handle._placeholders = [
-            _ShardedParamPlaceholder.make(handle, info.fqn, info.module_name, handle.dtype)
-            for info in handle.param_infos
-        ]
-    _set_module_tensors(handle, handle._placeholders)
+    def module_tensors(self) -> list[torch.Tensor]:
+        """The tensors the original parameter names currently hold (in ``param_infos`` order)."""
+        return [getattr(info.module, info.param_name) for info in self.param_infos]
 
+    def _set_module_tensors(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Every name (shared ones too) to its parameter's entry of ``tensors``, as plain tensors."""
+        for info, tensor in zip(self.param_infos, tensors):
+            _set_module_tensor(info.module, info.param_name, tensor)
+        for shared in self.shared_param_infos:
+            _set_module_tensor(shared.module, shared.param_name, tensors[shared.prim_index])
 
-def use_sharded_grad_views(handle: _Handle) -> None:
-    """use_orig_params: each original Parameter's ``.grad`` views the sharded gradient.
+    def _set_module_params(self, params: Sequence[nn.Parameter]) -> None:
+        """Every name (shared ones too) to its parameter's entry of ``params``, registered."""
+        for info, param in zip(self.param_infos, params):
+            _set_module_param(info.module, info.param_name, param)
+        for shared in self.shared_param_infos:
+            _set_module_param(shared.module, shared.param_name, params[shared.prim_index])
 
-    Inside ``no_sync`` (an unsynchronized gradient is held) they view that accumulated
-    unsharded gradient instead, in their original shapes, as torch FSDP1 shows them; any
-    sharded gradient from before stays on the FlatParameter, hidden until the next
-    synchronized backward adds the reduced gradient to it.
-    """
-    if not handle.use_orig_params:
-        return
-    unsynced = handle.grads.unsynced_unsharded_grad
-    if unsynced is not None:
-        for view, param in zip(handle._unsharded_views(unsynced), handle._orig_params):
-            assign_grad(param, view if param.requires_grad else None)
-        return
-    grad = handle.flat_param.grad
-    for index, param in enumerate(handle._orig_params):
-        if (
-            grad is None
-            or grad.shape != handle._local_shard.shape
-            or not param.requires_grad
-            or handle.shard_layout.shard_slices[index] is None
-        ):
-            # A parameter this rank holds no part of gets no gradient (None, as torch
-            # FSDP1 gives it), not an empty one: code that walks ``.grad`` (an inf-norm
-            # over every gradient, say) must not meet empty tensors.
-            param.grad = None
-        else:
-            assign_grad(param, handle.shard_layout.orig_sharded_view(grad, index))
+    def use_unsharded(self, as_params: bool, recorded: bool) -> None:
+        """Points each original parameter name at a view into the unsharded FlatParameter.
 
+        Args:
+            as_params: Register the views as ``nn.Parameter`` (for summon_full_params) rather
+                than as plain tensors (for forward).
+            recorded: Autograd records the views (forward with grad), so their gradients flow
+                into the FlatParameter's padded unsharded gradient.
+        """
+        views = self.layout.unsharded_views(self.storage.flat_param)
+        if recorded:
+            self.forward_cast_generation = self.cast_generation
+        if as_params:
+            req = self.storage.flat_param.requires_grad
+            if self.use_orig_params:
+                params = self.orig_params
+                for param, view in zip(params, views):
+                    param.data = view.detach()
+            else:
+                params = [nn.Parameter(view, requires_grad=req) for view in views]
+            self._set_module_params(params)
+            return
+        self._set_module_tensors(views)
+        if self.use_orig_params:
+            # As torch FSDP1: the views are also listed in ``_parameters``, so that
+            # ``named_parameters()`` called inside forward (or before backward) lists the
+            # parameters, as unsharded views. Attribute access still finds the view first.
+            for info, view in zip(self.param_infos, views):
+                info.module._parameters[info.param_name] = view  # type: ignore[assignment]
+            for shared in self.shared_param_infos:
+                shared.module._parameters[shared.param_name] = views[shared.prim_index]  # type: ignore[assignment]
 
-def sync_flat_grad_from_orig(handle: _Handle) -> Optional[torch.Tensor]:
-    """Makes the sharded flat gradient agree with the original Parameters' ``.grad``.
+    def use_sharded(self) -> None:
+        """Points each original parameter name at what it holds while the unit is sharded.
 
-    With use_orig_params the optimizer and the user see the original Parameters: after
-    ``zero_grad(set_to_none=True)`` their grads are None (so is the flat gradient then),
-    and a replaced ``.grad`` is copied into the flat gradient. Returns the flat gradient.
-    """
-    flat_grad = handle.flat_param.grad
-    local_shard = handle._local_shard
-    if not handle.use_orig_params or (flat_grad is not None and flat_grad.shape != local_shard.shape):
-        return flat_grad
-    grads = [p.grad for p in handle._orig_params]
-    if handle.grads.unsynced_unsharded_grad is not None:
-        _sync_unsynced_grad_from_orig(handle, grads)
-        return flat_grad
-    if all(g is None for g in grads):
-        handle.flat_param.grad = None
-        return None
-    layout = handle.shard_layout
-    if flat_grad is not None and all(
-        g is not None and g.data_ptr() == layout.orig_sharded_view(flat_grad, i).data_ptr()
-        for i, g in enumerate(grads)
-        if layout.sharded_ranges[i][1] > 0
-    ):
-        return flat_grad
-    rebuilt = torch.zeros_like(local_shard, dtype=handle.precision.grad_dtype)
-    for index, grad in enumerate(grads):
-        if grad is not None and layout.sharded_ranges[index][1] > 0:
-            layout.orig_sharded_view(rebuilt, index).copy_(grad.reshape(layout.orig_sharded_view(rebuilt, index).shape))
-    handle._set_sharded_grad(rebuilt)
-    return rebuilt
+        With use_orig_params: the original Parameter, its ``.data`` this rank's 1-D part of the
+        local shard (possibly empty). Its ``.grad`` is left alone: between steps the original
+        Parameters' gradients are authoritative (the optimizer and ``zero_grad`` act on them);
+        :meth:`GradReduction.use_sharded_grad_views` re-derives them after a backward. Otherwise: a placeholder
+        that raises when used.
+        """
+        if self.use_orig_params:
+            for index, param in enumerate(self.orig_params):
+                param.data = self.layout.orig_sharded_view(self.storage.local_shard, index)
+            self._set_module_params(self.orig_params)
+            return
+        if not self.layout.uses_sharding:
+            # NO_SHARD with low-precision parameters at rest: the local shard is the whole
+            # parameter, so the names view it in full precision.
+            with torch.no_grad():
+                views = self.layout.unsharded_views(self.storage.flat_param)
+            self._set_module_tensors(views)
+            return
+        if self._placeholders is None:  # made once: they hold no data and never change
+            self._placeholders = [
+                _ShardedParamPlaceholder.make(self, info.fqn, info.module_name, self.storage.precision.full_dtype)
+                for info in self.param_infos
+            ]
+        self._set_module_tensors(self._placeholders)
 
+    def check_not_replaced_since_forward(self, kept_unsharded: bool) -> None:
+        """use_orig_params: raises if a parameter was changed between forward and backward.
 
-def _sync_unsynced_grad_from_orig(handle: _Handle, grads: Sequence[Optional[torch.Tensor]]) -> None:
-    """Inside ``no_sync``: makes the held unsharded gradient agree with the original grads.
+        During forward (and until backward for a unit kept unsharded, ``kept_unsharded``) the
+        names hold the unsharded views; once resharded, the original Parameters. A new
+        ``nn.Parameter`` set on the module in between is neither, and a kept view whose ``.data``
+        was replaced no longer views the unsharded FlatParameter: the backward would compute
+        with (and send gradients for) the old values, so this raises instead, as torch FSDP1
+        does for units it keeps unsharded (SHARD_GRAD_OP).
 
-    They normally still view it (then nothing changes). All None (``zero_grad`` with
-    ``set_to_none=True``): the accumulated gradients are dropped, the held unsharded one
-    and any sharded one from before. Otherwise each replaced gradient is copied in (zeros
-    for a None one).
-
-    Raises:
-        ValueError: A replaced gradient has neither the parameter's original shape nor
-            its number of elements.
-    """
-    unsynced = handle.grads.unsynced_unsharded_grad
-    assert unsynced is not None
-    if all(g is None for g in grads):
-        handle.grads.unsynced_unsharded_grad = None
-        handle.flat_param.grad = None
-        return
-    views = handle._unsharded_views(unsynced)
-    for grad, view, info in zip(grads, views, handle.param_infos):
-        if grad is not None and grad.data_ptr() == view.data_ptr() and grad.shape == view.shape:
-            continue
-        if grad is None:
-            view.zero_()
-        elif grad.numel() != view.numel():
-            raise ValueError(
-                f"fsdp: the gradient of parameter '{info.fqn}' (FSDP unit "
-                f"'{handle.unit_name}') was replaced inside no_sync() by one of shape "
-                f"{tuple(grad.shape)}; it must have the parameter's shape {tuple(info.shape)}."
-            )
-        else:
-            view.copy_(grad.reshape(view.shape))
-
-
-def check_params_not_replaced_since_forward(handle: _Handle) -> None:
-    """use_orig_params: raises if a parameter was changed between forward and backward.
-
-    During forward (and until backward for a unit kept unsharded) the names hold the
-    unsharded views; once resharded, the original Parameters. A new ``nn.Parameter`` set on
-    the module in between is neither, and a kept view whose ``.data`` was replaced no longer
-    views the unsharded FlatParameter: the backward would compute with (and send gradients
-    for) the old values, so this raises instead, as torch FSDP1 does for units it keeps
-    unsharded (SHARD_GRAD_OP).
-
-    Raises:
-        FSDPStateAssertionError: A parameter was replaced, or a kept view's ``.data``; the
-            message names it and the remedy. An ``AssertionError``, as torch FSDP1 raises, and
-            a ``RuntimeError``.
-    """
-    if not handle.use_orig_params:
-        return
-    # Kept unsharded since forward (SHARD_GRAD_OP): the names hold views of the FlatParameter.
-    views = handle._unsharded_views(handle.flat_param) if handle.is_unsharded else None
-    for index, info in enumerate(handle.param_infos):
-        current = info.module._parameters.get(info.param_name)
-        if isinstance(current, nn.Parameter):
-            if current is handle._orig_params[index]:
+        Raises:
+            FSDPStateAssertionError: A parameter was replaced, or a kept view's ``.data``; the
+                message names it and the remedy. An ``AssertionError``, as torch FSDP1 raises,
+                and a ``RuntimeError``.
+        """
+        if not self.use_orig_params:
+            return
+        views = self.layout.unsharded_views(self.storage.flat_param) if kept_unsharded else None
+        for index, info in enumerate(self.param_infos):
+            current = info.module._parameters.get(info.param_name)
+            if isinstance(current, nn.Parameter):
+                if current is self.orig_params[index]:
+                    continue
+                change = "was replaced by a new nn.Parameter"
+            elif views is not None and isinstance(current, torch.Tensor) and not _same_view(current, views[index]):
+                change = "had its .data replaced"
+            else:
                 continue
-            change = "was replaced by a new nn.Parameter"
-        elif views is not None and isinstance(current, torch.Tensor) and not _same_view(current, views[index]):
-            change = "had its .data replaced"
+            raise FSDPStateAssertionError(
+                f"fsdp: FSDP does not support changing the parameters between forward and "
+                f"backward: parameter '{info.fqn}' of FSDP unit '{self.unit_name}' {change} "
+                f"between forward and backward; this backward uses the values the forward saw. "
+                f"Replace parameters before forward (between steps), or change them in place under "
+                f"torch.no_grad() after the optimizer step."
+            )
+
+    def writeback(self) -> bool:
+        """use_orig_params: adopts ``.data`` or Parameters the user replaced since the last step.
+
+        The original Parameters' ``.data`` always view the local shard (forward only swaps the
+        module attributes), so this works in any state; a stale gathered copy is dropped.
+        An in-place change already lives in the local shard. A new ``.data`` (or a new
+        Parameter set on the module) is copied in: either in the sharded 1-D shape the
+        parameter has between steps, or in its original full shape (this rank's part is taken).
+
+        Raises:
+            RuntimeError: The new value has neither shape (torch FSDP1's type).
+            RuntimeError, TypeError: A cast that reached the parameters around the wrapper
+                cannot be honoured (see ``adopt_external_cast``).
+
+        Returns:
+            Whether anything changed (the caller then drops a stale gathered copy and points
+            the names at the sharded views again).
+        """
+        if not self.use_orig_params:
+            return False
+        changed = False
+        for index, info in enumerate(self.param_infos):
+            current = info.module._parameters.get(info.param_name)
+            tracked = self.orig_params[index]
+            expected = self.layout.orig_sharded_view(self.storage.local_shard, index)
+            if (
+                current is tracked
+                and (expected.numel() == 0 or current.data_ptr() == expected.data_ptr())
+                and current.shape == expected.shape
+            ):
+                continue
+            if current is None or not isinstance(current, nn.Parameter):
+                continue  # name currently holds a view (forward in progress)
+            changed = True
+            with torch.no_grad():
+                self._copy_into_shard(index, info, current.detach(), expected)
+            if current is not tracked:
+                current.data = expected
+                self.orig_params[index] = current
+        return changed
+
+    def _copy_into_shard(self, index: int, info: ParamInfo, new: torch.Tensor, expected: torch.Tensor) -> None:
+        """Copies parameter ``index``'s new value, in its sharded or its full shape, into its part
+        ``expected`` of the local shard.
+
+        Raises:
+            RuntimeError: ``new`` has neither shape (torch FSDP1's type).
+        """
+        layout = self.layout
+        if new.shape == expected.shape:
+            expected.copy_(new)
+        elif new.shape == info.shape:
+            full = new.reshape(-1)
+            if layout.uses_sharding:
+                start, _ = layout.shard_bounds()
+                offset, numel = layout.sharded_ranges[index]
+                param_start = layout.flat.param_offsets[index]
+                lo = start + offset - param_start
+                expected.copy_(full[lo : lo + numel])
+            else:
+                expected.copy_(new)
         else:
-            continue
-        raise FSDPStateAssertionError(
-            f"fsdp: FSDP does not support changing the parameters between forward and "
-            f"backward: parameter '{info.fqn}' of FSDP unit '{handle.unit_name}' {change} "
-            f"between forward and backward; this backward uses the values the forward saw. "
-            f"Replace parameters before forward (between steps), or change them in place under "
-            f"torch.no_grad() after the optimizer step."
-        )
+            raise RuntimeError(  # torch FSDP1's type
+                f"fsdp: Cannot writeback when the parameter shape changes: parameter "
+                f"'{info.fqn}' of FSDP unit '{self.unit_name}' was given shape "
+                f"{tuple(new.shape)}; it must keep its shape {tuple(info.shape)} (or its sharded "
+                f"shape {tuple(expected.shape)} between steps)."
+            )
 
 
 def _same_view(tensor: torch.Tensor, view: torch.Tensor) -> bool:
@@ -432,74 +353,3 @@ def _same_view(tensor: torch.Tensor, view: torch.Tensor) -> bool:
     if tensor.shape != view.shape:
         return False
     return view.numel() == 0 or tensor.data_ptr() == view.data_ptr()
-
-
-def writeback_orig_params(handle: _Handle) -> None:
-    """use_orig_params: adopts ``.data`` or Parameters the user replaced since the last step.
-
-    The original Parameters' ``.data`` always view the local shard (forward only swaps the
-    module attributes), so this works in any state; a stale gathered copy is dropped.
-    An in-place change already lives in the local shard. A new ``.data`` (or a new
-    Parameter set on the module) is copied in: either in the sharded 1-D shape the
-    parameter has between steps, or in its original full shape (this rank's part is taken).
-
-    Raises:
-        RuntimeError: The new value has neither shape (torch FSDP1's type).
-        RuntimeError, TypeError: A cast that reached the parameters around the wrapper
-            cannot be honoured (see ``adopt_external_cast``).
-    """
-    if not handle.use_orig_params:
-        return
-    changed = False
-    for index, info in enumerate(handle.param_infos):
-        current = info.module._parameters.get(info.param_name)
-        tracked = handle._orig_params[index]
-        expected = handle.shard_layout.orig_sharded_view(handle._local_shard, index)
-        if (
-            current is tracked
-            and (expected.numel() == 0 or current.data_ptr() == expected.data_ptr())
-            and current.shape == expected.shape
-        ):
-            continue
-        if current is None or not isinstance(current, nn.Parameter):
-            continue  # name currently holds a view (forward in progress)
-        changed = True
-        with torch.no_grad():
-            _copy_into_shard(handle, index, info, current.detach(), expected)
-        if current is not tracked:
-            current.data = expected
-            handle._orig_params[index] = current
-    if not changed:
-        return
-    if handle.has_unsharded_buffer and handle.is_unsharded:
-        handle.reshard()  # the gathered copy is stale; the next unshard gathers the new values
-    handle.use_sharded_views()
-
-
-def _copy_into_shard(handle: _Handle, index: int, info: ParamInfo, new: torch.Tensor, expected: torch.Tensor) -> None:
-    """Copies parameter ``index``'s new value, in its sharded or its full shape, into its part
-    ``expected`` of the local shard.
-
-    Raises:
-        RuntimeError: ``new`` has neither shape (torch FSDP1's type).
-    """
-    layout = handle.shard_layout
-    if new.shape == expected.shape:
-        expected.copy_(new)
-    elif new.shape == info.shape:
-        full = new.reshape(-1)
-        if layout.uses_sharding:
-            start, _ = layout.shard_bounds()
-            offset, numel = layout.sharded_ranges[index]
-            param_start = layout.flat.param_offsets[index]
-            lo = start + offset - param_start
-            expected.copy_(full[lo : lo + numel])
-        else:
-            expected.copy_(new)
-    else:
-        raise RuntimeError(  # torch FSDP1's type
-            f"fsdp: Cannot writeback when the parameter shape changes: parameter "
-            f"'{info.fqn}' of FSDP unit '{handle.unit_name}' was given shape "
-            f"{tuple(new.shape)}; it must keep its shape {tuple(info.shape)} (or its sharded "
-            f"shape {tuple(expected.shape)} between steps)."
-        )

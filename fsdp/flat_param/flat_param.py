@@ -1,21 +1,26 @@
 """FlatParameter and FlatParamHandle: one unit's parameters as one sharded 1-D tensor.
 
-:class:`FlatParamHandle` is one class composed of parts, one per concern (the split of
-FSDP2's ``FSDPParam`` / ``FSDPParamGroup`` / collectives as the model):
+:class:`FlatParamHandle` composes four parts, each an object that owns its state and receives
+what it needs at construction (the split of FSDP2's ``FSDPParam`` / ``FSDPParamGroup`` /
+collectives as the model):
 
-- ``_layout.py``: where each original parameter sits in the flat parameter and which part
-  this rank holds (:class:`~fsdp.flat_param._layout.ShardLayout`, fixed at construction);
+- ``shard_layout`` (:class:`~fsdp.flat_param._layout.ShardLayout`, fixed at construction):
+  where each original parameter sits in the flat parameter and which part this rank holds;
   flattening; torch FSDP1's metadata on the FlatParameter.
-- ``_storage.py``: the local shard (CPU-offloaded or not), the padded unsharded buffers and
-  the :class:`HandleState` machine between them; the all-gather of unshard, on the unshard
-  stream when prefetching on CUDA (:class:`~fsdp.flat_param._storage.FlatParamStorage`).
-- ``_views.py``: what the original parameter names hold (views, placeholders, the original
-  Parameters with use_orig_params) and writing user changes back.
-- ``_reduction.py``: the gradient state (:class:`~fsdp.flat_param._reduction.HandleGrads`)
-  and the reduction of the unsharded gradient into the sharded one.
+- ``storage`` (:class:`~fsdp.flat_param._storage.FlatParamStorage`): the local shard (in a
+  host buffer with CPU offload), the padded unsharded buffers and the :class:`HandleState`
+  machine between them; the one gather path (on the unshard stream on CUDA).
+- ``views`` (:class:`~fsdp.flat_param._views.ParamViews`, given the layout and the storage):
+  what the original parameter names hold (views, placeholders, the original Parameters with
+  use_orig_params) and writing user changes back.
+- ``grads`` (:class:`~fsdp.flat_param._reduction.GradReduction`, given the layout, the
+  storage, the groups and the views): the gradient state and the one reduction path.
 
-The handle's constructor runs the steps in that order; its methods are the interface the
-runtime, the state dicts and the wrapper use, and delegate to those modules.
+The runtime calls the parts directly (``handle.grads.reduce(...)``, ``handle.views.
+module_tensors()``); the handle itself does what spans parts: unshard and reshard (storage,
+then views), writeback (views, then a reshard), abandoning a backward (gradients, reshard,
+gradients). Its remaining layout properties and ``use_sharded_views`` are the interface
+``state_dict/`` still reads (it is cut by ownership in a later step).
 
 See docs/flat_param_lifecycle.md, [Note: Flat parameter storage lifecycle], for the states a
 handle moves through and what memory each one holds.
@@ -24,15 +29,13 @@ handle moves through and what memory each one holds.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from fsdp._common import FLAT_PARAM, group_rank, group_size, p_assert
-from fsdp.flat_param import _reduction, _views
-from fsdp.flat_param._early_grads import takes_early_grads_at_forward
 from fsdp.flat_param._layout import (
     ALIGNMENT_PADDING_VALUE as ALIGNMENT_PADDING_VALUE,
     FLATTENED_ATTR as FLATTENED_ATTR,
@@ -47,14 +50,14 @@ from fsdp.flat_param._layout import (
     set_torch_metadata,
 )
 from fsdp.flat_param._precision import HandlePrecision
-from fsdp.flat_param._reduction import HandleGrads
-from fsdp.flat_param._sharding import FlatLayout, ParamShardSlice, aligned_numel, gradient_divide_factors
-from fsdp.flat_param._storage import FlatParameter, FlatParamStorage, HandleState
-from fsdp.flat_param._views import (
-    _ShardedParamPlaceholder as _ShardedParamPlaceholder,
-    _UnflattenParams as _UnflattenParams,
-    assign_grad,
+from fsdp.flat_param._reduction import GradReduction
+from fsdp.flat_param._sharding import (
+    ParamShardSlice,
+    aligned_numel,
+    handle_uses_sharding,
 )
+from fsdp.flat_param._storage import FlatParameter, FlatParamStorage, HandleState
+from fsdp.flat_param._views import ParamViews, assign_grad
 
 __all__ = [
     "FlatParameter",
@@ -130,23 +133,20 @@ class FlatParamHandle:
         offload_params: bool = False,
         mixed_precision: Optional[Any] = None,
     ) -> None:
-        self._init_config(
-            wrapped_module, device, process_group, replicate_group, unit_name, use_orig_params, mixed_precision
-        )
+        self.wrapped_module = wrapped_module
+        self.device = device
+        self.process_group = process_group
+        self.replicate_group = replicate_group
+        self.use_orig_params = use_orig_params
+        self.mixed_precision_config = mixed_precision
         unit_params = collect_params(params)
         self.param_infos: list[ParamInfo] = unit_params.param_infos
         self.shared_param_infos: list[SharedParamInfo] = unit_params.shared_param_infos
         mark_flattened(self, unit_params)
         unique_params = unit_params.unique_params
         precision = HandlePrecision.resolve(mixed_precision, unique_params[0].dtype)
-        # [Note: CPU offload on one rank] Offloaded parameters on an accelerator take the
-        # sharded path even when the unit's group has one rank (where the strategy is NO_SHARD,
-        # as in torch FSDP1): the shard (the whole flat parameter) stays in pinned host memory,
-        # unshard copies it to the device (the one-rank all-gather is a copy) and the gradient
-        # goes back to the host. The single-GPU user of CPUOffload is the common one.
-        ranks = group_size(process_group)
-        offloads_to_host = offload_params and torch.device(device).type != "cpu"
-        uses_sharding = (uses_sharding and ranks > 1) or (offloads_to_host and ranks == 1)
+        # [Note: CPU offload on one rank] in _sharding.py: offload takes the sharded path on one rank.
+        uses_sharding = handle_uses_sharding(uses_sharding, group_size(process_group), offload_params)
         self.shard_layout: ShardLayout = self._init_layout(uses_sharding, precision)
         local_shard = self._flatten_local_shard(unique_params, precision.full_dtype, sync_module_states)
         self.storage = FlatParamStorage(
@@ -160,42 +160,27 @@ class FlatParamHandle:
             offload_params,
         )
         self.flat_param: FlatParameter = self.storage.flat_param  # the same object for good
-        self.grads = HandleGrads()  # see [Note: Gradient flow] in docs/flat_param_lifecycle.md
-        self._init_runtime_fields()
         # With use_orig_params the original Parameters stay registered (optimizers hold them);
         # otherwise the FlatParameter replaces them on the wrapped module.
-        self._orig_params: list[nn.Parameter] = list(unique_params) if use_orig_params else []
-        self._placeholders: Optional[list[_ShardedParamPlaceholder]] = None
-        orig_params = self._orig_params if use_orig_params else None
+        self.views = ParamViews(
+            self.param_infos,
+            self.shared_param_infos,
+            self.shard_layout,
+            self.storage,
+            list(unique_params) if use_orig_params else None,
+            unit_name,
+        )
+        # See [Note: Gradient flow] in docs/flat_param_lifecycle.md.
+        self.grads = GradReduction(self.storage, self.shard_layout, process_group, replicate_group, self.views)
+        # torch FSDP1's handle attribute: the owning unit's HandleTrainingState
+        # (fsdp/runtime/_state.py), kept in step by UnitState.training_state.
+        self._training_state: Any = None
+        orig_params = self.views.orig_params if use_orig_params else None
         set_torch_metadata(self.flat_param, unit_params, self.shard_layout, orig_params)
         weakref.finalize(self, _release_module_references, self.flat_param)
         self._register_params()
 
     # ------------------------------------------------------------------ construction steps
-    def _init_config(
-        self,
-        wrapped_module: nn.Module,
-        device: torch.device,
-        process_group: dist.ProcessGroup,
-        replicate_group: Optional[dist.ProcessGroup],
-        unit_name: str,
-        use_orig_params: bool,
-        mixed_precision: Optional[Any],
-    ) -> None:
-        """The handle's fixed settings: where it computes, its groups, its name."""
-        self.wrapped_module = wrapped_module
-        self.device = device
-        self.process_group = process_group
-        self.replicate_group = replicate_group
-        self.replicate_world_size = group_size(replicate_group) if replicate_group else 1
-        self.unit_name = unit_name
-        self.use_orig_params = use_orig_params
-        self.mixed_precision_config = mixed_precision
-        # Averaging is over every data-parallel replica: shard group x replicate group.
-        self.pre_divide, self.post_divide = gradient_divide_factors(
-            group_size(process_group) * self.replicate_world_size
-        )
-
     def _init_layout(self, uses_sharding: bool, precision: HandlePrecision) -> ShardLayout:
         """The flat layout and this rank's shard of it ([Note: Only the unit's group])."""
         # use_orig_params: each parameter starts 16-byte aligned in the flat parameter, as in
@@ -218,28 +203,11 @@ class FlatParamHandle:
                 broadcast_from_group_rank0(flat, ShardingGroups(self.process_group, self.replicate_group))
             return self.shard_layout.cut_local_shard(flat, dtype, self.device)
 
-    def _init_runtime_fields(self) -> None:
-        """Fields the runtime sets and reads (declared here, in one place)."""
-        # torch FSDP1's handle attribute: the owning unit's HandleTrainingState
-        # (fsdp/runtime/_state.py), kept in step by UnitState.training_state.
-        self._training_state: Any = None
-        # Whether the next backward's reduction may start from the per-parameter gradients
-        # ([Note: Per-parameter gradient reduction]): synchronized, default reduction.
-        self.piecewise_reduction_allowed = False
-        self.early_grads_runs = 0  # forward calls whose views' consumers were hooked
-        # The views node of this forward when the runtime may take its gradients early
-        # ([Note: Early per-parameter gradients]), else None.
-        self.early_grads_views_node: Optional[Any] = None
-        # Casts after wrapping ([Note: Casting after wrapping] in _recast.py): how many, and how
-        # many had happened when the last forward that autograd may backpropagate took views.
-        self.cast_generation = 0
-        self.forward_cast_generation = 0
-
     def _register_params(self) -> None:
         """Registers what the modules hold at rest: the original Parameters (use_orig_params)
         or the FlatParameter on the wrapped module, the names pointing at sharded views."""
         if self.use_orig_params:
-            self.use_sharded_views()
+            self.views.use_sharded()
             return
         for info in self.param_infos:
             info.module._parameters.pop(info.param_name, None)
@@ -247,17 +215,21 @@ class FlatParamHandle:
             shared.module._parameters.pop(shared.param_name, None)
         self.wrapped_module.register_parameter(FLAT_PARAM, self.flat_param)
         if self.uses_sharding or self.has_unsharded_buffer:
-            self.use_sharded_views()
+            self.views.use_sharded()
         else:
             with torch.no_grad():
                 self.use_unsharded_views()
 
-    # ------------------------------------------------------------------ layout (read-only)
     @property
-    def layout(self) -> FlatLayout:
-        """Where each parameter and each run of alignment padding sits."""
-        return self.shard_layout.flat
+    def unit_name(self) -> str:
+        """The unit's name for messages (refined at lazy init); the views hold it."""
+        return self.views.unit_name
 
+    @unit_name.setter
+    def unit_name(self, name: str) -> None:
+        self.views.unit_name = name
+
+    # ------------------------------------------------------------------ layout (read-only)
     @property
     def rank(self) -> int:
         """This rank in the shard group ([Note: Only the unit's group])."""
@@ -298,9 +270,6 @@ class FlatParamHandle:
     def local_slice(self, padded_unsharded: torch.Tensor) -> torch.Tensor:
         """This rank's shard-sized slice of a padded unsharded flat tensor."""
         return self.shard_layout.local_slice(padded_unsharded)
-
-    def _unsharded_views(self, source: torch.Tensor) -> list[torch.Tensor]:
-        return self.shard_layout.unsharded_views(source)
 
     def unsharded_views(self, source: torch.Tensor) -> list[torch.Tensor]:
         """Views of a padded unsharded flat tensor shaped like the original parameters."""
@@ -361,20 +330,6 @@ class FlatParamHandle:
     def _local_shard(self) -> torch.Tensor:
         return self.storage.local_shard
 
-    @property
-    def unshard_stream(self) -> Optional[Any]:
-        """CUDA: the side stream prefetched all-gathers run on (set at lazy init); None on CPU."""
-        return self.storage.unshard_stream
-
-    @unshard_stream.setter
-    def unshard_stream(self, stream: Optional[Any]) -> None:
-        self.storage.unshard_stream = stream
-
-    @property
-    def padded_unsharded(self) -> torch.Tensor:
-        """The padded unsharded flat tensor forward and backward use (storage may be freed)."""
-        return self.storage.padded_unsharded_for(full_precision=False)
-
     def unsharded_storage_nbytes(self) -> int:
         """Bytes the padded unsharded buffers hold right now (0 when freed)."""
         return self.storage.unsharded_storage_nbytes()
@@ -385,8 +340,9 @@ class FlatParamHandle:
         Args:
             full_precision: Gather the full-precision values (summon_full_params, state dicts)
                 instead of the ``param_dtype`` copy forward and backward use.
-            async_op: Prefetch: only launch the all-gather (on CPU an asynchronous collective,
-                on CUDA on the unshard stream); the next plain ``unshard()`` waits for it.
+            async_op: Prefetch: only launch the all-gather (on CPU an asynchronous collective;
+                on CUDA every gather runs on the unshard stream); the next plain ``unshard()``
+                waits for it ([Note: One gather path] in ``_storage.py``).
 
         Postcondition: state is UNSHARDED (UNSHARDED_FULL_PRECISION when ``full_precision`` and
         the parameters run in low precision) with ``.data`` on the compute device, its values
@@ -396,7 +352,7 @@ class FlatParamHandle:
         target = self.storage.target_state(full_precision)
         if self.state is target:
             if not async_op:
-                self.wait_unshard()
+                self.storage.wait_unshard()
             return
         if self.state is not HandleState.SHARDED:
             self.reshard()
@@ -406,10 +362,6 @@ class FlatParamHandle:
     def unshard_pending(self) -> bool:
         """A prefetched all-gather has been launched and not yet waited for."""
         return self.storage.pending_unshard is not None
-
-    def wait_unshard(self) -> None:
-        """Completes a prefetched all-gather (a no-op without one)."""
-        self.storage.wait_unshard()
 
     def reshard(self) -> None:
         """Frees the padded unsharded tensors and points every name at a placeholder.
@@ -421,13 +373,13 @@ class FlatParamHandle:
         """
         if not self.has_unsharded_buffer:
             if self.use_orig_params:
-                self.use_sharded_views()  # registers the original Parameters back
+                self.views.use_sharded()  # registers the original Parameters back
             return
         if self.state is HandleState.SHARDED:
             return
-        self.wait_unshard()  # never free memory a collective is still writing
+        self.storage.wait_unshard()  # never free memory a collective is still writing
         self.storage.free_unsharded()
-        self.use_sharded_views()
+        self.views.use_sharded()
 
     def write_back_shard(self, padded_unsharded: torch.Tensor) -> None:
         """Copies this rank's slice of ``padded_unsharded`` into the local shard."""
@@ -435,7 +387,7 @@ class FlatParamHandle:
         if padded_unsharded.data_ptr() != local_shard.data_ptr():
             local_shard.copy_(self.local_slice(padded_unsharded))
 
-    # ------------------------------------------------------------------ views
+    # ------------------------------------------------------------------ views and gradients
     def use_unsharded_views(self, as_params: bool = False) -> None:
         """Points each original parameter name at a view into the unsharded FlatParameter.
 
@@ -451,108 +403,25 @@ class FlatParamHandle:
             f"unit '{self.unit_name}': use_unsharded_views needs UNSHARDED, state is {self.state}",
         )
         recorded = not as_params and torch.is_grad_enabled() and self.flat_param.requires_grad
-        early = recorded and takes_early_grads_at_forward(self)  # [Note: Early per-parameter gradients]
-        _views.use_unsharded_views(self, as_params, recorded, early)
+        self.views.use_unsharded(as_params, recorded)
 
     def use_sharded_views(self) -> None:
-        """Points each original parameter name at what it holds while the unit is sharded
-        (see ``_views.use_sharded_views``)."""
-        _views.use_sharded_views(self)
-
-    def module_tensors(self) -> list[torch.Tensor]:
-        """The tensors the original parameter names currently hold (in ``param_infos`` order)."""
-        return [getattr(info.module, info.param_name) for info in self.param_infos]
+        """``views.use_sharded()``, kept for ``state_dict/`` until its own cut by ownership."""
+        self.views.use_sharded()
 
     def managed_orig_params(self) -> list[nn.Parameter]:
         """The original Parameters this handle keeps registered (use_orig_params), else []."""
-        return list(self._orig_params)
-
-    def use_sharded_grad_views(self) -> None:
-        """use_orig_params: each original Parameter's ``.grad`` views the sharded gradient (see
-        ``_views.use_sharded_grad_views``)."""
-        _views.use_sharded_grad_views(self)
-
-    def sync_flat_grad_from_orig(self) -> Optional[torch.Tensor]:
-        """Makes the sharded flat gradient agree with the original Parameters' ``.grad`` and
-        returns it (see ``_views.sync_flat_grad_from_orig``)."""
-        return _views.sync_flat_grad_from_orig(self)
-
-    def check_params_not_replaced_since_forward(self) -> None:
-        """use_orig_params: raises RuntimeError if a parameter was replaced between forward and
-        backward (see ``_views.check_params_not_replaced_since_forward``)."""
-        _views.check_params_not_replaced_since_forward(self)
+        return list(self.views.orig_params)
 
     def writeback_orig_params(self) -> None:
         """use_orig_params: adopts ``.data`` or Parameters the user replaced since the last step
-        (see ``_views.writeback_orig_params``; raises ValueError for a wrong shape)."""
-        _views.writeback_orig_params(self)
-
-    # ------------------------------------------------------------------ gradients
-    @property
-    def _param_grads(self) -> Optional[list[Optional[torch.Tensor]]]:
-        """Per-parameter gradients kept for a reduction from the pieces, else None."""
-        return self.grads.param_grads
-
-    @property
-    def _inflight(self) -> Optional[Any]:
-        """A reduce-scatter still in flight, else None."""
-        return self.grads.inflight
-
-    def stash_sharded_grad(self) -> None:
-        """Moves an existing (already reduced) ``.grad`` aside before autograd accumulates."""
-        _reduction.stash_sharded_grad(self)
-
-    def collect_param_grads(self, grads: list[Optional[torch.Tensor]]) -> bool:
-        """Keeps this backward's per-parameter gradients for a reduction from the pieces;
-        False (nothing kept) where that reduction does not apply."""
-        return _reduction.collect_param_grads(self, grads)
-
-    def flatten_param_grads(self, grads: list[Optional[torch.Tensor]]) -> torch.Tensor:
-        """The padded unsharded gradient from per-parameter gradients (``split``'s backward)."""
-        return self.shard_layout.padded_unsharded_grad(grads, self.flat_param)
-
-    def _reduce_pieces(self) -> None:
-        """Launches the two-rank reduce-scatter from the per-parameter gradients (async)."""
-        _reduction.reduce_pieces(self)
-
-    def reduce_grad(
-        self,
-        sync: bool,
-        comm_hook: Optional[Callable[..., Any]] = None,
-        comm_hook_state: Any = None,
-        async_op: bool = False,
-        full_precision: bool = False,
-    ) -> None:
-        """Reduces the unsharded gradient autograd just accumulated.
-
-        With ``sync`` False (inside ``no_sync``) the unsharded gradient is kept locally and
-        added to the next one. Otherwise it is divided by the pre-divide factor, reduce-scattered
-        (all-reduced for NO_SHARD) and divided by the post-divide factor, which averages over
-        ranks exactly as torch FSDP1 does.
-
-        With ``async_op`` (default reduction of a sharded handle) the reduce-scatter is only
-        launched: it overlaps the backward of the next units, and :meth:`wait_reduction`
-        completes it (see [Note: Overlapped gradient reduction] in docs/hook_order.md).
-
-        Postcondition: ``.grad`` is None; the reduced sharded gradient waits in
-        ``grads.pending_sharded_grad`` (or in flight) until :meth:`finalize_grad`.
-        """
-        _reduction.reduce_grad(self, sync, comm_hook, comm_hook_state, async_op, full_precision)
-
-    def wait_reduction(self) -> None:
-        """Completes an in-flight reduce-scatter: wait, post-divide, accumulate. Else a no-op."""
-        _reduction.wait_reduction(self)
-
-    def finalize_grad(self) -> None:
-        """At the end of backward: sets ``.grad`` to the sharded gradient (plus any stash).
-
-        Precondition: the FlatParameter holds its sharded data (or never shards).
-        """
-        _reduction.finalize_grad(self)
-
-    def _set_sharded_grad(self, grad: Optional[torch.Tensor]) -> None:
-        """Sets the FlatParameter's ``.grad`` (in ``grad_dtype``) and the original params' views."""
-        _reduction.set_sharded_grad(self, grad)
+        (``ParamViews.writeback``; raises ValueError for a wrong shape); a stale gathered copy
+        is dropped, so the next unshard gathers the new values."""
+        if not self.views.writeback():
+            return
+        if self.has_unsharded_buffer and self.is_unsharded:
+            self.reshard()
+        self.views.use_sharded()
 
     def abandon_backward(self) -> None:
         """Drops what an interrupted backward left behind; restores the gradient from before it.
@@ -560,8 +429,7 @@ class FlatParamHandle:
         Postcondition: sharded (if the handle shards), no pending reduction, ``.grad`` as it
         was before that backward.
         """
-        _reduction.abandon_backward(self)
-
-    def has_unsynced_grad(self) -> bool:
-        """Whether a ``no_sync`` gradient is waiting to be synchronized."""
-        return self.grads.unsynced_unsharded_grad is not None
+        self.grads.drop_backward()
+        if self.has_unsharded_buffer:
+            self.reshard()
+        self.grads.restore_prior_grad()

@@ -292,8 +292,7 @@ def _plan_units(model: nn.Module, setup: _Setup, cache: Optional[PlanCache]) -> 
             ignored_states=kwargs.get("ignored_states"),
         ),
     )
-    offloads_to_host = _offloads(setup) and setup.device.type != "cpu"
-    return _Planned(size_unit_specs(layouts, setup.shard_world_size, offloads_to_host), ignored_params)
+    return _Planned(size_unit_specs(layouts, setup.shard_world_size), ignored_params)
 
 
 def _trace(
@@ -382,7 +381,7 @@ def _schedule(
     static += sum(p.numel() * p.element_size() for p in planned.ignored_params)
     cfg = ScheduleConfig(
         device_is_cpu=setup.device.type == "cpu",
-        offload_params=_offloads(setup) and setup.device.type != "cpu",
+        offload_params=_offloads(setup),
         backward_prefetch=setup.kwargs.get("backward_prefetch"),
         forward_prefetch=bool(setup.kwargs.get("forward_prefetch")),
         shard_world_size=setup.shard_world_size,

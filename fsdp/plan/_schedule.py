@@ -14,14 +14,14 @@ and free in a steady-state step (the second on, when prefetching is on):
   ``runtime/_prefetch.py``, the same rule through ``unit_kept_for_backward``); SHARD_GRAD_OP
   keeps it.
 - gradients: each parameter's gradient lives until the handle's last one is ready; then
-  either they are concatenated into the padded unsharded gradient (cast to ``reduce_dtype``
-  if it differs) and reduce-scattered into a new sharded gradient, or (two ranks on gloo)
-  reduced from the pieces with one half-size send buffer. The reduction stays in flight
-  (its buffers alive) until the next handle's first gradient or post-backward, one at a time;
-  then the sharded gradient is cast to full precision (offload: copied to CPU) and kept.
+  they are concatenated into the padded unsharded gradient (cast to ``reduce_dtype`` if it
+  differs) and reduced into a new sharded gradient (NO_SHARD: in place). The reduction stays
+  in flight (its buffers alive) until the next handle's first gradient or post-backward, one
+  at a time, where ``reduction_stays_in_flight`` says so (every one on an accelerator's
+  post-backward stream; on CPU a lone reduce-scatter); then the sharded gradient is cast to
+  full precision (offload: copied to the host buffer) and kept.
 - pre-backward on CPU: the reduction in flight completes before the ``BACKWARD_PRE`` prefetch.
-- post-backward: the unit's unsharded parameters are freed (before the reduction allocates, on
-  the two-rank pieces path); ``BACKWARD_POST`` gathers next.
+- post-backward: the unit's unsharded parameters are freed; ``BACKWARD_POST`` gathers next.
 - optimizer step: shards, sharded gradients and optimizer state plus the step's temporaries.
 """
 
@@ -33,6 +33,7 @@ from typing import Optional
 import torch
 
 from fsdp.api import BackwardPrefetch
+from fsdp.flat_param._reduction import reduction_stays_in_flight
 from fsdp.plan._trace import Trace
 from fsdp.plan._units import HandleSpec, UnitSpec
 from fsdp.runtime._prefetch import unit_kept_for_backward
@@ -63,9 +64,10 @@ class ScheduleConfig:
     """What the replay needs to know besides the units.
 
     Attributes:
-        device_is_cpu: The training device is the CPU (one memory; gloo point-to-point
-            collectives; offload is a no-op there, as in ``FlatParamHandle``).
-        offload_params: ``CPUOffload(offload_params=True)`` on an accelerator.
+        device_is_cpu: The training device is the CPU (one memory: the host buffers of
+            offload count in the same peak).
+        offload_params: ``CPUOffload(offload_params=True)`` (host buffers and their copies,
+            on a CPU training device too, as in ``FlatParamHandle``).
         backward_prefetch: As given to the wrapper.
         forward_prefetch: As given to the wrapper.
         shard_world_size: Ranks a parameter is sharded over.
@@ -235,45 +237,32 @@ class _Replay:
         param_b = _itemsize(spec.precision.param_dtype)
         reduce_b = _itemsize(spec.precision.reduce_dtype)
         sharded_reduce = spec.sharded_numel * reduce_b
-        pieces = (
-            cfg.device_is_cpu
-            and spec.uses_sharding
-            and cfg.replicate_world_size == 1
-            and cfg.shard_world_size == 2
-            and param_b == reduce_b
-        )
-        resharded = False
-        if pieces:  # [Note: Per-parameter gradient reduction]
-            # The reduction from the kept gradients does not read the unsharded parameter: the
-            # post-backward hook frees it first.
-            self.reshard(hid[0], only_frozen_besides=hid[1])
-            resharded = True
-            self.add(COMM, sharded_reduce)  # the half sent to the peer
-            self.add(GRADS, sharded_reduce)
-            self.inflight = (hid, [(UNSHARDED_GRADS, held_bytes), (COMM, sharded_reduce)], sharded_reduce)
+        unsharded = spec.padded_unsharded_numel * param_b
+        self.add(UNSHARDED_GRADS, unsharded)  # the concatenation
+        self.add(UNSHARDED_GRADS, -held_bytes)
+        if reduce_b != param_b:
+            self.add(LOW, spec.padded_unsharded_numel * reduce_b)
+            self.add(UNSHARDED_GRADS, -unsharded)
+            unsharded_kind, unsharded = LOW, spec.padded_unsharded_numel * reduce_b
         else:
-            unsharded = spec.padded_unsharded_numel * param_b
-            self.add(UNSHARDED_GRADS, unsharded)  # the concatenation
-            self.add(UNSHARDED_GRADS, -held_bytes)
-            if reduce_b != param_b:
-                self.add(LOW, spec.padded_unsharded_numel * reduce_b)
-                self.add(UNSHARDED_GRADS, -unsharded)
-                unsharded_kind, unsharded = LOW, spec.padded_unsharded_numel * reduce_b
-            else:
-                unsharded_kind = UNSHARDED_GRADS
+            unsharded_kind = UNSHARDED_GRADS
+        # [Note: One reduction path] in flat_param/_reduction.py, the same rule.
+        in_flight = reduction_stays_in_flight(
+            not cfg.device_is_cpu, spec.uses_sharding, cfg.replicate_world_size, comm_hook=False
+        )
+        reduced = sharded_reduce if spec.uses_sharding else unsharded  # NO_SHARD: in place
+        if spec.uses_sharding:
+            self.add(GRADS, sharded_reduce)
+        else:
+            self.add(GRADS, unsharded)
+            self.add(unsharded_kind, -unsharded)
+        if in_flight:
+            self.inflight = (hid, [(unsharded_kind, unsharded)] if spec.uses_sharding else [], reduced)
+        else:
             if spec.uses_sharding:
-                self.add(GRADS, sharded_reduce)
-                if cfg.replicate_world_size == 1:
-                    self.inflight = (hid, [(unsharded_kind, unsharded)], sharded_reduce)
-                else:  # hybrid: reduce-scatter and all-reduce synchronously
-                    self.add(unsharded_kind, -unsharded)
-                    self.accumulate(hid, sharded_reduce)
-            else:  # NO_SHARD: the all-reduced unsharded gradient is the gradient
                 self.add(unsharded_kind, -unsharded)
-                self.add(GRADS, unsharded)
-                self.accumulate(hid, unsharded)
-        if not resharded:
-            self.reshard(hid[0], only_frozen_besides=hid[1])
+            self.accumulate(hid, reduced)
+        self.reshard(hid[0], only_frozen_besides=hid[1])
         if cfg.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
             self.prefetch(hid[0], self.backward_order, backward=True)
 

@@ -17,7 +17,13 @@ from torch import nn
 
 from fsdp.api import ShardingStrategy
 from fsdp.flat_param._precision import HandlePrecision
-from fsdp.flat_param._sharding import FlatLayout, aligned_numel, flat_layout, padded_unsharded_numel
+from fsdp.flat_param._sharding import (
+    FlatLayout,
+    aligned_numel,
+    flat_layout,
+    handle_uses_sharding,
+    padded_unsharded_numel,
+)
 from fsdp.init._unit_params import mark_tied_owners, split_by_requires_grad, unit_params
 from fsdp.init._validate import plan_units
 
@@ -159,18 +165,14 @@ def plan_unit_layouts(
     return layouts, plan.ignored_modules, plan.ignored_params
 
 
-def size_unit_specs(
-    layouts: list[UnitLayout], shard_world_size: int, offloads_to_host: bool = False
-) -> list[UnitSpec]:
+def size_unit_specs(layouts: list[UnitLayout], shard_world_size: int) -> list[UnitSpec]:
     """Sizes every FlatParameter of the planned units for one shard world size.
 
     Args:
         layouts: From :func:`plan_unit_layouts`.
         shard_world_size: Ranks a parameter is sharded over (the intra-node size for hybrid).
-        offloads_to_host: CPU offload of parameters with an accelerator as the training
-            device: on one rank the handle then takes the sharded path, its whole flat
-            parameter on the host and copied to the device for compute ([Note: CPU offload on
-            one rank] in fsdp/flat_param/flat_param.py).
+            With CPU offload a handle takes the sharded path even on one rank, whatever the
+            training device (``handle_uses_sharding``).
     """
     specs: list[UnitSpec] = []
     for layout in layouts:
@@ -180,8 +182,11 @@ def size_unit_specs(
             ShardingStrategy._HYBRID_SHARD_ZERO2,
         ):
             strategy = ShardingStrategy.NO_SHARD  # as the wrapper does at world size 1
-        uses_sharding = (strategy is not ShardingStrategy.NO_SHARD and shard_world_size > 1) or (
-            offloads_to_host and shard_world_size == 1
+        cpu_offload = layout.kwargs.get("cpu_offload")
+        uses_sharding = handle_uses_sharding(
+            strategy is not ShardingStrategy.NO_SHARD,
+            shard_world_size,
+            bool(cpu_offload and cpu_offload.offload_params),
         )
         use_orig_params = bool(layout.kwargs.get("use_orig_params"))
         handles: list[HandleSpec] = []

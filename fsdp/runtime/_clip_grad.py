@@ -93,7 +93,7 @@ def clip_grad_norm_(
     managed: set[int] = set()
     for handle in handles:
         target = sharded if handle.uses_sharding else replicated
-        flat_grad = handle.sync_flat_grad_from_orig()
+        flat_grad = handle.grads.sync_from_orig()
         managed.add(id(handle.flat_param))
         if handle.use_orig_params:
             orig_params = handle.managed_orig_params()

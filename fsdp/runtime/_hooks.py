@@ -5,10 +5,11 @@ See docs/hook_order.md, [Note: Hook order], for the sequence in one training ste
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 import weakref
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
@@ -16,14 +17,12 @@ from torch.autograd import Variable
 
 from fsdp._common import apply_to_tensors, eager_only, p_assert
 from fsdp.flat_param.flat_param import FlatParameter, FlatParamHandle
-from fsdp.flat_param._early_grads import keeps_param_grads
 from fsdp.flat_param._recast import adopt_external_cast, check_not_recast_since_forward
-from fsdp.runtime._early_grads import finish_inflight_reductions, hook_view_consumers
 from fsdp.runtime._exec_order import check_execution_order, finish_first_iteration
-from fsdp.runtime._lazy_init import lazy_init
+from fsdp.runtime._lazy_init import lazy_init, require_root
 from fsdp.runtime._mixed_precision import cast_forward_inputs, set_buffers_full_precision
-from fsdp.runtime._prefetch import prefetch_after, record_free_event
-from fsdp.runtime._state import HandleTrainingState, RootContext, UnitState, transition
+from fsdp.runtime._prefetch import prefetch_after, record_free_event, unshard_unit
+from fsdp.runtime._state import HandleTrainingState, RootContext, UnitState, check_idle, transition
 
 
 # Gradient reductions a backward keeps in flight (see [Note: Overlapped gradient reduction]).
@@ -74,8 +73,8 @@ def _in_backward(state: UnitState) -> bool:
 @eager_only
 def _unshard_for_recompute(state: UnitState) -> None:
     """Gathers the unit for a recomputed forward; its post-backward hook frees it afterwards."""
+    unshard_unit(state)
     for handle in state.handles:
-        handle.unshard(full_precision=state.forward_in_full_precision)
         handle.use_unsharded_views()
 
 
@@ -165,21 +164,14 @@ def _pre_forward(state: UnitState) -> None:
         # use_orig_params: after zero_grad(set_to_none=True) on the original parameters, drop
         # the sharded flat gradient now (as torch FSDP1 does in its pre-forward), not at the
         # next backward: it would otherwise stay alive through the whole forward.
-        handle.sync_flat_grad_from_orig()
+        handle.grads.sync_from_orig()
     check_execution_order(state, "forward")  # first iteration: raises instead of hanging
     transition(state, HandleTrainingState.FORWARD)
+    unshard_unit(state)
     for handle in state.handles:
-        handle.unshard(full_precision=state.forward_in_full_precision)
-        handle.piecewise_reduction_allowed = _reduction_takes_pieces(state)
         handle.use_unsharded_views()
     _register_early_reduction_wait(state)
     prefetch_after(state, "forward")
-
-
-def _reduction_takes_pieces(state: UnitState) -> bool:
-    """Whether this unit's gradient reduction may start from the per-parameter gradients
-    ([Note: Per-parameter gradient reduction]): a synchronized default reduction."""
-    return state.sync_gradients and state.comm_hook is None
 
 
 def _register_early_reduction_wait(state: UnitState) -> None:
@@ -188,28 +180,35 @@ def _register_early_reduction_wait(state: UnitState) -> None:
     [Note: Overlapped gradient reduction] keeps the previous unit's reduce-scatter running while
     this unit's backward computes, and its gradient buffers alive until it completes. Hooks on
     the views run once their gradients are complete, just before autograd hands them to the
-    views' backward node (the concatenation, or the per-parameter reduction): the unit's compute
-    has overlapped the reduce-scatter by then, and waiting there rather than at the unit's
-    post-backward frees the previous unit's buffers before this unit's own gradient buffers are
-    allocated, the step's memory peak. Where the gradients are taken early ([Note: Gradient
-    hooks on the views' consumers] in ``_early_grads.py``) those hooks wait sooner, and these
-    find nothing left to wait for.
+    views' backward node (the concatenation into the unsharded gradient): the unit's compute
+    has overlapped the reduction by then, and waiting there rather than at the unit's
+    post-backward frees the previous unit's buffers before this unit's own unsharded gradient is
+    allocated, the step's memory peak.
     """
     if not torch.is_grad_enabled() or state.ctx is None:
         return
-    hook = functools.partial(_finish_inflight_reductions, weakref.ref(state.ctx))
+    hook = functools.partial(_finish_reductions_hook, weakref.ref(state.ctx))
     for handle in state.handles:
-        for view in handle.module_tensors():
+        for view in handle.views.module_tensors():
             if view.requires_grad:
                 view.register_hook(hook)
 
 
-def _finish_inflight_reductions(ctx_ref: "weakref.ref[RootContext]", grad: torch.Tensor) -> None:
+def _finish_reductions_hook(ctx_ref: "weakref.ref[RootContext]", grad: torch.Tensor) -> None:
     ctx = ctx_ref()
-    if ctx is None:
-        return
-    while ctx.inflight_reductions:
-        ctx.inflight_reductions.pop(0).wait_reduction()
+    if ctx is not None:
+        finish_inflight_reductions(ctx)
+
+
+def finish_inflight_reductions(ctx: RootContext, keep: int = 0) -> None:
+    """Completes the gradient reductions in flight, oldest first, until ``keep`` remain.
+
+    The one place reductions are waited for ([Note: Overlapped gradient reduction]): the
+    views' gradient hooks, the pre-backward hook on CPU, the post-backward hook's cap and the
+    end of backward.
+    """
+    while len(ctx.inflight_reductions) > keep:
+        ctx.inflight_reductions.pop(0).grads.wait()
 
 
 @eager_only  # FSDP bookkeeping runs eagerly; the module's own forward compiles
@@ -244,7 +243,6 @@ def _post_forward(state: UnitState, output: Any, owner: Optional[nn.Module] = No
     hook = functools.partial(_pre_backward_hook, state, owner=owner)
     for t in grad_outputs:
         t.register_hook(hook)
-    hook_view_consumers(state, grad_outputs)  # [Note: Gradient hooks on the views' consumers]
     transition(state, HandleTrainingState.IDLE)
     return output
 
@@ -271,15 +269,14 @@ def _pre_backward_hook(state: UnitState, grad: torch.Tensor, owner: Optional[nn.
         return grad
     for handle in state.handles:
         check_not_recast_since_forward(handle)  # user error: before any state change
-        handle.check_params_not_replaced_since_forward()  # user error: before any state change
+        handle.views.check_not_replaced_since_forward(handle.is_unsharded)  # user error: before any state change
     state.ran_pre_backward = True
     if state.ctx.kept_unit_pending is state:
         state.ctx.kept_unit_pending = None  # kept from its forward for this backward
     check_execution_order(state, "backward")
     transition(state, HandleTrainingState.BACKWARD_PRE)
+    unshard_unit(state)
     for handle in state.handles:
-        handle.piecewise_reduction_allowed = _reduction_takes_pieces(state)
-        handle.unshard(full_precision=state.forward_in_full_precision)
         # Names become views again (not placeholders): a checkpointed submodule of this unit
         # re-runs its forward during backward and reads them.
         handle.use_unsharded_views()
@@ -296,7 +293,7 @@ def _pre_accumulate_hook(handle_ref: "weakref.ref[FlatParamHandle]", grad: torch
     """Runs just before autograd accumulates into the FlatParameter: stash the old gradient."""
     handle = handle_ref()
     if handle is not None:
-        handle.stash_sharded_grad()
+        handle.grads.stash()
     return grad
 
 
@@ -319,23 +316,16 @@ def _post_backward_hook(
     transition(state, HandleTrainingState.BACKWARD_POST)
     ctx = state.ctx
     # Finish the oldest reductions first, so at most MAX_INFLIGHT_REDUCTIONS stay in flight.
-    while len(ctx.inflight_reductions) >= MAX_INFLIGHT_REDUCTIONS:
-        ctx.inflight_reductions.pop(0).wait_reduction()
-    reshard_first = state.reshards_after_backward() and keeps_param_grads(handle)
-    if reshard_first:
-        # The reduction from kept per-parameter gradients does not read the unsharded
-        # parameter: free it before the reduction allocates its buffers (lower peak).
-        _reshard_after_backward(state, handle)
-    handle.reduce_grad(
+    finish_inflight_reductions(ctx, keep=MAX_INFLIGHT_REDUCTIONS - 1)
+    handle.grads.reduce(
         state.sync_gradients,
         state.comm_hook,
         state.comm_hook_state,
-        async_op=True,
         full_precision=state.forward_in_full_precision,
     )
-    if handle._inflight is not None:
+    if handle.grads.inflight is not None:
         ctx.inflight_reductions.append(handle)
-    if state.reshards_after_backward() and not reshard_first:
+    if state.reshards_after_backward():
         _reshard_after_backward(state, handle)
     prefetch_after(state, "backward_post")
 
@@ -371,9 +361,7 @@ def _final_callback(ctx: RootContext) -> None:
     Units whose gradient never arrived (unused outputs, frozen parameters) are resharded here,
     and keep ``.grad`` as it was.
     """
-    for pending in ctx.inflight_reductions:
-        pending.wait_reduction()
-    ctx.inflight_reductions.clear()
+    finish_inflight_reductions(ctx)
     for state in ctx.states:
         for handle in state.handles:
             if handle.is_unsharded and state.reshards_after_backward():
@@ -382,13 +370,44 @@ def _final_callback(ctx: RootContext) -> None:
                 # Kept unsharded (no_sync, SHARD_GRAD_OP's root, ...): the names hold this
                 # backward's views; register the original Parameters back, as torch FSDP1 does,
                 # so the optimizer and named_parameters() see them between steps.
-                handle.use_sharded_views()
-                if handle.has_unsynced_grad():
-                    handle.use_sharded_grad_views()  # no_sync: the accumulated unsharded views
+                handle.views.use_sharded()
+                if handle.grads.unsynced_unsharded_grad is not None:
+                    handle.grads.use_sharded_grad_views()  # no_sync: the accumulated unsharded views
             if not handle.is_unsharded or not handle.has_unsharded_buffer:
-                handle.finalize_grad()
+                handle.grads.finalize()
         state.ran_pre_backward = False
         state.training_state = HandleTrainingState.IDLE
     ctx.final_callback_queued = False
     ctx.kept_unit_pending = None  # resharded above if this backward never reached it
     finish_first_iteration(ctx)
+
+
+@contextlib.contextmanager
+def no_sync(root: nn.Module) -> Iterator[None]:
+    """``FullyShardedDataParallel.no_sync``: every unit of ``root``'s tree skips its reduction.
+
+    Gradients accumulate unsharded on each unit (see ``UnitState.reshards_after_backward``); the
+    first backward outside the context reduces them. Each unit's previous setting is restored
+    on exit, even after an exception.
+
+    Raises:
+        RuntimeError: ``root`` is a nested unit.
+        ValueError: A unit of the tree is in forward, backward or ``summon_full_params``
+            (torch FSDP1's type).
+    """
+    state = require_root(
+        root,
+        "no_sync()",
+        torch_message="`no_sync()` on inner FSDP instances is not supported. Please call "
+        "`no_sync()` on root FSDP module.",
+    )
+    check_idle(root, "no_sync()", error=ValueError)  # torch FSDP1's type
+    assert state.ctx is not None
+    previous = [(unit, unit.sync_gradients) for unit in state.ctx.states]
+    for unit, _ in previous:
+        unit.sync_gradients = False
+    try:
+        yield
+    finally:
+        for unit, flag in previous:
+            unit.sync_gradients = flag

@@ -54,11 +54,15 @@ def lazy_init(module: nn.Module) -> UnitState:
         ctx.unit_index[id(unit)] = len(ctx.states)
         ctx.states.append(unit)
     if state.compute_device.type == "cuda":
-        # Prefetched all-gathers run on one side stream ([Note: Prefetch]).
+        # Every all-gather runs on one side stream, every gradient reduction on another, shared
+        # by the tree (torch FSDP1's unshard and post-backward streams; [Note: One gather path]
+        # in flat_param/_storage.py, [Note: One reduction path] in flat_param/_reduction.py).
         unshard_stream = torch.cuda.Stream(device=state.compute_device)
+        post_backward_stream = torch.cuda.Stream(device=state.compute_device)
         for unit in ctx.states:
             for handle in unit.handles:
-                handle.unshard_stream = unshard_stream
+                handle.storage.unshard_stream = unshard_stream
+                handle.storage.post_backward_stream = post_backward_stream
     # [Note: Releasing the root context]; nothing to do at interpreter exit.
     weakref.finalize(module, _release_context, ctx).atexit = False
     return state
@@ -116,8 +120,8 @@ def _release_context(ctx: RootContext) -> None:
             continue
         for handle in unit.handles:
             try:
-                handle.wait_unshard()
-                handle.wait_reduction()
+                handle.storage.wait_unshard()
+                handle.grads.wait()
             except Exception as err:  # a finalizer cannot raise: say so, free the rest
                 warnings.warn(
                     f"fsdp: finishing a collective of the dropped model's unit '{unit.unit_name}' "

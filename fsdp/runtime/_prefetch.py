@@ -14,15 +14,16 @@ computation instead of running between the two:
 - ``forward_prefetch=True``: in a unit's pre-forward, launch the next unit's forward gather.
 
 On CPU the launch is an asynchronous collective (``async_op=True``): gloo runs it on its own
-thread while this rank computes. On CUDA it runs on a separate unshard stream, and the compute
-stream waits on an event only when the prefetched unit starts (torch FSDP1's design). Either
+thread while this rank computes. On CUDA every gather runs on the unshard stream ([Note: One
+gather path] in ``flat_param/_storage.py``), and the compute stream waits on an event only when
+the prefetched unit starts (torch FSDP1's design). Either
 way the prefetched unit's ``unshard()`` waits for it, and resharding never frees memory a
 collective is still writing.
 
 ``limit_all_gathers=True`` (CUDA): the CPU thread runs ahead of the GPU, and a buffer that a
 prefetched (side-stream) gather filled can only be reused once the compute stream is past its
 last use, so without a limit a fast CPU could keep allocating fresh buffers for gathers of
-units far ahead. Each reshard of such a buffer records an event; before launching a prefetch
+units far ahead. Each reshard of such a buffer records an event; before launching a gather
 the CPU waits for the oldest event while two or more are outstanding, so at most two freed
 buffers are still pending reuse. On CPU execution is eager (each free happens when the thread
 gets there) and a prefetch is always consumed by the very next unit, so nothing needs limiting.
@@ -64,6 +65,7 @@ __all__ = [
     "record_free_event",
     "record_phase_orders",
     "unit_kept_for_backward",
+    "unshard_unit",
 ]
 
 # limit_all_gathers: freed side-stream buffers that may await reuse at once (CUDA).
@@ -160,11 +162,32 @@ def prefetch_after(state: UnitState, moment: str) -> None:
     for handle in target.handles:
         if handle.is_unsharded or not handle.has_unsharded_buffer:
             continue
-        if state.limit_all_gathers:
-            while len(ctx.free_events) >= MAX_INFLIGHT_UNSHARDS:
-                ctx.free_events.pop(0).synchronize()  # the oldest first
+        _limit_all_gathers(state)
         handle.unshard(full_precision=target.forward_in_full_precision, async_op=True)
         ctx.prefetches_issued += 1
+
+
+def unshard_unit(state: UnitState) -> None:
+    """Unshards the unit's handles for its forward or backward computation (waiting for a
+    prefetch of them), after the ``limit_all_gathers`` wait where one gathers.
+
+    Postcondition: every handle is unsharded in the precision the forward computes in.
+    """
+    for handle in state.handles:
+        if not handle.is_unsharded and handle.has_unsharded_buffer:
+            _limit_all_gathers(state)
+        handle.unshard(full_precision=state.forward_in_full_precision)
+
+
+def _limit_all_gathers(state: UnitState) -> None:
+    """CUDA, ``limit_all_gathers``: before a gather allocates, waits for the oldest freed buffer
+    while two or more are pending reuse (every gather runs on the unshard stream, so every one
+    is limited, as in torch FSDP1). On CPU no free events are recorded: a no-op."""
+    ctx = state.ctx
+    if ctx is None or not state.limit_all_gathers:
+        return
+    while len(ctx.free_events) >= MAX_INFLIGHT_UNSHARDS:
+        ctx.free_events.pop(0).synchronize()  # the oldest first
 
 
 def record_free_event(state: UnitState) -> None:

@@ -246,7 +246,7 @@ class RootContext:
         order_checked: The first iteration's execution-order check is done
             ([Note: Execution order check]).
         exec_order: The first iteration's order of gathers (unit index x phase).
-        inflight_reductions: Handles whose reduce-scatter is still running, oldest first.
+        inflight_reductions: Handles whose gradient reduction is still in flight, oldest first.
         state_dict_active: A ``state_dict()`` call of this tree is in progress.
         state_dict_done: Ids of state-dict values already finished by nested units.
         forward_order, backward_order: The units in the order they first gathered in each

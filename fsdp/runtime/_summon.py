@@ -116,7 +116,7 @@ def _summon_handle(
     state_before = handle.state
     was_sharded = state_before is HandleState.SHARDED
     try:
-        handle.sync_flat_grad_from_orig()
+        handle.grads.sync_from_orig()
         handle.unshard(full_precision=True)  # the parameters' own dtype, not param_dtype
         full_grad = _gather_grad(handle) if with_grads else None
         if rank0_only and rank != 0:
@@ -168,13 +168,13 @@ def _summon_handle(
                 # gather that copy again; autograd's saved views see the same storage refilled.
                 handle.unshard(full_precision=state_before is HandleState.UNSHARDED_FULL_PRECISION)
             _restore_names(handle)
-        handle.use_sharded_grad_views()  # use_orig_params: grads were replaced inside
+        handle.grads.use_sharded_grad_views()  # use_orig_params: grads were replaced inside
 
 
 def _restore_names(handle: FlatParamHandle) -> None:
     """Points the names of a handle that stays unsharded back at what forward expects."""
     if handle.use_orig_params:
-        handle.use_sharded_views()
+        handle.views.use_sharded()
     elif handle.is_unsharded:
         handle.use_unsharded_views()
 
