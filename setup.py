@@ -12,14 +12,17 @@ setup(
     description="Fully sharded data parallel (FlatParameter / wrapper-module design) for PyTorch",
     long_description=_README.read_text(encoding="utf-8") if _README.exists() else "",
     long_description_content_type="text/markdown",
+    license="BSD-3-Clause",
+    license_files=["LICENSE"],
     # Only the library: benchmarks/, examples/ and tests/ are tools run from a clone.
     packages=find_packages(include=["fsdp", "fsdp.*"]),
     package_data={"fsdp": ["py.typed"]},
     include_package_data=True,
     python_requires=">=3.10",
     # torch is pinned by the README / CI commands (``pip install torch==2.13.0`` first), so
-    # installing fsdp never pulls another build. 2.11 is the oldest torch the whole suite has run
-    # on (the GPU machine's 2.11.0+cu130, docs/results/gpu_h100_2026-11-24/); see README.
+    # installing fsdp never pulls another build. 2.11 is the oldest torch tried (the GPU
+    # machine's 2.11.0+cu130, docs/results/gpu_h100_2026-11-24/: not every test passed there;
+    # see README).
     # numpy: torch.distributed's object collectives and torch.distributed.checkpoint (used by
     # the optimizer/sharded state dicts and the demo's checkpoints) need it at run time, and
     # torch's wheel does not declare it.

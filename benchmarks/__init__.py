@@ -5,7 +5,7 @@ repository root (``pip install -e .`` first). They import fsdp like any user.
 on ``--world-size`` local CPU ranks (gloo); step time, peak memory, bytes per step, checkpoint
 times. ``python -m benchmarks --device cuda``: the GPU benchmark (world size 1; ``--offload``,
 ``--compile``). ``python -m benchmarks.validate_plan``: the memory planner's prediction against
-a measured run. ``python benchmarks/gpu_run.py``: the prepared run for a GPU machine (issue 25).
+a measured run. ``python benchmarks/gpu_run.py``: the prepared run for a GPU machine.
 ``docs/performance.md`` says what each figure means.
 
 Modules:

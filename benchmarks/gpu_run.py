@@ -1,4 +1,4 @@
-"""The prepared GPU run (issue 25, part 1): everything that has not run on a GPU, in order, in one
+"""The prepared GPU run: everything that has not run on a GPU, in order, in one
 command, within a time budget.
 
 On the GPU machine, from the repository root (torch preinstalled, no network)::

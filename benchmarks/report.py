@@ -57,7 +57,7 @@ def _met(value: Any, threshold: float) -> Optional[bool]:
     return None if value is None else float(value) <= threshold
 
 
-#: The CPU benchmark's guards (issue 24: what a change must not make worse), as (key,
+#: The CPU benchmark's guards (what a change must not make worse), as (key,
 #: description, threshold): each holds when the measured ratio is <= the threshold. A fifth,
 #: ``comm_minimum``, holds when fsdp's bytes per step are the strategy's minimum.
 TARGETS = (
@@ -425,7 +425,7 @@ PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
     ("H100 PCIe", 756.0e12),
 )
 
-#: The GPU benchmark's targets at world size 1 (issue 25), eager or compiled alike, as
+#: The GPU benchmark's targets at world size 1, eager or compiled alike, as
 #: (description, implementation, metric, other implementation, factor, direction): the target
 #: holds when ``metric(impl) >= factor * metric(other)`` (direction ``">="``) or ``<=``.
 GPU_TARGETS: tuple[tuple[str, str, str, str, float, str], ...] = (

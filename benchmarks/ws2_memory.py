@@ -6,7 +6,7 @@ memory a rank holds when its model is sharded in two. Each implementation (torch
 fsdp) runs in fresh rank processes ([Note: One process per measured run] in
 ``benchmarks/cuda.py``): the example GPT built on the GPU, wrapped FULL_SHARD with bf16 mixed
 precision (:func:`benchmarks.core.wrap`), AdamW, the peak counters reset, then ``--steps``
-training steps. The report gives each rank's peak and fsdp's ratio to torch FSDP1's (issue 25's
+training steps. The report gives each rank's peak and fsdp's ratio to torch FSDP1's (the
 target: at most 0.93x). ``--dry-run`` runs the same code on CPU ranks (no memory figures).
 """
 
