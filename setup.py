@@ -28,7 +28,8 @@ setup(
     # torch's wheel does not declare it.
     install_requires=["torch>=2.11", "typing-extensions>=4.0", "packaging>=21.0", "numpy"],
     extras_require={
-        "test": ["pytest>=7", "ruff==0.17.6"],  # ruff: the lint .ci/run runs (ruff.toml)
+        # ruff: the lint .ci/run runs (ruff.toml); mypy: its type check (pyproject.toml)
+        "test": ["pytest>=7", "ruff==0.17.6", "mypy==2.4.1"],
         # The training stacks that tests/test_stacks_*.py run on fsdp (through
         # fsdp.redirect_torch_fsdp); pinned to the versions tested. About 65 MB and 20 s on top
         # of torch; see docs/stacks.md.

@@ -173,7 +173,7 @@ class FullyShardedDataParallel(nn.Module):
 
     def __getitem__(self, key: int) -> Any:
         """Forwards indexing to the wrapped module (e.g. an ``nn.Sequential``)."""
-        return self._fsdp_wrapped_module.__getitem__(key)  # type: ignore[operator]
+        return self._fsdp_wrapped_module.__getitem__(key)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Runs the wrapped module with its parameters unsharded (see docs/hook_order.md)."""
@@ -478,7 +478,7 @@ class FullyShardedDataParallel(nn.Module):
             keep_vars = args[2] if len(args) > 2 else keep_vars
         return _model_save.save_state_dict(self, super().state_dict, destination, prefix, keep_vars)
 
-    def load_state_dict(  # type: ignore[override]
+    def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
     ) -> Any:
         """Loads a state dict of the kind set by ``state_dict_type`` (FULL by default).

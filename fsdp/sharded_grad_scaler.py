@@ -68,7 +68,7 @@ class ShardedGradScaler(GradScaler):
         )
         self.process_group = process_group
 
-    def scale(self, outputs: Any) -> Any:  # type: ignore[override]
+    def scale(self, outputs: Any) -> Any:
         """Multiplies ``outputs`` (a tensor or an iterable of tensors) by the scale, keeping
         each output's dtype (an fp16 loss stays fp16)."""
         if not self._enabled:

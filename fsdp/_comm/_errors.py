@@ -278,7 +278,7 @@ def _resolved(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]
 
 def _global_ranks(group: Optional[dist.ProcessGroup]) -> Any:
     try:
-        return dist.get_process_group_ranks(_resolved(group))  # type: ignore[arg-type]
+        return dist.get_process_group_ranks(_resolved(group))
     except Exception:  # describing must never hide the original error
         return "?"
 

@@ -83,7 +83,7 @@ class _ShardedParamPlaceholder(torch.Tensor):
 
 _PLACEHOLDER_SAFE_FUNCS = {
     torch.Tensor.dtype.__get__,  # type: ignore[attr-defined]
-    torch.Tensor.device.__get__,  # type: ignore[attr-defined]
+    torch.Tensor.device.__get__,
     torch.Tensor.requires_grad.__get__,  # type: ignore[attr-defined]
     torch.Tensor.is_cuda.__get__,  # type: ignore[attr-defined]
     torch.Tensor.layout.__get__,  # type: ignore[attr-defined]

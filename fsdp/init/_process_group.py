@@ -52,7 +52,7 @@ def _check_group(group: Any, what: str) -> dist.ProcessGroup:
             f"and size() methods), got {type(group).__name__}; create one with "
             "torch.distributed.new_group(ranks)"
         )
-    return group  # type: ignore[no-any-return]  # duck-typed stand-in, see the docstring
+    return group
 
 
 def resolve_process_groups(

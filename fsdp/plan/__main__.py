@@ -31,7 +31,7 @@ import re
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, TypedDict
 
 import torch
 import torch.nn.functional as F
@@ -49,7 +49,14 @@ _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2*
 
 # The example GPT's defaults (its flags default to None, to tell "given" from "not given").
 _GPT_DEFAULTS = {"layers": 12, "d_model": 768, "vocab": 50304, "seq_len": 1024, "batch_size": 8}
-_DEFAULTS = {"world_size": 8, "strategy": "FULL_SHARD", "max_world_size": 64, "gpus_per_node": 8}
+class _Defaults(TypedDict):
+    world_size: int
+    strategy: str
+    max_world_size: int
+    gpus_per_node: int
+
+
+_DEFAULTS: _Defaults = {"world_size": 8, "strategy": "FULL_SHARD", "max_world_size": 64, "gpus_per_node": 8}
 _SEARCHED_STRATEGIES = ("NO_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "FULL_SHARD")
 
 

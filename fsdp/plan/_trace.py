@@ -300,17 +300,19 @@ def _run_forward_backward(
     # The fake parameters stay in place through backward: activation checkpointing re-runs
     # forwards there.
     p_assert(run.tracker is not None, "fsdp.plan: the storage tracker is set before the forward")
+    assert run.tracker is not None  # for the type checker: p_assert raised otherwise
+    tracker = run.tracker
     trace = run.trace
-    with _reparametrize_module(model, replacements, tie_weights=True), run.tracker:
+    with _reparametrize_module(model, replacements, tie_weights=True), tracker:
         trace.events.append(("phase", "forward"))
         output = model(*args)
         loss = (loss_fn or _default_loss)(output)
         del output
         trace.events.append(("phase", "backward"))
         run.in_backward = True
-        run.tracker.before_op = run.before_backward_work
+        tracker.before_op = run.before_backward_work
         loss.backward()
-        run.tracker.before_op = None
+        tracker.before_op = None
         run.emit_post_backward(None)  # the views nodes numbered first run last
         del loss
         trace.events.append(("phase", "end"))
@@ -321,6 +323,7 @@ def _grad_hook(run: _TraceRun, u_h: tuple[int, int]) -> Callable[[torch.Tensor],
         grad = param.grad
         if grad is not None:
             p_assert(run.tracker is not None, "fsdp.plan: a gradient outside the traced backward")
+            assert run.tracker is not None  # for the type checker: p_assert raised otherwise
             run.trace.events.append(
                 ("grad", u_h[0], u_h[1], run.tracker.key_of(grad), grad.untyped_storage().nbytes())
             )
@@ -351,7 +354,9 @@ def _next_sequence_nr(module: nn.Module) -> int:
     for p in module.parameters():
         if p.requires_grad:
             probe = p.view(p.shape)
-            return probe.grad_fn._sequence_nr()
+            p_assert(probe.grad_fn is not None, "fsdp.plan: a view of a trainable parameter has a grad_fn")
+            assert probe.grad_fn is not None  # for the type checker: p_assert raised otherwise
+            return int(probe.grad_fn._sequence_nr())
     return -1
 
 

@@ -98,6 +98,9 @@ class _AliasPackage(types.ModuleType):
     one (``fully_shard``) in torch's FSDP2 subpackage.
     """
 
+    __all__: list[str]
+    wrap: types.ModuleType
+
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(f"module {self.__name__!r} has no attribute {name!r}")

@@ -66,7 +66,13 @@ def _ours(value: Any) -> Any:
     )
 
 
-def _make_wrapper_class(bound: type) -> type:
+# torch's FSDP1 wrapper class, or fsdp's: both carry the FSDP1 static methods torch's module
+# calls (fsdp_modules, state_dict_type, optim_state_dict, optim_state_dict_to_load); torch's
+# cannot be named in a type here (fsdp never imports torch.distributed.fsdp), hence Any.
+_FSDP1Class = Any
+
+
+def _make_wrapper_class(bound: _FSDP1Class) -> type:
     """The class torch's module sees as ``FSDP``: both libraries' wrappers are instances of it."""
 
     class _BothMeta(type):
@@ -76,7 +82,7 @@ def _make_wrapper_class(bound: type) -> type:
         def __subclasscheck__(cls, sub: type) -> bool:
             return issubclass(sub, (bound, _OurFSDP))
 
-    def _pick(module: nn.Module) -> type:
+    def _pick(module: nn.Module) -> _FSDP1Class:
         return _OurFSDP if _has_our_units(module) else bound
 
     class FullyShardedDataParallel(metaclass=_BothMeta):
@@ -84,8 +90,8 @@ def _make_wrapper_class(bound: type) -> type:
 
         @staticmethod
         def fsdp_modules(module: nn.Module, root_only: bool = False) -> List[nn.Module]:
-            ours = _OurFSDP.fsdp_modules(module, root_only)
-            theirs = [m for m in bound.fsdp_modules(module, root_only) if not isinstance(m, _OurFSDP)]
+            ours: List[nn.Module] = list(_OurFSDP.fsdp_modules(module, root_only))
+            theirs: List[nn.Module] = [m for m in bound.fsdp_modules(module, root_only) if not isinstance(m, _OurFSDP)]
             if ours and theirs:
                 raise ValueError(
                     "fsdp: this model holds units of both fsdp and torch.distributed.fsdp "
@@ -147,13 +153,13 @@ def _patch(module: types.ModuleType) -> None:
     """Rebinds the four FSDP1 names of torch's DCP state-dict module (once)."""
     if getattr(module, _INSTALLED_FLAG, False):
         return
-    bound = module.FSDP
+    bound = getattr(module, "FSDP")
     if not (isinstance(bound, type) and issubclass(bound, _OurFSDP)):
-        module.FSDP = _make_wrapper_class(bound)
-    module._get_module_fsdp_state_if_fully_sharded_module = _make_state_lookup(
-        module._get_module_fsdp_state_if_fully_sharded_module
-    )
-    module.HYBRID_SHARDING_STRATEGIES = set(module.HYBRID_SHARDING_STRATEGIES) | set(HYBRID_STRATEGIES)
+        setattr(module, "FSDP", _make_wrapper_class(bound))
+    lookup = "_get_module_fsdp_state_if_fully_sharded_module"
+    setattr(module, lookup, _make_state_lookup(getattr(module, lookup)))
+    hybrid = set(getattr(module, "HYBRID_SHARDING_STRATEGIES")) | set(HYBRID_STRATEGIES)
+    setattr(module, "HYBRID_SHARDING_STRATEGIES", hybrid)
     setattr(module, _INSTALLED_FLAG, True)
 
 

@@ -169,6 +169,9 @@ _TORCH_PRIVATE_HELPERS: Tuple[Callable[..., Any], ...] = (
 class _WrapAlias(types.ModuleType):
     """fsdp's wrap module as seen under torch's name: anything not set here is fsdp.wrap's."""
 
+    __all__: list[str]
+    _Policy: type
+
     def __getattr__(self, name: str) -> Any:
         return getattr(_fsdp_wrap, name)
 
