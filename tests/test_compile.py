@@ -27,6 +27,22 @@ STEPS = 3
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+class Unrolled(nn.Module):
+    """The toy model with each block called by name and user code between units: Dynamo traces
+    the root's forward and breaks its graph at each unit (the toy's loop makes it skip that frame)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        toy = make_toy()
+        self.embed, self.head = toy.embed, toy.head
+        self.b0, self.b1, self.b2 = toy.blocks
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.b0(self.embed(tokens))
+        x = self.b2(self.b1(torch.relu(x) * 2))
+        return self.head(x)
+
+
 def _wrap(lib: str, model: nn.Module, strategy: str, use_orig_params: bool, **kwargs: Any) -> nn.Module:
     if lib == "ours":
         from fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
@@ -49,6 +65,14 @@ def _fsdp_class(lib: str) -> Any:
     return FullyShardedDataParallel
 
 
+def _bf16(lib: str) -> Any:
+    if lib == "ours":
+        from fsdp import MixedPrecision
+    else:
+        from torch.distributed.fsdp import MixedPrecision
+    return MixedPrecision(param_dtype=torch.bfloat16)
+
+
 def _warm_up(backend: str) -> None:
     """One small compile first, so neither library's timed first step pays the one-time costs."""
     import torch._dynamo
@@ -57,7 +81,7 @@ def _warm_up(backend: str) -> None:
     torch.compile(lambda x: torch.tanh(x) * 2, backend=backend)(torch.ones(3, requires_grad=True)).sum().backward()
 
 
-def _train_compiled(lib: str, strategy: str, backend: str, use_orig_params: bool) -> dict[str, Any]:
+def _train_compiled(lib: str, strategy: str, backend: str, use_orig_params: bool, unrolled: bool) -> dict[str, Any]:
     """STEPS AdamW steps of a compiled wrapped model; losses, final parameters and what Dynamo saw."""
     import torch._dynamo
     from torch._dynamo.utils import counters
@@ -65,7 +89,11 @@ def _train_compiled(lib: str, strategy: str, backend: str, use_orig_params: bool
     torch._dynamo.reset()
     counters.clear()
     rank, ws = dist.get_rank(), dist.get_world_size()
-    model = _wrap(lib, make_toy(), strategy, use_orig_params)
+    if unrolled:  # with bf16 mixed precision: the input casts run in the pre-forward step
+        torch.manual_seed(0)
+        model = _wrap(lib, Unrolled(), strategy, use_orig_params, mixed_precision=_bf16(lib))
+    else:
+        model = _wrap(lib, make_toy(), strategy, use_orig_params)
     compiled = torch.compile(model, backend=backend)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     losses, first_step_s = [], 0.0
@@ -89,18 +117,18 @@ def _train_compiled(lib: str, strategy: str, backend: str, use_orig_params: bool
     }
 
 
-def compiled_parity(strategy: str, backend: str, use_orig_params: bool) -> dict[str, Any]:
+def compiled_parity(strategy: str, backend: str, use_orig_params: bool, unrolled: bool) -> dict[str, Any]:
     _warm_up(backend)
     if backend == "inductor":
         import torch._inductor.config as inductor_config
 
         # No FX-graph cache: the second library would reuse the first one's compiled graph.
         with inductor_config.patch(fx_graph_cache=False):
-            theirs = _train_compiled("torch", strategy, backend, use_orig_params)
-            ours = _train_compiled("ours", strategy, backend, use_orig_params)
+            theirs = _train_compiled("torch", strategy, backend, use_orig_params, unrolled)
+            ours = _train_compiled("ours", strategy, backend, use_orig_params, unrolled)
     else:
-        theirs = _train_compiled("torch", strategy, backend, use_orig_params)
-        ours = _train_compiled("ours", strategy, backend, use_orig_params)
+        theirs = _train_compiled("torch", strategy, backend, use_orig_params, unrolled)
+        ours = _train_compiled("ours", strategy, backend, use_orig_params, unrolled)
     for step, (a, b) in enumerate(zip(ours["losses"], theirs["losses"])):
         assert torch.equal(a, b), f"step {step}: loss {a.item()!r} != torch FSDP1's {b.item()!r}"
     assert ours["params"].keys() == theirs["params"].keys()
@@ -125,19 +153,21 @@ def _report(case: str, results: list[dict[str, Any]]) -> None:
 
 
 @pytest.mark.parametrize(
-    "world_size, strategy, backend, use_orig_params",
+    "world_size, strategy, backend, use_orig_params, model",
     [
-        (1, "FULL_SHARD", "aot_eager", True),
-        (2, "FULL_SHARD", "aot_eager", True),
-        (2, "SHARD_GRAD_OP", "aot_eager", True),
-        (2, "FULL_SHARD", "aot_eager", False),
-        (2, "SHARD_GRAD_OP", "inductor", True),
+        (1, "FULL_SHARD", "aot_eager", True, "toy"),
+        (2, "FULL_SHARD", "aot_eager", True, "toy"),
+        (2, "SHARD_GRAD_OP", "aot_eager", True, "unrolled"),
+        (2, "FULL_SHARD", "aot_eager", False, "toy"),
+        (2, "SHARD_GRAD_OP", "inductor", True, "toy"),
     ],
 )
-def test_compiled_equals_torch_fsdp1(pool1: RankPool, pool2: RankPool, world_size: int, strategy: str, backend: str, use_orig_params: bool) -> None:
+def test_compiled_equals_torch_fsdp1(
+    pool1: RankPool, pool2: RankPool, world_size: int, strategy: str, backend: str, use_orig_params: bool, model: str
+) -> None:
     pool = pool1 if world_size == 1 else pool2
-    results = pool.run(compiled_parity, strategy, backend, use_orig_params, _timeout=300)
-    _report(f"ws{world_size} {strategy} {backend} use_orig_params={use_orig_params}", results)
+    results = pool.run(compiled_parity, strategy, backend, use_orig_params, model == "unrolled", _timeout=300)
+    _report(f"ws{world_size} {strategy} {backend} use_orig_params={use_orig_params} {model}", results)
 
 
 def dynamo_attributes() -> None:
