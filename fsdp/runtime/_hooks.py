@@ -36,8 +36,9 @@ MAX_INFLIGHT_REDUCTIONS = 1
 def unit_forward(wrapper: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Runs one unit's forward: lazy init (root), unshard, the wrapped module, post-forward.
 
-    Under ``torch.compile`` this function is a graph break and its two FSDP steps run
-    eagerly; the wrapped module's own forward in between is compiled.
+    Under ``torch.compile`` Dynamo does not trace this function (a traced caller breaks its
+    graph at the call) and its two FSDP steps run eagerly; the wrapped module's own forward in
+    between is compiled.
     """
     state, args, kwargs, recompute = _unit_pre_forward(wrapper, args, kwargs)
     if recompute:
