@@ -11,9 +11,10 @@ Two error tiers (see docs/design.md, [Note: Error tiers]):
 
 from __future__ import annotations
 
-import functools
+import importlib.abc
 import sys
 import traceback
+import types
 from typing import Any, Callable, NoReturn, Optional
 
 import torch
@@ -81,24 +82,133 @@ def apply_to_tensors(fn: Callable[[torch.Tensor], Any], container: Any) -> Any:
     return container
 
 
+# [Note: torch.compile]
+# Under ``torch.compile``, Dynamo must not trace FSDP's runtime (collectives, autograd hooks,
+# the training-state machine), but must trace and compile the wrapped modules' own forward,
+# with each unit's parameters passed in as graph inputs, fresh every step (the unsharded views
+# change every step). Torch FSDP1 gets this from Dynamo's rules for its own files plus two
+# attributes on every module a unit manages (``_is_fsdp_managed_module``,
+# ``_fsdp_use_orig_params``; see ``fsdp/init/_steps.py``). fsdp marks its code instead:
+#
+# - ``compile_boundary``: the unit's forward. Dynamo neither inlines it (a traced caller
+#   breaks its graph once there) nor traces its frame, but it does compile the frames it calls:
+#   the wrapped module. ``torch.compiler.disable(fn, recursive=False)``.
+# - ``eager_only``: the FSDP steps the forward runs before and after the wrapped module; they
+#   and everything they call run eagerly. ``torch.compiler.disable(fn)``.
+#
+# Applying either marker imports all of Dynamo (a second of start-up, tens of MB), so neither
+# is applied when fsdp is imported: a marked function stays plain until ``torch._dynamo`` is
+# imported (``torch.compile`` imports it before it traces anything), then the name that holds
+# it, in its module or class, is rebound to the marked function. Callers must call these by
+# that name (a module global or a method), not through a reference taken earlier, and a
+# marker applied outside a ``def`` must be assigned back to that name.
+
+_MARKED: list[tuple[Callable[..., Any], bool]] = []  # (function, recursive), not yet applied
+_DYNAMO = "torch._dynamo"
+
+
 def eager_only(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Marks an FSDP runtime step to run eagerly (graph break) under ``torch.compile``.
+    """Marks an FSDP runtime step that ``torch.compile`` runs eagerly, with all it calls.
 
-    ``torch.compiler.disable`` would import all of dynamo when fsdp is imported, which costs
-    start-up time and has aborted processes at interpreter exit. The marker is applied lazily:
-    only once dynamo is loaded, which ``torch.compile`` does before it traces any of our code.
+    See [Note: torch.compile]. Returns ``fn`` itself, or its marked form if Dynamo is already
+    imported; the name that defines ``fn`` holds ``torch.compiler.disable(fn)`` once it is.
     """
-    disabled: list[Callable[..., Any]] = []
+    return _mark(fn, recursive=True)
 
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if "torch._dynamo" not in sys.modules:
-            return fn(*args, **kwargs)
-        if not disabled:
-            disabled.append(torch.compiler.disable(fn))
-        return disabled[0](*args, **kwargs)
 
-    return wrapper
+def compile_boundary(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Marks a unit's forward: never traced by Dynamo, while the modules it calls compile.
+
+    See [Note: torch.compile]. Returns ``fn`` itself, or its marked form if Dynamo is already
+    imported; the name that defines ``fn`` holds ``torch.compiler.disable(fn,
+    recursive=False)`` once it is.
+    """
+    return _mark(fn, recursive=False)
+
+
+def _mark(fn: Callable[..., Any], recursive: bool) -> Callable[..., Any]:
+    if _DYNAMO in sys.modules:  # already imported: mark at once
+        return torch.compiler.disable(fn, recursive=recursive)
+    if not _MARKED:
+        call_after_import(_DYNAMO, _apply_marks)
+    _MARKED.append((fn, recursive))
+    return fn
+
+
+def _apply_marks(dynamo: types.ModuleType) -> None:
+    """Rebinds each marked function's defining name to its Dynamo-disabled form."""
+    while _MARKED:
+        fn, recursive = _MARKED.pop(0)
+        owner: Any = sys.modules[fn.__module__]
+        *path, name = fn.__qualname__.split(".")
+        for part in path:  # a method: its class (marked functions are never local ones)
+            owner = getattr(owner, part)
+        p_assert(vars(owner).get(name) is fn, f"{fn.__qualname__} is not defined under its name")
+        setattr(owner, name, torch.compiler.disable(fn, recursive=recursive))
+
+
+# [Note: After-import callbacks]
+# Some of fsdp's integration with torch must change a torch module that fsdp does not import
+# itself, because importing it is costly (Dynamo) or would be circular: the change is made
+# right after the module's first import, by a finder at the head of ``sys.meta_path`` that
+# finds the module as the finders after it would and wraps its loader. It finds nothing itself
+# and leaves the module's ``__loader__`` and ``__spec__.loader`` as they would be.
+
+_AFTER_IMPORT: dict[str, list[Callable[[types.ModuleType], None]]] = {}
+
+
+def call_after_import(name: str, callback: Callable[[types.ModuleType], None]) -> None:
+    """Calls ``callback(module)`` now if module ``name`` is imported, else right after its import.
+
+    See [Note: After-import callbacks].
+    """
+    module = sys.modules.get(name)
+    if module is not None:
+        callback(module)
+        return
+    _AFTER_IMPORT.setdefault(name, []).append(callback)
+    if not any(isinstance(finder, _AfterImportFinder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImportFinder())
+
+
+class _AfterImportFinder(importlib.abc.MetaPathFinder):
+    """Wraps the loader of each module that has after-import callbacks (finds nothing itself)."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname not in _AFTER_IMPORT:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            spec.loader = _CallbacksAfterExec(spec.loader)
+        return spec
+
+
+class _CallbacksAfterExec(importlib.abc.Loader):
+    """The module's own loader, then the module's after-import callbacks."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def create_module(self, spec: Any) -> Any:
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        module.__loader__ = self._inner
+        if module.__spec__ is not None:
+            module.__spec__.loader = self._inner
+        self._inner.exec_module(module)
+        for callback in _AFTER_IMPORT.pop(module.__name__, []):
+            callback(module)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
 
 
 def strip_fsdp_segments(name: str) -> str:

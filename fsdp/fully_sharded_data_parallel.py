@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp._common import FLAT_PARAM, FSDP_PREFIX, FSDP_WRAPPED_MODULE
+from fsdp._common import FLAT_PARAM, FSDP_PREFIX, FSDP_WRAPPED_MODULE, compile_boundary
 from fsdp.api import (  # the config names are re-exported here too, as torch's module does
     BackwardPrefetch,
     CPUOffload,
@@ -37,8 +37,8 @@ from fsdp.flat_param.flat_param import FlatParameter, FlatParamHandle
 from fsdp.init._steps import UnitArgs, build_handles, finish_unit, new_unit_state, plan_unit
 from fsdp.runtime._clip_grad import clip_root_grad_norm_
 from fsdp.runtime._comm_hooks import register_comm_hook as _register_comm_hook
+from fsdp.runtime import _hooks
 from fsdp.runtime._hooks import no_sync as _no_sync
-from fsdp.runtime._hooks import unit_forward
 from fsdp.runtime._lazy_init import lazy_init, reset_lazy_init
 from fsdp.runtime._mixed_precision import refresh_cast_buffers
 from fsdp.runtime._state import (
@@ -177,7 +177,8 @@ class FullyShardedDataParallel(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Runs the wrapped module with its parameters unsharded (see docs/hook_order.md)."""
-        return unit_forward(self, args, kwargs)
+        # By module attribute: under torch.compile the name holds the marked function.
+        return _hooks.unit_forward(self, args, kwargs)
 
     # ------------------------------------------------------------------ torch FSDP1's attributes
     # [Note: Wrapper attributes]
@@ -648,3 +649,8 @@ def _cast_units(
         if any(handle is h for h in changing):
             recast_handle(handle, fn, handle.mixed_precision_config)
     return wrapper
+
+
+# [Note: torch.compile]: a unit's forward called from code that runs eagerly (a frame Dynamo
+# skipped, another unit's forward) is not traced either; the wrapped module's is compiled.
+FullyShardedDataParallel.forward = compile_boundary(FullyShardedDataParallel.forward)  # type: ignore[method-assign]

@@ -235,8 +235,10 @@ def new_unit_state(
 def finish_unit(new_state: UnitState, module: nn.Module, setup: UnitSetup) -> None:
     """Step 4: marks the units nested in ``module`` as such and registers the unit's hooks.
 
-    Also sets the ignored states the wrappers report ([Note: Reported ignored states]).
+    Also sets the ignored states the wrappers report ([Note: Reported ignored states]) and
+    the attributes through which Dynamo recognizes FSDP-managed modules ([Note: torch.compile]).
     """
+    annotate_for_dynamo(module, setup.plan.ignored_modules, new_state.use_orig_params)
     for sub in module.modules():
         if is_fsdp(sub):
             unit_state(sub).has_fsdp_parent = True
@@ -292,3 +294,19 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
                     f"...). (With use_orig_params=True the original parameters stay in use.)"
                 )
     _checked[optimizer] = count
+
+
+def annotate_for_dynamo(module: nn.Module, ignored_modules: set[nn.Module], use_orig_params: bool) -> None:
+    """Sets torch FSDP1's Dynamo attributes on every module of the unit's tree but the ignored.
+
+    ``_is_fsdp_managed_module`` makes Dynamo trace these modules as it does torch FSDP1's:
+    unspecialized, parameters taken as graph inputs on every call (the unsharded views are new
+    tensors every step), guards on their parameters skipped. ``_fsdp_use_orig_params`` False
+    makes Dynamo refuse them (the module runs eagerly), as for torch FSDP1: without
+    ``use_orig_params`` a module's parameter names are not parameters during forward. Nested
+    units' modules are set again by each enclosing unit, as torch does.
+    """
+    for sub in module.modules():
+        if sub not in ignored_modules:
+            sub._is_fsdp_managed_module = True  # type: ignore[assignment]
+            sub._fsdp_use_orig_params = use_orig_params  # type: ignore[assignment]

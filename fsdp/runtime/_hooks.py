@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.autograd import Variable
 
-from fsdp._common import apply_to_tensors, eager_only, p_assert
+from fsdp._common import apply_to_tensors, compile_boundary, eager_only, p_assert
 from fsdp.flat_param.flat_param import FlatParameter, FlatParamHandle
 from fsdp.flat_param._recast import adopt_external_cast, check_not_recast_since_forward
 from fsdp.runtime._exec_order import check_execution_order, finish_first_iteration
@@ -31,25 +31,17 @@ from fsdp.runtime._state import HandleTrainingState, RootContext, UnitState, che
 MAX_INFLIGHT_REDUCTIONS = 1
 
 
+@compile_boundary  # [Note: torch.compile]: only the wrapped module's forward is compiled
 def unit_forward(wrapper: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Runs one unit's forward: lazy init (root), unshard, the wrapped module, post-forward.
 
-    Under ``torch.compile`` the FSDP steps (marked ``eager_only``) run eagerly and
-    graph-break; the wrapped module's own forward in between is compiled.
+    Under ``torch.compile`` Dynamo does not trace this function (a traced caller breaks its
+    graph at the call) and its two FSDP steps run eagerly; the wrapped module's own forward in
+    between is compiled.
     """
-    state = _lazy_init_eager(wrapper)
-    state.forward_in_full_precision = state.full_precision_in_eval and not wrapper.training
-    if state.is_root:
-        _recover_if_backward_interrupted(state)
-        _release_kept_unit(state)
-        args, kwargs = _root_pre_forward(state, args, kwargs)
-    args, kwargs = cast_forward_inputs(state, args, kwargs)
-    if not state.is_root and _in_backward(state):
-        # Activation checkpointing re-runs this unit's forward inside backward (see
-        # [Note: Activation checkpointing] in docs/hook_order.md).
-        _unshard_for_recompute(state)
+    state, args, kwargs, recompute = _unit_pre_forward(wrapper, args, kwargs)
+    if recompute:
         return wrapper._fsdp_wrapped_module(*args, **kwargs)  # type: ignore[operator]
-    _pre_forward(state)
     try:
         output = wrapper._fsdp_wrapped_module(*args, **kwargs)  # type: ignore[operator]
     except BaseException:
@@ -61,8 +53,29 @@ def unit_forward(wrapper: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
 
 
 @eager_only
-def _lazy_init_eager(wrapper: nn.Module) -> UnitState:
-    return lazy_init(wrapper)
+def _unit_pre_forward(
+    wrapper: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[UnitState, tuple[Any, ...], dict[str, Any], bool]:
+    """Everything a unit's forward does before the wrapped module runs.
+
+    Returns:
+        The unit's state, the (moved, cast) inputs, and whether this forward recomputes the
+        unit inside backward (then there is no post-forward).
+    """
+    state = lazy_init(wrapper)
+    state.forward_in_full_precision = state.full_precision_in_eval and not wrapper.training
+    if state.is_root:
+        _recover_if_backward_interrupted(state)
+        _release_kept_unit(state)
+        args, kwargs = _root_pre_forward(state, args, kwargs)
+    args, kwargs = cast_forward_inputs(state, args, kwargs)
+    if not state.is_root and _in_backward(state):
+        # Activation checkpointing re-runs this unit's forward inside backward (see
+        # [Note: Activation checkpointing] in docs/hook_order.md).
+        _unshard_for_recompute(state)
+        return state, args, kwargs, True
+    _pre_forward(state)
+    return state, args, kwargs, False
 
 
 def _in_backward(state: UnitState) -> bool:
@@ -70,7 +83,6 @@ def _in_backward(state: UnitState) -> bool:
     return state.ctx is not None and state.ctx.final_callback_queued
 
 
-@eager_only
 def _unshard_for_recompute(state: UnitState) -> None:
     """Gathers the unit for a recomputed forward; its post-backward hook frees it afterwards."""
     unshard_unit(state)
@@ -78,7 +90,6 @@ def _unshard_for_recompute(state: UnitState) -> None:
         handle.use_unsharded_views()
 
 
-@eager_only
 def _recover_if_backward_interrupted(state: UnitState) -> None:
     """Resets units that a failed backward left mid-flight (an exception escaped it).
 
@@ -106,7 +117,6 @@ def _recover_if_backward_interrupted(state: UnitState) -> None:
     ctx.final_callback_queued = False
 
 
-@eager_only
 def _release_kept_unit(root: UnitState) -> None:
     """Reshards the unit an earlier forward kept for a backward that never came.
 
@@ -137,7 +147,6 @@ def _keeps_for_backward(state: UnitState) -> bool:
     )
 
 
-@eager_only  # FSDP bookkeeping runs eagerly; the module's own forward compiles
 def _root_pre_forward(
     state: UnitState, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -155,7 +164,6 @@ def _root_pre_forward(
     return apply_to_tensors(to_device, args), apply_to_tensors(to_device, kwargs)
 
 
-@eager_only  # FSDP bookkeeping runs eagerly; the module's own forward compiles
 def _pre_forward(state: UnitState) -> None:
     """Postcondition: the unit's parameters are unsharded and its names are views into them."""
     for handle in state.handles:

@@ -18,25 +18,23 @@ both libraries is refused with an error before anything is gathered or saved. Th
 is "[Note: DCP state-dict bridge]" in docs/stacks.md.
 
 ``import fsdp`` calls :func:`install`: if torch's module is already imported it is patched at
-once, otherwise a meta-path finder patches it right after its first import. Nothing of torch's
-FSDP is imported by fsdp for this: the wrapper class the bridge falls back to is the one
-torch's module bound itself.
+once, otherwise right after its first import ([Note: After-import callbacks] in
+``fsdp/_common.py``). Nothing of torch's FSDP is imported by fsdp for this: the wrapper class
+the bridge falls back to is the one torch's module bound itself.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-import importlib.abc
-import importlib.machinery
-import sys
 import types
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional
 
 import torch
 from torch import nn
 
 import fsdp.api as fsdp_api
+from fsdp._common import call_after_import
 from fsdp.fully_sharded_data_parallel import FullyShardedDataParallel as _OurFSDP
 from fsdp.runtime._state import HYBRID_STRATEGIES
 
@@ -163,51 +161,10 @@ def _patch(module: types.ModuleType) -> None:
     setattr(module, _INSTALLED_FLAG, True)
 
 
-class _PatchAfterImport(importlib.abc.MetaPathFinder):
-    """Patches torch's DCP state-dict module right after its first import (finds nothing itself)."""
-
-    def find_spec(self, fullname: str, path: Optional[Sequence[str]] = None, target: Any = None) -> Any:
-        if fullname != _DCP_STATE_DICT:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                break
-        else:
-            return None
-        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-            spec.loader = _PatchingLoader(spec.loader)
-        return spec
-
-
-class _PatchingLoader(importlib.abc.Loader):
-    """Runs the module's own loader, then :func:`_patch` on the module."""
-
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Optional[types.ModuleType]:
-        return self._inner.create_module(spec)
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        self._inner.exec_module(module)
-        _patch(module)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-
 def install() -> None:
     """Makes torch's DCP state-dict API drive fsdp's units (idempotent).
 
     Patches ``torch.distributed.checkpoint.state_dict`` now if it is imported, otherwise right
     after it is (see the module docstring).
     """
-    loaded = sys.modules.get(_DCP_STATE_DICT)
-    if loaded is not None:
-        _patch(loaded)
-        return
-    if not any(isinstance(f, _PatchAfterImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _PatchAfterImport())
+    call_after_import(_DCP_STATE_DICT, _patch)  # [Note: After-import callbacks]
