@@ -275,6 +275,7 @@ class CudaBenchConfig:
     offload: bool = False
     offload_sizes: tuple[float, ...] = ()
     compile: bool = False
+    compile_backend: str = "inductor"
     profile: bool = False
     profile_steps: int = 3
     json_out: Optional[str] = None
@@ -381,6 +382,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--peak-tflops", type=float, default=None, help="the GPU's dense bf16 peak (for MFU) when its name is not known")
     p.add_argument("--offload", action="store_true", help="fsdp vs torch_fsdp1 with CPUOffload(offload_params=True)")
     p.add_argument("--compile", action="store_true", help="torch.compile each wrapped model (fsdp and torch FSDP1 with use_orig_params=True)")
+    p.add_argument("--compile-backend", default=d.compile_backend, help="torch.compile's backend with --compile (aot_eager builds no kernels: the CPU dry run's)")
     p.add_argument("--offload-sizes", type=_floats, default=(), help="with --offload: model sizes in billions to walk, e.g. 1,2,4")
     p.add_argument("--profile", action="store_true", help="also profile fsdp's steps (torch.profiler, top 25 ops)")
     p.add_argument("--profile-steps", type=int, default=d.profile_steps)
@@ -411,6 +413,7 @@ def parse_cuda_args(argv: Optional[Sequence[str]] = None) -> CudaBenchConfig:
             offload=a.offload,
             offload_sizes=a.offload_sizes,
             compile=a.compile,
+            compile_backend=a.compile_backend,
             profile=a.profile,
             profile_steps=a.profile_steps,
             json_out=a.json_out,

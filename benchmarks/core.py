@@ -110,6 +110,7 @@ class WrapOptions:
     offload: bool = False
     forward_prefetch: bool = False
     compile: bool = False
+    compile_backend: str = "inductor"  # the CPU dry run uses aot_eager: no C++ build
 
 
 def torch_fsdp() -> Any:
@@ -270,7 +271,7 @@ def wrap(impl: str, model: nn.Module, opts: WrapOptions) -> nn.Module:
     if opts.offload and impl not in ("fsdp", "torch_fsdp1"):
         raise ValueError(f"CPU offload is measured for fsdp and torch_fsdp1 only, not {impl!r}")
     wrapped = wrappers[impl](model, opts) if impl in wrappers else model
-    return cast(nn.Module, torch.compile(wrapped)) if opts.compile else wrapped
+    return cast(nn.Module, torch.compile(wrapped, backend=opts.compile_backend)) if opts.compile else wrapped
 
 
 # ------------------------------------------------------------------ report arithmetic

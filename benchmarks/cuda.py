@@ -63,7 +63,8 @@ def cuda_unavailable_message() -> str:
 
 def _wrap_options(cfg: CudaBenchConfig, device: torch.device, offload: bool) -> WrapOptions:
     """FULL_SHARD (both FSDP1 designs run NO_SHARD at world size 1), bf16, and the flags."""
-    return WrapOptions(strategy="FULL_SHARD", device=device, bf16=True, offload=offload, compile=cfg.compile)
+    return WrapOptions(strategy="FULL_SHARD", device=device, bf16=True, offload=offload, compile=cfg.compile,
+                       compile_backend=cfg.compile_backend)
 
 
 def _free_port() -> int:

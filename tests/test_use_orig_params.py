@@ -168,34 +168,6 @@ def test_writeback_of_replaced_data(pool2: RankPool, strategy: str) -> None:
     pool2.run(writeback, strategy)
 
 
-def compiled(strategy: str) -> None:
-    from fsdp import FullyShardedDataParallel as FSDP
-
-    eager, ours = _wrap("ours", make_toy(), strategy), _wrap("ours", make_toy(), strategy)
-    compiled_model = torch.compile(ours)
-    models = [eager, compiled_model]
-    opts = [torch.optim.AdamW(m.parameters(), lr=0.01) for m in (eager, ours)]
-    rank, ws = dist.get_rank(), dist.get_world_size()
-    for step in range(3):
-        tokens, targets = global_batch(step, ws)
-        losses = []
-        for model, opt in zip(models, opts):
-            loss = lm_loss(model(local_rows(tokens, rank, ws)), local_rows(targets, rank, ws))
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.detach())
-        torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
-    a, b = _full_params(eager, FSDP), _full_params(ours, FSDP)
-    for name in a:
-        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=name)
-
-
-@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
-def test_torch_compile(pool2: RankPool, strategy: str) -> None:
-    pool2.run(compiled, strategy, _timeout=300)
-
-
 def summon_orig(strategy: str) -> None:
     from fsdp import FullyShardedDataParallel as FSDP
 
