@@ -158,3 +158,61 @@ def test_tp_training(pool4: RankPool) -> None:
             ("SHARD_GRAD_OP", False, "sgd"),
         ],
     )
+
+
+def _step(model: nn.Module, step: int) -> None:
+    tokens, targets = global_batch(step, _mesh().size(0))
+    lm_loss(model(_dp_rows(tokens)), _dp_rows(targets)).backward()
+
+
+def run_tp_summon_and_clip(configs: list[tuple[str, bool]]) -> list[float]:
+    """summon_full_params shows torch FSDP1's DTensors, its writeback of in-place changes and
+    clip_grad_norm_ (2 and inf) equal torch FSDP1's, bit for bit."""
+    from fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+    from torch.distributed.tensor import DTensor
+
+    norms = []
+    for strategy, nested in configs:
+        ours = _wrap("ours", _tp_model(), strategy, nested)
+        theirs = _wrap("torch", _tp_model(), strategy, nested)
+        for model, cls in ((ours, FSDP), (theirs, TorchFSDP)):
+            _step(model, 0)
+            with cls.summon_full_params(model):  # writeback of an in-place change
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.mul_(0.5)
+        with FSDP.summon_full_params(ours, writeback=False), TorchFSDP.summon_full_params(theirs, writeback=False):
+            mine, other = list(ours.named_parameters()), list(theirs.named_parameters())
+            assert [n for n, _ in mine] == [n for n, _ in other]
+            for (name, p), (_, q) in zip(mine, other):
+                assert type(p) is type(q) and p.shape == q.shape and p.requires_grad == q.requires_grad, name
+                if isinstance(q, DTensor):
+                    assert isinstance(p, DTensor), name
+                    assert p.placements == q.placements and p.device_mesh == q.device_mesh, name
+                    assert p.stride() == q.stride(), name
+                    p, q = p.to_local(), q.to_local()
+                assert torch.equal(p, q), name
+        for max_norm, norm_type in ((0.1, 2.0), (0.05, float("inf"))):
+            for model in (ours, theirs):
+                _step(model, 1)
+            norm = ours.clip_grad_norm_(max_norm, norm_type)
+            torch_norm = theirs.clip_grad_norm_(max_norm, norm_type)
+            assert torch.equal(norm, torch_norm), (strategy, nested, norm_type, norm, torch_norm)
+            assert norm > max_norm  # the gradients were clipped
+            norms.append(norm.item())
+            for (name, p), (_, q) in zip(ours.named_parameters(), theirs.named_parameters()):
+                assert (p.grad is None) == (q.grad is None), name
+                if p.grad is not None:
+                    assert torch.equal(p.grad, q.grad), (strategy, nested, norm_type, name)
+            for model in (ours, theirs):
+                model.zero_grad()
+    return norms
+
+
+def test_tp_summon_and_clip(pool4: RankPool) -> None:
+    norms = pool4.run(run_tp_summon_and_clip, [("FULL_SHARD", True), ("SHARD_GRAD_OP", False)])
+    # As torch FSDP1 computes it, the norm is reduced over the dp group only: the two dp ranks
+    # of one tp index agree ({0, 2} and {1, 3}); each tp index counts its own tp pieces of the
+    # tensor-parallel gradients (the values equal torch's, checked on every rank above).
+    assert norms[0] == norms[2] and norms[1] == norms[3]
