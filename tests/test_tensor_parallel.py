@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from tests._harness import RankPool
@@ -216,3 +217,61 @@ def test_tp_summon_and_clip(pool4: RankPool) -> None:
     # of one tp index agree ({0, 2} and {1, 3}); each tp index counts its own tp pieces of the
     # tensor-parallel gradients (the values equal torch's, checked on every rank above).
     assert norms[0] == norms[2] and norms[1] == norms[3]
+
+
+def _assert_same_values(mine: dict[str, Any], theirs: dict[str, Any], what: str) -> None:
+    """Same keys, types, DTensor meshes, placements, shapes and local values, bit for bit."""
+    from torch.distributed.tensor import DTensor
+
+    assert list(mine) == list(theirs), what
+    for key, value in mine.items():
+        other = theirs[key]
+        assert type(value) is type(other), (what, key, type(value), type(other))
+        if isinstance(other, DTensor):
+            assert value.device_mesh == other.device_mesh and value.placements == other.placements, (what, key)
+            assert value.shape == other.shape and value.stride() == other.stride(), (what, key)
+            value, other = value.to_local(), other.to_local()
+        if isinstance(other, torch.Tensor):
+            assert torch.equal(value, other), (what, key)
+        else:
+            assert value == other, (what, key)
+
+
+def run_tp_model_state_dicts(configs: list[tuple[str, bool]]) -> None:
+    """FULL and SHARDED model state dicts equal torch FSDP1's (2-D DTensors when SHARDED, tp
+    DTensors when FULL); each loads back into a fresh model (SHARDED through DCP)."""
+    import tempfile
+
+    import torch.distributed.checkpoint as dcp
+    from fsdp import FullyShardedDataParallel as FSDP, StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP, StateDictType as TorchType
+
+    for strategy, nested in configs:
+        ours = _wrap("ours", _tp_model(), strategy, nested)
+        theirs = _wrap("torch", _tp_model(), strategy, nested)
+        for model in (ours, theirs):
+            opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+            _step(model, 0)
+            opt.step()
+        for kind in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
+            with FSDP.state_dict_type(ours, StateDictType[kind]):
+                mine = ours.state_dict()
+            with TorchFSDP.state_dict_type(theirs, TorchType[kind]):
+                other = theirs.state_dict()
+            _assert_same_values(mine, other, f"{strategy} {nested} {kind}")
+            fresh = _wrap("ours", _tp_model(), strategy, nested)
+            with FSDP.state_dict_type(fresh, StateDictType[kind]):
+                if kind == "SHARDED_STATE_DICT":
+                    path = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+                    dist.broadcast_object_list(path)
+                    dcp.save(mine, checkpoint_id=path[0])
+                    template = fresh.state_dict()
+                    dcp.load(template, checkpoint_id=path[0])
+                    fresh.load_state_dict(template)
+                else:
+                    fresh.load_state_dict(mine)
+            _assert_same_values(dict(fresh.named_parameters()), dict(ours.named_parameters()), f"load {kind}")
+
+
+def test_tp_model_state_dicts(pool4: RankPool) -> None:
+    pool4.run(run_tp_model_state_dicts, [("FULL_SHARD", True), ("SHARD_GRAD_OP", False)])
