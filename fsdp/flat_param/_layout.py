@@ -16,6 +16,7 @@ from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from fsdp._common import p_assert
 from fsdp.flat_param._sharding import FlatLayout, ParamShardSlice, flat_layout, padded_unsharded_numel, shard_bounds
@@ -31,6 +32,7 @@ __all__ = [
     "UnitParams",
     "collect_params",
     "itemsize",
+    "local_tensor",
     "mark_flattened",
     "set_torch_metadata",
 ]
@@ -55,8 +57,10 @@ class ParamInfo(NamedTuple):
         param_name: Attribute name on the owning module (``"weight"``).
         module: The owning module.
         module_name: Qualified name of the owning module inside the unit's wrapped module.
-        shape: Original shape.
-        numel: Original number of elements.
+        shape: Original shape (of the local tensor for a DTensor parameter).
+        numel: Original number of elements (of the local tensor for a DTensor parameter).
+        dtensor_spec: A DTensor parameter's spec (mesh, placements, global shape and stride),
+            else None; see [Note: DTensor parameters].
     """
 
     param_name: str
@@ -64,6 +68,7 @@ class ParamInfo(NamedTuple):
     module_name: str
     shape: torch.Size
     numel: int
+    dtensor_spec: Optional[Any] = None
 
     @property
     def fqn(self) -> str:
@@ -109,17 +114,32 @@ class UnitParams(NamedTuple):
         unique_params: The distinct Parameters, in flat order.
         param_infos: One :class:`ParamInfo` per entry of ``unique_params``.
         shared_param_infos: The further names of Parameters met before (tied weights).
+        given_params: The distinct Parameters as the modules held them (DTensors included).
     """
 
     unique_params: list[nn.Parameter]
     param_infos: list[ParamInfo]
     shared_param_infos: list[SharedParamInfo]
+    given_params: list[nn.Parameter]
 
 
+# [Note: DTensor parameters] Tensor parallelism (``parallelize_module``) before FSDP leaves
+# DTensor Parameters on the modules, each holding this rank's tp piece as its local tensor.
+# A unit flattens the local tensors (so ParamInfo's shape and numel, the flat layout and the
+# optimizer's 1-D shards are local: a DTensor Parameter becomes a plain Parameter of its local
+# tensor, as torch FSDP1 makes it) and records each spec (mesh, placements, global shape and
+# stride). Whatever shows the parameters in their original form (forward's views, the Parameters
+# of summon_full_params) wraps the local view with ``DTensor.from_local(view, spec, no check)``:
+# TP's forward runs on DTensors, and the wrapping is differentiable, so the gradient reaches the
+# local view and from there the flat gradient. Sharding, gathering and reducing never see a
+# DTensor, over the dp group only, as torch FSDP1 does.
 def collect_params(params: Sequence[tuple[str, nn.Module, str, nn.Parameter]]) -> UnitParams:
     """Groups ``(module_name, module, param_name, param)`` entries: a Parameter met again
-    (tied weights) becomes a :class:`SharedParamInfo` of its first name."""
-    result = UnitParams([], [], [])
+    (tied weights) becomes a :class:`SharedParamInfo` of its first name.
+
+    A DTensor Parameter is replaced by a plain Parameter of its local tensor, its spec kept in
+    its :class:`ParamInfo` ([Note: DTensor parameters])."""
+    result = UnitParams([], [], [], [])
     index_of: dict[int, int] = {}
     for module_name, module, param_name, param in params:
         if id(param) in index_of:
@@ -128,8 +148,13 @@ def collect_params(params: Sequence[tuple[str, nn.Module, str, nn.Parameter]]) -
             )
             continue
         index_of[id(param)] = len(result.unique_params)
+        result.given_params.append(param)
+        spec = None
+        if isinstance(param, DTensor):
+            spec = param._spec
+            param = nn.Parameter(param._local_tensor.detach(), requires_grad=param.requires_grad)
         result.unique_params.append(param)
-        result.param_infos.append(ParamInfo(param_name, module, module_name, param.shape, param.numel()))
+        result.param_infos.append(ParamInfo(param_name, module, module_name, param.shape, param.numel(), spec))
     p_assert(len(result.unique_params) > 0, "a FlatParamHandle needs at least one parameter")
     return result
 
@@ -141,9 +166,10 @@ def mark_flattened(handle: Any, unit_params: UnitParams) -> None:
     with a clear error, whether or not the original is still alive elsewhere (see
     ``check_not_flattened_elsewhere``).
     """
-    for param, info in zip(unit_params.unique_params, unit_params.param_infos):
-        setattr(param, FLATTENED_ATTR, (weakref.ref(handle), info.fqn))
-        setattr(param, FSDP_FLATTENED, True)
+    for params in (unit_params.given_params, unit_params.unique_params):
+        for param, info in zip(params, unit_params.param_infos):
+            setattr(param, FLATTENED_ATTR, (weakref.ref(handle), info.fqn))
+            setattr(param, FSDP_FLATTENED, True)
 
 
 def itemsize(dtype: torch.dtype) -> int:
@@ -171,6 +197,8 @@ class ShardLayout:
             none of it).
         sharded_ranges: The same as ``(offset in the local shard, numel)``, ``(0, 0)`` where
             this rank holds none.
+        dtensor_specs: Each parameter's DTensor spec, None for a plain parameter
+            ([Note: DTensor parameters]).
     """
 
     flat: FlatLayout
@@ -182,6 +210,7 @@ class ShardLayout:
     sharded_numel: int
     shard_slices: list[Optional[ParamShardSlice]]
     sharded_ranges: list[tuple[int, int]]
+    dtensor_specs: tuple[Optional[Any], ...] = ()
 
     @staticmethod
     def build(
@@ -211,6 +240,7 @@ class ShardLayout:
             padded // (world_size if uses_sharding else 1),
             slices,
             ranges,
+            tuple(info.dtensor_spec for info in param_infos),
         )
 
     @property
@@ -273,11 +303,47 @@ class ShardLayout:
         params = [split for split, is_padding in zip(splits, self.flat.is_padding_mask) if not is_padding]
         return [split.view(shape) for split, shape in zip(params, self.param_shapes)]
 
+    @property
+    def has_dtensors(self) -> bool:
+        """Whether any parameter was a DTensor ([Note: DTensor parameters])."""
+        return any(spec is not None for spec in self.dtensor_specs)
+
+    def orig_tensors(self, views: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """What the original parameter names hold for unsharded ``views`` (from
+        :meth:`unsharded_views`): the view itself, or for a DTensor parameter a DTensor with the
+        view as its local tensor and the parameter's recorded spec ([Note: DTensor
+        parameters]). Differentiable: a DTensor's gradient flows into its view's."""
+        if not self.has_dtensors:
+            return list(views)
+        return [view if spec is None else _as_dtensor(view, spec) for view, spec in zip(views, self.dtensor_specs)]
+
     def orig_sharded_view(self, source: torch.Tensor, index: int) -> torch.Tensor:
         """Parameter ``index``'s part of a shard-shaped tensor (original shape if unsharded)."""
         offset, numel = self.sharded_ranges[index]
         view = source[offset : offset + numel]
         return view if self.uses_sharding else view.view(self.param_shapes[index])
+
+
+def _wait_async_grad(grad: torch.Tensor) -> torch.Tensor:
+    """A gradient a DTensor's backward left as an asynchronous collective's result, waited for."""
+    wait = getattr(grad, "wait", None)
+    return wait() if callable(wait) else grad
+
+
+def _as_dtensor(local: torch.Tensor, spec: Any) -> torch.Tensor:
+    """``local`` as the local tensor of a DTensor with ``spec``'s mesh, placements, global shape
+    and stride (no communication, no check)."""
+    result = DTensor.from_local(
+        local, spec.mesh, spec.placements, run_check=False, shape=spec.shape, stride=spec.stride
+    )
+    if local.requires_grad:
+        local.register_hook(_wait_async_grad)
+    return result
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor, any other tensor itself."""
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
 def set_torch_metadata(
@@ -343,4 +409,5 @@ def set_torch_metadata(
     else:
         flat._params = None  # type: ignore[attr-defined]
         flat._shared_params = None  # type: ignore[attr-defined]
+    flat._param_extensions = [info.dtensor_spec for info in infos]  # type: ignore[attr-defined]
     flat._fsdp_flattened = True  # type: ignore[attr-defined]

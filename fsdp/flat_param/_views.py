@@ -17,9 +17,10 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from fsdp._common import FSDPStateAssertionError
-from fsdp.flat_param._layout import ParamInfo, SharedParamInfo, ShardLayout
+from fsdp.flat_param._layout import ParamInfo, SharedParamInfo, ShardLayout, local_tensor
 from fsdp.flat_param._storage import FlatParamStorage
 
 __all__ = ["ParamViews", "assign_grad"]
@@ -191,18 +192,11 @@ class ParamViews:
             recorded: Autograd records the views (forward with grad), so their gradients flow
                 into the FlatParameter's padded unsharded gradient.
         """
-        views = self.layout.unsharded_views(self.storage.flat_param)
+        views = self.layout.orig_tensors(self.layout.unsharded_views(self.storage.flat_param))
         if recorded:
             self.forward_cast_generation = self.cast_generation
         if as_params:
-            req = self.storage.flat_param.requires_grad
-            if self.use_orig_params:
-                params = self.orig_params
-                for param, view in zip(params, views):
-                    param.data = view.detach()
-            else:
-                params = [nn.Parameter(view, requires_grad=req) for view in views]
-            self._set_module_params(params)
+            self._set_module_params(self.full_params(views))
             return
         self._set_module_tensors(views)
         if self.use_orig_params:
@@ -213,6 +207,28 @@ class ParamViews:
                 info.module._parameters[info.param_name] = view  # type: ignore[assignment]
             for shared in self.shared_param_infos:
                 shared.module._parameters[shared.param_name] = views[shared.prim_index]  # type: ignore[assignment]
+
+    def full_params(self, views: Sequence[torch.Tensor]) -> list[nn.Parameter]:
+        """The Parameters the original names hold while unsharded in full (summon_full_params).
+
+        Args:
+            views: What :meth:`ShardLayout.orig_tensors` gives for the unsharded flat tensor.
+
+        Returns:
+            With use_orig_params the original Parameters viewing ``views`` (a DTensor view cannot
+            be an existing Parameter's ``.data``: it gets a new Parameter, as in torch FSDP1;
+            [Note: DTensor parameters]); otherwise new Parameters of ``views``.
+        """
+        req = self.storage.flat_param.requires_grad
+        params: list[nn.Parameter] = []
+        for index, view in enumerate(views):
+            if not self.use_orig_params or isinstance(view, DTensor):
+                params.append(nn.Parameter(view.detach(), requires_grad=req))
+            else:
+                param = self.orig_params[index]
+                param.data = view.detach()
+                params.append(param)
+        return params
 
     def use_sharded(self) -> None:
         """Points each original parameter name at what it holds while the unit is sharded.
@@ -232,7 +248,7 @@ class ParamViews:
             # NO_SHARD with low-precision parameters at rest: the local shard is the whole
             # parameter, so the names view it in full precision.
             with torch.no_grad():
-                views = self.layout.unsharded_views(self.storage.flat_param)
+                views = self.layout.orig_tensors(self.layout.unsharded_views(self.storage.flat_param))
             self._set_module_tensors(views)
             return
         if self._placeholders is None:  # made once: they hold no data and never change
@@ -350,6 +366,7 @@ class ParamViews:
 
 def _same_view(tensor: torch.Tensor, view: torch.Tensor) -> bool:
     """Whether ``tensor`` is still (a tensor sharing) the unsharded view ``view``."""
+    tensor = local_tensor(tensor)
     if tensor.shape != view.shape:
         return False
     return view.numel() == 0 or tensor.data_ptr() == view.data_ptr()

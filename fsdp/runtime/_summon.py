@@ -17,6 +17,7 @@ from torch import nn
 
 from fsdp._common import FLAT_PARAM, FSDPStateAssertionError, strip_fsdp_segments
 from fsdp.flat_param.flat_param import FlatParamHandle, HandleState, assign_grad
+from fsdp.flat_param._layout import local_tensor
 from fsdp.flat_param._recast import adopt_external_cast
 from fsdp._comm import _collectives as comm
 from fsdp.runtime._lazy_init import lazy_init, reset_lazy_init
@@ -135,14 +136,10 @@ def _summon_handle(
         # been put between the FSDP wrapper and it).
         wrapped = handle.wrapped_module
         registered = wrapped._parameters.pop(FLAT_PARAM, None) is not None
-        views = handle.unsharded_views(source)
-        if handle.use_orig_params:
-            params = handle.managed_orig_params()
-            for param, view in zip(params, views):
-                param.data = view
-        else:
-            params = [nn.Parameter(v, requires_grad=flat.requires_grad) for v in views]
-        for param, grad_view in zip(params, handle.unsharded_views(full_grad) if full_grad is not None else []):
+        layout = handle.shard_layout
+        params = handle.views.full_params(layout.orig_tensors(handle.unsharded_views(source)))
+        grad_views = layout.orig_tensors(handle.unsharded_views(full_grad)) if full_grad is not None else []
+        for param, grad_view in zip(params, grad_views):
             assign_grad(param, grad_view)
         if full_grad is None:
             for param in params:
@@ -220,6 +217,7 @@ def _write_back(handle: FlatParamHandle, params: list[nn.Parameter], source: tor
             current = info.module._parameters.get(info.param_name, getattr(info.module, info.param_name, None))
             if current is None:
                 current = param
+            current = local_tensor(current)  # [Note: DTensor parameters]
             if current.data_ptr() != view.data_ptr():
                 if current.shape != view.shape:
                     raise RuntimeError(  # torch FSDP1's type
@@ -235,7 +233,7 @@ def _write_back_grad(handle: FlatParamHandle, params: list[nn.Parameter], full_g
     """Copies gradient edits made inside the context into the sharded ``.grad``."""
     with torch.no_grad():
         for info, param, view in zip(handle.param_infos, params, handle.unsharded_views(full_grad)):
-            grad = param.grad
+            grad = None if param.grad is None else local_tensor(param.grad)
             if grad is not None and grad.data_ptr() != view.data_ptr():
                 if grad.shape != view.shape:
                     raise RuntimeError(  # torch FSDP1's type

@@ -13,6 +13,7 @@ from torch import nn
 from fsdp._common import FLAT_PARAM, FSDP_PREFIX
 from fsdp.api import FullStateDictConfig, StateDictType
 from fsdp.flat_param.flat_param import FlatParamHandle, HandleState
+from fsdp.flat_param._layout import local_tensor
 from fsdp.flat_param._recast import adopt_external_cast
 from fsdp.runtime._lazy_init import lazy_init
 from fsdp.runtime._state import HandleTrainingState, UnitState, check_idle, transition, unit_state
@@ -153,7 +154,8 @@ def _full_views_registered(handle: FlatParamHandle, padded_unsharded: torch.Tens
     wrapped = handle.wrapped_module
     flat_registered = wrapped._parameters.pop(FLAT_PARAM, None) is not None
     requires_grad = handle.flat_param.requires_grad
-    params = [nn.Parameter(view, requires_grad=requires_grad) for view in handle.unsharded_views(padded_unsharded)]
+    views = handle.shard_layout.orig_tensors(handle.unsharded_views(padded_unsharded))  # [Note: DTensor parameters]
+    params = [nn.Parameter(view, requires_grad=requires_grad) for view in views]
     try:
         register_params(handle, params)
         yield
@@ -213,7 +215,7 @@ def _materialize_entries(
         value = destination[key]
         if not isinstance(value, torch.Tensor) or id(value) in done:
             continue  # not a tensor, or already finished by a nested unit
-        storage_ptr = value.untyped_storage().data_ptr()
+        storage_ptr = local_tensor(value).untyped_storage().data_ptr()
         if storage_ptr in owned_ptrs:
             if isinstance(value, nn.Parameter):  # keep_vars: the view Parameter itself
                 value = value.detach()

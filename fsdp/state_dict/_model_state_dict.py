@@ -53,7 +53,7 @@ from fsdp.runtime._lazy_init import lazy_init
 from fsdp.runtime._mixed_precision import refresh_cast_buffers
 from fsdp.runtime._state import UnitState, check_idle, named_fsdp_states, unit_state
 from fsdp.state_dict._local_values import check_local_value, load_local_value
-from fsdp.state_dict._sharded_values import check_sharded_value, full_value, is_dtensor, is_sharded_tensor
+from fsdp.state_dict._sharded_values import check_sharded_value, full_value, is_dtensor, is_sharded_tensor, local_form
 from fsdp.state_dict._model_common import _effective_kind, _flat_key, _move_prefix
 from fsdp.state_dict._model_save import save_post_hook
 
@@ -398,6 +398,9 @@ def _check_tree(module: nn.Module, state_dict: dict[str, Any], strict: bool) -> 
     unexpected = [k for k in state_dict if k not in managed and k not in local and k not in others]
     if strict and (missing or unexpected):
         raise RuntimeError(_format_incompatible(module, missing, unexpected))
+    for key, (param, state) in managed.items():  # [Note: 2-D sharded values]
+        if key in state_dict:
+            state_dict[key] = local_form(state_dict[key], state)
     mismatches: list[str] = []
     error: Optional[_LoadError] = None
     try:

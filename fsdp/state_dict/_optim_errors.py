@@ -16,8 +16,10 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from typing import Any
 
 __all__ = [
+    "refuse_tensor_parallel",
     "OptimStateKeyError",
     "OptimStateIndexError",
     "OptimStateAssertionError",
@@ -84,3 +86,25 @@ def warn_legacy_api(current: str, replacement: str) -> None:
         FutureWarning,
         stacklevel=_user_stacklevel(),
     )
+
+
+def refuse_tensor_parallel(handles: Any, api: str) -> None:
+    """Raises before anything moves if a unit holds tensor-parallel (DTensor) parameters.
+
+    Optimizer state dicts of such units are not supported yet: torch FSDP1 gives their state as
+    DTensors (tp DTensors when full, 2-D when sharded); fsdp would give plain local pieces.
+
+    Raises:
+        NotImplementedError: Naming the first DTensor parameter and what works instead.
+    """
+    for handle in handles:
+        for info in handle.param_infos:
+            if info.dtensor_spec is not None:
+                raise NotImplementedError(
+                    f"fsdp: {api} does not support tensor-parallel (DTensor) parameters yet: "
+                    f"parameter '{info.fqn}' of FSDP unit '{handle.unit_name}' is a DTensor "
+                    f"(placements {list(info.dtensor_spec.placements)}). Model state dicts "
+                    f"(FULL and SHARDED, through torch.distributed.checkpoint too) work; save "
+                    f"the optimizer with optim.state_dict() per rank, or use torch FSDP1 for "
+                    f"this model's optimizer checkpoints."
+                )

@@ -22,7 +22,7 @@ from torch import nn
 from fsdp._comm import _collectives as comm
 from fsdp.flat_param.flat_param import FlatParamHandle
 from fsdp.state_dict._optim_agreement import agree
-from fsdp.state_dict._optim_errors import OptimStateAttributeError, OptimStateKeyError
+from fsdp.state_dict._optim_errors import OptimStateAttributeError, OptimStateKeyError, refuse_tensor_parallel
 from fsdp.state_dict._optim_keys import ParamKey, _fqn_to_key, _ModelView, _optimizer_keys, _param_list
 from fsdp.state_dict._optim_values import (
     _dtype_of,
@@ -73,6 +73,7 @@ def to_load(
     [Note: Optimizer state keyed by names across ranks]).
     """
     view = _ModelView(model)
+    refuse_tensor_parallel(view.handles, "loading an optimizer state dict")
     if load_directly and optim is None:
         # torch FSDP1 fails with an AttributeError (on None.load_state_dict).
         raise OptimStateAttributeError("fsdp: load_directly=True needs the optimizer to load into; pass optim.")

@@ -27,7 +27,7 @@ from fsdp.state_dict._optim_agreement import (
     check_save_orig,
     describe_state,
 )
-from fsdp.state_dict._optim_errors import OptimStateKeyError
+from fsdp.state_dict._optim_errors import OptimStateKeyError, refuse_tensor_parallel
 from fsdp.state_dict._optim_keys import (
     _keyed_by_names,
     _ModelView,
@@ -78,6 +78,7 @@ def save(
     different orders (see [Note: Optimizer state keyed by names across ranks]).
     """
     view = _ModelView(model)
+    refuse_tensor_parallel(view.handles, "saving an optimizer state dict")
     osd, params, infos = _prepare_save(view, model, optim, optim_state_dict, optim_input, group)
     options = _SaveOptions(
         to_save=not rank0_only or dist.get_rank(group) == 0 or not full,

@@ -21,6 +21,8 @@ from fsdp._comm import _collectives as comm
 from fsdp.runtime._state import UnitState
 
 __all__ = [
+    "local_form",
+    "parent_mesh",
     "to_dtensor",
     "check_sharded_value",
     "full_value",
@@ -68,10 +70,68 @@ def _chunk_rows(dim0: int, world_size: int, rank: int) -> tuple[int, int]:
     return first, max(0, min(rows_per_rank, dim0 - first))
 
 
-def to_dtensor(full_value: torch.Tensor, state: UnitState, offload: bool) -> Any:
-    """This rank's ``torch.chunk`` piece of ``full_value`` as a ``Shard(0)`` DTensor (owned)."""
+def parent_mesh(state: UnitState) -> Any:
+    """The 2-D (or larger) mesh the unit's 1-D ``device_mesh`` was sliced from, else None.
+
+    Set for FSDP over the dp dimension of a (dp, tp) mesh: SHARDED values are then DTensors on
+    that mesh ([Note: 2-D sharded values]).
+    """
+    mesh = state.device_mesh
+    if mesh is None or mesh.ndim != 1:
+        return None
+    root = mesh._get_root_mesh()
+    return root if root is not None and root.ndim >= 2 and root != mesh else None
+
+
+# [Note: 2-D sharded values] With FSDP over the dp slice of a (dp, tp) mesh, torch FSDP1 gives
+# every SHARDED value as a DTensor on the whole mesh: a tensor-parallel parameter with
+# placements (Shard(0), its tp placement), any other value (Shard(0), Replicate()); its local
+# tensor is this dp rank's ``torch.chunk`` rows of the tp-local tensor. We build the same
+# DTensor the same way, as a redistribution from (Replicate(), tp placement) that only chunks
+# locally, so the layout is DTensor's own, and read one back the opposite way (an all-gather
+# over dp that leaves the tp-local tensor, see :func:`local_form`).
+def _to_2d_dtensor(value: torch.Tensor, root: Any, offload: bool) -> Any:
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    tp_placement = value.placements[-1] if isinstance(value, DTensor) else Replicate()
+    local = value.to_local() if isinstance(value, DTensor) else value
+    replicated = [Replicate()] * root.ndim
+    replicated[-1] = tp_placement
+    sharded = [Replicate()] * root.ndim
+    sharded[-2], sharded[-1] = Shard(0), tp_placement
+    result = DTensor.from_local(local, root, replicated, run_check=False).redistribute(root, sharded)
+    result = DTensor.from_local(
+        result.to_local().clone(), root, sharded, run_check=False, shape=result.shape, stride=result.stride()
+    )
+    return result.cpu() if offload else result
+
+
+def local_form(value: Any, state: UnitState) -> Any:
+    """A value of a managed parameter as the unit holds it: a 2-D DTensor on the parent mesh
+    ([Note: 2-D sharded values]) gathered over dp, a tp DTensor (FULL) its local tensor; any
+    other value itself. Collective for a 2-D DTensor (every dp rank calls it in the same order)."""
     from torch.distributed.tensor import DTensor, Replicate
 
+    if not isinstance(value, DTensor):
+        return value
+    root = parent_mesh(state)
+    if root is not None and value.device_mesh == root:
+        placements = [Replicate()] * root.ndim
+        placements[-1] = value.placements[-1]
+        return value.redistribute(root, placements).to_local()
+    if root is not None and value.device_mesh.ndim == 1 and value.device_mesh != state.device_mesh:
+        return value.to_local()  # a FULL value of a tensor-parallel parameter
+    return value
+
+
+def to_dtensor(full_value: torch.Tensor, state: UnitState, offload: bool) -> Any:
+    """This rank's ``torch.chunk`` piece of ``full_value`` as a ``Shard(0)`` DTensor (owned); on
+    a 2-D parent mesh the 2-D DTensor torch FSDP1 gives ([Note: 2-D sharded values])."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    root = parent_mesh(state)
+    if root is not None and full_value.dim() > 0:
+        return _to_2d_dtensor(full_value, root, offload)
     if full_value.dim() == 0:
         mesh = _mesh_for(state.process_group, state.compute_device)
         value = DTensor.from_local(full_value.clone(), mesh, [Replicate()], run_check=False)
