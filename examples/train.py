@@ -6,13 +6,17 @@ Under ``torchrun`` (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` se
 rendezvous instead, using NCCL and ``device_id=cuda:LOCAL_RANK`` when CUDA is available and gloo
 on CPU otherwise::
 
-    torchrun --nproc_per_node=8 -m examples.train --model small --strategy SHARD_GRAD_OP
+    torchrun --nproc_per_node=8 -m examples.train --model small --strategy SHARD_GRAD_OP --checkpoint-dir checkpoints/small
 
 Each block of the model is one FSDP unit (``ModuleWrapPolicy({Block})``); the optimizer is AdamW
 with a warmup + cosine learning-rate schedule and ``clip_grad_norm_(1.0)``. Rank 0 logs the loss
-(averaged over ranks), the global tokens/s and each rank's memory, then prints a summary. The exit
-status is non-zero when the smoothed loss did not fall, so the command doubles as an end-to-end
-check.
+(averaged over ranks), the global tokens/s and each rank's RSS, then prints a summary: the loss
+verdict and each rank's memory (parameter, gradient and optimizer-state bytes measured from its
+tensors; the step's peak of live tensors, [Note: Step peak on CPU]). The exit status is 1 when the
+smoothed loss did not fall (runs too short to judge give no verdict, [Note: Loss verdict]), so the
+command doubles as an end-to-end check, and 2 when the run is refused before any rank starts:
+a bad flag, a --checkpoint-dir holding another run (without --resume or --overwrite), or a
+--resume that cannot continue (no checkpoint, another model, nothing left to train).
 """
 
 from __future__ import annotations

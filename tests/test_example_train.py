@@ -277,3 +277,25 @@ def test_memory_report_shows_sharding() -> None:
         assert breakdown["optimizer state"] == expected["optimizer state"], (strategy, breakdown)
         peaks[strategy] = ranks[0][strategy]["peak"]
     assert peaks["FULL_SHARD"] < peaks["SHARD_GRAD_OP"] < peaks["NO_SHARD"], peaks
+
+
+def test_resume_of_a_checkpoint_without_run_json(tmp_path: Any) -> None:
+    """A checkpoint saved before checkpoints recorded their configuration: its step comes from
+    the folder's name, and the line before loading says that nothing checks the model."""
+    from examples.checkpoint import LATEST
+    from examples.train import _check_checkpoint_dir, parse_args
+
+    folder = tmp_path / "step_000005"
+    folder.mkdir()
+    (folder / ".metadata").write_text("x")  # what makes a folder complete
+    (tmp_path / LATEST).write_text("step_000005\n")
+    args = parse_args(["--resume", "--checkpoint-dir", str(tmp_path), "--steps", "5"])
+    assert _check_checkpoint_dir(args) == (
+        f"fsdp example: checkpoint is at step 5 >= --steps 5: nothing to train; pass --steps > 5 (checkpoint {folder})"
+    )
+    args = parse_args(["--resume", "--checkpoint-dir", str(tmp_path), "--steps", "9", "--seq-len", "32"])
+    assert _check_checkpoint_dir(args) is None and args.resume_from == str(folder)
+    assert args.resume_note == (
+        f"fsdp example: resuming {folder} at step 5 of --steps 9; it records no configuration (an older "
+        "save): loading it as --model tiny --seq-len 32"
+    )
