@@ -807,7 +807,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     torchrun = _launched_by_torchrun()
     refusal = prepare_checkpoint_dir(args, is_rank0=not torchrun or os.environ["RANK"] == "0")
     if refusal is not None:
-        print(refusal, file=sys.stderr, flush=True)
+        if not torchrun or os.environ["LOCAL_RANK"] == "0":  # said once per node
+            print(refusal, file=sys.stderr, flush=True)
         return 2
     if torchrun:
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
