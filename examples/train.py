@@ -127,7 +127,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if args.log_every is None:
         args.log_every = max(1, args.steps // 20)
     _check_args(parser, args, corpus_tokens)
-    args.resume_from = None  # the checkpoint a --resume loads (set by main, before any rank starts)
+    # What a --resume loads and the line that says so (set by main, before any rank starts).
+    args.resume_from = args.resume_note = None
     return args
 
 
