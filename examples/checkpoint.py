@@ -18,10 +18,27 @@ a moment, and then the loader takes the complete ``.partial`` or ``.old`` of tha
 A folder counts as complete when DCP's ``.metadata`` file is in it: DCP writes it last, after every
 rank's shards. A half-written folder is never loaded. The checkpoint is SHARDED (DTensor shards), so
 it resumes at any world size.
+
+Each folder also holds ``run.json`` (the ``info`` a save is given: the trainer records its step, the
+model's configuration and the flags that shape it), written into the ``.partial`` folder before
+the shards, so a complete folder always has it and it can be read without loading anything
+(:func:`read_info`).
+
+[Note: Clearing a checkpoint directory]
+:func:`clear_checkpoints` (``--overwrite``) deletes an earlier run's checkpoints before a new run
+saves its own: kept, they would look newer by name than the new run's, and pruning would delete
+the new run's instead. It first moves the ``latest`` pointer into ``.overwritten/`` (one
+``os.replace``: from then on :func:`latest_checkpoint` finds nothing), then every ``step_*``
+folder, then deletes ``.overwritten/``. A crash part-way leaves no pointer, so ``--resume`` finds
+no checkpoint (an error, never a wrong pick), while :func:`has_checkpoints` still sees the
+leftover folders, so a new run without ``--overwrite`` is refused as before; ``--overwrite``
+again finishes the job. Only the entries a save writes are touched: other files in the
+directory stay.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -38,9 +55,15 @@ from fsdp import FullyShardedDataParallel as FSDP
 from fsdp import StateDictType
 
 LATEST = "latest"
+#: The file in each checkpoint folder that holds the save's ``info`` (JSON).
+INFO = "run.json"
+#: Where :func:`clear_checkpoints` moves what it deletes (see [Note: Clearing a checkpoint directory]).
+TRASH = ".overwritten"
 #: How many complete step folders a save keeps by default (the newest ones).
 DEFAULT_KEEP = 3
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+#: Every entry a save writes: step folders (with their .partial/.old forms) and the pointer.
+_OWNED = re.compile(r"^(step_\d+(\.partial|\.old)?|" + re.escape(LATEST) + r"(\.tmp)?)$")
 
 
 def is_complete(path: str) -> bool:
@@ -83,6 +106,7 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer,
     extra: dict[str, Any],
     keep: int = DEFAULT_KEEP,
+    info: Optional[dict[str, Any]] = None,
 ) -> str:
     """Saves model, optimizer and ``extra`` (picklable progress) atomically; returns the folder.
 
@@ -91,6 +115,8 @@ def save_checkpoint(
     Args:
         keep: How many complete step folders to keep (the newest, this one included); older
             ones are deleted after this save is published. At least 1.
+        info: JSON-serializable facts about the checkpoint, written as ``run.json`` in the
+            folder (read back with :func:`read_info`, without loading the checkpoint).
 
     Raises:
         ValueError: ``keep`` < 1.
@@ -105,6 +131,10 @@ def save_checkpoint(
         shutil.rmtree(partial, ignore_errors=True)  # leftovers of an interrupted save
         if os.path.isdir(final) and os.path.isdir(old):
             shutil.rmtree(old)  # a complete step_N exists: the .old of an earlier re-save is stale
+        if info is not None:  # before the shards: a folder with DCP's .metadata has it
+            os.makedirs(partial)
+            with open(os.path.join(partial, INFO), "w", encoding="utf-8") as f:
+                json.dump(info, f, indent=1, sort_keys=True)
     dist.barrier()
     dcp.save(_state(model, optimizer, extra), checkpoint_id=partial)
     dist.barrier()  # every rank's shards are on disk
@@ -122,6 +152,56 @@ def save_checkpoint(
         _prune(directory, keep, final)
     dist.barrier()
     return final
+
+
+def read_info(path: str) -> Optional[dict[str, Any]]:
+    """The ``info`` a checkpoint folder was saved with, or None when it has none (an older save).
+
+    Raises:
+        RuntimeError: ``run.json`` exists but is not readable JSON, naming the file.
+    """
+    file = os.path.join(path, INFO)
+    if not os.path.isfile(file):
+        return None
+    try:
+        with open(file, encoding="utf-8") as f:
+            info = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise RuntimeError(f"fsdp example: cannot read {file} ({exc}); the checkpoint folder is damaged") from exc
+    if not isinstance(info, dict):
+        raise RuntimeError(f"fsdp example: {file} holds {type(info).__name__}, not an object; the checkpoint folder is damaged")
+    return info
+
+
+def checkpoint_step(path: str) -> int:
+    """The step of a checkpoint folder, from its name (``step_000300``, ``.partial`` or ``.old``)."""
+    match = re.match(r"^step_(\d+)", os.path.basename(path))
+    if match is None:
+        raise ValueError(f"fsdp example: {path} is not a step_NNNNNN checkpoint folder")
+    return int(match.group(1))
+
+
+def has_checkpoints(directory: str) -> bool:
+    """Whether ``directory`` holds a run's checkpoints: a ``latest`` pointer or a complete step folder
+    (also what an interrupted :func:`clear_checkpoints` leaves)."""
+    return os.path.exists(os.path.join(directory, LATEST)) or bool(_step_folders(directory))
+
+
+def clear_checkpoints(directory: str) -> int:
+    """Deletes the checkpoints a save wrote in ``directory`` (pointer first); returns how many
+    step folders went. Not a collective: call it on one process before training starts.
+    See [Note: Clearing a checkpoint directory]."""
+    if not os.path.isdir(directory):
+        return 0
+    trash = os.path.join(directory, TRASH)
+    shutil.rmtree(trash, ignore_errors=True)  # what an interrupted clear left
+    os.makedirs(trash)
+    owned = sorted(name for name in os.listdir(directory) if _OWNED.match(name))
+    owned.sort(key=lambda name: name != LATEST)  # the pointer first
+    for name in owned:
+        os.replace(os.path.join(directory, name), os.path.join(trash, name))
+    shutil.rmtree(trash)
+    return sum(1 for name in owned if _STEP_DIR.match(name))
 
 
 def latest_checkpoint(directory: str) -> Optional[str]:

@@ -353,3 +353,88 @@ def test_keep_prunes_old_steps_and_a_missing_latest_falls_back(tmp_path: Any) ->
     with pytest.raises(RuntimeError, match=r"holds no other complete step_\* folder"):
         latest_checkpoint(directory)
     assert os.path.exists(os.path.join(directory, LATEST))
+
+
+# ---------------------------------------------------------------- --overwrite
+def _fake_run(directory: str, steps: list[int]) -> None:
+    """Step folders that count as complete (DCP's ``.metadata`` is the mark) and a pointer to the last."""
+    from examples.checkpoint import INFO, LATEST
+
+    for step in steps:
+        folder = os.path.join(directory, f"step_{step:06d}")
+        os.makedirs(folder)
+        for name in (".metadata", INFO, "__0_0.distcp"):
+            with open(os.path.join(folder, name), "w") as f:
+                f.write("{}" if name == INFO else "x")
+    with open(os.path.join(directory, LATEST), "w") as f:
+        f.write(f"step_{steps[-1]:06d}\n")
+
+
+def test_clear_checkpoints_interrupted_anywhere_never_leaves_a_checkpoint_to_resume(tmp_path: Any, monkeypatch: Any) -> None:
+    """--overwrite deletes the earlier run's step folders and pointer (the user's other files
+    stay). Interrupted after any of its renames, what is left is either the untouched old run or
+    no checkpoint that --resume would take (no pointer), while the leftovers still count as an
+    earlier run's (a new run without --overwrite is refused); --overwrite again finishes."""
+    from examples import checkpoint
+    from examples.checkpoint import clear_checkpoints, has_checkpoints, latest_checkpoint
+
+    def layout(directory: str) -> None:
+        _fake_run(directory, [250, 500])
+        os.makedirs(os.path.join(directory, "step_000750.partial"))  # an interrupted save
+        with open(os.path.join(directory, "notes.txt"), "w") as f:
+            f.write("mine")
+
+    directory = str(tmp_path / "full")
+    layout(directory)
+    assert clear_checkpoints(directory) == 2
+    assert sorted(os.listdir(directory)) == ["notes.txt"]
+    assert not has_checkpoints(directory) and latest_checkpoint(directory) is None
+    assert clear_checkpoints(str(tmp_path / "missing")) == 0
+
+    renames = 4  # latest, step_000250, step_000500, step_000750.partial
+    for crash_after in range(1, renames + 1):
+        directory = str(tmp_path / f"crash{crash_after}")
+        layout(directory)
+        calls = []
+        original = checkpoint.os.replace
+
+        def replace_then_crash(src: str, dst: str) -> None:
+            original(src, dst)
+            calls.append(src)
+            if len(calls) == crash_after:
+                raise KeyboardInterrupt("killed")
+
+        monkeypatch.setattr(checkpoint.os, "replace", replace_then_crash)
+        with pytest.raises(KeyboardInterrupt):
+            clear_checkpoints(directory)
+        monkeypatch.setattr(checkpoint.os, "replace", original)
+        assert os.path.basename(calls[0]) == "latest"  # the pointer goes first
+        assert latest_checkpoint(directory) is None, crash_after
+        complete_left = [name for name in os.listdir(directory) if name in ("step_000250", "step_000500")]
+        assert has_checkpoints(directory) == bool(complete_left), (crash_after, complete_left)
+        assert clear_checkpoints(directory) == len(complete_left)
+        assert sorted(os.listdir(directory)) == ["notes.txt"], crash_after
+
+
+def info_phase(directory: str) -> dict:
+    """A save records its ``info`` in the published folder, readable without loading."""
+    from examples.checkpoint import latest_checkpoint, read_info, save_checkpoint
+
+    model, optimizer, _ = _setup()
+    info = {"step": 3, "flags": {"model": "tiny"}}
+    save_checkpoint(directory, 3, model, optimizer, {"step": 3}, info=info)
+    path = latest_checkpoint(directory)
+    assert path is not None and read_info(path) == info
+    return info
+
+
+def test_save_records_info(tmp_path: Any) -> None:
+    from examples.checkpoint import INFO, read_info
+
+    get_pool(2).run(info_phase, str(tmp_path))
+    broken = tmp_path / "step_000003"
+    (broken / INFO).write_text("{not json")
+    with pytest.raises(RuntimeError, match=r"cannot read .*run.json .*the checkpoint folder is damaged"):
+        read_info(str(broken))
+    os.remove(broken / INFO)
+    assert read_info(str(broken)) is None  # a save made before checkpoints recorded it

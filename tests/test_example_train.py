@@ -1,13 +1,21 @@
 """The example trainer (the README's main job) runs end to end from its command line: two local
-CPU ranks, FULL_SHARD, in full precision and in bf16 mixed precision, and its loss falls."""
+CPU ranks, FULL_SHARD, in full precision and in bf16 mixed precision, and its loss falls. Its
+refusals (resuming past the end or another model, a missing checkpoint directory, a bad
+--seq-len) come from ``main()`` before any rank starts, so they are checked in this process; its
+memory report is checked on the test pool's ranks."""
 
 from __future__ import annotations
 
+import math
+import os
 import re
 import subprocess
 import sys
+from typing import Any
 
 import pytest
+
+from tests._harness import get_pool
 
 
 def _assert_loss_fell(stdout: str) -> None:
@@ -65,13 +73,50 @@ def test_trainer_checkpoint_dir_resume_and_refusal(tmp_path: object, capsys: pyt
     assert "Pass --resume to continue from it, --overwrite to start over" in again.err
     assert "step " not in again.out  # nothing trained
 
+    # The checkpoint records the model's configuration and the flags that shape it.
+    from examples.checkpoint import latest_checkpoint, read_info
+
+    latest = latest_checkpoint(ckpt)
+    assert latest is not None
+    assert read_info(latest) == {
+        "step": 8,
+        "flags": {"model": "tiny", "seq_len": 64},
+        "model_config": {"vocab_size": 74, "block_size": 64, "n_layer": 4, "n_head": 4, "d_model": 128, "dropout": 0.0},
+    }
+    # Resuming another model, or past the end: one line, before loading, no rank started.
+    for flags, message in [
+        (["--model", "small"], f"{latest} was made with --model tiny --seq-len 64; this run's --model small "
+         "--seq-len 64 makes another model (n_layer 4 there, 6 here; n_head 4 there, 6 here; d_model 128 "
+         "there, 384 here). Resume with --model tiny --seq-len 64, or start over with --overwrite or another "
+         "--checkpoint-dir.\n"),
+        (["--seq-len", "32"], "this run's --model tiny --seq-len 32 makes another model (block_size 64 there, 32 here)"),
+        (["--steps", "8"], f"checkpoint is at step 8 >= --steps 8: nothing to train; pass --steps > 8 (checkpoint {latest})\n"),
+        (["--steps", "3"], "checkpoint is at step 8 >= --steps 3: nothing to train; pass --steps > 8"),
+    ]:
+        assert main(["--batch-size", "4", "--steps", "10", "--checkpoint-dir", ckpt, "--resume", *flags]) == 2
+        refused = capsys.readouterr()
+        assert message in refused.err and refused.err.count("\n") == 1, (flags, refused.err)
+        assert refused.out == "", refused.out  # nothing trained, no OK line
+
     resumed = _train("--steps", "10", "--checkpoint-dir", ckpt, "--resume", "--nprocs", "1")
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    # Said before the ranks start (their first line is the model's description).
+    assert resumed.stdout.startswith(
+        f"fsdp example: resuming {latest} at step 8 of --steps 10; made with --model tiny --seq-len 64\n"
+        "fsdp example: model tiny"
+    ), resumed.stdout[:2000]
     assert "resumed from" in resumed.stdout and "at step 8" in resumed.stdout
     # 2 ranks x 4 x 64 = 512 tokens per step saved; 1 rank x 4 x 64 = 256 now.
     assert "the global batch changes from 512 to 256 tokens/step" in resumed.stdout
     assert "pass --batch-size 8 to keep it" in resumed.stdout
     assert "FutureWarning" not in resumed.stderr, resumed.stderr[-3000:]
+
+    # --overwrite deletes the earlier run's checkpoints before any rank starts (in this process).
+    from examples.train import parse_args, prepare_checkpoint_dir
+
+    assert prepare_checkpoint_dir(parse_args(["--checkpoint-dir", ckpt, "--overwrite"])) is None
+    assert f"--overwrite: deleted the 3 checkpoint(s) of an earlier run in {ckpt}" in capsys.readouterr().out
+    assert os.listdir(ckpt) == []
 
 
 def test_trainer_timeout_argument(capsys: pytest.CaptureFixture[str]) -> None:
@@ -88,3 +133,169 @@ def test_trainer_timeout_argument(capsys: pytest.CaptureFixture[str]) -> None:
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert "--timeout must be positive (seconds)" in err, err[-2000:]
+
+
+def test_resume_without_a_checkpoint_is_an_error(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """--resume with a misspelled, empty or disabled --checkpoint-dir stops before any rank starts."""
+    from examples.train import main
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for directory, why in [(tmp_path / "typo", "no such directory"), (empty, "it holds no checkpoint")]:
+        assert main(["--resume", "--checkpoint-dir", str(directory)]) == 2
+        err = capsys.readouterr().err
+        assert (
+            f"--resume: nothing to resume in --checkpoint-dir {directory} ({why}). Check the directory, "
+            "or leave out --resume to start from step 0." in err
+        ), err
+    with pytest.raises(SystemExit) as exited:
+        main(["--resume", "--checkpoint-dir", ""])
+    assert exited.value.code == 2
+    assert "--resume needs the --checkpoint-dir to resume from (it is '')" in capsys.readouterr().err
+
+
+def test_short_runs_get_no_loss_verdict() -> None:
+    """A run shorter than its model's transient is not judged (the exit status is 0); from the
+    minimum on, the smoothed last loss must be below 0.99 x the first (see [Note: Loss verdict])."""
+    from examples.train import MIN_VERDICT_STEPS, loss_verdict, parse_args
+
+    assert parse_args(["--model", "medium", "--steps", "3"]).steps == 3
+    # medium's first three losses at the default --lr: rising, as a fresh model's do.
+    fell, text = loss_verdict("medium", 3, [4.1542], [4.1542, 4.8909, 5.6105])
+    assert fell is None and text == (
+        "no loss verdict: 3 steps are fewer than the 10 after which a medium model's loss is judged "
+        "(its first steps are a transient); loss 4.1542 -> 5.6105"
+    )
+    assert loss_verdict("tiny", 4, [4.34], [4.34, 3.9, 3.6, 3.41]) == (True, "OK: loss fell from 4.3400 to 3.4100")
+    assert loss_verdict("tiny", 4, [4.34], [4.34, 4.3, 4.33, 4.3])[0] is False
+    assert loss_verdict("tiny", 4, [4.34], [4.34, 4.3, 4.33, math.nan])[0] is False
+    # The windows are means: 20 steps average 2 at each end.
+    assert loss_verdict("small", 20, [5.0, 3.0], [9.0] * 18 + [3.9, 3.9])[0] is True
+    assert MIN_VERDICT_STEPS["tiny"] <= 4  # the bf16 command-line test judges 4 steps
+
+
+def test_seq_len_is_the_block_size_and_has_a_maximum(capsys: pytest.CaptureFixture[str]) -> None:
+    from examples.train import MAX_SEQ_LEN, parse_args
+
+    assert parse_args(["--seq-len", str(MAX_SEQ_LEN)]).seq_len == MAX_SEQ_LEN
+    for bad in ("100000", str(MAX_SEQ_LEN + 1)):
+        with pytest.raises(SystemExit) as exited:
+            parse_args(["--seq-len", bad])
+        assert exited.value.code == 2
+        assert f"--seq-len {bad} is above the maximum {MAX_SEQ_LEN} (the model's block_size;" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    assert "also the model's block_size" in " ".join(capsys.readouterr().out.split())
+
+
+def _readme_trainer_section() -> str:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "README.md"), encoding="utf-8") as f:
+        text = f.read()
+    return text[text.index("### The example trainer") :].split("\n## ", 1)[0]
+
+
+def test_help_and_readme_agree(capsys: pytest.CaptureFixture[str]) -> None:
+    """Every flag of --help is in the README's table with the same default, the model sizes with
+    their parameter counts (computed from the model) in both."""
+    from examples.data import CharTokenizer, load_corpus
+    from examples.train import describe_presets, parse_args
+
+    section = _readme_trainer_section()
+    rows = dict(re.findall(r"^\| `(--[a-z-]+)[^`]*` \| ([^|]*) \|", section, flags=re.M))
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    help_text = capsys.readouterr().out
+    flags = re.findall(r"^  (--[a-z-]+)", help_text, flags=re.M)
+    assert flags and sorted(rows) == sorted(flags), (sorted(rows), sorted(flags))
+    defaults = vars(parse_args([]))
+    for flag in flags:
+        default, cell = defaults[flag[2:].replace("-", "_")], rows[flag].strip()
+        if flag == "--log-every":
+            assert cell == "`--steps // 20`, at least 1" and "default: --steps // 20, at least 1" in help_text
+        elif default is False:
+            assert cell == "", flag
+        elif isinstance(default, float):
+            assert float(cell.strip("`")) == default, flag
+        else:
+            assert cell.strip("`") == str(default), flag
+    sizes = describe_presets(CharTokenizer(load_corpus()).vocab_size)
+    assert sizes == "tiny 0.82M, small 10.7M, medium 85.2M"
+    assert sizes in " ".join(help_text.split()) and sizes + " parameters" in section
+
+
+def memory_phase(strategies: list[str]) -> dict[str, dict[str, Any]]:
+    """One step of the trainer per strategy: the memory its summary reports."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from examples.train import _setup, _step, memory_bytes, parse_args, predict_memory
+
+    found = {}
+    for strategy in strategies:
+        args = parse_args(["--strategy", strategy, "--batch-size", "2", "--seq-len", "32", "--checkpoint-dir", ""])
+        run = _setup(dist.get_rank(), 2, torch.device("cpu"), "gloo", args)
+        _step(run, 0, time.perf_counter())
+        found[strategy] = {"measured": memory_bytes(run)}
+        if dist.get_rank() == 0:
+            predicted = predict_memory(args, run.config.vocab_size, 2)
+            found[strategy].update(peak=predicted.peak_bytes, breakdown=predicted.breakdown)
+    return found
+
+
+def test_memory_report_shows_sharding() -> None:
+    """The summary's per-rank sizes, measured from the tensors, are what each strategy must hold
+    at 2 ranks: FULL_SHARD and SHARD_GRAD_OP half of every unit's parameters (padded to an even
+    count), gradients of the same size and AdamW's two moments plus one 4-byte step per unit;
+    NO_SHARD all of them. The predicted step peak (fsdp.estimate_memory, what CPU runs report)
+    counts the same sharded parameters and optimizer state, and orders the strategies as their
+    schedules must: FULL_SHARD frees each unit after its forward and backward, SHARD_GRAD_OP keeps
+    the gathered units from forward to backward, NO_SHARD holds everything unsharded."""
+    import torch
+
+    from examples.data import CharTokenizer, load_corpus
+    from fsdp.plan.gpt import GPT, GPTConfig
+
+    gpt = GPT(GPTConfig.from_preset("tiny", vocab_size=CharTokenizer(load_corpus()).vocab_size, block_size=32))
+    blocks = [sum(p.numel() for p in block.parameters()) for block in gpt.blocks]
+    units = [gpt.num_parameters() - sum(blocks), *blocks]  # the root unit, one per block
+    fp32 = torch.float32.itemsize
+    expected_params = {
+        "FULL_SHARD": fp32 * sum(math.ceil(n / 2) for n in units),
+        "SHARD_GRAD_OP": fp32 * sum(math.ceil(n / 2) for n in units),
+        "NO_SHARD": fp32 * gpt.num_parameters(),
+    }
+    peaks = {}
+    ranks = get_pool(2).run(memory_phase, list(expected_params))
+    for strategy, params in expected_params.items():
+        expected = {"parameters": params, "gradients": params, "optimizer state": 2 * params + fp32 * len(units)}
+        assert [r[strategy]["measured"] for r in ranks] == [expected, expected], strategy
+        breakdown = ranks[0][strategy]["breakdown"]
+        assert breakdown["sharded parameters"] == params, (strategy, breakdown)
+        assert breakdown["optimizer state"] == expected["optimizer state"], (strategy, breakdown)
+        peaks[strategy] = ranks[0][strategy]["peak"]
+    assert peaks["FULL_SHARD"] < peaks["SHARD_GRAD_OP"] < peaks["NO_SHARD"], peaks
+
+
+def test_resume_of_a_checkpoint_without_run_json(tmp_path: Any) -> None:
+    """A checkpoint saved before checkpoints recorded their configuration: its step comes from
+    the folder's name, and the line before loading says that nothing checks the model."""
+    from examples.checkpoint import LATEST
+    from examples.train import _check_checkpoint_dir, parse_args
+
+    folder = tmp_path / "step_000005"
+    folder.mkdir()
+    (folder / ".metadata").write_text("x")  # what makes a folder complete
+    (tmp_path / LATEST).write_text("step_000005\n")
+    args = parse_args(["--resume", "--checkpoint-dir", str(tmp_path), "--steps", "5"])
+    assert _check_checkpoint_dir(args) == (
+        f"fsdp example: checkpoint is at step 5 >= --steps 5: nothing to train; pass --steps > 5 (checkpoint {folder})"
+    )
+    args = parse_args(["--resume", "--checkpoint-dir", str(tmp_path), "--steps", "9", "--seq-len", "32"])
+    assert _check_checkpoint_dir(args) is None and args.resume_from == str(folder)
+    assert args.resume_note == (
+        f"fsdp example: resuming {folder} at step 5 of --steps 9; it records no configuration (an older "
+        "save): loading it as --model tiny --seq-len 32"
+    )
