@@ -72,7 +72,6 @@ _PHASE_OF_MODULE: dict[str, str] = {
     "fsdp.state_dict._optim_state_dict": "optimizer state dict",
     "fsdp.state_dict._optim_save": "optimizer state dict",
     "fsdp.state_dict._optim_load": "optimizer state dict",
-    "fsdp.state_dict._optim_values": "optimizer state dict",
     "fsdp.init._sync": "sync_module_states at construction",
 }
 # Locals that may hold the object whose unit is communicating, innermost frame first; a

@@ -18,9 +18,7 @@ from fsdp.flat_param._recast import adopt_external_cast
 from fsdp.runtime._lazy_init import lazy_init
 from fsdp.runtime._state import HandleTrainingState, UnitState, check_idle, transition, unit_state
 from fsdp.runtime._summon import _summon_unit, deregister_params, register_params
-from fsdp.state_dict._gather import gather
-from fsdp.state_dict._local_values import local_value
-from fsdp.state_dict._sharded_values import to_dtensor
+from fsdp.state_dict._values import gather, local_value, to_dtensor
 from fsdp.state_dict._model_common import _effective_kind, _flat_key, _handle_storages, _move_prefix, _settings
 
 

@@ -52,8 +52,15 @@ from fsdp.flat_param.flat_param import FlatParamHandle
 from fsdp.runtime._lazy_init import lazy_init
 from fsdp.runtime._mixed_precision import refresh_cast_buffers
 from fsdp.runtime._state import UnitState, check_idle, named_fsdp_states, unit_state
-from fsdp.state_dict._local_values import check_local_value, load_local_value
-from fsdp.state_dict._sharded_values import check_sharded_value, full_value, is_dtensor, is_sharded_tensor, local_form
+from fsdp.state_dict._values import (
+    check_local_value,
+    check_sharded_value,
+    full_value,
+    is_dtensor,
+    is_sharded_tensor,
+    load_local_value,
+    local_form,
+)
 from fsdp.state_dict._model_common import _effective_kind, _flat_key, _move_prefix
 from fsdp.state_dict._model_save import save_post_hook
 

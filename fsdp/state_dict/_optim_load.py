@@ -24,14 +24,7 @@ from fsdp.flat_param.flat_param import FlatParamHandle
 from fsdp.state_dict._optim_agreement import agree
 from fsdp.state_dict._optim_errors import OptimStateAttributeError, OptimStateKeyError, refuse_tensor_parallel
 from fsdp.state_dict._optim_keys import ParamKey, _fqn_to_key, _ModelView, _optimizer_keys, _param_list
-from fsdp.state_dict._optim_values import (
-    _dtype_of,
-    _gather_sharded,
-    _global_shape,
-    _is_pos_dim,
-    _is_sharded_value,
-    _is_zero_dim,
-)
+from fsdp.state_dict._values import ValueKind
 
 __all__ = ["to_load"]
 
@@ -146,7 +139,8 @@ def _gathered_state(osd: dict[str, Any], view: _ModelView) -> dict[str, dict[str
     every rank."""
     state: dict[str, dict[str, Any]] = {fqn: dict(entry) for fqn, entry in osd["state"].items()}
     for fqn, name, _, _ in _sharded_layout(osd, view):
-        state[fqn][name] = _gather_sharded(state[fqn][name], f"state '{name}' of '{fqn}'")
+        value = state[fqn][name]
+        state[fqn][name] = ValueKind.of(value).full_tensor(value, f"state '{name}' of '{fqn}'")
     return state
 
 
@@ -186,24 +180,30 @@ def _load_orig_states(
     return out_state
 
 
-def _strip_tensors(osd: dict[str, Any]) -> dict[str, Any]:
-    """The structure of a state dict with positive-dimension tensors replaced by their metadata."""
+def _strip_tensors(osd: dict[str, Any]) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """The structure of a state dict with its tensors with dimensions replaced by their
+    metadata, and those tensors in the order of the structure."""
+    tensors: list[torch.Tensor] = []
 
     def strip(value: Any) -> Any:
-        if _is_pos_dim(value):
+        if ValueKind.of(value).has_dims:
+            tensors.append(value)
             return ("__fsdp_tensor__", tuple(value.shape), value.dtype)
         return value
 
-    return {
+    structure = {
         "state": {k: {n: strip(v) for n, v in st.items()} if isinstance(st, dict) else st for k, st in osd.get("state", {}).items()},
         **({"param_groups": copy.deepcopy(osd["param_groups"])} if "param_groups" in osd else {}),
     }
+    return structure, tensors
 
 
 def _broadcast_from_rank0(osd: Optional[dict[str, Any]], view: _ModelView, group: Optional[dist.ProcessGroup]) -> dict[str, Any]:
     """rank0_only loading: rank 0's (validated) state dict on every rank."""
     rank = dist.get_rank(group)
     error: Optional[BaseException] = None
+    structure: Optional[dict[str, Any]] = None
+    tensors: list[torch.Tensor] = []
     if rank == 0:
         try:
             if osd is None:
@@ -215,9 +215,10 @@ def _broadcast_from_rank0(osd: Optional[dict[str, Any]], view: _ModelView, group
             _validate(osd, view)
         except (ValueError, TypeError) as exc:
             error = exc
+        else:
+            structure, tensors = _strip_tensors(osd)
     structure = comm.broadcast_object_from_rank0(
-        {"error": (type(error), str(error))} if error is not None else (_strip_tensors(osd) if rank == 0 else None),  # type: ignore[arg-type]
-        group,
+        {"error": (type(error), str(error))} if error is not None else structure, group
     )
     if error is not None:
         raise error
@@ -226,10 +227,8 @@ def _broadcast_from_rank0(osd: Optional[dict[str, Any]], view: _ModelView, group
         raise error_type(message)
     if rank == 0:
         device = _comm_device(view)
-        for key, st in osd["state"].items():  # type: ignore[index]
-            for name, value in st.items():
-                if _is_pos_dim(value):
-                    comm.broadcast_from_rank0(value.detach().to(device).contiguous(), group)
+        for value in tensors:
+            comm.broadcast_from_rank0(value.detach().to(device).contiguous(), group)
         return osd  # type: ignore[return-value]
     device = _comm_device(view)
     for key, st in structure["state"].items():
@@ -252,6 +251,7 @@ def _validate(osd: dict[str, Any], view: _ModelView) -> None:
             "fsdp: the optimizer state dict to load must be a dict with the key 'state' (as "
             "returned by FullyShardedDataParallel.optim_state_dict)."
         )
+    kinds: dict[str, dict[str, ValueKind]] = {}
     for key, entry in osd["state"].items():
         if not isinstance(key, str):
             # torch FSDP1 fails with an AttributeError on the ID.
@@ -268,9 +268,11 @@ def _validate(osd: dict[str, Any], view: _ModelView) -> None:
                 f"{view.describe_fqns()}."
             )
         shape = view.fqn_shape(key)
+        kinds[key] = {}
         for name, value in entry.items():
-            if _is_pos_dim(value) or _is_sharded_value(value):
-                got = _global_shape(value)
+            kind = kinds[key][name] = ValueKind.of(value)
+            if kind.has_dims or kind.sharded:
+                got = kind.global_shape(value)
                 if got != shape:
                     raise ValueError(
                         f"fsdp: optimizer state '{name}' of parameter '{key}' has shape "
@@ -301,17 +303,19 @@ def _validate(osd: dict[str, Any], view: _ModelView) -> None:
                     )
             for name in first:
                 values = [osd["state"][f][name] for f in present]
-                if _is_pos_dim(values[0]) or _is_sharded_value(values[0]):
-                    if len({_dtype_of(v) for v in values}) != 1:
+                value_kinds = [kinds[f][name] for f in present]
+                if value_kinds[0].has_dims or value_kinds[0].sharded:
+                    dtypes = [kind.dtype(v) for kind, v in zip(value_kinds, values)]
+                    if len(set(dtypes)) != 1:
                         raise ValueError(
                             f"All unflattened parameters comprising a single flat parameter "
                             f"must have positive-dimension tensor state with the same dtype "
                             f"(fsdp: optimizer state '{name}' has different dtypes "
-                            f"{sorted({str(_dtype_of(v)) for v in values})} across the "
+                            f"{sorted({str(d) for d in dtypes})} across the "
                             f"parameters {present} of one FlatParameter)."
                         )
                     continue
-                scalars = [v.item() if _is_zero_dim(v) else v for v in values]
+                scalars = [v.item() if kind is ValueKind.SCALAR else v for kind, v in zip(value_kinds, values)]
                 if len(present) != len(fqns) or any(x != scalars[0] for x in scalars):
                     raise ValueError(  # torch's tests match its sentence at the start
                         f"All unflattened parameters comprising a single flat parameter must "
@@ -329,7 +333,8 @@ def _flatten_for_handle(handle: FlatParamHandle, fqns: list[str], state: dict[st
     flat_state: dict[str, Any] = {}
     for name in names:
         first = state[present[0]][name]
-        if _is_pos_dim(first):
+        kind = ValueKind.of(first)
+        if kind.has_dims:
             pieces = []
             for index, fqn in enumerate(fqns):
                 info = handle.param_infos[index]
@@ -344,7 +349,7 @@ def _flatten_for_handle(handle: FlatParamHandle, fqns: list[str], state: dict[st
                 padded[: flat.numel()].copy_(flat)
                 flat = handle.local_slice(padded).clone()
             flat_state[name] = flat
-        elif _is_zero_dim(first):
+        elif kind is ValueKind.SCALAR:
             flat_state[name] = first.detach().clone().cpu()
         else:
             flat_state[name] = first
@@ -385,14 +390,15 @@ def _shard_orig_state(handle: FlatParamHandle, index: int, entry: dict[str, Any]
         return {}
     out: dict[str, Any] = {}
     for name, value in entry.items():
-        if _is_pos_dim(value):
+        kind = ValueKind.of(value)
+        if kind.has_dims:
             value = value.detach().to(handle.device)
             if handle.uses_sharding:
                 start = piece.offset_in_param
                 value = value.reshape(-1)[start : start + piece.numel].clone()
             else:
                 value = value.clone()
-        elif _is_zero_dim(value):
+        elif kind is ValueKind.SCALAR:
             value = value.detach().clone()
         out[name] = value
     return out
@@ -419,8 +425,9 @@ def _sharded_layout(osd: dict[str, Any], view: _ModelView) -> list[tuple[str, st
             continue
         for name in sorted(entry):
             value = entry[name]
-            if _is_sharded_value(value):
-                layout.append((fqn, name, tuple(_global_shape(value)), str(_dtype_of(value))))
+            kind = ValueKind.of(value)
+            if kind.sharded:
+                layout.append((fqn, name, tuple(kind.global_shape(value)), str(kind.dtype(value))))
     return layout
 
 

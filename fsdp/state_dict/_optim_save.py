@@ -19,7 +19,6 @@ from torch import nn
 from fsdp._common import p_assert
 from fsdp._comm import _collectives as comm
 from fsdp.flat_param.flat_param import FlatParamHandle
-from fsdp.state_dict._gather import NOBODY, PendingGather, gather, start_gather
 from fsdp.state_dict._optim_agreement import (
     RankOptimState,
     agree,
@@ -35,7 +34,7 @@ from fsdp.state_dict._optim_keys import (
     _optimizer_keys,
     _param_list,
 )
-from fsdp.state_dict._optim_values import _chunk, _is_pos_dim, _is_zero_dim
+from fsdp.state_dict._values import NOBODY, PendingGather, ValueKind, gather, shard_rows, start_gather
 
 __all__ = ["save"]
 
@@ -223,7 +222,9 @@ def _finish(value: torch.Tensor, handle: FlatParamHandle, shard: bool, offload: 
     if offload:
         value = value.cpu()
     if shard:
-        return _chunk(value, handle)
+        # Chunked along dim 0 over the handle's group like ``torch.chunk``: a DTensor holding
+        # this rank's chunk (empty on ranks past the last chunk).
+        return shard_rows(value, handle.process_group, handle.rank, handle.world_size, value.device)
     return value
 
 
@@ -244,9 +245,10 @@ def _start_flat_state_gather(handle: FlatParamHandle, sharded_value: torch.Tenso
 
 
 def _gather_flat_states(
-    handle: FlatParamHandle, flat_state: dict[str, Any], dst: Optional[int]
+    handle: FlatParamHandle, flat_state: dict[str, Any], kinds: dict[str, ValueKind], dst: Optional[int]
 ) -> dict[str, tuple[Optional[torch.Tensor], bool]]:
-    """Each positive-dimension state of a FlatParameter in the unpadded unsharded layout.
+    """Each positive-dimension state of a FlatParameter (``kinds``: each state's kind) in the
+    unpadded unsharded layout.
 
     Returns ``name -> (unpadded unsharded value, fresh)``; the value is None on a rank that does
     not receive (``dst``), ``fresh`` whether it is a tensor made for this call. The gathers of
@@ -256,7 +258,7 @@ def _gather_flat_states(
     out: dict[str, tuple[Optional[torch.Tensor], bool]] = {}
     for name in sorted(flat_state):
         value = flat_state[name]
-        if not _is_pos_dim(value):
+        if not kinds[name].has_dims:
             continue
         _check_flat_state(handle, name, value)
         if handle.uses_sharding:
@@ -287,7 +289,8 @@ def _unflatten_flat_param_state(
 
     ``dst``: the group rank that keeps the gathered states (rank0_only), None for every rank.
     """
-    gathered = _gather_flat_states(handle, flat_state, dst)
+    kinds = {name: ValueKind.of(value) for name, value in flat_state.items()}
+    gathered = _gather_flat_states(handle, flat_state, kinds, dst)
     if not to_save:
         return []
     tensors = {name: _split(handle, value) for name, (value, _) in gathered.items() if value is not None}
@@ -300,12 +303,11 @@ def _unflatten_flat_param_state(
             entry[name] = _finish(views[index], handle, shard, offload, fresh[name])
         for name in sorted(flat_state):
             value = flat_state[name]
-            if _is_zero_dim(value):
+            if kinds[name] is ValueKind.SCALAR:
                 entry[name] = value.detach().clone().cpu() if offload else value.detach().clone()
         for name in sorted(flat_state):
-            value = flat_state[name]
-            if not isinstance(value, torch.Tensor):
-                entry[name] = value
+            if kinds[name] is ValueKind.OTHER:
+                entry[name] = flat_state[name]
         result.append(entry)
     return result
 
@@ -345,9 +347,10 @@ def _gather_orig_param_states(
             continue
         info[fqn] = {}
         for name, value in local[fqn].items():
-            if _is_pos_dim(value):
+            kind = ValueKind.of(value)
+            if kind.has_dims:
                 info[fqn][name] = ("t", value.dtype, value.numel())
-            elif _is_zero_dim(value):
+            elif kind is ValueKind.SCALAR:
                 info[fqn][name] = ("s", value.detach().cpu())
             else:
                 info[fqn][name] = ("o", value)

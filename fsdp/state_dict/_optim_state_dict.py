@@ -2,7 +2,7 @@
 
 Saving is ``_optim_save.py``, loading ``_optim_load.py``; the mapping between parameter names,
 optimizer keys and the model's handles is ``_optim_keys.py``, the kinds of state values and
-sharded (DTensor) values ``_optim_values.py``. ``save`` and ``to_load`` are re-exported here.
+sharded (DTensor) values ``_values.py``. ``save`` and ``to_load`` are re-exported here.
 
 [Note: Optimizer state dict formats]
 The optimizer holds per-rank state for what it optimizes: with ``use_orig_params=False`` one

@@ -1,0 +1,627 @@
+"""State-dict values: the kinds a value takes, and how each kind is made, checked and read.
+
+- FULL values are full tensors the caller owns, gathered straight into the tensor returned
+  ([Note: State dict gathers]); the model's and the optimizer's FULL state dicts use them.
+- SHARDED values are chunked along dim 0 over a unit's shard group like ``torch.chunk`` (rank
+  ``r`` holds rows ``[r * ceil(d0 / ws), ...)``, possibly none), which is the layout torch FSDP1
+  uses for both its ShardedTensor and its DTensor values; see [Note: Sharded state dict values]
+  in docs/design.md. We give DTensors; loading accepts a full tensor, a DTensor over a 1-D mesh
+  of exactly this group, or a ShardedTensor with exactly this chunk layout; anything else
+  (typically a state dict written with ``torch.save`` at another world size) is refused with
+  the saved and the current layout before anything changes.
+- LOCAL values are each unit's local flat shard in torch FSDP1's exact format
+  ([Note: Local state dict format]).
+- An optimizer state value is one of the :class:`ValueKind` s, asked once per value
+  ([Note: No ShardedTensor]).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import math
+import warnings
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from fsdp._common import p_assert
+from fsdp._comm import _collectives as comm
+from fsdp.flat_param.flat_param import FlatParamHandle
+from fsdp.runtime._state import UnitState
+
+__all__ = [
+    "NOBODY",
+    "PendingGather",
+    "start_gather",
+    "gather",
+    "local_form",
+    "parent_mesh",
+    "to_dtensor",
+    "check_sharded_value",
+    "full_value",
+    "is_dtensor",
+    "is_sharded_tensor",
+    "shard_rows",
+    "gather_chunked_rows",
+    "local_value",
+    "check_local_value",
+    "load_local_value",
+    "ValueKind",
+]
+
+
+# ----------------------------------------------------------------------------- FULL values
+# [Note: State dict gathers]
+# A FULL state dict (model or optimizer) returns full tensors that the caller owns. Gathering
+# into a buffer that is then copied (the unshard buffer, then one clone per parameter) costs
+# twice the memory traffic; here each gather writes straight into a tensor allocated for the
+# result, and the per-parameter values are views of it (the padding at its end is a few
+# elements).
+#
+# Who receives:
+#
+# - ``dst=None``: every rank (one all-gather into the fresh tensor).
+# - ``dst=NOBODY``: no rank of this group keeps the result (with hybrid sharding, the rank that
+#   saves is in another replica's group): nothing is communicated.
+# - ``dst=<group rank>`` (``rank0_only``): point-to-point. Each other rank sends its shard from
+#   where it lives (no copy, no allocation: a rank that keeps nothing never holds an unsharded
+#   unit); the receiver copies its own shard in and receives every other shard in place. On
+#   gloo this is about 3x faster than an all-gather of the same size, which goes through a
+#   temporary flat buffer on every rank and moves every shard to every rank.
+#
+# The point-to-point exchange is ``fsdp._comm._collectives.gather_flat_to`` (with its own
+# message tag, see [Note: Point-to-point collectives on gloo]); each call's sends and receives are
+# matched by order on every rank pair, and the callers issue them in the same order on every
+# rank of the group (as any collective).
+
+#: ``dst`` for a gather whose result no rank of the group keeps.
+NOBODY = -1
+
+
+class PendingGather:
+    """A gather in flight; :meth:`wait` returns the padded unsharded tensor (None if not kept)."""
+
+    def __init__(self, padded_unsharded: Optional[torch.Tensor], works: list[Any]) -> None:
+        self._padded_unsharded = padded_unsharded
+        self._works = works
+
+    def wait(self) -> Optional[torch.Tensor]:
+        for work in self._works:
+            work.wait()
+        self._works = []
+        return self._padded_unsharded
+
+
+def start_gather(
+    shard: torch.Tensor,
+    group: dist.ProcessGroup,
+    rank: int,
+    world_size: int,
+    dst: Optional[int],
+) -> PendingGather:
+    """Starts gathering the equal-sized 1-D shards of ``group`` into a new padded unsharded tensor.
+
+    Args:
+        shard: This rank's 1-D shard (``padded_numel / world_size`` elements), on the device
+            the group communicates on.
+        group: The group the shards are spread over; ``rank`` / ``world_size`` in it.
+        dst: The group rank that receives, None for every rank, :data:`NOBODY` for none.
+
+    Returns:
+        A :class:`PendingGather` whose result is a fresh tensor of ``world_size * shard.numel()``
+        elements on the receiving ranks and None on the others.
+    """
+    if dst == NOBODY:
+        return PendingGather(None, [])
+    shard = shard.contiguous()
+    if dst is None:
+        everyone = shard.new_empty(world_size * shard.numel())
+        comm.all_gather_flat(everyone, shard, group)
+        return PendingGather(everyone, [])
+    received = shard.new_empty(world_size * shard.numel()) if rank == dst else None
+    work = comm.gather_flat_to(received, shard, group, dst, async_op=True)
+    return PendingGather(received, [work])
+
+
+def gather(
+    shard: torch.Tensor,
+    group: dist.ProcessGroup,
+    rank: int,
+    world_size: int,
+    dst: Optional[int],
+) -> Optional[torch.Tensor]:
+    """:func:`start_gather`, waited for."""
+    return start_gather(shard, group, rank, world_size, dst).wait()
+
+
+# ----------------------------------------------------------------------------- SHARDED values
+_MESHES: dict[tuple[int, str], Any] = {}
+
+
+def _mesh_for(group: dist.ProcessGroup, device: torch.device) -> Any:
+    """The 1-D DeviceMesh of ``group`` for ``device``'s type (one per group and type)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    key = (id(group), device.type)
+    if key not in _MESHES:
+        _MESHES[key] = DeviceMesh.from_group(group, device.type)
+    return _MESHES[key]
+
+
+def is_dtensor(value: Any) -> bool:
+    """Whether ``value`` is a DTensor."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(value, DTensor)
+
+
+def is_sharded_tensor(value: Any) -> bool:
+    """Whether ``value`` is a (deprecated) ShardedTensor, as torch FSDP1 gives without a mesh."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    return isinstance(value, ShardedTensor)
+
+
+def _group_ranks(group: dist.ProcessGroup) -> list[int]:
+    return list(dist.get_process_group_ranks(group))
+
+
+def _chunk_rows(dim0: int, world_size: int, rank: int) -> tuple[int, int]:
+    """``(first row, number of rows)`` of ``rank``'s ``torch.chunk`` piece of ``dim0`` rows."""
+    rows_per_rank = math.ceil(dim0 / world_size) if dim0 else 0
+    first = min(rank * rows_per_rank, dim0)
+    return first, max(0, min(rows_per_rank, dim0 - first))
+
+
+def parent_mesh(state: UnitState) -> Any:
+    """The 2-D (or larger) mesh the unit's 1-D ``device_mesh`` was sliced from, else None.
+
+    Set for FSDP over the dp dimension of a (dp, tp) mesh: SHARDED values are then DTensors on
+    that mesh ([Note: 2-D sharded values]).
+    """
+    mesh = state.device_mesh
+    if mesh is None or mesh.ndim != 1:
+        return None
+    root = mesh._get_root_mesh()
+    return root if root is not None and root.ndim >= 2 and root != mesh else None
+
+
+# [Note: 2-D sharded values] With FSDP over the dp slice of a (dp, tp) mesh, torch FSDP1 gives
+# every SHARDED value as a DTensor on the whole mesh: a tensor-parallel parameter with
+# placements (Shard(0), its tp placement), any other value (Shard(0), Replicate()); its local
+# tensor is this dp rank's ``torch.chunk`` rows of the tp-local tensor. We build the same
+# DTensor the same way, as a redistribution from (Replicate(), tp placement) that only chunks
+# locally, so the layout is DTensor's own, and read one back the opposite way (an all-gather
+# over dp that leaves the tp-local tensor, see :func:`local_form`).
+def _to_2d_dtensor(value: torch.Tensor, root: Any, offload: bool) -> Any:
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    tp_placement = value.placements[-1] if isinstance(value, DTensor) else Replicate()
+    local = value.to_local() if isinstance(value, DTensor) else value
+    replicated = [Replicate()] * root.ndim
+    replicated[-1] = tp_placement
+    sharded = [Replicate()] * root.ndim
+    sharded[-2], sharded[-1] = Shard(0), tp_placement
+    result = DTensor.from_local(local, root, replicated, run_check=False).redistribute(root, sharded)
+    result = DTensor.from_local(
+        result.to_local().clone(), root, sharded, run_check=False, shape=result.shape, stride=result.stride()
+    )
+    return result.cpu() if offload else result
+
+
+def local_form(value: Any, state: UnitState) -> Any:
+    """A value of a managed parameter as the unit holds it: a 2-D DTensor on the parent mesh
+    ([Note: 2-D sharded values]) gathered over dp, a tp DTensor (FULL) its local tensor; any
+    other value itself. Collective for a 2-D DTensor (every dp rank calls it in the same order)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not isinstance(value, DTensor):
+        return value
+    root = parent_mesh(state)
+    if root is not None and value.device_mesh == root:
+        placements = [Replicate()] * root.ndim
+        placements[-1] = value.placements[-1]
+        return value.redistribute(root, placements).to_local()
+    if root is not None and value.device_mesh.ndim == 1 and value.device_mesh != state.device_mesh:
+        return value.to_local()  # a FULL value of a tensor-parallel parameter
+    return value
+
+
+def to_dtensor(full_value: torch.Tensor, state: UnitState, offload: bool) -> Any:
+    """This rank's ``torch.chunk`` piece of ``full_value`` as a ``Shard(0)`` DTensor (owned); on
+    a 2-D parent mesh the 2-D DTensor torch FSDP1 gives ([Note: 2-D sharded values])."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    root = parent_mesh(state)
+    if root is not None and full_value.dim() > 0:
+        return _to_2d_dtensor(full_value, root, offload)
+    if full_value.dim() == 0:
+        mesh = _mesh_for(state.process_group, state.compute_device)
+        value = DTensor.from_local(full_value.clone(), mesh, [Replicate()], run_check=False)
+        return value.cpu() if offload else value
+    return shard_rows(
+        full_value, state.process_group, state.rank, state.world_size, state.compute_device, offload
+    )
+
+
+def shard_rows(
+    full_value: torch.Tensor,
+    group: dist.ProcessGroup,
+    rank: int,
+    world_size: int,
+    mesh_device: torch.device,
+    offload: bool = False,
+) -> Any:
+    """Rank ``rank``'s ``torch.chunk`` piece of ``full_value`` (dim > 0) along dim 0, owned, as a
+    ``Shard(0)`` DTensor on the 1-D mesh of ``group`` for ``mesh_device``'s type (an empty piece on
+    ranks past the last chunk). ``offload``: the piece is moved to CPU (the mesh stays)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = _mesh_for(group, mesh_device)
+    first, rows = _chunk_rows(full_value.shape[0], world_size, rank)
+    local = full_value.narrow(0, first, rows).clone()
+    value = DTensor.from_local(
+        local, mesh, [Shard(0)], run_check=False, shape=full_value.shape, stride=full_value.stride()
+    )
+    # Offloaded after construction: DTensor.from_local moves a local tensor to the mesh's device
+    # type (a CPU piece on a CUDA mesh would come back to the GPU); DTensor.cpu() keeps the mesh
+    # and puts the local piece in host memory, as torch FSDP1's offload_to_cpu does.
+    return value.cpu() if offload else value
+
+
+def _expected_local_shape(shape: torch.Size, state: UnitState) -> tuple[int, ...]:
+    if len(shape) == 0:
+        return ()
+    _, rows = _chunk_rows(shape[0], state.world_size, state.rank)
+    return (rows, *shape[1:])
+
+
+def _remedy() -> str:
+    return (
+        "A SHARDED_STATE_DICT written with torch.save loads only at the world size (and wrapping) "
+        "that saved it; save and load it with torch.distributed.checkpoint instead (dcp.save("
+        "model.state_dict(), ...) / dcp.load(template, ...) into this model's own "
+        "SHARDED_STATE_DICT, then load_state_dict(template)), which reshards across world sizes, "
+        "or use a FULL_STATE_DICT."
+    )
+
+
+def check_sharded_value(key: str, value: Any, shape: torch.Size, state: UnitState) -> Optional[str]:
+    """Why ``value`` cannot be loaded as managed parameter ``key`` of ``state``'s unit (None: it can).
+
+    Local check only (no communication); called on every entry before anything changes.
+    """
+    ranks = _group_ranks(state.process_group)
+    current = (
+        f"this model shards it over {state.world_size} rank(s) {ranks}, local shard shape "
+        f"{_expected_local_shape(shape, state)} on group rank {state.rank}"
+    )
+    if is_dtensor(value):
+        from torch.distributed.tensor import Replicate, Shard
+
+        try:
+            mesh_ranks = [int(r) for r in value.device_mesh.mesh.flatten().tolist()]
+            placements = tuple(value.placements)
+            local_shape = tuple(value._local_tensor.shape)
+        except Exception as exc:  # a mesh that does not exist in this job
+            return f"fsdp: cannot load '{key}': its DTensor's mesh is unusable here ({exc}); {current}. {_remedy()}"
+        if mesh_ranks == ranks and value.device_mesh.ndim == 1:
+            if placements == (Replicate(),) and local_shape == tuple(shape):
+                return None
+            if placements == (Shard(0),) and local_shape == _expected_local_shape(shape, state):
+                return None
+        return (
+            f"fsdp: cannot load '{key}' (shape {tuple(shape)}): it was saved as a DTensor over "
+            f"{len(mesh_ranks)} rank(s) {mesh_ranks} with placements {list(placements)} and local "
+            f"shard shape {local_shape} on this rank, but {current}. {_remedy()}"
+        )
+    if is_sharded_tensor(value):
+        saved = sorted(
+            (tuple(m.shard_offsets), tuple(m.shard_sizes)) for m in value.metadata().shards_metadata
+        )
+        expected = []
+        for rank in range(state.world_size):
+            first, rows = _chunk_rows(shape[0], state.world_size, rank) if len(shape) else (0, 0)
+            if rows:
+                expected.append(((first, *[0] * (len(shape) - 1)), (rows, *shape[1:])))
+        if len(shape) and saved == sorted(expected) and len(value.local_shards()) <= 1:
+            return None
+        sizes = [list(s) for _, s in saved]
+        return (
+            f"fsdp: cannot load '{key}' (shape {tuple(shape)}): it was saved as a ShardedTensor of "
+            f"{len(saved)} shard(s) of sizes {sizes}, but {current} (chunks of "
+            f"{[list(s) for _, s in expected]}). {_remedy()}"
+        )
+    return None
+
+
+def full_value(value: Any, shape: torch.Size, state: UnitState) -> torch.Tensor:
+    """The full tensor of a checked value; a collective over the unit's group for sharded ones.
+
+    Every rank of the group must call it for the same entries in the same order.
+    """
+    if is_dtensor(value):
+        if not _is_group_row_chunk(value, state):
+            return value.full_tensor()
+        # [Note: Gathering our own DTensors] A Shard(0) DTensor over the unit's own group (what
+        # fsdp writes and DCP templates from fsdp hold) is gathered through fsdp's collectives,
+        # not DTensor.full_tensor(): its functional collectives crash the process on gloo with
+        # CUDA tensors (seen in the CUDA lane, torch 2.11), where fsdp's all-gather works.
+        return gather_chunked_rows(
+            value.to_local(), shape, value.dtype, state.compute_device, state.process_group, state.world_size
+        )
+    if not is_sharded_tensor(value):
+        return value
+    shards = value.local_shards()
+    return gather_chunked_rows(
+        shards[0].tensor if shards else None,
+        shape,
+        value.metadata().tensor_properties.dtype,
+        state.compute_device,
+        state.process_group,
+        state.world_size,
+    )
+
+
+def _is_group_row_chunk(value: Any, state: UnitState) -> bool:
+    """Whether DTensor ``value`` is sharded by rows (``Shard(0)``, ``torch.chunk`` layout) over a
+    1-D mesh of exactly the unit's process group."""
+    from torch.distributed.tensor import Shard
+
+    mesh = value.device_mesh
+    if mesh.ndim != 1 or tuple(value.placements) != (Shard(0),) or value.dim() == 0:
+        return False
+    try:
+        return _group_ranks(mesh.get_group()) == _group_ranks(state.process_group)
+    except (RuntimeError, ValueError):
+        return False
+
+
+def gather_chunked_rows(
+    local_rows: Optional[torch.Tensor],
+    shape: torch.Size,
+    dtype: torch.dtype,
+    device: torch.device,
+    group: Optional[dist.ProcessGroup],
+    world_size: int,
+) -> torch.Tensor:
+    """The full tensor of shape ``shape`` whose dim-0 ``torch.chunk`` pieces the ranks of
+    ``group`` hold (``local_rows``: this rank's, None where it holds none); an all-gather.
+
+    Each rank pads its piece to ``ceil(shape[0] / world_size)`` rows, so the gathered rows are in
+    order and the padding is at the end.
+    """
+    rows_per_rank = math.ceil(shape[0] / world_size)
+    row_numel = math.prod(shape[1:])
+    padded_local = torch.zeros(rows_per_rank * row_numel, dtype=dtype, device=device)
+    if local_rows is not None:
+        local = local_rows.reshape(-1).to(device)
+        padded_local[: local.numel()].copy_(local)
+    everyone = padded_local.new_empty(world_size * padded_local.numel())
+    comm.all_gather_flat(everyone, padded_local, group)
+    return everyone[: math.prod(shape)].view(shape)
+
+
+# ----------------------------------------------------------------------------- LOCAL values
+# [Note: Local state dict format]
+# Torch FSDP1 stores one entry per unit, ``<unit prefix>_flat_param``: a 1-D ShardedTensor of the
+# unit's *unpadded* flat parameter (``unpadded_unsharded_numel`` elements), whose only local shard
+# is a view of this rank's part of the local flat shard without its padding (offset
+# ``rank * sharded_numel``; a rank that holds only padding has no local shard). With
+# use_orig_params "unpadded" still counts the alignment padding between parameters and up to a
+# multiple of the world size (see [Note: Aligned flat parameter layout] in
+# ``flat_param/_sharding.py``), so every rank's part is a whole shard, padding values included.
+# We give exactly that, with the same layout, so LOCAL checkpoints move between torch FSDP1 and
+# fsdp (same wrapping and world size), with or without use_orig_params.
+# The ShardedTensor is built from metadata we compute (every rank's offset and size follow from
+# the layout), so saving needs no communication, and torch's deprecation warnings about
+# ShardedTensor are hidden around our own construction: they concern our internals, not the
+# user's code. Loading checks the ShardedTensor's metadata against this unit's layout (total
+# size, every shard's offset and size) and refuses another world size or wrapping, naming the
+# entry, before anything changes.
+
+
+@contextlib.contextmanager
+def quiet_sharded_tensor() -> Iterator[None]:
+    """Hides torch's ShardedTensor deprecation warnings raised by our own construction."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*ShardedTensor.*", category=FutureWarning)
+        warnings.filterwarnings("ignore", message=".*ShardedTensor.*", category=DeprecationWarning)
+        warnings.filterwarnings("ignore", message=".*_get_pg_default_device.*")
+        yield
+
+
+def _local_layout(unpadded_numel: int, sharded_numel: int, world_size: int) -> list[tuple[int, int]]:
+    """``(offset, numel)`` of every rank's unpadded part, in rank order (0-numel parts included)."""
+    parts = []
+    for rank in range(world_size):
+        offset = rank * sharded_numel
+        parts.append((offset, max(0, min(sharded_numel, unpadded_numel - offset))))
+    return parts
+
+
+def local_value(handle: FlatParamHandle, offload: bool) -> Any:
+    """The unit's LOCAL_STATE_DICT value (see [Note: Local state dict format]); no copy."""
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+
+    local_shard = handle._local_shard.detach()
+    parts = _local_layout(handle.unpadded_unsharded_numel, handle.sharded_numel, handle.world_size)
+    device = local_shard.device
+    shards_metadata = [
+        ShardMetadata([offset], [numel], f"rank:{rank}/{device}")
+        for rank, (offset, numel) in enumerate(parts)
+        if numel > 0
+    ]
+    offset, numel = parts[handle.rank]
+    local_shards = []
+    if numel > 0:
+        local_shards.append(Shard(local_shard[:numel].view(numel), shards_metadata[handle.rank]))
+    properties = TensorProperties.create_from_tensor(local_shard[:0])
+    metadata = ShardedTensorMetadata(
+        shards_metadata, torch.Size([handle.unpadded_unsharded_numel]), properties
+    )
+    with quiet_sharded_tensor():
+        value = ShardedTensor._init_from_local_shards_and_global_metadata(
+            local_shards, metadata, process_group=handle.process_group
+        )
+        if offload and device.type != "cpu":
+            value = value.cpu()
+    return value
+
+
+def check_local_value(key: str, unit_name: str, value: Any, handle: FlatParamHandle) -> Optional[str]:
+    """Why ``value`` cannot be loaded as the local flat shard ``key`` (None: it can); no communication."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    current = (
+        f"this model (its unit '{unit_name}' holds {handle.unpadded_unsharded_numel} elements in "
+        f"shards of {handle.sharded_numel} over {handle.world_size} rank(s))"
+    )
+    remedy = (
+        "A local state dict only loads at the same world size and wrapping; use "
+        "StateDictType.SHARDED_STATE_DICT to change world size or wrapping."
+    )
+    if not isinstance(value, ShardedTensor):
+        return (
+            f"fsdp: the LOCAL_STATE_DICT entry '{key}' must be a ShardedTensor (as state_dict() "
+            f"gives under LOCAL_STATE_DICT, here and in torch FSDP1), got {type(value).__name__}."
+        )
+    metadata = value.metadata()
+    saved = sorted((int(m.shard_offsets[0]), int(m.shard_sizes[0])) for m in metadata.shards_metadata)
+    expected = [
+        part
+        for part in _local_layout(handle.unpadded_unsharded_numel, handle.sharded_numel, handle.world_size)
+        if part[1] > 0
+    ]
+    if tuple(metadata.size) != (handle.unpadded_unsharded_numel,) or saved != expected:
+        return (
+            f"fsdp: the LOCAL_STATE_DICT entry '{key}' was saved with a different layout "
+            f"({int(metadata.size.numel())} elements in {len(saved)} shard(s) of sizes "
+            f"{[n for _, n in saved]} at offsets {[o for o, _ in saved]}) than {current}, whose "
+            f"shards have sizes {[n for _, n in expected]} at offsets {[o for o, _ in expected]}. "
+            f"{remedy}"
+        )
+    offset, numel = _local_layout(handle.unpadded_unsharded_numel, handle.sharded_numel, handle.world_size)[handle.rank]
+    shards = value.local_shards()
+    local_ok = (not shards and numel == 0) or (
+        len(shards) == 1
+        and int(shards[0].metadata.shard_offsets[0]) == offset
+        and shards[0].tensor.numel() == numel
+    )
+    if not local_ok:
+        held = [(int(s.metadata.shard_offsets[0]), s.tensor.numel()) for s in shards]
+        return (
+            f"fsdp: the LOCAL_STATE_DICT entry '{key}' holds the part(s) {held} (offset, numel) "
+            f"on this rank, but this rank (group rank {handle.rank}) holds ({offset}, {numel}) of "
+            f"{current}. Load each rank's own local state dict. {remedy}"
+        )
+    return None
+
+
+def load_local_value(handle: FlatParamHandle, value: Any) -> None:
+    """Copies a checked local value into the handle's local shard (its padding stays as is)."""
+    shards = value.local_shards()
+    if shards:
+        local = shards[0].tensor.reshape(-1)
+        handle._local_shard[: local.numel()].copy_(local)
+
+
+# ----------------------------------------------------------------------------- optimizer values
+# [Note: No ShardedTensor]
+# Sharded optimizer state dicts hold DTensors (Shard(0) on a 1-D mesh of the unit's shard group),
+# as our sharded model state dicts do, never ShardedTensors: torch deprecates ShardedTensor and
+# warns (FutureWarning) at every tensor method called on one, its own checkpoint planner's
+# included, so a state dict holding them fills a user's log with warnings about our internals
+# (torch FSDP1 gives ShardedTensors unless built with a device_mesh). Values, global shapes and
+# the chunking along dim 0 are the same as torch FSDP1's; torch.distributed.checkpoint stores
+# both alike, so checkpoints load across the two. ShardedTensors given to us to load (from torch
+# FSDP1) are read through their metadata and local shards only, which do not warn.
+
+
+class ValueKind(enum.Enum):
+    """What an optimizer state value is. :meth:`of` asks once; the kind then answers what each
+    path needs (whether it has dimensions, whether it is sharded, its global shape and dtype,
+    its full tensor), so a ShardedTensor is only ever read through its metadata and local shards
+    (see [Note: No ShardedTensor]).
+    """
+
+    #: A plain tensor with dimensions (Adam's ``exp_avg``): gathered and split per parameter
+    #: when saving, flattened or sliced to this rank's shard when loading.
+    TENSOR = "tensor"
+    #: A plain zero-dimension tensor (``step``): copied.
+    SCALAR = "scalar"
+    #: A DTensor (what sharded optimizer state dicts hold): gathered back to a full tensor when
+    #: loading.
+    DTENSOR = "dtensor"
+    #: A ShardedTensor (torch FSDP1's sharded values without a mesh): gathered back likewise.
+    SHARDED_TENSOR = "sharded_tensor"
+    #: Anything else (a number, a string, None): kept as it is.
+    OTHER = "other"
+
+    @staticmethod
+    def of(value: Any) -> "ValueKind":
+        """The kind of ``value``; never calls a tensor method on a ShardedTensor."""
+        if is_sharded_tensor(value):
+            return ValueKind.SHARDED_TENSOR
+        if is_dtensor(value):
+            return ValueKind.DTENSOR
+        if isinstance(value, torch.Tensor):
+            return ValueKind.TENSOR if value.dim() > 0 else ValueKind.SCALAR
+        return ValueKind.OTHER
+
+    @property
+    def has_dims(self) -> bool:
+        """A tensor with dimensions that is read as a tensor (a DTensor too: its global view)."""
+        return self in (ValueKind.TENSOR, ValueKind.DTENSOR)
+
+    @property
+    def sharded(self) -> bool:
+        """A DTensor or a ShardedTensor: its full value is a collective (:meth:`full_tensor`)."""
+        return self in (ValueKind.DTENSOR, ValueKind.SHARDED_TENSOR)
+
+    def global_shape(self, value: Any) -> torch.Size:
+        """The shape of ``value``'s full tensor (a tensor kind's)."""
+        if self is ValueKind.SHARDED_TENSOR:
+            return torch.Size(value.metadata().size)
+        return value.shape
+
+    def dtype(self, value: Any) -> torch.dtype:
+        """The dtype of ``value`` (a tensor kind's)."""
+        if self is ValueKind.SHARDED_TENSOR:
+            return value.metadata().tensor_properties.dtype
+        return value.dtype
+
+    def full_tensor(self, value: Any, where: str) -> torch.Tensor:
+        """The full tensor of a sharded ``value``: a DTensor, or a dim-0 chunk-sharded
+        ShardedTensor; a collective over its group. ``where`` names it in errors."""
+        if self is ValueKind.DTENSOR:
+            return value.full_tensor()
+        p_assert(self is ValueKind.SHARDED_TENSOR, f"{where}: not a sharded value")
+        return _gather_sharded_tensor(value, where)
+
+
+def _gather_sharded_tensor(value: Any, where: str) -> torch.Tensor:
+    group = value._process_group
+    ws = dist.get_world_size(group)
+    metadata = value.metadata()
+    size = torch.Size(metadata.size)
+    metas = sorted(metadata.shards_metadata, key=lambda m: m.shard_offsets[0])
+    expected = [len(c) for c in torch.chunk(torch.empty(size[0]), ws)] if size[0] else []
+    if [m.shard_sizes[0] for m in metas] != expected or any(
+        any(o != 0 for o in m.shard_offsets[1:]) for m in metas
+    ):
+        raise ValueError(
+            f"fsdp: {where} is a ShardedTensor that is not chunked along dim 0 over its group "
+            f"(shards {[(m.shard_offsets, m.shard_sizes) for m in metas]}); only the layout "
+            f"FSDP's optim_state_dict produces can be loaded."
+        )
+    shards = value.local_shards()
+    dtype = metadata.tensor_properties.dtype
+    device = shards[0].tensor.device if shards else torch.device("cpu")
+    if group is not None and dist.get_backend(group) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    return gather_chunked_rows(shards[0].tensor if shards else None, size, dtype, device, group, ws)
