@@ -52,7 +52,7 @@ from fsdp.runtime._state import (
 )
 from fsdp.runtime._summon import apply_summoned, names_in_summon
 from fsdp.runtime._summon import summon_full_params as _summon_full_params
-from fsdp.state_dict import _model_save, _model_state_dict, _settings
+from fsdp.state_dict import _model_state_dict, _settings
 from fsdp.state_dict import _optim_state_dict as _osd
 from fsdp.wrap import CustomPolicy, ModuleWrapPolicy
 
@@ -477,7 +477,7 @@ class FullyShardedDataParallel(nn.Module):
             destination = args[0]
             prefix = args[1] if len(args) > 1 else prefix
             keep_vars = args[2] if len(args) > 2 else keep_vars
-        return _model_save.save_state_dict(self, super().state_dict, destination, prefix, keep_vars)
+        return _model_state_dict.save_state_dict(self, super().state_dict, destination, prefix, keep_vars)
 
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False

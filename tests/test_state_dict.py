@@ -116,7 +116,7 @@ def rank0_only_memory() -> dict[str, Any]:
     ranks send their shards and never hold an unsharded unit (the bound that matters: at most
     one, see [Note: State dict gathers]).
     """
-    import fsdp.state_dict._model_save as model_sd
+    import fsdp.state_dict._model_state_dict as model_sd
     from fsdp import FullStateDictConfig, FullyShardedDataParallel as FSDP, StateDictType
     from benchmarks.memory import MemoryTrace
     from fsdp.flat_param.flat_param import FlatParamHandle

@@ -63,7 +63,7 @@ _PHASE_OF_FUNCTION: dict[tuple[str, str], str] = {
     ("fsdp.runtime._clip_grad", "clip_grad_norm_"): "clip_grad_norm_",
     ("fsdp.runtime._exec_order", "check_same_layout"): "lazy-init layout check",
     ("fsdp.runtime._exec_order", "check_execution_order"): "first-iteration execution-order check",
-    ("fsdp.state_dict._model_save", "save_state_dict"): "state_dict",
+    ("fsdp.state_dict._model_state_dict", "save_state_dict"): "state_dict",
     ("fsdp.state_dict._model_state_dict", "load_state_dict"): "load_state_dict",
     ("fsdp.sharded_grad_scaler", "_agree_on_found_inf"): "ShardedGradScaler's overflow check",
 }
