@@ -82,14 +82,14 @@ from fsdp.state_dict._values import (
 _NO_SHARD_WARNING = "When using ``NO_SHARD`` for ``ShardingStrategy``, full_state_dict will be returned."
 
 
-def _settings(module: nn.Module) -> Any:
+def _unit_settings(module: nn.Module) -> Any:
     return module._state_dict_settings  # type: ignore[attr-defined]
 
 
 def _effective_kind(module: nn.Module, state: UnitState, warn: bool) -> StateDictType:
     """The unit's state-dict type; a NO_SHARD unit gives (and takes) FULL instead of LOCAL or
     SHARDED, as torch FSDP1 does, with its warning: its values are whole on every rank."""
-    kind = _settings(module).state_dict_type
+    kind = _unit_settings(module).state_dict_type
     if kind is not StateDictType.FULL_STATE_DICT and state.sharding_strategy is ShardingStrategy.NO_SHARD:
         if warn:
             warnings.warn(_NO_SHARD_WARNING, stacklevel=3)
@@ -212,7 +212,7 @@ def save_state_dict(
         if kind is StateDictType.LOCAL_STATE_DICT:
             super_state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
             return destination
-        cfg = _settings(module).state_dict_config
+        cfg = _unit_settings(module).state_dict_config
         full = kind is StateDictType.FULL_STATE_DICT
         rank0_only = full and isinstance(cfg, FullStateDictConfig) and cfg.rank0_only
         offload = bool(cfg.offload_to_cpu)
@@ -232,7 +232,7 @@ def save_post_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, l
     state = unit_state(module)
     if _effective_kind(module, state, warn=False) is not StateDictType.LOCAL_STATE_DICT:
         return
-    offload = bool(_settings(module).state_dict_config.offload_to_cpu)
+    offload = bool(_unit_settings(module).state_dict_config.offload_to_cpu)
     for index, handle in enumerate(state.handles):
         # In place of the FlatParameter's own entry (use_orig_params registers none: appended).
         state_dict[prefix + _flat_key(index)] = local_value(handle, offload)

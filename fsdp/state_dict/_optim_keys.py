@@ -1,41 +1,106 @@
-"""Optimizer state dicts: which parameter is which, by FQN, by optimizer key and in the model.
+"""Optimizer state dicts: which parameter is which (by FQN, by optimizer key, in the model), how
+the ranks agree on it, and the exception types of the optimizer-state APIs.
 
 An optimizer keys its own state dict by parameter IDs (positions in its ``param_groups``) or, a
 named optimizer, by the names ``model.named_parameters()`` gives (see [Note: Named optimizers]
 in ``_optim_state_dict.py``); FSDP's optimizer state dicts key it by the original parameters'
-fully qualified names. :class:`_ModelView` maps a wrapped model's parameters to FQNs, handles
+fully qualified names. :class:`ModelView` maps a wrapped model's parameters to FQNs, handles
 and positions inside them; the functions here translate between the three kinds of keys. No
-collectives.
+collectives, except in :func:`agree`.
+
+[Note: Optimizer state keyed by names across ranks]
+An optimizer's own state dict keys parameters by IDs: positions in *that rank's*
+``optim.param_groups``. Ranks may build their optimizers from the same parameters in different
+orders (``reversed(list(model.parameters()))`` on one rank, parameter groups in another order),
+so an ID means nothing to another rank. Everything that crosses ranks is keyed by names: a
+FlatParameter by its first parameter's FQN, an original or unmanaged parameter by its FQN.
+
+Before the first collective that moves state, every rank all-gathers (:func:`agree`) what it
+holds, described by names (saving: which parameters have state, and each state's kind, dtype
+and shape, see ``_optim_save.py``; no tensor data), and then runs the same checks on the same
+gathered data, so either every rank goes on, with the
+collectives in one order fixed by names, or every rank raises the same exception type naming
+the parameters and the ranks. A rank whose own preparation raised still joins that all-gather
+(carrying its error), so the others raise too instead of waiting in a collective it never joins.
+
+[Note: Optimizer state dict exception types]
+torch FSDP1 is the contract for *which* exception type a user mistake raises, so that code that
+catches torch's types keeps working; our messages stay ours (they name the parameter, the rank
+and the remedy). Where torch raises ``ValueError``/``RuntimeError``/``TypeError`` we raise the
+same. Where torch fails with a lookup error for the same mistake (a ``KeyError`` from a dict of
+names, an ``IndexError`` from a list of IDs), an ``AttributeError`` or an ``AssertionError``, we raise a class that is
+*both* that type and ``ValueError``: ``except KeyError`` (torch) and ``except ValueError`` (ours
+since the first release) both catch it, and its message is printed as written (a plain
+``KeyError`` would print its message quoted).
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, TypeVar, Union
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from fsdp._common import clean_fqn
+from fsdp._comm import _collectives as comm
 from fsdp.api import OptimStateKeyType
 from fsdp.flat_param.flat_param import FlatParamHandle
 from fsdp.runtime._state import check_idle, is_fsdp, unit_state
-from fsdp.state_dict._optim_errors import (
-    OptimStateAssertionError,
-    OptimStateIndexError,
-    OptimStateKeyError,
-)
 
+__all__ = [
+    "OptimStateKeyError",
+    "OptimStateIndexError",
+    "OptimStateAssertionError",
+    "OptimStateAttributeError",
+    "ParamKey",
+    "NO_FSDP",
+    "ModelView",
+    "refuse_tensor_parallel",
+    "param_list",
+    "optimizer_keys",
+    "keyed_by_names",
+    "names_to_ids",
+    "keys_by_fqn",
+    "rekey",
+    "agree",
+]
+
+T = TypeVar("T")
+
+
+# ----------------------------------------------------------------------------- exception types
+class OptimStateKeyError(ValueError, KeyError):
+    """A name that is not where it must be; torch FSDP1 raises ``KeyError`` for the same mistake."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class OptimStateIndexError(ValueError, IndexError):
+    """An ID or index out of range; torch FSDP1 raises ``IndexError`` for the same mistake."""
+
+
+class OptimStateAssertionError(ValueError, AssertionError):
+    """An argument torch FSDP1 rejects with an ``AssertionError``."""
+
+
+class OptimStateAttributeError(ValueError, AttributeError):
+    """A key of the wrong kind; torch FSDP1 fails with an ``AttributeError`` on it."""
+
+
+# ----------------------------------------------------------------------------- keys
 ParamKey = Union[int, str]
 """A parameter's key in an optimizer's own state dict: its ID, or a named optimizer's name."""
 
-_NO_FSDP = (
+NO_FSDP = (
     "fsdp: the model contains no FullyShardedDataParallel instance; optimizer state dicts of an "
     "unwrapped model need no conversion (use optim.state_dict())."
 )
 
 
-class _ModelView:
+class ModelView:
     """Which parameter of ``model`` is what: FQNs, handles and positions inside them."""
 
     def __init__(self, model: nn.Module) -> None:
@@ -43,7 +108,7 @@ class _ModelView:
         if not units:
             # torch FSDP1's legacy APIs fail with an IndexError (its list of FSDP modules is
             # empty); optim_state_dict / optim_state_dict_to_load see _settings_of.
-            raise OptimStateIndexError(_NO_FSDP)
+            raise OptimStateIndexError(NO_FSDP)
         for unit in units:
             if not unit_state(unit).has_fsdp_parent:
                 check_idle(unit, "an optimizer state dict API")
@@ -107,7 +172,29 @@ class _ModelView:
         return shown + more
 
 
-def _param_list(
+def refuse_tensor_parallel(handles: Any, api: str) -> None:
+    """Raises before anything moves if a unit holds tensor-parallel (DTensor) parameters.
+
+    Optimizer state dicts of such units are not supported yet: torch FSDP1 gives their state as
+    DTensors (tp DTensors when full, 2-D when sharded); fsdp would give plain local pieces.
+
+    Raises:
+        NotImplementedError: Naming the first DTensor parameter and what works instead.
+    """
+    for handle in handles:
+        for info in handle.param_infos:
+            if info.dtensor_spec is not None:
+                raise NotImplementedError(
+                    f"fsdp: {api} does not support tensor-parallel (DTensor) parameters yet: "
+                    f"parameter '{info.fqn}' of FSDP unit '{handle.unit_name}' is a DTensor "
+                    f"(placements {list(info.dtensor_spec.placements)}). Model state dicts "
+                    f"(FULL and SHARDED, through torch.distributed.checkpoint too) work; save "
+                    f"the optimizer with optim.state_dict() per rank, or use torch FSDP1 for "
+                    f"this model's optimizer checkpoints."
+                )
+
+
+def param_list(
     model: nn.Module, optim: Optional[torch.optim.Optimizer], optim_input: Optional[Any]
 ) -> list[nn.Parameter]:
     """The parameters in optimizer-ID order (``optim_input`` first, as torch FSDP1, else
@@ -150,7 +237,7 @@ def _names_in_model(model: nn.Module) -> dict[int, str]:
     return {id(param): name for name, param in model.named_parameters()}
 
 
-def _optimizer_keys(model: nn.Module, params: list[nn.Parameter], named: bool) -> list[ParamKey]:
+def optimizer_keys(model: nn.Module, params: list[nn.Parameter], named: bool) -> list[ParamKey]:
     """The key of each of the optimizer's parameters in its own state dict, in ID order.
 
     IDs for a ``torch.optim.Optimizer``; names for a named optimizer (see
@@ -172,7 +259,7 @@ def _optimizer_keys(model: nn.Module, params: list[nn.Parameter], named: bool) -
     return keys
 
 
-def _keyed_by_names(osd: dict[str, Any]) -> bool:
+def keyed_by_names(osd: dict[str, Any]) -> bool:
     """Whether an optimizer's own state dict comes from a named optimizer (string keys)."""
     keys = list(osd.get("state", {}))
     for group in osd.get("param_groups", []):
@@ -188,7 +275,7 @@ def _keyed_by_names(osd: dict[str, Any]) -> bool:
     return bool(names)
 
 
-def _names_to_ids(osd: dict[str, Any], names: list[ParamKey]) -> dict[str, Any]:
+def names_to_ids(osd: dict[str, Any], names: list[ParamKey]) -> dict[str, Any]:
     """A named optimizer's state dict re-keyed by parameter IDs (positions in ``names``)."""
     position = {name: key for key, name in enumerate(names)}
 
@@ -212,13 +299,13 @@ def _names_to_ids(osd: dict[str, Any], names: list[ParamKey]) -> dict[str, Any]:
     return out
 
 
-def _fqn_to_key(view: _ModelView, params: list[nn.Parameter], keys: list[ParamKey]) -> dict[str, ParamKey]:
+def keys_by_fqn(view: ModelView, params: list[nn.Parameter], keys: list[ParamKey]) -> dict[str, ParamKey]:
     """FQN -> this optimizer's key for the parameter object it holds under that name."""
     param_to_key = {id(param): keys[position] for position, param in enumerate(params)}
     return {fqn: param_to_key[id(param)] for fqn, param in view.fqn_to_param.items() if id(param) in param_to_key}
 
 
-def _rekey(
+def rekey(
     osd: dict[str, Any],
     key_type: Any,
     model: nn.Module,
@@ -243,7 +330,7 @@ def _rekey(
         raise ValueError(f"fsdp: invalid parameter keys (mixed names and IDs): {keys}")
     if (name == "PARAM_NAME" and all(by_name)) or (name == "PARAM_ID" and all(by_id)):
         return osd
-    params = _param_list(model, optim, optim_input)
+    params = param_list(model, optim, optim_input)
     fqn_of = _param_names(model)
     if name == "PARAM_NAME":
         id_to_name = []
@@ -255,7 +342,7 @@ def _rekey(
                 )
             id_to_name.append(fqn_of[id(p)])
 
-        def rekey(k: Any) -> Any:
+        def new_key(k: Any) -> Any:
             if not isinstance(k, int) or not 0 <= k < len(id_to_name):
                 raise OptimStateIndexError(
                     f"fsdp: parameter ID {k!r} is out of range: the optimizer has {len(id_to_name)} parameters."
@@ -264,7 +351,7 @@ def _rekey(
     else:
         name_to_id = {fqn_of[id(p)]: k for k, p in enumerate(params) if id(p) in fqn_of}
 
-        def rekey(k: Any) -> Any:
+        def new_key(k: Any) -> Any:
             if k not in name_to_id:
                 raise OptimStateKeyError(
                     f"fsdp: parameter name '{k}' is not a parameter the optimizer holds; known names: "
@@ -272,10 +359,10 @@ def _rekey(
                 )
             return name_to_id[k]
 
-    new: dict[str, Any] = {"state": {rekey(k): v for k, v in osd["state"].items()}}
+    new: dict[str, Any] = {"state": {new_key(k): v for k, v in osd["state"].items()}}
     new["param_groups"] = copy.deepcopy(osd["param_groups"])
     for group in new["param_groups"]:
-        group["params"] = sorted(rekey(k) for k in group["params"])
+        group["params"] = sorted(new_key(k) for k in group["params"])
     return new
 
 
@@ -283,10 +370,46 @@ def _param_names(model: nn.Module) -> dict[int, str]:
     """id(param) -> its (first, cleaned) name, for wrapped and unwrapped models alike."""
     names: dict[int, str] = {}
     if any(is_fsdp(m) for m in model.modules()):
-        view = _ModelView(model)
+        view = ModelView(model)
         for pid, fqns in view.param_to_fqns.items():
             names[pid] = fqns[0]
         return names
     for name, param in model.named_parameters():
         names.setdefault(id(param), name)
     return names
+
+
+# ----------------------------------------------------------------------------- agreement
+def _rebuild(error_type: type, message: str) -> BaseException:
+    try:
+        return error_type(message)
+    except Exception:  # a type whose constructor wants other arguments
+        return RuntimeError(message)
+
+
+def agree(local: Callable[[], T], group: Optional[dist.ProcessGroup], what: str) -> list[T]:
+    """Runs ``local`` here and all-gathers its result over ``group``.
+
+    Returns:
+        Every rank's result, in rank order.
+
+    Raises:
+        The exception ``local`` raised on this rank; or, where it raised on another rank, the
+        same type naming that rank (so no rank goes on to a collective the others skip).
+    """
+    result: Optional[T] = None
+    error: Optional[BaseException] = None
+    try:
+        result = local()
+    except (ValueError, TypeError, KeyError, IndexError, RuntimeError, AssertionError) as exc:
+        error = exc
+    gathered = comm.all_gather_object(
+        (result, None if error is None else (type(error), str(error))), group
+    )
+    if error is not None:
+        raise error
+    for rank, (_, failure) in enumerate(gathered):
+        if failure is not None:
+            error_type, message = failure
+            raise _rebuild(error_type, f"fsdp: rank {rank} could not {what}, so no rank goes on: {message}")
+    return [value for value, _ in gathered]

@@ -5,7 +5,7 @@ and keyed as this rank's optimizer keys its own.
 See [Note: Optimizer state dict formats] in ``_optim_state_dict.py``. Every name and shape is
 checked before anything changes; with ``rank0_only`` or a sharded state dict the ranks first
 agree that every rank's inputs are valid ([Note: Optimizer state keyed by names across ranks]
-in ``_optim_agreement.py``).
+in ``_optim_keys.py``).
 """
 
 from __future__ import annotations
@@ -21,9 +21,17 @@ from torch import nn
 
 from fsdp._comm import _collectives as comm
 from fsdp.flat_param.flat_param import FlatParamHandle
-from fsdp.state_dict._optim_agreement import agree
-from fsdp.state_dict._optim_errors import OptimStateAttributeError, OptimStateKeyError, refuse_tensor_parallel
-from fsdp.state_dict._optim_keys import ParamKey, _fqn_to_key, _ModelView, _optimizer_keys, _param_list
+from fsdp.state_dict._optim_keys import (
+    ModelView,
+    OptimStateAttributeError,
+    OptimStateKeyError,
+    ParamKey,
+    agree,
+    keys_by_fqn,
+    optimizer_keys,
+    param_list,
+    refuse_tensor_parallel,
+)
 from fsdp.state_dict._values import ValueKind
 
 __all__ = ["to_load"]
@@ -65,7 +73,7 @@ def to_load(
     every rank instead of leaving the others in a collective (see
     [Note: Optimizer state keyed by names across ranks]).
     """
-    view = _ModelView(model)
+    view = ModelView(model)
     refuse_tensor_parallel(view.handles, "loading an optimizer state dict")
     if load_directly and optim is None:
         # torch FSDP1 fails with an AttributeError (on None.load_state_dict).
@@ -92,7 +100,7 @@ def to_load(
 
 
 def _prepare_load(
-    view: _ModelView,
+    view: ModelView,
     model: nn.Module,
     optim: Optional[torch.optim.Optimizer],
     optim_state_dict: Optional[dict[str, Any]],
@@ -107,9 +115,9 @@ def _prepare_load(
     prepared: dict[str, Any] = {}
 
     def prepare_optimizer() -> None:
-        params = _param_list(model, optim, optim_input)
-        keys = _optimizer_keys(model, params, is_named_optimizer)
-        prepared.update(params=params, keys=keys, fqn_to_key=_fqn_to_key(view, params, keys))
+        params = param_list(model, optim, optim_input)
+        keys = optimizer_keys(model, params, is_named_optimizer)
+        prepared.update(params=params, keys=keys, fqn_to_key=keys_by_fqn(view, params, keys))
 
     if rank0_only:
         agree(prepare_optimizer, group, "match its optimizer to the model")
@@ -133,7 +141,7 @@ def _prepare_load(
     return osd, _HeldKeys(prepared["params"], prepared["keys"], prepared["fqn_to_key"])
 
 
-def _gathered_state(osd: dict[str, Any], view: _ModelView) -> dict[str, dict[str, Any]]:
+def _gathered_state(osd: dict[str, Any], view: ModelView) -> dict[str, dict[str, Any]]:
     """The state by FQN with sharded values (DTensor / ShardedTensor) gathered back to full
     tensors, in the order of ``_sharded_layout`` (model order, then state names), the same on
     every rank."""
@@ -144,7 +152,7 @@ def _gathered_state(osd: dict[str, Any], view: _ModelView) -> dict[str, dict[str
     return state
 
 
-def _load_flat_states(view: _ModelView, state: dict[str, dict[str, Any]], held: _HeldKeys) -> dict[ParamKey, Any]:
+def _load_flat_states(view: ModelView, state: dict[str, dict[str, Any]], held: _HeldKeys) -> dict[ParamKey, Any]:
     """use_orig_params=False: each FlatParameter's state (this rank's shard), by optimizer key."""
     param_to_key = {id(param): held.keys[position] for position, param in enumerate(held.params)}
     out_state: dict[ParamKey, Any] = {}
@@ -158,7 +166,7 @@ def _load_flat_states(view: _ModelView, state: dict[str, dict[str, Any]], held: 
 
 
 def _load_orig_states(
-    view: _ModelView, state: dict[str, dict[str, Any]], held: _HeldKeys, named_optim: Optional[Any]
+    view: ModelView, state: dict[str, dict[str, Any]], held: _HeldKeys, named_optim: Optional[Any]
 ) -> dict[ParamKey, Any]:
     """use_orig_params=True: this rank's part of each managed parameter's state, by optimizer key.
 
@@ -198,11 +206,11 @@ def _strip_tensors(osd: dict[str, Any]) -> tuple[dict[str, Any], list[torch.Tens
     return structure, tensors
 
 
-def _broadcast_from_rank0(osd: Optional[dict[str, Any]], view: _ModelView, group: Optional[dist.ProcessGroup]) -> dict[str, Any]:
+def _broadcast_from_rank0(osd: Optional[dict[str, Any]], view: ModelView, group: Optional[dist.ProcessGroup]) -> dict[str, Any]:
     """rank0_only loading: rank 0's (validated) state dict on every rank."""
     rank = dist.get_rank(group)
     error: Optional[BaseException] = None
-    structure: Optional[dict[str, Any]] = None
+    stripped: Optional[dict[str, Any]] = None
     tensors: list[torch.Tensor] = []
     if rank == 0:
         try:
@@ -216,9 +224,9 @@ def _broadcast_from_rank0(osd: Optional[dict[str, Any]], view: _ModelView, group
         except (ValueError, TypeError) as exc:
             error = exc
         else:
-            structure, tensors = _strip_tensors(osd)
+            stripped, tensors = _strip_tensors(osd)
     structure = comm.broadcast_object_from_rank0(
-        {"error": (type(error), str(error))} if error is not None else structure, group
+        {"error": (type(error), str(error))} if error is not None else stripped, group
     )
     if error is not None:
         raise error
@@ -240,11 +248,11 @@ def _broadcast_from_rank0(osd: Optional[dict[str, Any]], view: _ModelView, group
     return structure
 
 
-def _comm_device(view: _ModelView) -> torch.device:
+def _comm_device(view: ModelView) -> torch.device:
     return view.handles[0].device if view.handles else torch.device("cpu")
 
 
-def _validate(osd: dict[str, Any], view: _ModelView) -> None:
+def _validate(osd: dict[str, Any], view: ModelView) -> None:
     """Checks names and shapes of a FQN-keyed state dict against the model (raises ValueError)."""
     if not isinstance(osd, dict) or "state" not in osd:
         raise ValueError(
@@ -415,7 +423,7 @@ def _check_groups_held(osd: dict[str, Any], fqn_to_key: dict[str, ParamKey]) -> 
             )
 
 
-def _sharded_layout(osd: dict[str, Any], view: _ModelView) -> list[tuple[str, str, tuple[int, ...], str]]:
+def _sharded_layout(osd: dict[str, Any], view: ModelView) -> list[tuple[str, str, tuple[int, ...], str]]:
     """The sharded values of a state dict in the order they are gathered: ``(fqn, state name,
     global shape, dtype)``, parameters in model order, state names sorted."""
     layout = []

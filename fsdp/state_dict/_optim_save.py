@@ -3,13 +3,26 @@ with ``use_orig_params``) gathered, split per parameter and keyed by FQNs.
 
 See [Note: Optimizer state dict formats] in ``_optim_state_dict.py``. Every rank first describes
 its state by names and the ranks agree on it ([Note: Optimizer state keyed by names across
-ranks] in ``_optim_agreement.py``); then every rank runs the same gathers in the same order.
+ranks] in ``_optim_keys.py``); then every rank runs the same gathers in the same order.
+
+What must agree (saving), checked on every rank's gathered :class:`_RankOptimState`:
+
+- ``use_orig_params=False``: every rank has state for the FlatParameters (and unmanaged
+  parameters) that rank 0 has state for, as in torch FSDP1, which raises ``RuntimeError``
+  naming the ranks and parameters; state a rank has beyond rank 0's is left out, as in torch.
+  The saved keys follow rank 0's parameter order. Each FlatParameter's positive-dimension states
+  are shaped like its local shard and have the same names and dtypes on every rank.
+- ``use_orig_params=True``: a rank that holds part of a parameter has state for it whenever
+  some rank has (torch FSDP1 raises ``RuntimeError`` or fails inside its all-gather); a rank
+  that holds no part of it may lack it. Each state's numel is the rank's part of the parameter
+  and its dtype is the same on every rank.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 from typing import Any, Optional
 
 import torch
@@ -19,20 +32,15 @@ from torch import nn
 from fsdp._common import p_assert
 from fsdp._comm import _collectives as comm
 from fsdp.flat_param.flat_param import FlatParamHandle
-from fsdp.state_dict._optim_agreement import (
-    RankOptimState,
-    agree,
-    check_save_flat,
-    check_save_orig,
-    describe_state,
-)
-from fsdp.state_dict._optim_errors import OptimStateKeyError, refuse_tensor_parallel
 from fsdp.state_dict._optim_keys import (
-    _keyed_by_names,
-    _ModelView,
-    _names_to_ids,
-    _optimizer_keys,
-    _param_list,
+    ModelView,
+    OptimStateKeyError,
+    agree,
+    keyed_by_names,
+    names_to_ids,
+    optimizer_keys,
+    param_list,
+    refuse_tensor_parallel,
 )
 from fsdp.state_dict._values import NOBODY, PendingGather, ValueKind, gather, shard_rows, start_gather
 
@@ -76,7 +84,7 @@ def save(
     optimizer, by names (see [Note: Named optimizers]). Ranks may list their parameters in
     different orders (see [Note: Optimizer state keyed by names across ranks]).
     """
-    view = _ModelView(model)
+    view = ModelView(model)
     refuse_tensor_parallel(view.handles, "saving an optimizer state dict")
     osd, params, infos = _prepare_save(view, model, optim, optim_state_dict, optim_input, group)
     options = _SaveOptions(
@@ -99,28 +107,28 @@ def save(
 
 
 def _prepare_save(
-    view: _ModelView,
+    view: ModelView,
     model: nn.Module,
     optim: torch.optim.Optimizer,
     optim_state_dict: Optional[dict[str, Any]],
     optim_input: Optional[Any],
     group: Optional[dist.ProcessGroup],
-) -> tuple[dict[str, Any], list[nn.Parameter], list[RankOptimState]]:
+) -> tuple[dict[str, Any], list[nn.Parameter], list[_RankOptimState]]:
     """The ID-keyed state dict to save, the parameters in ID order, and every rank's
-    :class:`RankOptimState`: the ranks agree before any state moves (a mistake on one rank
+    :class:`_RankOptimState`: the ranks agree before any state moves (a mistake on one rank
     raises on every rank)."""
     prepared: dict[str, Any] = {}
 
-    def prepare() -> RankOptimState:
+    def prepare() -> _RankOptimState:
         osd = optim.state_dict() if optim_state_dict is None else optim_state_dict
         if not isinstance(osd, dict) or "state" not in osd:
             raise OptimStateKeyError(
                 "fsdp: optim_state_dict must have the key 'state' (an optimizer state dict, as "
                 "optim.state_dict() returns)"
             )
-        params = _param_list(model, optim, optim_input)
-        if _keyed_by_names(osd):
-            osd = _names_to_ids(osd, _optimizer_keys(model, params, named=True))
+        params = param_list(model, optim, optim_input)
+        if keyed_by_names(osd):
+            osd = names_to_ids(osd, optimizer_keys(model, params, named=True))
         prepared.update(osd=osd, params=params)
         return _local_optim_state(view, params, osd["state"])
 
@@ -129,10 +137,10 @@ def _prepare_save(
 
 
 def _save_flat_states(
-    view: _ModelView,
+    view: ModelView,
     state: dict[Any, Any],
     params: list[nn.Parameter],
-    infos: list[RankOptimState],
+    infos: list[_RankOptimState],
     options: _SaveOptions,
 ) -> dict[str, Any]:
     """use_orig_params=False: the saved state of each parameter, in rank 0's order."""
@@ -141,7 +149,7 @@ def _save_flat_states(
     flat_fqns = {view.handle_fqns[h][0]: view.handle_fqns[h] for h in range(len(view.handles))}
     sharded_numels = {view.handle_fqns[h][0]: handle.sharded_numel for h, handle in enumerate(view.handles)}
     # Rank 0's order, every rank: the collectives below run in one order by names.
-    for key in check_save_flat(infos, flat_fqns, sharded_numels):
+    for key in _check_save_flat(infos, flat_fqns, sharded_numels):
         param = view.fqn_to_param[key]
         entry = state[position_of[id(param)]]
         h = view.flat_to_handle.get(id(param))
@@ -158,14 +166,14 @@ def _save_flat_states(
 
 
 def _save_orig_states(
-    view: _ModelView,
+    view: ModelView,
     state: dict[Any, Any],
     params: list[nn.Parameter],
-    infos: list[RankOptimState],
+    infos: list[_RankOptimState],
     options: _SaveOptions,
 ) -> dict[str, Any]:
     """use_orig_params=True: the saved state of each parameter, in torch FSDP1's order."""
-    check_save_orig(infos, [fqn for fqns in view.handle_fqns for fqn in fqns])
+    _check_save_orig(infos, [fqn for fqns in view.handle_fqns for fqn in fqns])
     per_handle: list[dict[str, dict[str, Any]]] = [{} for _ in view.handles]
     unmanaged: dict[str, Any] = {}
     for key, param in enumerate(params):
@@ -197,7 +205,7 @@ def _save_orig_states(
 
 
 def _saved_groups(
-    osd_groups: list[dict[str, Any]], view: _ModelView, params: list[nn.Parameter]
+    osd_groups: list[dict[str, Any]], view: ModelView, params: list[nn.Parameter]
 ) -> list[dict[str, Any]]:
     """This rank's own parameter groups, in its own order (as torch FSDP1), listing FQNs."""
     groups = []
@@ -229,7 +237,7 @@ def _finish(value: torch.Tensor, handle: FlatParamHandle, shard: bool, offload: 
 
 
 def _check_flat_state(handle: FlatParamHandle, name: str, value: torch.Tensor) -> None:
-    """Internal: ``value`` is shaped like the FlatParameter's local shard (``check_save_flat``
+    """Internal: ``value`` is shaped like the FlatParameter's local shard (``_check_save_flat``
     checked every rank's before any collective)."""
     p_assert(
         value.dim() == 1 and value.numel() == handle.sharded_numel,
@@ -401,10 +409,55 @@ def _receiver(handle: FlatParamHandle, rank0_only_full: bool, group: Optional[di
     return ranks.index(saver) if saver in ranks else NOBODY
 
 
+def _copy_unmanaged(entry: dict[str, Any], offload: bool) -> dict[str, Any]:
+    entry = copy.copy(entry)
+    if offload:
+        for name in sorted(entry):
+            if isinstance(entry[name], torch.Tensor):
+                entry[name] = entry[name].cpu()
+    return entry
+
+
+# ----------------------------------------------------------------------------- agreement
+_StateMeta = tuple
+"""One state's description: ``("t", dtype, shape)`` (positive-dimension tensor),
+``("s", value, dtype)`` (zero-dimension tensor) or ``("o", value)`` (anything else)."""
+
+
+@dataclasses.dataclass
+class _RankOptimState:
+    """One rank's optimizer state, described by parameter names (what ranks exchange).
+
+    Attributes:
+        keys: The names of the parameters with state, in this rank's optimizer-ID order.
+        states: Name -> state name -> :data:`_StateMeta`.
+        local_numels: use_orig_params: each managed parameter's numel on this rank (its part of
+            the local shard; 0 where the rank holds none of it).
+    """
+
+    keys: list[str]
+    states: dict[str, dict[str, _StateMeta]]
+    local_numels: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+def _describe_state(entry: dict[str, Any]) -> dict[str, _StateMeta]:
+    """The :data:`_StateMeta` of each state of one parameter."""
+    out: dict[str, _StateMeta] = {}
+    for name in sorted(entry):
+        value = entry[name]
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            out[name] = ("t", value.dtype, tuple(value.shape))
+        elif isinstance(value, torch.Tensor):
+            out[name] = ("s", value.item(), value.dtype)  # a number pickles far faster than a tensor
+        else:
+            out[name] = ("o", value)
+    return out
+
+
 def _local_optim_state(
-    view: _ModelView, params: list[nn.Parameter], state: dict[Any, Any]
-) -> RankOptimState:
-    """This rank's :class:`RankOptimState` (see [Note: Optimizer state keyed by names across ranks])."""
+    view: ModelView, params: list[nn.Parameter], state: dict[Any, Any]
+) -> _RankOptimState:
+    """This rank's :class:`_RankOptimState` (see [Note: Optimizer state keyed by names across ranks])."""
     keys: list[str] = []
     states: dict[str, dict[str, Any]] = {}
     for position, param in enumerate(params):
@@ -417,19 +470,137 @@ def _local_optim_state(
                 f"that is not a parameter of the model."
             )
         keys.append(fqns[0])
-        states[fqns[0]] = describe_state(state[position])
+        states[fqns[0]] = _describe_state(state[position])
     local_numels: dict[str, int] = {}
     if view.use_orig_params:
         for h, handle in enumerate(view.handles):
             for index, fqn in enumerate(view.handle_fqns[h]):
                 local_numels[fqn] = handle._orig_sharded_ranges[index][1]
-    return RankOptimState(keys, states, local_numels)
+    return _RankOptimState(keys, states, local_numels)
 
 
-def _copy_unmanaged(entry: dict[str, Any], offload: bool) -> dict[str, Any]:
-    entry = copy.copy(entry)
-    if offload:
-        for name in sorted(entry):
-            if isinstance(entry[name], torch.Tensor):
-                entry[name] = entry[name].cpu()
-    return entry
+def _shown(names: list[str]) -> str:
+    return "[" + ", ".join(f"'{n}'" for n in names) + "]"
+
+
+def _check_save_flat(
+    infos: list[_RankOptimState],
+    flat_fqns: dict[str, list[str]],
+    flat_sharded_numel: dict[str, int],
+) -> list[str]:
+    """use_orig_params=False: the checks of [Note: Optimizer state keyed by names across ranks].
+
+    Args:
+        infos: Every rank's :class:`_RankOptimState`.
+        flat_fqns: A FlatParameter's key -> the FQNs of its parameters.
+        flat_sharded_numel: A FlatParameter's key -> its local shard's numel.
+
+    Returns:
+        The keys to save, in rank 0's order.
+
+    Raises:
+        RuntimeError: A rank lacks state rank 0 has (torch FSDP1's type).
+        ValueError: A FlatParameter's state is misshaped, or its names or dtypes differ
+            between ranks.
+    """
+    reference = infos[0].keys
+    missing: list[str] = []
+    for rank, info in enumerate(infos):
+        have = set(info.keys)
+        lacking = [key for key in reference if key not in have]
+        if lacking:
+            shown = ", ".join(
+                f"the FlatParameter of {_shown(flat_fqns[key])}" if key in flat_fqns else f"'{key}'"
+                for key in lacking
+            )
+            missing.append(f"rank {rank} has none for {shown}")
+    if missing:
+        raise RuntimeError(
+            "fsdp: FSDP currently requires each rank to have at least the optimizer states "
+            "needed by rank 0's optimizer but some ranks are missing some of those states: "
+            f"every rank's optimizer must have state for the parameters rank 0's has (the "
+            f"order may differ between ranks), but {'; '.join(missing)}. Build every rank's "
+            f"optimizer from the same parameters and step it on every rank before saving."
+        )
+    for key in reference:
+        if key not in flat_fqns:
+            continue
+        numel = flat_sharded_numel[key]
+        tensor_states: list[dict[str, tuple]] = []
+        for rank, info in enumerate(infos):
+            tensors = {}
+            for name, meta in info.states[key].items():
+                if meta[0] != "t":
+                    continue
+                if len(meta[2]) != 1 or meta[2][0] != numel:
+                    raise ValueError(
+                        f"fsdp: optimizer state '{name}' of the FlatParameter of "
+                        f"{_shown(flat_fqns[key])} has shape {meta[2]} on rank {rank}; expected "
+                        f"({numel},), the parameter's sharded shape. Was this optimizer state "
+                        f"dict made by another model?"
+                    )
+                tensors[name] = meta[1]
+            tensor_states.append(tensors)
+        for rank, tensors in enumerate(tensor_states):
+            if tensors != tensor_states[0]:
+                raise ValueError(
+                    f"fsdp: the FlatParameter of {_shown(flat_fqns[key])} has tensor optimizer "
+                    f"states {_describe_tensors(tensors)} on rank {rank} but {_describe_tensors(tensor_states[0])} "
+                    f"on rank 0; every rank's optimizer must keep the same states."
+                )
+    return list(reference)
+
+
+def _describe_tensors(tensors: dict[str, Any]) -> str:
+    return "{" + ", ".join(f"'{n}': {str(d).replace('torch.', '')}" for n, d in sorted(tensors.items())) + "}"
+
+
+def _check_save_orig(infos: list[_RankOptimState], managed_fqns: list[str]) -> None:
+    """use_orig_params=True: the checks of [Note: Optimizer state keyed by names across ranks].
+
+    Args:
+        infos: Every rank's :class:`_RankOptimState`.
+        managed_fqns: The FQNs of the parameters FSDP manages, in model order.
+
+    Raises:
+        RuntimeError: A rank that holds part of a parameter lacks state another rank has.
+        ValueError: A state's numel is not the rank's part, or its dtype differs between ranks.
+    """
+    missing: dict[int, list[str]] = {}
+    for fqn in managed_fqns:
+        holders = [rank for rank, info in enumerate(infos) if fqn in info.states]
+        if not holders:
+            continue
+        for rank, info in enumerate(infos):
+            if fqn not in info.states and info.local_numels.get(fqn, 0) > 0:
+                missing.setdefault(rank, []).append(fqn)
+    if missing:
+        lines = "; ".join(f"rank {rank} has none for {_shown(fqns)}" for rank, fqns in missing.items())
+        raise RuntimeError(
+            f"fsdp: every rank's optimizer must have state for the parameters whose shards it "
+            f"holds wherever another rank's optimizer has state for them (the order may differ "
+            f"between ranks), but {lines}. Build every rank's optimizer from the same parameters "
+            f"and step it on every rank before saving."
+        )
+    for fqn in managed_fqns:
+        dtypes: dict[str, tuple[int, Any]] = {}
+        for rank, info in enumerate(infos):
+            for name, meta in info.states.get(fqn, {}).items():
+                if meta[0] != "t":
+                    continue
+                numel = math.prod(meta[2])
+                expected = info.local_numels.get(fqn, 0)
+                if numel != expected:
+                    raise ValueError(
+                        f"fsdp: optimizer state '{name}' of parameter '{fqn}' has {numel} elements "
+                        f"on rank {rank}; its part of the shard has {expected}. Was this optimizer "
+                        f"state dict made by another model?"
+                    )
+                if name in dtypes and dtypes[name][1] != meta[1]:
+                    first_rank, first_dtype = dtypes[name]
+                    raise ValueError(
+                        f"fsdp: optimizer state '{name}' of parameter '{fqn}' is {meta[1]} on rank "
+                        f"{rank} but {first_dtype} on rank {first_rank}; every rank's optimizer "
+                        f"must keep the same states."
+                    )
+                dtypes.setdefault(name, (rank, meta[1]))

@@ -2,7 +2,7 @@
 
 Saving is ``_optim_save.py``, loading ``_optim_load.py``; the mapping between parameter names,
 optimizer keys and the model's handles is ``_optim_keys.py``, the kinds of state values and
-sharded (DTensor) values ``_values.py``. ``save`` and ``to_load`` are re-exported here.
+sharded (DTensor) values ``_values.py``.
 
 [Note: Optimizer state dict formats]
 The optimizer holds per-rank state for what it optimizes: with ``use_orig_params=False`` one
@@ -30,9 +30,9 @@ of the shard (possibly empty, or absent on a rank that holds no part of the para
 
 Every collective runs over a handle's own process group, in the same order on every rank,
 an order fixed by parameter names, never by a rank's optimizer IDs (see
-[Note: Optimizer state keyed by names across ranks] in ``_optim_agreement.py``). Exception
+[Note: Optimizer state keyed by names across ranks] in ``_optim_keys.py``). Exception
 types follow torch FSDP1 (see [Note: Optimizer state dict exception types] in
-``_optim_errors.py``).
+``_optim_keys.py``); so do the ``FutureWarning`` s of the deprecated arguments and APIs.
 
 [Note: Named optimizers]
 A named optimizer's ``state_dict()`` keys ``state`` and each group's ``params`` by names, not
@@ -56,6 +56,9 @@ and an unmanaged parameter's own name. The optimizer's parameter order (its IDs)
 
 from __future__ import annotations
 
+import os
+import sys
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -65,14 +68,11 @@ from torch import nn
 from fsdp.api import StateDictType
 from fsdp.runtime._state import is_fsdp
 from fsdp.state_dict import _settings
-from fsdp.state_dict._optim_errors import OptimStateAttributeError, warn_legacy_api, warn_optim_input
-from fsdp.state_dict._optim_keys import _NO_FSDP, _rekey
+from fsdp.state_dict._optim_keys import NO_FSDP, OptimStateAttributeError, rekey
 from fsdp.state_dict._optim_load import to_load
 from fsdp.state_dict._optim_save import save
 
 __all__ = [
-    "save",
-    "to_load",
     "optim_state_dict_api",
     "optim_state_dict_to_load_api",
     "full_optim_state_dict",
@@ -84,11 +84,51 @@ __all__ = [
 ]
 
 
+_FSDP_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` that attributes a warning to the first caller outside ``fsdp``.
+
+    Counted for a ``warnings.warn`` call made by the caller of this function.
+    """
+    frame = sys._getframe(1)  # the function that calls warnings.warn
+    level = 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_FSDP_DIR + os.sep):
+        frame = frame.f_back
+        level += 1
+    return level
+
+
+def _warn_optim_input(optim_input: object) -> None:
+    """Warns (``FutureWarning``, as torch FSDP1) when the deprecated ``optim_input`` is passed."""
+    if optim_input is None:
+        return
+    warnings.warn(
+        "fsdp: the `optim_input` argument is deprecated (as in torch FSDP1) and will be "
+        "removed. Pass the optimizer as `optim=` instead, or drop `optim_input` when the "
+        "optimizer was built from model.parameters() in their order.",
+        FutureWarning,
+        stacklevel=_user_stacklevel(),
+    )
+
+
+def _warn_legacy_api(current: str, replacement: str) -> None:
+    """Warns (``FutureWarning``, as torch FSDP1) that a legacy optimizer state-dict API is used."""
+    warnings.warn(
+        f"fsdp: FullyShardedDataParallel.{current} is deprecated (as in torch FSDP1); "
+        f"use FullyShardedDataParallel.{replacement} with FullyShardedDataParallel.state_dict_type "
+        f"instead.",
+        FutureWarning,
+        stacklevel=_user_stacklevel(),
+    )
+
+
 def _settings_of(model: nn.Module) -> Any:
     units = [m for m in model.modules() if is_fsdp(m)]
     if not units:
         # torch FSDP1 fails with an AttributeError (its settings are None).
-        raise OptimStateAttributeError(_NO_FSDP)
+        raise OptimStateAttributeError(NO_FSDP)
     return _settings.get_state_dict_type(units)  # what FSDP.get_state_dict_type(model) returns
 
 
@@ -129,8 +169,8 @@ def full_optim_state_dict(
     model: nn.Module, optim: torch.optim.Optimizer, optim_input: Optional[Any], rank0_only: bool, group: Optional[dist.ProcessGroup]
 ) -> dict[str, Any]:
     """Legacy ``full_optim_state_dict``: full state keyed by FQNs, offloaded to CPU."""
-    warn_legacy_api("full_optim_state_dict", "optim_state_dict")
-    warn_optim_input(optim_input)
+    _warn_legacy_api("full_optim_state_dict", "optim_state_dict")
+    _warn_optim_input(optim_input)
     return save(
         model, optim, optim.state_dict(), group, full=True, rank0_only=rank0_only, offload=True,
         optim_input=optim_input,
@@ -139,7 +179,7 @@ def full_optim_state_dict(
 
 def sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, group: Optional[dist.ProcessGroup]) -> dict[str, Any]:
     """Legacy ``sharded_optim_state_dict``: per-parameter states chunked across ranks."""
-    warn_legacy_api("sharded_optim_state_dict", "optim_state_dict")
+    _warn_legacy_api("sharded_optim_state_dict", "optim_state_dict")
     return save(
         model, optim, optim.state_dict(), group, full=False, offload=True
     )
@@ -149,8 +189,8 @@ def shard_full_optim_state_dict(
     full_osd: dict[str, Any], model: nn.Module, optim_input: Optional[Any], optim: Optional[torch.optim.Optimizer]
 ) -> dict[str, Any]:
     """Legacy ``shard_full_optim_state_dict``: every rank passes the full state dict."""
-    warn_legacy_api("shard_full_optim_state_dict", "optim_state_dict_to_load")
-    warn_optim_input(optim_input)
+    _warn_legacy_api("shard_full_optim_state_dict", "optim_state_dict_to_load")
+    _warn_optim_input(optim_input)
     return to_load(model, optim, full_osd, optim_input=optim_input)
 
 
@@ -158,7 +198,7 @@ def flatten_sharded_optim_state_dict(
     sharded_osd: dict[str, Any], model: nn.Module, optim: torch.optim.Optimizer
 ) -> dict[str, Any]:
     """Legacy ``flatten_sharded_optim_state_dict``."""
-    warn_legacy_api("flatten_sharded_optim_state_dict", "optim_state_dict_to_load")
+    _warn_legacy_api("flatten_sharded_optim_state_dict", "optim_state_dict_to_load")
     return to_load(model, optim, sharded_osd, sharded=True)
 
 
@@ -170,8 +210,8 @@ def scatter_full_optim_state_dict(
     group: Optional[dist.ProcessGroup],
 ) -> dict[str, Any]:
     """Legacy ``scatter_full_optim_state_dict``: only rank 0 needs the full state dict."""
-    warn_legacy_api("scatter_full_optim_state_dict", "optim_state_dict_to_load")
-    warn_optim_input(optim_input)
+    _warn_legacy_api("scatter_full_optim_state_dict", "optim_state_dict_to_load")
+    _warn_optim_input(optim_input)
     return to_load(model, optim, full_osd, group=group, rank0_only=True, optim_input=optim_input)
 
 
@@ -186,5 +226,5 @@ def rekey_optim_state_dict(
 
     Local: no collectives, each rank re-keys by its own optimizer's IDs.
     """
-    warn_optim_input(optim_input)
-    return _rekey(osd, key_type, model, optim_input, optim)
+    _warn_optim_input(optim_input)
+    return rekey(osd, key_type, model, optim_input, optim)
