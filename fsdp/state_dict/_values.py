@@ -554,8 +554,8 @@ class ValueKind(enum.Enum):
     TENSOR = "tensor"
     #: A plain zero-dimension tensor (``step``): copied.
     SCALAR = "scalar"
-    #: A DTensor (what sharded optimizer state dicts hold): gathered back to a full tensor when
-    #: loading.
+    #: A DTensor, of any dimension (sharded optimizer state dicts hold them for the states with
+    #: dimensions): gathered back to a full tensor when loading.
     DTENSOR = "dtensor"
     #: A ShardedTensor (torch FSDP1's sharded values without a mesh): gathered back likewise.
     SHARDED_TENSOR = "sharded_tensor"
@@ -605,6 +605,8 @@ class ValueKind(enum.Enum):
 
 
 def _gather_sharded_tensor(value: Any, where: str) -> torch.Tensor:
+    """The full tensor of a ShardedTensor chunked along dim 0 over its group (an all-gather),
+    read through its metadata and local shards only; another layout raises ``ValueError``."""
     group = value._process_group
     ws = dist.get_world_size(group)
     metadata = value.metadata()
