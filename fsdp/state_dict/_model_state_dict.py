@@ -83,7 +83,7 @@ _NO_SHARD_WARNING = "When using ``NO_SHARD`` for ``ShardingStrategy``, full_stat
 
 
 def _unit_settings(module: nn.Module) -> Any:
-    return module._state_dict_settings  # type: ignore[attr-defined]
+    return module._state_dict_settings
 
 
 def _effective_kind(module: nn.Module, state: UnitState, warn: bool) -> StateDictType:

@@ -223,13 +223,18 @@ def param_list(
                 raise OptimStateAssertionError(
                     f"fsdp: parameter group {index} of optim_input has no 'params' key."
                 )
-        return [p for group in items for p in (list(group["params"]) if not isinstance(group["params"], torch.Tensor) else [group["params"]])]
+        return [p for group in items for p in _group_params(group["params"])]
     if not all(isinstance(item, torch.Tensor) for item in items):
         kinds = sorted({type(item).__name__ for item in items})
         raise TypeError(
             f"fsdp: optim_input must hold only tensors or only parameter groups (dicts); got {kinds}."
         )
     return items
+
+
+def _group_params(params: Any) -> list[Any]:
+    """A parameter group's ``params`` as a list (a group may hold one tensor, not a list)."""
+    return [params] if isinstance(params, torch.Tensor) else list(params)
 
 
 def _names_in_model(model: nn.Module) -> dict[int, str]:

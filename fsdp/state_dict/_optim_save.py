@@ -355,10 +355,10 @@ def _gather_orig_param_states(
             continue
         info[fqn] = {}
         for name, value in local[fqn].items():
-            kind = ValueKind.of(value)
-            if kind.has_dims:
+            value_kind = ValueKind.of(value)
+            if value_kind.has_dims:
                 info[fqn][name] = ("t", value.dtype, value.numel())
-            elif kind is ValueKind.SCALAR:
+            elif value_kind is ValueKind.SCALAR:
                 info[fqn][name] = ("s", value.detach().cpu())
             else:
                 info[fqn][name] = ("o", value)

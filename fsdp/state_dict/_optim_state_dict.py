@@ -59,6 +59,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from types import FrameType
 from typing import Any, Optional
 
 import torch
@@ -92,7 +93,7 @@ def _user_stacklevel() -> int:
 
     Counted for a ``warnings.warn`` call made by the caller of this function.
     """
-    frame = sys._getframe(1)  # the function that calls warnings.warn
+    frame: Optional[FrameType] = sys._getframe(1)  # the function that calls warnings.warn
     level = 1
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_FSDP_DIR + os.sep):
         frame = frame.f_back
