@@ -65,16 +65,14 @@ __all__ = [
 # - ``dst=None``: every rank (one all-gather into the fresh tensor).
 # - ``dst=NOBODY``: no rank of this group keeps the result (with hybrid sharding, the rank that
 #   saves is in another replica's group): nothing is communicated.
-# - ``dst=<group rank>`` (``rank0_only``): point-to-point. Each other rank sends its shard from
-#   where it lives (no copy, no allocation: a rank that keeps nothing never holds an unsharded
-#   unit); the receiver copies its own shard in and receives every other shard in place. On
-#   gloo this is about 3x faster than an all-gather of the same size, which goes through a
-#   temporary flat buffer on every rank and moves every shard to every rank.
+# - ``dst=<group rank>`` (``rank0_only``): one ``gather`` collective
+#   (``fsdp._comm._collectives.gather_flat_to``). Each rank sends its shard from where it lives
+#   (no copy, no allocation: a rank that keeps nothing never holds an unsharded unit); the
+#   receiver gets every shard in place, in its chunk of the fresh tensor. Each shard moves once,
+#   to the receiver, where an all-gather moves every shard to every rank.
 #
-# The point-to-point exchange is ``fsdp._comm._collectives.gather_flat_to`` (with its own
-# message tag, see [Note: Point-to-point collectives on gloo]); each call's sends and receives are
-# matched by order on every rank pair, and the callers issue them in the same order on every
-# rank of the group (as any collective).
+# As for any collective, the callers issue these gathers in the same order on every rank of the
+# group.
 
 #: ``dst`` for a gather whose result no rank of the group keeps.
 NOBODY = -1
