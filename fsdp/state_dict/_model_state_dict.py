@@ -39,10 +39,11 @@ them).
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -216,10 +217,11 @@ def save_state_dict(
         full = kind is StateDictType.FULL_STATE_DICT
         rank0_only = full and isinstance(cfg, FullStateDictConfig) and cfg.rank0_only
         offload = bool(cfg.offload_to_cpu)
+        walk = functools.partial(super_state_dict, destination=destination, prefix=prefix, keep_vars=keep_vars)
         if full and _gathers_directly(state):
-            _save_full_gathered(module, state, super_state_dict, destination, prefix, keep_vars, rank0_only, offload)
+            _save_full_gathered(state, walk, destination, rank0_only, offload)
         else:
-            _save_summoned(module, state, super_state_dict, destination, prefix, keep_vars, rank0_only, full, offload)
+            _save_summoned(module, state, walk, destination, rank0_only, full, offload)
         if rank0_only and state.rank != 0:  # this unit's subtree returns nothing here
             for key in list(destination.keys())[start:]:
                 del destination[key]
@@ -241,10 +243,8 @@ def save_post_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, l
 def _save_summoned(
     module: nn.Module,
     state: UnitState,
-    super_state_dict: Any,
+    walk: Callable[[], Any],
     destination: "OrderedDict[str, Any]",
-    prefix: str,
-    keep_vars: bool,
     rank0_only: bool,
     full: bool,
     offload: bool,
@@ -252,12 +252,13 @@ def _save_summoned(
     """FULL or SHARDED entries of one unit, read through ``summon_full_params``' views.
 
     The general path (NO_SHARD, a unit left unsharded by a forward, SHARDED_STATE_DICT): the
-    views alias the unsharded flat parameter, so each value is copied out.
+    views alias the unsharded flat parameter, so each value is copied out. ``walk``:
+    ``nn.Module.state_dict`` of the unit's subtree into ``destination``.
     """
     start = len(destination)
     with _summon_unit(module, state, writeback=False, rank0_only=rank0_only, offload_to_cpu=False, with_grads=False):
         ptrs = _handle_storages(state)
-        super_state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        walk()
         if not (rank0_only and state.rank != 0):
             _materialize_entries(destination, start, ptrs, state, full, offload)
 
@@ -319,28 +320,28 @@ def _full_views_registered(handle: FlatParamHandle, padded_unsharded: torch.Tens
 
 
 def _save_full_gathered(
-    module: nn.Module,
     state: UnitState,
-    super_state_dict: Any,
+    walk: Callable[[], Any],
     destination: "OrderedDict[str, Any]",
-    prefix: str,
-    keep_vars: bool,
     rank0_only: bool,
     offload: bool,
 ) -> None:
-    """FULL_STATE_DICT entries of one sharded unit (see [Note: Full state dict of a sharded unit])."""
+    """FULL_STATE_DICT entries of one sharded unit (see [Note: Full state dict of a sharded unit]).
+
+    ``walk``: ``nn.Module.state_dict`` of the unit's subtree into ``destination``.
+    """
     start = len(destination)
     transition(state, HandleTrainingState.SUMMON_FULL_PARAMS)  # nested units and hooks see the unit busy
     try:
         gathered = [_gather_unsharded(handle, rank0_only, offload) for handle in state.handles]
         padded = [p for p in gathered if p is not None]
         if len(padded) < len(gathered):  # rank0_only, not rank 0: nothing kept here
-            super_state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+            walk()
             return
         with contextlib.ExitStack() as stack:
             for handle, padded_unsharded in zip(state.handles, padded):
                 stack.enter_context(_full_views_registered(handle, padded_unsharded))
-            super_state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+            walk()
         owned = frozenset(p.untyped_storage().data_ptr() for p in padded if p.numel() > 0)
         _materialize_entries(destination, start, set(), state, True, offload, owned)
     finally:
