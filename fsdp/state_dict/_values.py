@@ -422,7 +422,7 @@ def gather_chunked_rows(
 
 
 @contextlib.contextmanager
-def quiet_sharded_tensor() -> Iterator[None]:
+def _quiet_sharded_tensor() -> Iterator[None]:
     """Hides torch's ShardedTensor deprecation warnings raised by our own construction."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*ShardedTensor.*", category=FutureWarning)
@@ -462,7 +462,7 @@ def local_value(handle: FlatParamHandle, offload: bool) -> Any:
     metadata = ShardedTensorMetadata(
         shards_metadata, torch.Size([handle.unpadded_unsharded_numel]), properties
     )
-    with quiet_sharded_tensor():
+    with _quiet_sharded_tensor():
         value = ShardedTensor._init_from_local_shards_and_global_metadata(
             local_shards, metadata, process_group=handle.process_group
         )
