@@ -194,13 +194,13 @@ def parent_mesh(state: UnitState) -> Any:
 # locally, so the layout is DTensor's own, and read one back the opposite way (an all-gather
 # over dp that leaves the tp-local tensor, see :func:`local_form`).
 def _to_2d_dtensor(value: torch.Tensor, root: Any, offload: bool) -> Any:
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
     tp_placement = value.placements[-1] if isinstance(value, DTensor) else Replicate()
     local = value.to_local() if isinstance(value, DTensor) else value
-    replicated = [Replicate()] * root.ndim
+    replicated: list[Placement] = [Replicate()] * root.ndim
     replicated[-1] = tp_placement
-    sharded = [Replicate()] * root.ndim
+    sharded: list[Placement] = [Replicate()] * root.ndim
     sharded[-2], sharded[-1] = Shard(0), tp_placement
     result = DTensor.from_local(local, root, replicated, run_check=False).redistribute(root, sharded)
     result = DTensor.from_local(
@@ -213,13 +213,13 @@ def local_form(value: Any, state: UnitState) -> Any:
     """A value of a managed parameter as the unit holds it: a 2-D DTensor on the parent mesh
     ([Note: 2-D sharded values]) gathered over dp, a tp DTensor (FULL) its local tensor; any
     other value itself. Collective for a 2-D DTensor (every dp rank calls it in the same order)."""
-    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor import DTensor, Placement, Replicate
 
     if not isinstance(value, DTensor):
         return value
     root = parent_mesh(state)
     if root is not None and value.device_mesh == root:
-        placements = [Replicate()] * root.ndim
+        placements: list[Placement] = [Replicate()] * root.ndim
         placements[-1] = value.placements[-1]
         return value.redistribute(root, placements).to_local()
     if root is not None and value.device_mesh.ndim == 1 and value.device_mesh != state.device_mesh:
