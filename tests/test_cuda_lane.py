@@ -107,7 +107,24 @@ def _wrap(name: str, model: nn.Module, cfg: dict[str, Any]) -> nn.Module:
     for key in ("sync_module_states", "param_init_fn"):
         if key in cfg:
             kwargs[key] = cfg[key]
-    return lib.FSDP(model, **kwargs)
+    wrapped = lib.FSDP(model, **kwargs)
+    if cfg.get("hook"):
+        _register_default_hook(name, wrapped, cfg)
+    return wrapped
+
+
+def _register_default_hook(name: str, wrapped: nn.Module, cfg: dict[str, Any]) -> None:
+    """The default communication hook of the unit's reduction (all-reduce for NO_SHARD, which
+    world size 1 runs, else reduce-scatter) from fsdp.comm_hooks or torch's default hooks: the
+    reduction then runs through the hook path (on the post-backward stream, [Note: One reduction
+    path] in fsdp/flat_param/_reduction.py), the same arithmetic as without it."""
+    if name == "ours":
+        import fsdp.comm_hooks as hooks
+    else:
+        from torch.distributed.algorithms._comm_hooks import default_hooks as hooks  # type: ignore[no-redef]
+    no_shard = cfg.get("strategy") == "NO_SHARD" or dist.get_world_size() == 1
+    hook = hooks.allreduce_hook if no_shard else hooks.reduce_scatter_hook
+    wrapped.register_comm_hook(hooks.DefaultState(dist.group.WORLD), hook)  # type: ignore[operator]
 
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -152,6 +169,12 @@ CONFIGS: list[dict[str, Any]] = [
     dict(strategy="FULL_SHARD", bwd_prefetch="BACKWARD_POST", fwd_prefetch=True),
     dict(strategy="FULL_SHARD", bwd_prefetch="BACKWARD_PRE", limit=False),
     dict(strategy="FULL_SHARD", bwd_prefetch=None, limit=True),
+    # The reduction through a registered default hook, on the post-backward stream.
+    dict(strategy="FULL_SHARD", hook=True),
+    dict(strategy="NO_SHARD", hook=True),
+    # Offload with both prefetches: at world size 1 (offload takes the sharded path there) the
+    # host-to-device unshard copies run on the unshard stream ahead of compute.
+    dict(strategy="FULL_SHARD", offload=True, bwd_prefetch="BACKWARD_PRE", fwd_prefetch=True),
 ]
 
 
