@@ -122,27 +122,26 @@ class _StepTimer:
         return [end - start for start, end in pairs]
 
 
-def _host_rss() -> Optional[int]:
-    """This process's resident host memory in bytes (``None`` where /proc is missing)."""
+def _proc_bytes(path: str, field: str) -> Optional[int]:
+    """A kB field of a /proc file (``/proc/self/status``'s VmRSS, ``/proc/meminfo``'s
+    MemAvailable) in bytes; ``None`` where /proc is missing."""
     try:
-        with open("/proc/self/status") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("VmRSS:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
     return None
+
+
+def _host_rss() -> Optional[int]:
+    """This process's resident host memory in bytes (``None`` where /proc is missing)."""
+    return _proc_bytes("/proc/self/status", "VmRSS")
 
 
 def _host_available() -> Optional[int]:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    return _proc_bytes("/proc/meminfo", "MemAvailable")
 
 
 def _record(impl: str, rnd: int, layers: int, status: str = "ok", error: Optional[str] = None) -> dict[str, Any]:

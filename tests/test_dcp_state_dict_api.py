@@ -244,7 +244,7 @@ def strict_and_errors(orig: bool) -> None:
     mixed.blocks[0] = TorchFSDP(mixed.blocks[0], use_orig_params=orig, device_id=torch.device("cpu"))
     mixed.blocks[1] = FSDP(mixed.blocks[1], use_orig_params=orig)
     optim = _optim(mixed)
-    with pytest.raises(ValueError, match="holds units of both fsdp and torch.distributed.fsdp"):
+    with pytest.raises(ValueError, match="holds units of both fsdp and torch's FSDP1"):
         get_state_dict(mixed, optim)
     assert optim.state == {}  # refused before DCP initialised the optimizer's state
 

@@ -38,12 +38,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from fsdp.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+# The GPT that plans when no --model is given (the example trainer's and the benchmarks' model).
+from fsdp.plan import gpt
 from fsdp.plan._api import estimate_memory
 from fsdp.plan._estimate import format_bytes, format_count
 from fsdp.plan._search import HYBRID_STRATEGIES, STRATEGY_COST, Candidate, SearchSpace
 
-# The GPT that plans when no --model is given (the example trainer's and the benchmarks' model).
-_EXAMPLE_MODEL = "fsdp.plan.gpt"
 
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
@@ -90,11 +90,6 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _example_model() -> Any:
-    """The example model's module (``GPT``, ``GPTConfig``, ``Block``, ``checkpoint_blocks``)."""
-    return importlib.import_module(_EXAMPLE_MODEL)
-
-
 #: Builds ``(model, example_inputs)``; its argument: activation checkpointing of every block.
 Builder = Callable[[bool], tuple[nn.Module, Any]]
 
@@ -137,27 +132,25 @@ def _wrap_kwargs(args: argparse.Namespace, block_cls: Optional[type]) -> dict[st
 
 
 def _gpt_request(args: argparse.Namespace) -> _Request:
-    example = _example_model()
-
     def build(checkpointing: bool) -> tuple[nn.Module, Any]:
-        config = example.GPTConfig(
+        config = gpt.GPTConfig(
             vocab_size=args.vocab, block_size=args.seq_len, n_layer=args.layers, n_head=args.heads, d_model=args.d_model
         )
         with torch.device("meta"):
-            model = example.GPT(config)
+            model = gpt.GPT(config)
         if checkpointing:
-            example.checkpoint_blocks(model, example.Block)
+            gpt.checkpoint_blocks(model, gpt.Block)
         return model, torch.zeros(args.batch_size, args.seq_len, dtype=torch.long, device="meta")
 
     params = sum(p.numel() for p in build(False)[0].parameters())
     description = [
-        f"model: the example GPT ({_EXAMPLE_MODEL}): {args.layers} layers, d_model {args.d_model}, "
+        f"model: the example GPT (fsdp.plan.gpt): {args.layers} layers, d_model {args.d_model}, "
         f"{args.heads} heads, vocab {args.vocab}: {format_count(params)} parameters ({params:,})",
         f"inputs: micro-batch {args.batch_size} x sequence {args.seq_len} tokens per rank; "
         f"loss: next-token cross-entropy over the vocabulary; optimizer: AdamW",
         f"wrapping: one FSDP unit per Block ({args.layers}) and the root",
     ]
-    return _Request(build, _wrap_kwargs(args, example.Block), _gpt_loss, True, description)
+    return _Request(build, _wrap_kwargs(args, gpt.Block), _gpt_loss, True, description)
 
 
 def _describe_inputs(inputs: Any) -> str:
@@ -200,7 +193,7 @@ def _user_request(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     def build(checkpointing: bool) -> tuple[nn.Module, Any]:
         model, inputs, _ = kept.pop() if kept else make()
         if checkpointing and block_cls is not None:
-            _example_model().checkpoint_blocks(model, block_cls)
+            gpt.checkpoint_blocks(model, block_cls)
         return model, inputs
 
     params = sum(p.numel() for p in model.parameters())

@@ -66,7 +66,7 @@ def _ours(value: Any) -> Any:
 
 # torch's FSDP1 wrapper class, or fsdp's: both carry the FSDP1 static methods torch's module
 # calls (fsdp_modules, state_dict_type, optim_state_dict, optim_state_dict_to_load); torch's
-# cannot be named in a type here (fsdp never imports torch.distributed.fsdp), hence Any.
+# cannot be named in a type here (fsdp never imports torch's FSDP), hence Any.
 _FSDP1Class = Any
 
 
@@ -92,7 +92,7 @@ def _make_wrapper_class(bound: _FSDP1Class) -> type:
             theirs: List[nn.Module] = [m for m in bound.fsdp_modules(module, root_only) if not isinstance(m, _OurFSDP)]
             if ours and theirs:
                 raise ValueError(
-                    "fsdp: this model holds units of both fsdp and torch.distributed.fsdp "
+                    "fsdp: this model holds units of both fsdp and torch's FSDP1 "
                     f"({type(ours[0]).__module__}.{type(ours[0]).__qualname__} and "
                     f"{type(theirs[0]).__module__}.{type(theirs[0]).__qualname__}); "
                     "torch.distributed.checkpoint.state_dict cannot save or load such a model: wrap it "
