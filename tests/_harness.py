@@ -1203,3 +1203,30 @@ def shutdown_all() -> None:
 
 
 atexit.register(shutdown_all)
+
+
+# ---------------------------------------------------------------------------------- script children
+_SCRIPT_ENDING = '''
+import gc as _gc, sys as _sys
+_namespace = {"__name__": "__main__"}
+exec(compile(%r, "<child>", "exec"), _namespace)
+_sys.stdout.flush()
+_namespace.clear()
+_gc.collect()
+import torch.distributed as _dist
+if _dist.is_available() and _dist.is_initialized():
+    _dist.destroy_process_group()
+'''
+
+
+def ends_cleanly(code: str) -> str:
+    """``code`` (a script run with ``python -c``), ended the way a script must end with gloo.
+
+    The script's objects are released and collected before the interpreter shuts down, and the
+    default group is destroyed if the script left it. A module holds its process group, and a gloo
+    group's worker threads live as long as the group: one that is still releasing a finished
+    collective's tensors when the interpreter finalizes needs the GIL and aborts the process
+    (torch issue #190489, "terminate called without an active exception"). ``examples/train.py``
+    ends the same way.
+    """
+    return _SCRIPT_ENDING % code

@@ -30,7 +30,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests._harness import get_pool
+from tests._harness import ends_cleanly, get_pool
 from tests._models import Block, global_batch, lm_loss, local_rows, make_toy
 from tests.test_state_dict_roots import _local_part
 
@@ -354,7 +354,7 @@ def _run_ranks(code: str, args: List[str], world_size: int) -> Optional[Dict[str
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=port, OMP_NUM_THREADS="1")
         env["PYTHONPATH"] = os.pathsep.join([REPO_ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
-        procs.append(subprocess.Popen([sys.executable, "-c", code, *args], env=env, cwd=REPO_ROOT,
+        procs.append(subprocess.Popen([sys.executable, "-c", ends_cleanly(code), *args], env=env, cwd=REPO_ROOT,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outputs = [p.communicate(timeout=240) for p in procs]
     for rank, (proc, (stdout, stderr)) in enumerate(zip(procs, outputs)):

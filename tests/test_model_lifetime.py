@@ -191,3 +191,31 @@ def _dropped_between_forward_and_backward() -> list[Any]:
 
 def test_model_dropped_between_forward_and_backward_runs_its_backward(pool2: RankPool) -> None:
     assert pool2.run(_dropped_between_forward_and_backward) == [[True, True, True]] * 2
+
+
+def _group_freed_after_state_dicts() -> list[bool]:
+    """A model on its own gloo group, trained and saved (SHARDED values are DTensors over the
+    group's mesh), then dropped: destroying the group frees it at once, so gloo's worker threads
+    stop before the interpreter's shutdown ([Note: Value meshes are cached weakly])."""
+    from fsdp import FullyShardedDataParallel as FSDP, StateDictType
+    from fsdp.wrap import ModuleWrapPolicy
+
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    group = dist.new_group(list(range(ws)), backend="gloo")
+    group_ref = weakref.ref(group)
+    model = FSDP(make_toy(), auto_wrap_policy=ModuleWrapPolicy({Block}), process_group=group)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    tokens, targets = global_batch(0, ws)
+    lm_loss(model(local_rows(tokens, rank, ws)), local_rows(targets, rank, ws)).backward()
+    opt.step()
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        saved = [model.state_dict(), FSDP.optim_state_dict(model, opt)]
+    dtensors = type(saved[0]["embed.weight"]).__name__ == "DTensor"
+    del model, opt, saved
+    dist.destroy_process_group(group)
+    del group
+    return [dtensors, group_ref() is None]
+
+
+def test_destroyed_group_is_freed_after_state_dicts(pool2: RankPool) -> None:
+    assert pool2.run(_group_freed_after_state_dicts) == [[True, True]] * 2

@@ -18,6 +18,8 @@ import pytest
 import torch
 from torch import nn
 
+from tests._harness import ends_cleanly
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCH_FSDP = "torch.distributed" + ".fsdp"
 
@@ -27,7 +29,7 @@ def _run_child(code: str, args: List[str] | None = None, timeout: float = 180.0)
     env["PYTHONPATH"] = os.pathsep.join([REPO_ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
     env["OMP_NUM_THREADS"] = "1"
     proc = subprocess.run(
-        [sys.executable, *(args or ["-c", textwrap.dedent(code)])],
+        [sys.executable, *(args or ["-c", ends_cleanly(textwrap.dedent(code))])],
         env=env,
         capture_output=True,
         text=True,

@@ -21,6 +21,7 @@ import contextlib
 import enum
 import math
 import warnings
+import weakref
 from typing import Any, Iterator, Optional
 
 import torch
@@ -135,17 +136,28 @@ def gather(
 
 
 # ----------------------------------------------------------------------------- SHARDED values
-_MESHES: dict[tuple[int, str], Any] = {}
+# [Note: Value meshes are cached weakly]
+# SHARDED values are DTensors over the 1-D mesh of the unit's group; building that mesh costs
+# about 100 us, so one mesh serves every value of a state dict. The cache holds meshes weakly:
+# a mesh holds its process group, and a strong module-level cache would keep every group (and
+# gloo's worker threads) alive after ``destroy_process_group()``, until the interpreter's own
+# teardown, where a gloo worker still releasing a finished collective's tensors needs the GIL
+# and aborts the process (torch issue #190489). Keying by ``id(group)`` is sound because a live
+# entry's mesh keeps its group alive, so the id cannot be reused while the entry exists.
+_MESHES: "weakref.WeakValueDictionary[tuple[int, str], Any]" = weakref.WeakValueDictionary()
 
 
 def _mesh_for(group: dist.ProcessGroup, device: torch.device) -> Any:
-    """The 1-D DeviceMesh of ``group`` for ``device``'s type (one per group and type)."""
+    """The 1-D DeviceMesh of ``group`` for ``device``'s type, shared by every value alive
+    ([Note: Value meshes are cached weakly])."""
     from torch.distributed.device_mesh import DeviceMesh
 
     key = (id(group), device.type)
-    if key not in _MESHES:
-        _MESHES[key] = DeviceMesh.from_group(group, device.type)
-    return _MESHES[key]
+    mesh = _MESHES.get(key)
+    if mesh is None:
+        mesh = DeviceMesh.from_group(group, device.type)
+        _MESHES[key] = mesh
+    return mesh
 
 
 def is_dtensor(value: Any) -> bool:
