@@ -41,7 +41,7 @@ import dataclasses
 import sys
 from datetime import timedelta
 from types import FrameType
-from typing import Any, NoReturn, Optional
+from typing import NoReturn, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -218,9 +218,13 @@ def _phases_of_ranks(
     try:
         store = dist.distributed_c10d._get_default_store()
         me = dist.get_rank()
-        ranks = [r for r in _global_ranks(group) if r != me]
-        name = _resolved(group).group_name  # type: ignore[union-attr]
-    except Exception:  # no default group (explicit groups only), or ranks unknown
+        all_ranks = _global_ranks(group)
+        resolved = _resolved(group)
+        if isinstance(all_ranks, str) or resolved is None:  # ranks unknown, or no default group
+            return None
+        ranks = [r for r in all_ranks if r != me]
+        name = resolved.group_name
+    except Exception:  # no default group (explicit groups only)
         return None
     timeout_s = timeout.total_seconds() if timeout is not None else 1800.0
     wait_s = min(10.0, max(1.0, timeout_s / 4))
@@ -275,7 +279,8 @@ def _resolved(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]
     return group if group is not None else dist.group.WORLD
 
 
-def _global_ranks(group: Optional[dist.ProcessGroup]) -> Any:
+def _global_ranks(group: Optional[dist.ProcessGroup]) -> Union[list[int], str]:
+    """The group's global ranks, or "?" where they cannot be read (for messages)."""
     try:
         return dist.get_process_group_ranks(_resolved(group))
     except Exception:  # describing must never hide the original error
@@ -285,9 +290,11 @@ def _global_ranks(group: Optional[dist.ProcessGroup]) -> Any:
 def _group_timeout(group: Optional[dist.ProcessGroup]) -> Optional[timedelta]:
     """The timeout the group's backend waits for (None where it cannot be read)."""
     resolved = _resolved(group)
+    if resolved is None:  # no default group
+        return None
     for device_type in ("cpu", "cuda"):
         try:
-            return resolved._get_backend(torch.device(device_type)).options._timeout  # type: ignore[union-attr]
+            return resolved._get_backend(torch.device(device_type)).options._timeout
         except Exception:
             continue
     return None
