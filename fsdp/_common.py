@@ -12,10 +12,11 @@ Two error tiers (see docs/design.md, [Note: Error tiers]):
 from __future__ import annotations
 
 import importlib.abc
+import importlib.machinery
 import sys
 import traceback
 import types
-from typing import Any, Callable, NoReturn, Optional
+from typing import Callable, NoReturn, Optional, Sequence, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -44,7 +45,7 @@ class FSDPStateAssertionError(RuntimeError, AssertionError):
     """
 
 
-def p_assert(cond: Any, msg: str) -> None:
+def p_assert(cond: object, msg: str) -> None:
     """Checks an internal invariant; prints the message and stack before raising.
 
     Args:
@@ -65,20 +66,30 @@ def _fail(msg: str) -> NoReturn:
     raise FSDPInternalError(full)
 
 
-def apply_to_tensors(fn: Callable[[torch.Tensor], Any], container: Any) -> Any:
+_T = TypeVar("_T")
+_F = TypeVar("_F", bound=Callable[..., object])
+
+
+def apply_to_tensors(fn: Callable[[torch.Tensor], object], container: _T) -> _T:
     """Applies ``fn`` to every tensor in a nested structure and rebuilds the structure.
 
     Handles tensors, lists, tuples (including namedtuples), dicts (keeping their type) and
-    leaves anything else unchanged.
+    leaves anything else unchanged. The result has the container's type where ``fn`` maps
+    tensors to tensors (the callers that map to anything else discard the result).
     """
+    return cast(_T, _rebuild(fn, container))
+
+
+def _rebuild(fn: Callable[[torch.Tensor], object], container: object) -> object:
     if isinstance(container, torch.Tensor):
         return fn(container)
     if isinstance(container, dict):
-        return type(container)((k, apply_to_tensors(fn, v)) for k, v in container.items())
+        return type(container)((k, _rebuild(fn, v)) for k, v in container.items())
     if isinstance(container, tuple) and hasattr(container, "_fields"):  # namedtuple
-        return type(container)(*(apply_to_tensors(fn, v) for v in container))
+        make_namedtuple: Callable[..., object] = type(container)  # takes its fields positionally
+        return make_namedtuple(*(_rebuild(fn, v) for v in container))
     if isinstance(container, (list, tuple)):
-        return type(container)(apply_to_tensors(fn, v) for v in container)
+        return type(container)(_rebuild(fn, v) for v in container)
     return container
 
 
@@ -103,11 +114,11 @@ def apply_to_tensors(fn: Callable[[torch.Tensor], Any], container: Any) -> Any:
 # that name (a module global or a method), not through a reference taken earlier, and a
 # marker applied outside a ``def`` must be assigned back to that name.
 
-_MARKED: list[tuple[Callable[..., Any], bool]] = []  # (function, recursive), not yet applied
+_MARKED: list[tuple[Callable[..., object], bool]] = []  # (function, recursive), not yet applied
 _DYNAMO = "torch._dynamo"
 
 
-def eager_only(fn: Callable[..., Any]) -> Callable[..., Any]:
+def eager_only(fn: _F) -> _F:
     """Marks an FSDP runtime step that ``torch.compile`` runs eagerly, with all it calls.
 
     See [Note: torch.compile]. Returns ``fn`` itself, or its marked form if Dynamo is already
@@ -116,7 +127,7 @@ def eager_only(fn: Callable[..., Any]) -> Callable[..., Any]:
     return _mark(fn, recursive=True)
 
 
-def compile_boundary(fn: Callable[..., Any]) -> Callable[..., Any]:
+def compile_boundary(fn: _F) -> _F:
     """Marks a unit's forward: never traced by Dynamo, while the modules it calls compile.
 
     See [Note: torch.compile]. Returns ``fn`` itself, or its marked form if Dynamo is already
@@ -126,7 +137,7 @@ def compile_boundary(fn: Callable[..., Any]) -> Callable[..., Any]:
     return _mark(fn, recursive=False)
 
 
-def _mark(fn: Callable[..., Any], recursive: bool) -> Callable[..., Any]:
+def _mark(fn: _F, recursive: bool) -> _F:
     if _DYNAMO in sys.modules:  # already imported: mark at once
         return torch.compiler.disable(fn, recursive=recursive)
     if not _MARKED:
@@ -139,7 +150,7 @@ def _apply_marks(dynamo: types.ModuleType) -> None:
     """Rebinds each marked function's defining name to its Dynamo-disabled form."""
     while _MARKED:
         fn, recursive = _MARKED.pop(0)
-        owner: Any = sys.modules[fn.__module__]
+        owner: object = sys.modules[fn.__module__]
         *path, name = fn.__qualname__.split(".")
         for part in path:  # a method: its class (marked functions are never local ones)
             owner = getattr(owner, part)
@@ -174,7 +185,9 @@ def call_after_import(name: str, callback: Callable[[types.ModuleType], None]) -
 class _AfterImportFinder(importlib.abc.MetaPathFinder):
     """Wraps the loader of each module that has after-import callbacks (finds nothing itself)."""
 
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+    def find_spec(
+        self, fullname: str, path: Optional[Sequence[str]] = None, target: Optional[types.ModuleType] = None
+    ) -> Optional[importlib.machinery.ModuleSpec]:
         if fullname not in _AFTER_IMPORT:
             return None
         for finder in sys.meta_path:
@@ -193,10 +206,10 @@ class _AfterImportFinder(importlib.abc.MetaPathFinder):
 class _CallbacksAfterExec(importlib.abc.Loader):
     """The module's own loader, then the module's after-import callbacks."""
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, inner: importlib.abc.Loader) -> None:
         self._inner = inner
 
-    def create_module(self, spec: Any) -> Any:
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Optional[types.ModuleType]:
         return self._inner.create_module(spec)
 
     def exec_module(self, module: types.ModuleType) -> None:
@@ -207,7 +220,7 @@ class _CallbacksAfterExec(importlib.abc.Loader):
         for callback in _AFTER_IMPORT.pop(module.__name__, []):
             callback(module)
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> object:
         return getattr(self._inner, name)
 
 

@@ -12,7 +12,7 @@ bf16, communicated in fp32 and rounded back, see ``fsdp._comm._collectives``).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -34,7 +34,7 @@ __all__ = [
 ]
 
 
-def register_comm_hook(root: nn.Module, state: Any, hook: Callable[..., Any]) -> None:
+def register_comm_hook(root: nn.Module, state: object, hook: Callable[..., object]) -> None:
     """``FullyShardedDataParallel.register_comm_hook``: installs ``hook`` on every unit of the tree.
 
     Everything is checked before any unit changes.

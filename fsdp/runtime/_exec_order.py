@@ -26,7 +26,6 @@ and every rank raises the same error naming the first unit that differs and what
 from __future__ import annotations
 
 import hashlib
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -107,7 +106,7 @@ def check_same_layout(ctx: RootContext) -> None:
         digest = _digest(layout)
         if all(d == digest for d in _all_gather_int(digest, group, ctx.root.compute_device)):
             continue
-        layouts: list[Any] = comm.all_gather_object(layout, group)
+        layouts: list[list[str]] = comm.all_gather_object(layout, group)  # every rank's _layout
         ranks = [describe_group_rank(group, r) for r in range(world)]
         longest = max(len(lay) for lay in layouts)
         first = next(

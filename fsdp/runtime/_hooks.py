@@ -9,7 +9,7 @@ import contextlib
 import functools
 import warnings
 import weakref
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, TypeVar, cast
 
 import torch
 from torch import nn
@@ -30,20 +30,25 @@ from fsdp.runtime._state import HandleTrainingState, RootContext, UnitState, che
 # unsharded gradient.
 MAX_INFLIGHT_REDUCTIONS = 1
 
+_T = TypeVar("_T")
+
 
 @compile_boundary  # [Note: torch.compile]: only the wrapped module's forward is compiled
-def unit_forward(wrapper: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def unit_forward(wrapper: nn.Module, args: tuple[object, ...], kwargs: dict[str, object]) -> Any:
     """Runs one unit's forward: lazy init (root), unshard, the wrapped module, post-forward.
 
     Under ``torch.compile`` Dynamo does not trace this function (a traced caller breaks its
     graph at the call) and its two FSDP steps run eagerly; the wrapped module's own forward in
     between is compiled.
     """
+    # Any: the wrapped module's output (torch types nn.Module.__call__ as returning Any).
     state, args, kwargs, recompute = _unit_pre_forward(wrapper, args, kwargs)
+    # nn.Module.__getattr__ is typed Union[Tensor, Module]; the wrapper holds its module there.
+    module = cast(nn.Module, wrapper._fsdp_wrapped_module)
     if recompute:
-        return wrapper._fsdp_wrapped_module(*args, **kwargs)  # type: ignore[operator]
+        return module(*args, **kwargs)
     try:
-        output = wrapper._fsdp_wrapped_module(*args, **kwargs)  # type: ignore[operator]
+        output = module(*args, **kwargs)
     except BaseException:
         state.training_state = HandleTrainingState.IDLE
         raise
@@ -54,8 +59,8 @@ def unit_forward(wrapper: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
 
 @eager_only
 def _unit_pre_forward(
-    wrapper: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[UnitState, tuple[Any, ...], dict[str, Any], bool]:
+    wrapper: nn.Module, args: tuple[object, ...], kwargs: dict[str, object]
+) -> tuple[UnitState, tuple[object, ...], dict[str, object], bool]:
     """Everything a unit's forward does before the wrapped module runs.
 
     Returns:
@@ -148,8 +153,8 @@ def _keeps_for_backward(state: UnitState) -> bool:
 
 
 def _root_pre_forward(
-    state: UnitState, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    state: UnitState, args: tuple[object, ...], kwargs: dict[str, object]
+) -> tuple[tuple[object, ...], dict[str, object]]:
     """Moves forward inputs to the compute device (a no-op when they are already there)."""
     ctx = state.ctx
     assert ctx is not None
@@ -220,7 +225,7 @@ def finish_inflight_reductions(ctx: RootContext, keep: int = 0) -> None:
 
 
 @eager_only  # FSDP bookkeeping runs eagerly; the module's own forward compiles
-def _post_forward(state: UnitState, output: Any, owner: Optional[nn.Module] = None) -> Any:
+def _post_forward(state: UnitState, output: _T, owner: Optional[nn.Module] = None) -> _T:
     """Reshards per strategy and registers the pre-backward hooks on the outputs.
 
     ``owner`` (the root's wrapper) is bound into those hooks, so the autograd graph keeps it.

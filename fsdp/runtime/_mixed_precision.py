@@ -55,8 +55,8 @@ def full_precision_in_eval_requested() -> bool:
 
 
 def cast_forward_inputs(
-    state: "UnitState", args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    state: "UnitState", args: tuple[object, ...], kwargs: dict[str, object]
+) -> tuple[tuple[object, ...], dict[str, object]]:
     """Casts floating-point forward inputs to the unit's ``param_dtype`` where configured."""
     mixed_precision = state.mixed_precision
     if mixed_precision is None or mixed_precision.param_dtype is None or state.forward_in_full_precision:
@@ -95,8 +95,10 @@ def cast_unit_buffers(modules: list[nn.Module], buffer_dtype: Optional[torch.dty
     return records
 
 
-def _restore_hook(records: list[CastBuffer]) -> Any:
-    def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+# Any in state dicts: torch types state dicts and their metadata as Dict[str, Any]; loaded values
+# may be tensor-like objects read by duck typing ([Note: Tensor-like values]).
+def _restore_hook(records: list[CastBuffer]) -> Callable[[nn.Module, dict[str, Any], str, dict[str, Any]], None]:
+    def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any]) -> None:
         for record in records:
             key = prefix + record.name
             if key in state_dict:
@@ -152,12 +154,13 @@ def set_buffers_full_precision(states: list["UnitState"], full: bool) -> None:
 # low-precision neighbours, through the forward hooks below, as in torch FSDP1.
 
 
-def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
+def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: object) -> object:
     """Apply ``fn`` to every tensor inside nested lists / tuples / namedtuples / dicts."""
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        return type(obj)(*(_map_tensors(fn, item) for item in obj))
+        make_namedtuple: Callable[..., object] = type(obj)  # takes its fields positionally
+        return make_namedtuple(*(_map_tensors(fn, item) for item in obj))
     if isinstance(obj, (list, tuple)):
         return type(obj)(_map_tensors(fn, item) for item in obj)
     if isinstance(obj, dict):
@@ -187,11 +190,11 @@ def _register_full_precision_hooks(module: nn.Module) -> None:
             state["input_dtype"] = tensor.dtype
         return tensor.to(dtype)
 
-    def pre_hook(_module: nn.Module, args: Any) -> Any:
+    def pre_hook(_module: nn.Module, args: tuple[object, ...]) -> object:
         state.pop("input_dtype", None)
         return _map_tensors(lambda t: cast_to(torch.float32, t, True), args)
 
-    def post_hook(_module: nn.Module, args: Any, output: Any) -> Any:
+    def post_hook(_module: nn.Module, args: tuple[object, ...], output: object) -> object:
         input_dtype = state.pop("input_dtype", None)
         if input_dtype is None:  # no low-precision floating input: leave the output alone
             return None

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum, auto
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -18,6 +18,8 @@ from fsdp._common import clean_fqn, p_assert
 from fsdp.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
     from fsdp.flat_param.flat_param import FlatParamHandle
 
 # The strategies that shard inside a group and replicate across groups ([Note: Hybrid sharding
@@ -169,8 +171,8 @@ class UnitState:
     sync_gradients: bool = True
     ran_pre_backward: bool = False
     has_fsdp_parent: bool = False
-    comm_hook: Optional[Callable[..., Any]] = None
-    comm_hook_state: Any = None
+    comm_hook: Optional[Callable[..., object]] = None
+    comm_hook_state: object = None
     backward_prefetch: Optional[BackwardPrefetch] = BackwardPrefetch.BACKWARD_PRE
     forward_prefetch: bool = False
     limit_all_gathers: bool = True
@@ -184,7 +186,7 @@ class UnitState:
     ignored_params: set[torch.nn.Parameter] = field(default_factory=set)
     reported_ignored_modules: set[torch.nn.Module] = field(default_factory=set)
     reported_ignored_params: set[torch.nn.Parameter] = field(default_factory=set)
-    device_mesh: Any = None
+    device_mesh: Optional[DeviceMesh] = None
 
     def __post_init__(self) -> None:
         self.training_state = self._training_state
@@ -274,7 +276,7 @@ class RootContext:
     state_dict_done: set[int] = field(default_factory=set)
     forward_order: list[UnitState] = field(default_factory=list)
     backward_order: list[UnitState] = field(default_factory=list)
-    free_events: list[Any] = field(default_factory=list)
+    free_events: list[torch.cuda.Event] = field(default_factory=list)
     prefetches_issued: int = 0
     unit_kept_for_backward: Optional[UnitState] = None
     kept_unit_pending: Optional[UnitState] = None

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any, Callable, Iterator, Optional, TypeVar
+from typing import Callable, Iterator, Optional, TypeVar
 
 import torch
 from torch import nn
@@ -277,13 +277,14 @@ def summon_full_params(
 
 
 _Named = TypeVar("_Named")
+_M = TypeVar("_M", bound=nn.Module)
 
 
 def names_in_summon(
     wrapper: nn.Module,
     named: Callable[..., Iterator[tuple[str, _Named]]],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
+    args: tuple[object, ...],
+    kwargs: dict[str, object],
 ) -> Iterator[tuple[str, _Named]]:
     """``named(*args, **kwargs)`` (``nn.Module.named_parameters``/``named_buffers``), unprefixed in summon.
 
@@ -297,9 +298,7 @@ def names_in_summon(
         yield (strip_fsdp_segments(name) if clean else name), value
 
 
-def apply_summoned(
-    wrapper: nn.Module, fn: Callable[[nn.Module], None], module_apply: Callable[..., nn.Module]
-) -> nn.Module:
+def apply_summoned(wrapper: nn.Module, fn: Callable[[nn.Module], None], module_apply: Callable[..., _M]) -> _M:
     """``FullyShardedDataParallel.apply``: ``module_apply(fn)`` with this unit's parameters full.
 
     The unit's full parameters are gathered (nested units gather their own, as
