@@ -8,11 +8,13 @@ docs/design.md for the whole picture.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ContextManager, Generator, Iterable, Iterator, Mapping, Optional, Union
+from typing import Any, Callable, ContextManager, Generator, Iterable, Iterator, Mapping, Optional, TypeVar, Union, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.modules.module import _IncompatibleKeys
 
 from fsdp._common import FLAT_PARAM, FSDP_PREFIX, FSDP_WRAPPED_MODULE, compile_boundary
 from fsdp.api import (  # the config names are re-exported here too, as torch's module does
@@ -60,6 +62,12 @@ from fsdp.wrap import CustomPolicy, ModuleWrapPolicy
 # enums above, ``FlatParameter``, ``FLAT_PARAM``, ``FSDP_PREFIX``, the wrap policies) are
 # importable from it too, and stacks such as accelerate import them from here.
 __all__ = ["FullyShardedDataParallel", "OptimStateKeyType"]
+
+# torch FSDP1's argument types: one group, or (intra-node, inter-node) for hybrid strategies;
+# the legacy ``optim_input`` is the optimizer's param groups (torch types them Dict[str, Any])
+# or its parameters.
+_ProcessGroupType = Optional[Union[dist.ProcessGroup, tuple[dist.ProcessGroup, dist.ProcessGroup]]]
+_OptimInput = Optional[Union[list[dict[str, Any]], Iterable[nn.Parameter]]]
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -114,7 +122,7 @@ class FullyShardedDataParallel(nn.Module):
     def __init__(
         self,
         module: nn.Module,
-        process_group: Any = None,
+        process_group: _ProcessGroupType = None,
         sharding_strategy: Optional[ShardingStrategy] = None,
         cpu_offload: Optional[CPUOffload] = None,
         auto_wrap_policy: Optional[Callable] = None,
@@ -127,8 +135,8 @@ class FullyShardedDataParallel(nn.Module):
         forward_prefetch: bool = False,
         limit_all_gathers: bool = True,
         use_orig_params: bool = False,
-        ignored_states: Optional[Iterable[Any]] = None,
-        device_mesh: Any = None,
+        ignored_states: Union[None, Iterable[nn.Parameter], Iterable[nn.Module]] = None,
+        device_mesh: Optional[DeviceMesh] = None,
     ) -> None:
         args = UnitArgs(
             process_group=process_group,
@@ -162,7 +170,7 @@ class FullyShardedDataParallel(nn.Module):
         """The wrapped module."""
         return self._fsdp_wrapped_module
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> Any:  # Any: the wrapped module's attribute, any type (as torch FSDP1's)
         """Forwards missing attributes to the wrapped module."""
         try:
             return super().__getattr__(name)
@@ -171,11 +179,12 @@ class FullyShardedDataParallel(nn.Module):
                 raise
             return getattr(self._fsdp_wrapped_module, name)
 
-    def __getitem__(self, key: int) -> Any:
+    def __getitem__(self, key: int) -> Any:  # Any: whatever the wrapped module's indexing gives
         """Forwards indexing to the wrapped module (e.g. an ``nn.Sequential``)."""
         return self._fsdp_wrapped_module.__getitem__(key)
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    # Any: the wrapped module's output; torch types nn.Module.forward and __call__ as Callable[..., Any].
+    def forward(self, *args: object, **kwargs: object) -> Any:
         """Runs the wrapped module with its parameters unsharded (see docs/hook_order.md)."""
         # By module attribute: under torch.compile the name holds the marked function.
         return _hooks.unit_forward(self, args, kwargs)
@@ -289,7 +298,7 @@ class FullyShardedDataParallel(nn.Module):
         return self._fsdp_state.reported_ignored_params
 
     @property
-    def _device_mesh(self) -> Any:
+    def _device_mesh(self) -> Optional[DeviceMesh]:
         return self._fsdp_state.device_mesh
 
     @property
@@ -312,11 +321,11 @@ class FullyShardedDataParallel(nn.Module):
         self._fsdp_state.comm_hook = hook
 
     @property
-    def _comm_hook_state(self) -> Any:
+    def _comm_hook_state(self) -> object:
         return self._fsdp_state.comm_hook_state
 
     @_comm_hook_state.setter
-    def _comm_hook_state(self, state: Any) -> None:
+    def _comm_hook_state(self, state: object) -> None:
         self._fsdp_state.comm_hook_state = state
 
     @property
@@ -347,11 +356,11 @@ class FullyShardedDataParallel(nn.Module):
         """Forgets lazy initialization of this tree (e.g. before wrapping it further)."""
         reset_lazy_init(self)
 
-    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
+    def named_parameters(self, *args: object, **kwargs: object) -> Iterator[tuple[str, nn.Parameter]]:
         """As ``nn.Module.named_parameters``; inside ``summon_full_params`` names carry no FSDP prefix."""
         return names_in_summon(self, super().named_parameters, args, kwargs)
 
-    def named_buffers(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    def named_buffers(self, *args: object, **kwargs: object) -> Iterator[tuple[str, torch.Tensor]]:
         """As ``nn.Module.named_buffers``; inside ``summon_full_params`` names carry no FSDP prefix."""
         return names_in_summon(self, super().named_buffers, args, kwargs)
 
@@ -363,7 +372,8 @@ class FullyShardedDataParallel(nn.Module):
     @staticmethod
     def fsdp_modules(module: nn.Module, root_only: bool = False) -> list["FullyShardedDataParallel"]:
         """Returns the FSDP instances in ``module`` (pre-order); only the top-level ones if ``root_only``."""
-        return fsdp_modules(module, root_only)  # type: ignore[return-value]
+        # The runtime layer below cannot name this class; every module it finds is an instance.
+        return cast("list[FullyShardedDataParallel]", fsdp_modules(module, root_only))
 
     def apply(self, fn: Callable[[nn.Module], None]) -> "FullyShardedDataParallel":
         """Applies ``fn`` to every submodule with full parameters gathered (and written back).
@@ -373,7 +383,7 @@ class FullyShardedDataParallel(nn.Module):
                 FSDP1: inside a ``summon_full_params(writeback=False)`` its changes would be
                 silently dropped).
         """
-        return apply_summoned(self, fn, super().apply)  # type: ignore[return-value]
+        return apply_summoned(self, fn, super().apply)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "FullyShardedDataParallel":
         """``nn.Module._apply`` (behind ``to``, ``half``, ``float``, ``double``, ``bfloat16``, ...).
@@ -390,7 +400,7 @@ class FullyShardedDataParallel(nn.Module):
                 device than the one the unit keeps them on. Nothing is changed.
             TypeError: The cast would give a non-floating-point dtype. Nothing is changed.
         """
-        return _cast_units(self, fn, recurse, super()._apply)  # type: ignore[return-value]
+        return _cast_units(self, fn, recurse, super()._apply)
 
     # ------------------------------------------------------------------ training API
     def no_sync(self) -> ContextManager[None]:
@@ -464,8 +474,11 @@ class FullyShardedDataParallel(nn.Module):
         """Context manager form of :meth:`set_state_dict_type`; restores the previous settings."""
         return _settings.state_dict_type_context(module, state_dict_type, state_dict_config, optim_state_dict_config)
 
+    # nn.Module.state_dict is two overloads on ``destination``'s type; this one signature serves both.
+    # Any: nn.Module's deprecated positional (destination, prefix, keep_vars), and torch's
+    # state-dict value type (Dict[str, Any]), as in every state dict below.
     def state_dict(  # type: ignore[override]
-        self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False
+        self, *args: Any, destination: Optional[dict[str, Any]] = None, prefix: str = "", keep_vars: bool = False
     ) -> dict[str, Any]:
         """The model state dict of the kind set by ``state_dict_type`` (FULL by default).
 
@@ -481,7 +494,7 @@ class FullyShardedDataParallel(nn.Module):
 
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
-    ) -> Any:
+    ) -> _IncompatibleKeys:
         """Loads a state dict of the kind set by ``state_dict_type`` (FULL by default).
 
         Keys, shapes and layouts of the whole tree are checked first (``strict`` as in
@@ -491,7 +504,9 @@ class FullyShardedDataParallel(nn.Module):
         are DTensors (ours, or from torch.distributed.checkpoint into this model's template) or
         torch FSDP1's ShardedTensors; LOCAL values are torch FSDP1's ShardedTensors.
         """
-        result = _model_state_dict.load_state_dict(self, super().load_state_dict, dict(state_dict), strict, assign)
+        result: _IncompatibleKeys = _model_state_dict.load_state_dict(
+            self, super().load_state_dict, dict(state_dict), strict, assign
+        )
         refresh_cast_buffers(self, [unit_state(m) for m in fsdp_modules(self)], state_dict)
         return result
 
@@ -514,7 +529,7 @@ class FullyShardedDataParallel(nn.Module):
     def full_optim_state_dict(
         model: nn.Module,
         optim: torch.optim.Optimizer,
-        optim_input: Optional[Any] = None,
+        optim_input: _OptimInput = None,
         rank0_only: bool = True,
         group: Optional[dist.ProcessGroup] = None,
     ) -> dict[str, Any]:
@@ -532,7 +547,7 @@ class FullyShardedDataParallel(nn.Module):
     def shard_full_optim_state_dict(
         full_optim_state_dict: dict[str, Any],
         model: nn.Module,
-        optim_input: Optional[Any] = None,
+        optim_input: _OptimInput = None,
         optim: Optional[torch.optim.Optimizer] = None,
     ) -> dict[str, Any]:
         """This rank's flattened part of a full optimizer state dict (legacy API)."""
@@ -549,9 +564,9 @@ class FullyShardedDataParallel(nn.Module):
     def scatter_full_optim_state_dict(
         full_optim_state_dict: Optional[dict[str, Any]],
         model: nn.Module,
-        optim_input: Optional[Any] = None,
+        optim_input: _OptimInput = None,
         optim: Optional[torch.optim.Optimizer] = None,
-        group: Optional[Any] = None,
+        group: Optional[dist.ProcessGroup] = None,
     ) -> dict[str, Any]:
         """Like :meth:`shard_full_optim_state_dict`, but only rank 0 passes the state dict (legacy API)."""
         return _osd.scatter_full_optim_state_dict(full_optim_state_dict, model, optim_input, optim, group)
@@ -559,9 +574,9 @@ class FullyShardedDataParallel(nn.Module):
     @staticmethod
     def rekey_optim_state_dict(
         optim_state_dict: dict[str, Any],
-        optim_state_key_type: Any,
+        optim_state_key_type: OptimStateKeyType,
         model: nn.Module,
-        optim_input: Optional[Any] = None,
+        optim_input: _OptimInput = None,
         optim: Optional[torch.optim.Optimizer] = None,
     ) -> dict[str, Any]:
         """Re-keys an optimizer state dict by parameter names or by parameter IDs."""
@@ -606,9 +621,10 @@ class FullyShardedDataParallel(nn.Module):
 TensorFn = Callable[[torch.Tensor], torch.Tensor]
 
 
-def _cast_units(
-    wrapper: nn.Module, fn: TensorFn, recurse: bool, module_apply: Callable[[TensorFn, bool], nn.Module]
-) -> nn.Module:
+_M = TypeVar("_M", bound=nn.Module)
+
+
+def _cast_units(wrapper: _M, fn: TensorFn, recurse: bool, module_apply: Callable[[TensorFn, bool], _M]) -> _M:
     """``FullyShardedDataParallel._apply``: applies ``fn`` to the tree, shards included.
 
     Every unit's change is planned first; the tree must be idle if any shard changes. Then
@@ -653,4 +669,5 @@ def _cast_units(
 
 # [Note: torch.compile]: a unit's forward called from code that runs eagerly (a frame Dynamo
 # skipped, another unit's forward) is not traced either; the wrapped module's is compiled.
+# mypy forbids assigning to a method; the rebinding by name is the point ([Note: torch.compile]).
 FullyShardedDataParallel.forward = compile_boundary(FullyShardedDataParallel.forward)  # type: ignore[method-assign]

@@ -22,7 +22,7 @@ one scalar each way per step, against gradients that are read there in full anyw
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Optional, Union
+from typing import Iterable, Optional, Union, overload
 
 import torch
 import torch.distributed as dist
@@ -68,7 +68,19 @@ class ShardedGradScaler(GradScaler):
         )
         self.process_group = process_group
 
-    def scale(self, outputs: Any) -> Any:
+    @overload
+    def scale(self, outputs: torch.Tensor) -> torch.Tensor: ...
+
+    @overload
+    def scale(self, outputs: list[torch.Tensor]) -> list[torch.Tensor]: ...
+
+    @overload
+    def scale(self, outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]: ...
+
+    @overload
+    def scale(self, outputs: Iterable[torch.Tensor]) -> Iterable[torch.Tensor]: ...
+
+    def scale(self, outputs: Union[torch.Tensor, Iterable[torch.Tensor]]) -> Union[torch.Tensor, Iterable[torch.Tensor]]:
         """Multiplies ``outputs`` (a tensor or an iterable of tensors) by the scale, keeping
         each output's dtype (an fp16 loss stays fp16)."""
         if not self._enabled:
@@ -146,7 +158,7 @@ class ShardedGradScaler(GradScaler):
 
     def _agree_on_found_inf(
         self, found_per_device: dict[torch.device, torch.Tensor]
-    ) -> dict[Union[torch.device, Any], torch.Tensor]:
+    ) -> dict[torch.device, torch.Tensor]:
         """Sums every rank's overflow flags into one flag, the same on every rank."""
         assert self._scale is not None
         total = torch.zeros((), dtype=torch.float32, device=self._scale.device)

@@ -51,7 +51,7 @@ _ROOT_NAME = "<root>"
 # ---------------------------------------------------------------------------------------------
 
 
-def _as_class_tuple(classes: Any, arg_name: str) -> Tuple[type, ...]:
+def _as_class_tuple(classes: Iterable[type], arg_name: str) -> Tuple[type, ...]:
     """Return ``classes`` (an iterable of classes) as a tuple usable with ``isinstance``.
 
     Args:
@@ -102,7 +102,7 @@ def _is_class_wrap_decision(module: nn.Module, recurse: bool, classes: Tuple[typ
 # ---------------------------------------------------------------------------------------------
 
 
-def always_wrap_policy(*args: Any, **kwargs: Any) -> bool:
+def always_wrap_policy(*args: object, **kwargs: object) -> bool:
     """Wrap every submodule.
 
     Always returns ``True``: the planner descends into every module and wraps every submodule
@@ -207,11 +207,10 @@ def size_based_auto_wrap_policy(
         When ``recurse`` is ``True``: whether ``module`` is large enough and not a forced leaf.
         Otherwise: whether ``module`` is large enough and not an excluded class.
     """
-    defaults: Any = size_based_auto_wrap_policy
     if force_leaf_modules is None:
-        force_leaf_modules = defaults.FORCE_LEAF_MODULES
+        force_leaf_modules = _size_policy_defaults.FORCE_LEAF_MODULES
     if exclude_wrap_modules is None:
-        exclude_wrap_modules = defaults.EXCLUDE_WRAP_MODULES
+        exclude_wrap_modules = _size_policy_defaults.EXCLUDE_WRAP_MODULES
     is_large = nonwrapped_numel >= min_num_params
     if recurse:
         return is_large and not isinstance(module, tuple(force_leaf_modules))
@@ -219,6 +218,7 @@ def size_based_auto_wrap_policy(
 
 
 # Defaults for ``size_based_auto_wrap_policy`` (importable and overridable, as in torch).
+# Any: attributes set on a function object, which the type system cannot declare.
 _size_policy_defaults: Any = size_based_auto_wrap_policy
 _size_policy_defaults.FORCE_LEAF_MODULES = {nn.MultiheadAttention}
 _size_policy_defaults.EXCLUDE_WRAP_MODULES = {nn.ModuleList, nn.ModuleDict}
@@ -229,6 +229,8 @@ _size_policy_defaults.EXCLUDE_WRAP_MODULES = {nn.ModuleList, nn.ModuleDict}
 # ---------------------------------------------------------------------------------------------
 
 
+# Any (Dict[str, Any] below): FSDP constructor keyword arguments, of mixed types. Torch's
+# policies type them so, and a user's ``dict[str, X]`` must pass (dict is invariant).
 class _Policy(ABC):
     """Base class of policies that pick all modules to wrap (and their kwargs) in one pass."""
 
@@ -293,7 +295,7 @@ class ModuleWrapPolicy(_Policy):
             if module not in ignored_modules and isinstance(module, classes)
         }
 
-    def __call__(self, module: nn.Module, recurse: bool, *args: Any, **kwargs: Any) -> bool:
+    def __call__(self, module: nn.Module, recurse: bool, *args: object, **kwargs: object) -> bool:
         """Functional-policy form: always descend; wrap instances of the policy's classes.
 
         Args:
@@ -381,7 +383,7 @@ class CustomPolicy(_Policy):
             target_module_to_kwargs[module] = kwargs
         return target_module_to_kwargs
 
-    def __call__(self, module: nn.Module, recurse: bool, *args: Any, **kwargs: Any) -> bool:
+    def __call__(self, module: nn.Module, recurse: bool, *args: object, **kwargs: object) -> bool:
         """Functional-policy form: always descend; wrap when ``lambda_fn`` selects the module.
 
         Per-module kwargs overrides are not available in this form (a functional policy only
@@ -418,11 +420,11 @@ class _WrapContext:
 
     active: bool = False
     wrapper_cls: Optional[Callable[..., nn.Module]] = None
-    kwargs: Dict[str, Any] = {}
+    kwargs: Dict[str, object] = {}
 
 
 @contextlib.contextmanager
-def enable_wrap(*, wrapper_cls: Any, **wrapper_kwargs: Any) -> Iterator[None]:
+def enable_wrap(*, wrapper_cls: Callable[..., nn.Module], **wrapper_kwargs: object) -> Iterator[None]:
     """Make :func:`wrap` wrap modules with ``wrapper_cls`` while the context is active.
 
     Useful to shard large layers as they are built, with one shared configuration::
@@ -464,7 +466,7 @@ def enable_wrap(*, wrapper_cls: Any, **wrapper_kwargs: Any) -> Iterator[None]:
         _WrapContext.kwargs = {}
 
 
-def _wrap(module: nn.Module, wrapper_cls: Callable[..., nn.Module], **kwargs: Any) -> nn.Module:
+def _wrap(module: nn.Module, wrapper_cls: Callable[..., nn.Module], **kwargs: object) -> nn.Module:
     """Construct ``wrapper_cls(module, **kwargs)``, honouring ``module._wrap_overrides``.
 
     A module may carry a ``_wrap_overrides`` dict whose entries take priority over ``kwargs``
@@ -476,7 +478,7 @@ def _wrap(module: nn.Module, wrapper_cls: Callable[..., nn.Module], **kwargs: An
     return wrapper_cls(module, **kwargs)
 
 
-def wrap(module: nn.Module, **wrap_overrides: Any) -> nn.Module:
+def wrap(module: nn.Module, **wrap_overrides: object) -> nn.Module:
     """Wrap ``module`` if called inside :func:`enable_wrap`; otherwise return it unchanged.
 
     This lets a model be built with or without wrapping without changing its code.
