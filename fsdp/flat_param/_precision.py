@@ -20,9 +20,11 @@ Unset fields mean "the parameters' own dtype", so a handle without mixed precisi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import torch
+
+from fsdp.api import MixedPrecision
 
 __all__ = ["HandlePrecision"]
 
@@ -44,7 +46,7 @@ class HandlePrecision:
     keep_low_precision_grads: bool = False
 
     @staticmethod
-    def resolve(mixed_precision: Optional[Any], full_dtype: torch.dtype) -> "HandlePrecision":
+    def resolve(mixed_precision: Optional[MixedPrecision], full_dtype: torch.dtype) -> "HandlePrecision":
         """Applies torch FSDP1's defaults: reduce_dtype falls back to param_dtype, then full."""
         if mixed_precision is None:
             return HandlePrecision(full_dtype, full_dtype, full_dtype)

@@ -40,12 +40,13 @@ the pre-backward hook before the stale views are read).
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any, Callable, Generator, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Generator, Optional, Sequence
 
 import torch
 from torch import nn
 
 from fsdp._common import FLAT_PARAM, p_assert
+from fsdp.api import MixedPrecision
 from fsdp.flat_param._precision import HandlePrecision
 
 if TYPE_CHECKING:
@@ -120,7 +121,7 @@ def hidden_from_module_apply(handles: Sequence["FlatParamHandle"]) -> Generator[
     removing the key, keeps the registration order (``named_parameters`` order) intact. The
     original entries are put back on exit, also when the apply raised.
     """
-    saved: list[tuple[nn.Module, str, Any]] = []
+    saved: list[tuple[nn.Module, str, Optional[nn.Parameter]]] = []
     try:
         for handle in handles:
             for module, name in _managed_slots(handle):
@@ -135,7 +136,7 @@ def hidden_from_module_apply(handles: Sequence["FlatParamHandle"]) -> Generator[
 
 
 def recast_handle(
-    handle: "FlatParamHandle", fn: ApplyFn, mixed_precision: Optional[Any]
+    handle: "FlatParamHandle", fn: ApplyFn, mixed_precision: Optional[MixedPrecision]
 ) -> None:
     """Applies ``fn`` to the handle's local shard and rebuilds the handle around the result.
 

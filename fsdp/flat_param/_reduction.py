@@ -13,7 +13,7 @@ taken back.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -33,11 +33,11 @@ class _InflightReduction(NamedTuple):
     writes, whether that still needs the post-divide, and what must stay alive until the
     collective has read it."""
 
-    work: Any
-    event: Any
+    work: Optional[dist.Work]
+    event: Optional[torch.cuda.Event]
     sharded_grad: torch.Tensor
     post_divide: bool
-    keep_alive: Any
+    keep_alive: torch.Tensor
 
 
 def reduction_stays_in_flight(
@@ -135,8 +135,8 @@ class GradReduction:
     def reduce(
         self,
         sync: bool,
-        comm_hook: Optional[Callable[..., Any]],
-        comm_hook_state: Any,
+        comm_hook: Optional[Callable[..., object]],
+        comm_hook_state: object,
         full_precision: bool,
     ) -> None:
         """Launches the reduction of the unsharded gradient autograd just accumulated (see
@@ -242,7 +242,7 @@ class GradReduction:
             self.pending_sharded_grad = sharded_grad
 
     def _reduce_with_hook(
-        self, unsharded_grad: torch.Tensor, comm_hook: Callable[..., Any], comm_hook_state: Any
+        self, unsharded_grad: torch.Tensor, comm_hook: Callable[..., object], comm_hook_state: object
     ) -> torch.Tensor:
         """torch FSDP1's hook convention: ``hook(state, grad, output)`` sharded, else ``hook(state, grad)``."""
         if not self.layout.uses_sharding:
@@ -256,7 +256,7 @@ class GradReduction:
 
     def _reduce_default(
         self, unsharded_grad: torch.Tensor, async_op: bool
-    ) -> tuple[torch.Tensor, Optional[Any], bool]:
+    ) -> tuple[torch.Tensor, Optional[dist.Work], bool]:
         """Pre-divide, reduce-scatter (all-reduce for NO_SHARD), all-reduce across replicas.
 
         Returns ``(sharded gradient, work, post-divide pending)``: with ``async_op`` a lone

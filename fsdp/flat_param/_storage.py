@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from enum import Enum, auto
-from typing import Any, NamedTuple, Optional
+from typing import ContextManager, NamedTuple, Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -29,10 +29,11 @@ __all__ = ["FlatParameter", "FlatParamStorage", "HandleState"]
 IS_FLAT_PARAM = "_is_flat_param"
 
 
+# mypy takes no call as a base class; torch's metaclass of nn.Parameter (_ParameterMeta) is private.
 class _FlatParameterMeta(type(nn.Parameter)):  # type: ignore[misc]
     """``isinstance(t, FlatParameter)`` is True for a parameter carrying the flat-parameter flag."""
 
-    def __instancecheck__(cls, instance: Any) -> bool:
+    def __instancecheck__(cls, instance: object) -> bool:
         return isinstance(instance, torch.Tensor) and getattr(instance, IS_FLAT_PARAM, False)
 
 
@@ -58,7 +59,7 @@ class FlatParameter(nn.Parameter, metaclass=_FlatParameterMeta):
         flat_param = nn.Parameter.__new__(nn.Parameter, data, requires_grad)
         setattr(flat_param, IS_FLAT_PARAM, True)
         setattr(flat_param, FSDP_FLATTENED, True)
-        return flat_param  # type: ignore[return-value]
+        return cast("FlatParameter", flat_param)  # [Note: A FlatParameter's type is nn.Parameter]
 
 
 class HandleState(Enum):
@@ -94,12 +95,12 @@ class _PendingUnshard(NamedTuple):
     """A launched all-gather: its work handle (CPU) or its completion event (CUDA), and the
     input shard, kept alive until the collective has read it."""
 
-    work: Any
-    event: Any
+    work: Optional[dist.Work]
+    event: Optional[torch.cuda.Event]
     shard: torch.Tensor
 
 
-def on_stream(stream: Any, device: torch.device) -> Any:
+def on_stream(stream: Optional[torch.cuda.Stream], device: torch.device) -> ContextManager[object]:
     """``torch.cuda.stream(stream)``, ordered after the current stream's work; a no-op for
     ``None`` (CPU: the stream layer does nothing)."""
     if stream is None:
@@ -108,7 +109,7 @@ def on_stream(stream: Any, device: torch.device) -> Any:
     return torch.cuda.stream(stream)
 
 
-def record_event(stream: Any) -> Any:
+def record_event(stream: torch.cuda.Stream) -> torch.cuda.Event:
     """A CUDA event recorded on ``stream`` now."""
     event = torch.cuda.Event()
     event.record(stream)
@@ -183,8 +184,8 @@ class FlatParamStorage:
         self.pending_unshard: Optional[_PendingUnshard] = None
         # CUDA: the side streams every all-gather and every gradient reduction run on (set at
         # lazy init, shared by the tree, as torch FSDP1's); None on CPU.
-        self.unshard_stream: Optional[Any] = None
-        self.post_backward_stream: Optional[Any] = None
+        self.unshard_stream: Optional[torch.cuda.Stream] = None
+        self.post_backward_stream: Optional[torch.cuda.Stream] = None
         self.precision = precision
         self.padded_unsharded_full: Optional[torch.Tensor] = None
         self.padded_unsharded_low: Optional[torch.Tensor] = None

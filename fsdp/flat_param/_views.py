@@ -13,7 +13,7 @@ between steps (``.data``, a new Parameter) is written back into the flat paramet
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -67,8 +67,12 @@ class _ShardedParamPlaceholder(torch.Tensor):
 
     @classmethod
     def __torch_function__(
-        cls, func: Callable, types: Any, args: Sequence[Any] = (), kwargs: Optional[dict] = None
-    ) -> Any:
+        cls,
+        func: Callable[..., object],
+        types: Iterable[type],
+        args: Sequence[object] = (),
+        kwargs: Optional[dict[str, object]] = None,
+    ) -> object:
         kwargs = kwargs or {}
         if func in _PLACEHOLDER_SAFE_FUNCS:
             with torch._C.DisableTorchFunctionSubclass():
@@ -78,10 +82,14 @@ class _ShardedParamPlaceholder(torch.Tensor):
                 raise RuntimeError(arg.describe())
         raise RuntimeError("fsdp: a sharded parameter placeholder was used in a computation")
 
-    def __repr__(self, *args: Any, **kwargs: Any) -> str:  # type: ignore[override]
+    # mypy rejects every override of torch.Tensor.__repr__ (torch's own signature too: the
+    # untyped keyword-only ``tensor_contents``).
+    def __repr__(self, *args: object, **kwargs: object) -> str:  # type: ignore[override]
         return f"<sharded fsdp parameter '{self._fsdp_fqn}' of unit '{self._fsdp_unit_name}'>"
 
 
+# torch's stubs declare these Tensor properties as plain attributes, without the descriptors'
+# ``__get__`` they have at runtime (the functions __torch_function__ receives).
 _PLACEHOLDER_SAFE_FUNCS = {
     torch.Tensor.dtype.__get__,  # type: ignore[attr-defined]
     torch.Tensor.device.__get__,
@@ -203,6 +211,7 @@ class ParamViews:
             # As torch FSDP1: the views are also listed in ``_parameters``, so that
             # ``named_parameters()`` called inside forward (or before backward) lists the
             # parameters, as unsharded views. Attribute access still finds the view first.
+            # torch types ``_parameters``' values as Parameters; these are plain tensor views.
             for info, view in zip(self.param_infos, views):
                 info.module._parameters[info.param_name] = view  # type: ignore[assignment]
             for shared in self.shared_param_infos:

@@ -29,13 +29,14 @@ handle moves through and what memory each one holds.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from fsdp._common import FLAT_PARAM, group_rank, group_size, p_assert
+from fsdp.api import MixedPrecision
 from fsdp.flat_param._layout import (
     ALIGNMENT_PADDING_VALUE as ALIGNMENT_PADDING_VALUE,
     FLATTENED_ATTR as FLATTENED_ATTR,
@@ -131,7 +132,7 @@ class FlatParamHandle:
         sync_module_states: bool = False,
         use_orig_params: bool = False,
         offload_params: bool = False,
-        mixed_precision: Optional[Any] = None,
+        mixed_precision: Optional[MixedPrecision] = None,
     ) -> None:
         self.wrapped_module = wrapped_module
         self.device = device
@@ -173,8 +174,9 @@ class FlatParamHandle:
         # See [Note: Gradient flow] in docs/flat_param_lifecycle.md.
         self.grads = GradReduction(self.storage, self.shard_layout, process_group, replicate_group, self.views)
         # torch FSDP1's handle attribute: the owning unit's HandleTrainingState
-        # (fsdp/runtime/_state.py), kept in step by UnitState.training_state.
-        self._training_state: Any = None
+        # (fsdp/runtime/_state.py), kept in step by UnitState.training_state; object here, as
+        # this layer may not import the runtime's enum.
+        self._training_state: object = None
         orig_params = self.views.orig_params if use_orig_params else None
         set_torch_metadata(self.flat_param, unit_params, self.shard_layout, orig_params)
         weakref.finalize(self, _release_module_references, self.flat_param)
