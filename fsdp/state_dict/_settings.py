@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, Optional, Sequence, cast
 
 from torch import nn
 
@@ -65,6 +65,7 @@ def set_state_dict_type(
     previous = get_state_dict_type(modules)
     new = StateDictSettings(state_dict_type, state_dict_config, optim_state_dict_config)
     for module in modules:
+        # nn.Module.__setattr__ is typed to take tensors and modules; a unit keeps its settings here.
         module._state_dict_settings = new  # type: ignore[assignment]
     return previous
 
@@ -73,7 +74,8 @@ def get_state_dict_type(modules: Sequence[nn.Module]) -> StateDictSettings:
     """Returns the settings shared by every unit in ``modules``."""
     if not modules:
         raise ValueError("fsdp: the module contains no FullyShardedDataParallel instance")
-    settings: list[StateDictSettings] = [m._state_dict_settings for m in modules]  # type: ignore[misc]
+    # nn.Module.__getattr__ is typed Union[Tensor, Module]; a unit keeps its settings here.
+    settings = [cast(StateDictSettings, m._state_dict_settings) for m in modules]
     first = settings[0]
     for other in settings[1:]:
         if other != first:
