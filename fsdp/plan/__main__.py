@@ -31,6 +31,8 @@ import re
 import sys
 import time
 from dataclasses import dataclass
+# Any below: the FSDP constructor's keyword arguments (mixed types; torch's wrap policies type them
+# so) and ``loss_fn``'s argument, the model's output (torch types nn.Module.__call__'s as Any).
 from typing import Any, Callable, Optional, TypedDict
 
 import torch
@@ -91,7 +93,7 @@ def _positive_int(text: str) -> int:
 
 
 #: Builds ``(model, example_inputs)``; its argument: activation checkpointing of every block.
-Builder = Callable[[bool], tuple[nn.Module, Any]]
+Builder = Callable[[bool], tuple[nn.Module, object]]
 
 
 @dataclass
@@ -132,7 +134,7 @@ def _wrap_kwargs(args: argparse.Namespace, block_cls: Optional[type]) -> dict[st
 
 
 def _gpt_request(args: argparse.Namespace) -> _Request:
-    def build(checkpointing: bool) -> tuple[nn.Module, Any]:
+    def build(checkpointing: bool) -> tuple[nn.Module, object]:
         config = gpt.GPTConfig(
             vocab_size=args.vocab, block_size=args.seq_len, n_layer=args.layers, n_head=args.heads, d_model=args.d_model
         )
@@ -153,7 +155,7 @@ def _gpt_request(args: argparse.Namespace) -> _Request:
     return _Request(build, _wrap_kwargs(args, gpt.Block), _gpt_loss, True, description)
 
 
-def _describe_inputs(inputs: Any) -> str:
+def _describe_inputs(inputs: object) -> str:
     from torch.utils._pytree import tree_flatten
 
     shapes = [
@@ -174,7 +176,7 @@ def _user_request(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     except (ImportError, AttributeError) as exc:
         parser.error(f"cannot load --model {spec!r}: {exc}")
 
-    def make() -> tuple[nn.Module, Any, Optional[Callable[[Any], torch.Tensor]]]:
+    def make() -> tuple[nn.Module, object, Optional[Callable[[Any], torch.Tensor]]]:
         made = factory()
         if not (isinstance(made, tuple) and len(made) in (2, 3) and isinstance(made[0], nn.Module)):
             raise SystemExit(f"fsdp.plan: {spec}() must return (model, example_inputs) or (model, example_inputs, loss_fn)")
@@ -188,9 +190,9 @@ def _user_request(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         if not classes:
             parser.error(f"--wrap-class {args.wrap_class!r}: no module of that class in the {spec} model")
         block_cls = classes.pop()
-    kept: list[tuple[nn.Module, Any, Any]] = [first]  # the first build serves the first request
+    kept: list[tuple[nn.Module, object, Optional[Callable[[Any], torch.Tensor]]]] = [first]  # the first build serves the first request
 
-    def build(checkpointing: bool) -> tuple[nn.Module, Any]:
+    def build(checkpointing: bool) -> tuple[nn.Module, object]:
         model, inputs, _ = kept.pop() if kept else make()
         if checkpointing and block_cls is not None:
             gpt.checkpoint_blocks(model, block_cls)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, Hashable, NamedTuple, Optional, TypeVar, Union
 
 import torch
 from torch import nn
@@ -16,7 +16,7 @@ from fsdp.plan._estimate import MemoryEstimate, UnitEstimate
 from fsdp.plan._optimizer import trace_optimizer
 from fsdp.plan._schedule import ReplayResult, ScheduleConfig, replay
 from fsdp.plan._trace import Trace, trace_forward_backward
-from fsdp.plan._units import UnitSpec, plan_unit_layouts, size_unit_specs
+from fsdp.plan._units import UnitLayout, UnitSpec, plan_unit_layouts, size_unit_specs
 
 __all__ = ["PlanCache", "estimate_memory"]
 
@@ -24,6 +24,14 @@ _HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
 # Constructor arguments that need a process group or a device mesh: planning takes the world
 # size (and intra_node_size) instead.
 _NEEDS_GROUP = ("process_group", "device_mesh")
+
+
+# Any: the FSDP constructor's keyword arguments and the optimizer's (mixed types, as torch types
+# them), and ``loss_fn``'s argument: the model's output, which torch types Any (nn.Module.__call__).
+
+_KwargsKey = tuple[tuple[str, Hashable], ...]  # the wrapper's kwargs, by value or identity
+_K = TypeVar("_K")
+_V = TypeVar("_V")
 
 
 @dataclass
@@ -50,16 +58,20 @@ class PlanCache:
         optimizer: ``(optimizer class, its kwargs, shard shapes, foreach) -> (state, temporaries)``.
     """
 
-    layouts: dict[Any, Any] = field(default_factory=dict)
-    traces: dict[Any, Any] = field(default_factory=dict)
-    optimizer: dict[Any, tuple[int, int]] = field(default_factory=dict)
+    layouts: dict[_KwargsKey, tuple[list[UnitLayout], set[nn.Module], set[nn.Parameter]]] = field(default_factory=dict)
+    traces: dict[tuple[Optional[torch.dtype], Optional[torch.dtype], tuple[int, ...]], Trace] = field(
+        default_factory=dict
+    )
+    optimizer: dict[tuple[type, str, tuple[tuple[int, torch.dtype], ...], bool], tuple[int, int]] = field(
+        default_factory=dict
+    )
 
 
-def _kwargs_key(kwargs: dict[str, Any]) -> tuple[Any, ...]:
+def _kwargs_key(kwargs: dict[str, Any]) -> _KwargsKey:
     """A cache key for wrapper kwargs: config dataclasses by value, other objects by identity."""
     import dataclasses
 
-    def key(value: Any) -> Any:
+    def key(value: object) -> Hashable:
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
             return (type(value), repr(value))
         try:
@@ -80,7 +92,7 @@ def _fsdp_keywords() -> set[str]:
 
 def estimate_memory(
     model: nn.Module,
-    example_inputs: Any,
+    example_inputs: object,
     *,
     world_size: int,
     optimizer: type = torch.optim.AdamW,
@@ -208,7 +220,7 @@ def _shard_world_sizes(
     return world_size, 1
 
 
-def _training_device(device_id: Any) -> torch.device:
+def _training_device(device_id: Union[None, int, str, torch.device]) -> torch.device:
     """The device ``device_id`` names (an int is a CUDA index); CUDA when it is None."""
     device = torch.device(device_id) if device_id is not None else torch.device("cuda")
     if isinstance(device_id, int):
@@ -234,7 +246,7 @@ def _setup(
     return _Setup({**defaults, **fsdp_kwargs}, strategy, shard_ws, replicate_ws, device)
 
 
-def _cached(store: Optional[dict[Any, Any]], key: Any, make: Callable[[], Any]) -> Any:
+def _cached(store: Optional[dict[_K, _V]], key: _K, make: Callable[[], _V]) -> _V:
     """``store[key]``, made by ``make()`` and kept the first time; just ``make()`` without a store."""
     value = store.get(key) if store is not None else None
     if value is None:
@@ -297,7 +309,7 @@ def _plan_units(model: nn.Module, setup: _Setup, cache: Optional[PlanCache]) -> 
 
 def _trace(
     model: nn.Module,
-    example_inputs: Any,
+    example_inputs: object,
     loss_fn: Optional[Callable[[Any], torch.Tensor]],
     planned: _Planned,
     setup: _Setup,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+# Any below: the optimizer's keyword arguments (mixed types, as torch.optim types them).
 from typing import Any
 
 import torch

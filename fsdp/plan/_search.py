@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+# Any below: the FSDP constructor's keyword arguments (mixed types; torch's wrap policies type them
+# so) and ``loss_fn``'s argument, the model's output (torch types nn.Module.__call__'s as Any).
 from typing import Any, Callable, Optional
 
 import torch
@@ -118,7 +120,7 @@ class SearchSpace:
 
 
 def search_configurations(
-    build: Callable[[bool], tuple[nn.Module, Any]],
+    build: Callable[[bool], tuple[nn.Module, object]],
     space: SearchSpace,
     *,
     fsdp_kwargs: dict[str, Any],

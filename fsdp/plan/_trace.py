@@ -43,19 +43,23 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+# Any below: ``loss_fn``'s argument is the model's output, which torch types Any (nn.Module.__call__).
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.hooks import RemovableHandle
 
 from fsdp._common import p_assert
 from fsdp.plan._units import UnitSpec
 
 __all__ = ["Trace", "trace_forward_backward"]
 
+# A memory event: its kind, then ints whose number depends on the kind (the schedule unpacks
+# each kind its own way), hence Any.
 Event = tuple[Any, ...]
 
 
@@ -87,7 +91,13 @@ class _StorageTracker(TorchDispatchMode):
         self.serial = 0
         self.before_op: Optional[Callable[[], None]] = None
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(
+        self,
+        func: Callable[..., object],
+        types: Sequence[type],
+        args: Sequence[object] = (),
+        kwargs: Optional[dict[str, object]] = None,
+    ) -> object:
         if self.before_op is not None:
             self.before_op()
         out = func(*args, **(kwargs or {}))
@@ -118,7 +128,7 @@ class _StorageTracker(TorchDispatchMode):
             self.trace.events.append(("free", serial))
 
 
-def _default_loss(output: Any) -> torch.Tensor:
+def _default_loss(output: object) -> torch.Tensor:
     leaves = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
     if not leaves:
         raise ValueError(
@@ -158,7 +168,7 @@ class _TraceRun:
     remaining_grads: dict[tuple[int, int], int] = field(default_factory=dict)
     views_seq: dict[int, int] = field(default_factory=dict)
     pending_post: list[tuple[int, int]] = field(default_factory=list)
-    handles: list[Any] = field(default_factory=list)
+    handles: list[RemovableHandle] = field(default_factory=list)
 
     def emit_post_backward(self, below_seq: Optional[int]) -> None:
         """Emits ``bwd_post`` for each pending handle whose views node runs before a node
@@ -182,7 +192,7 @@ class _TraceRun:
 
 def trace_forward_backward(
     model: nn.Module,
-    example_inputs: Any,
+    example_inputs: object,
     units: list[UnitSpec],
     ignored_params: set[nn.Parameter],
     loss_fn: Optional[Callable[[Any], torch.Tensor]],
@@ -292,7 +302,7 @@ def _register_unit_hooks(run: _TraceRun) -> None:
 def _run_forward_backward(
     model: nn.Module,
     replacements: dict[str, torch.Tensor],
-    args: tuple[Any, ...],
+    args: tuple[object, ...],
     loss_fn: Optional[Callable[[Any], torch.Tensor]],
     run: _TraceRun,
 ) -> None:
@@ -339,7 +349,7 @@ def _grad_hook(run: _TraceRun, u_h: tuple[int, int]) -> Callable[[torch.Tensor],
 
 
 def _fwd_pre_hook(run: _TraceRun, u: int) -> Callable[..., None]:
-    def hook(module: nn.Module, args: Any) -> None:
+    def hook(module: nn.Module, args: tuple[object, ...]) -> None:
         run.trace.events.append(("fwd_pre", u))
         if u not in run.views_seq and not run.in_backward and torch.is_grad_enabled():
             run.views_seq[u] = _next_sequence_nr(module)
@@ -367,7 +377,7 @@ def _fwd_post_hook(run: _TraceRun, u: int) -> Callable[..., None]:
             run.ran_pre_backward.add(u)
             run.trace.events.append(("bwd_pre", u))
 
-    def hook(module: nn.Module, args: Any, output: Any) -> None:
+    def hook(module: nn.Module, args: tuple[object, ...], output: object) -> None:
         run.trace.events.append(("fwd_post", u))
         if run.in_backward or not torch.is_grad_enabled():
             return  # a recomputation (activation checkpointing): FSDP registers nothing then

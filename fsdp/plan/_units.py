@@ -10,7 +10,8 @@ and ``FlatParamHandle.__init__`` call them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+# Any below: the FSDP constructor's keyword arguments (mixed types; torch's wrap policies type them so).
+from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 from torch import nn
@@ -121,10 +122,10 @@ class UnitLayout:
 def plan_unit_layouts(
     module: nn.Module,
     *,
-    auto_wrap_policy: Optional[Callable[..., Any]],
+    auto_wrap_policy: Optional[Callable[..., object]],
     root_kwargs: dict[str, Any],
-    ignored_modules: Any,
-    ignored_states: Any,
+    ignored_modules: Optional[Iterable[nn.Module]],
+    ignored_states: Union[None, Iterable[nn.Parameter], Iterable[nn.Module]],
 ) -> tuple[list[UnitLayout], set[nn.Module], set[nn.Parameter]]:
     """Plans the units and their parameters as the wrapper would; no world size involved.
 
@@ -232,10 +233,10 @@ def size_unit_specs(layouts: list[UnitLayout], shard_world_size: int) -> list[Un
 def plan_unit_specs(
     module: nn.Module,
     *,
-    auto_wrap_policy: Optional[Callable[..., Any]],
+    auto_wrap_policy: Optional[Callable[..., object]],
     root_kwargs: dict[str, Any],
-    ignored_modules: Any,
-    ignored_states: Any,
+    ignored_modules: Optional[Iterable[nn.Module]],
+    ignored_states: Union[None, Iterable[nn.Parameter], Iterable[nn.Module]],
     shard_world_size: int,
     replicate_world_size: int,
 ) -> tuple[list[UnitSpec], set[nn.Module], set[nn.Parameter]]:
