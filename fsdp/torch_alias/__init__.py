@@ -38,7 +38,7 @@ import importlib.util
 import sys
 import types
 import warnings
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from fsdp.torch_alias import _dcp_bridge
 from fsdp.torch_alias._wrap_compat import build_wrap_alias
@@ -77,7 +77,9 @@ class _PrivateOrder(importlib.abc.MetaPathFinder):
     the module from the alias's ``__path__``); it only imports :data:`_INIT_ORDER` first.
     """
 
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> None:
+    def find_spec(
+        self, fullname: str, path: Optional[Sequence[str]] = None, target: Optional[types.ModuleType] = None
+    ) -> None:
         prefix = _TORCH_FSDP + "."
         if not fullname.startswith(prefix):
             return None
@@ -101,7 +103,7 @@ class _AliasPackage(types.ModuleType):
     __all__: list[str]
     wrap: types.ModuleType
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> Any:  # Any: a torch submodule or FSDP2 name, as ModuleType's
         if name.startswith("__"):
             raise AttributeError(f"module {self.__name__!r} has no attribute {name!r}")
         if name.startswith("_"):
@@ -135,7 +137,7 @@ class TorchFSDPRedirect:
     def __init__(
         self,
         saved_modules: Dict[str, types.ModuleType],
-        saved_attr: Any,
+        saved_attr: object,
         had_attr: bool,
         finder: _PrivateOrder,
     ):
@@ -186,7 +188,7 @@ class TorchFSDPRedirect:
     def __enter__(self) -> "TorchFSDPRedirect":
         return self
 
-    def __exit__(self, *exc_info: Any) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.undo()
 
     def __repr__(self) -> str:

@@ -28,9 +28,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 import types
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, ContextManager, List, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import fsdp.api as fsdp_api
@@ -48,6 +49,7 @@ def _has_our_units(module: nn.Module) -> bool:
     return any(isinstance(m, _OurFSDP) for m in module.modules())
 
 
+# Any: torch FSDP1's enum member or config in, fsdp's out; neither side can be named here.
 def _ours(value: Any) -> Any:
     """torch's FSDP1 enum member or state-dict config as fsdp's equal one (by name and fields)."""
     if value is None or type(value).__module__.startswith("fsdp."):
@@ -74,7 +76,7 @@ def _make_wrapper_class(bound: _FSDP1Class) -> type:
     """The class torch's module sees as ``FSDP``: both libraries' wrappers are instances of it."""
 
     class _BothMeta(type):
-        def __instancecheck__(cls, obj: Any) -> bool:
+        def __instancecheck__(cls, obj: object) -> bool:
             return isinstance(obj, (bound, _OurFSDP))
 
         def __subclasscheck__(cls, sub: type) -> bool:
@@ -103,10 +105,10 @@ def _make_wrapper_class(bound: _FSDP1Class) -> type:
         @staticmethod
         def state_dict_type(
             module: nn.Module,
-            state_dict_type: Any,
+            state_dict_type: Any,  # Any: torch FSDP1's or fsdp's StateDictType and configs (see _ours)
             state_dict_config: Any = None,
             optim_state_dict_config: Any = None,
-        ) -> Any:
+        ) -> ContextManager[None]:
             if _pick(module) is _OurFSDP:
                 return _OurFSDP.state_dict_type(
                     module, _ours(state_dict_type), _ours(state_dict_config), _ours(optim_state_dict_config)
@@ -118,7 +120,7 @@ def _make_wrapper_class(bound: _FSDP1Class) -> type:
             model: nn.Module,
             optim: torch.optim.Optimizer,
             optim_state_dict: Optional[dict] = None,
-            group: Any = None,
+            group: Optional[dist.ProcessGroup] = None,
         ) -> dict:
             return _pick(model).optim_state_dict(model, optim, optim_state_dict, group=group)
 
@@ -129,7 +131,7 @@ def _make_wrapper_class(bound: _FSDP1Class) -> type:
             optim_state_dict: dict,
             is_named_optimizer: bool = False,
             load_directly: bool = False,
-            group: Any = None,
+            group: Optional[dist.ProcessGroup] = None,
         ) -> dict:
             return _pick(model).optim_state_dict_to_load(
                 model, optim, optim_state_dict, is_named_optimizer, load_directly, group
@@ -139,8 +141,8 @@ def _make_wrapper_class(bound: _FSDP1Class) -> type:
     return FullyShardedDataParallel
 
 
-def _make_state_lookup(bound: Callable[[nn.Module], Any]) -> Callable[[nn.Module], Any]:
-    def _get_module_fsdp_state_if_fully_sharded_module(module: nn.Module) -> Any:
+def _make_state_lookup(bound: Callable[[nn.Module], object]) -> Callable[[nn.Module], object]:
+    def _get_module_fsdp_state_if_fully_sharded_module(module: nn.Module) -> object:
         # An fsdp unit is its own state, as torch's FSDP1 wrapper is (torch returns the module).
         return module if isinstance(module, _OurFSDP) else bound(module)
 

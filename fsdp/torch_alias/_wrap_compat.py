@@ -55,6 +55,7 @@ def _post_order_apply(root_module: nn.Module, fn: Callable[[nn.Module], Optional
         del visit  # breaks the closure's self-reference (a cycle that would hold the modules)
 
 
+# Any (Dict[str, Any]): FSDP constructor keyword arguments, as fsdp.wrap's policies type them.
 def _construct_wrap_fn(
     root_module: nn.Module,
     target_module_to_kwargs: Dict[nn.Module, Dict[str, Any]],
@@ -102,7 +103,7 @@ def _run_mixed_precision_override_policy(
 
 
 def _wrap_module_cls_individually(
-    module: nn.Module, module_classes: Sequence[type], recurse: bool, *args: Any, **kwargs: Any
+    module: nn.Module, module_classes: Sequence[type], recurse: bool, *args: object, **kwargs: object
 ) -> bool:
     """Functional policy: always descend; wrap instances of ``module_classes``."""
     return True if recurse else isinstance(module, tuple(module_classes))
@@ -124,7 +125,7 @@ def _recursive_wrap(
     ignored_modules: Set[nn.Module],
     ignored_params: Set[nn.Parameter],
     only_wrap_children: bool = False,
-    **kwargs: Any,
+    **kwargs: object,
 ) -> Tuple[nn.Module, int]:
     """Wraps the modules a functional policy picks, bottom-up (torch's signature).
 
@@ -156,7 +157,7 @@ def _recursive_wrap(
     )
 
 
-_TORCH_PRIVATE_HELPERS: Tuple[Callable[..., Any], ...] = (
+_TORCH_PRIVATE_HELPERS: Tuple[Callable[..., object], ...] = (
     _construct_wrap_fn,
     _or_policy,
     _post_order_apply,
@@ -172,7 +173,7 @@ class _WrapAlias(types.ModuleType):
     __all__: list[str]
     _Policy: type
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> Any:  # Any: whatever fsdp.wrap holds, as ModuleType's
         return getattr(_fsdp_wrap, name)
 
 
