@@ -525,6 +525,7 @@ class FullyShardedDataParallel(nn.Module):
         _register_comm_hook(self, state, hook)
 
     # ------------------------------------------------------------------ optimizer state dicts
+    # Any: torch types optimizer state dicts Dict[str, Any] (Optimizer.state_dict's StateDict).
     @staticmethod
     def full_optim_state_dict(
         model: nn.Module,
