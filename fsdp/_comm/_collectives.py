@@ -93,11 +93,14 @@ def gather_flat_to(
 # bytes, moved once, in one collective of the group, but received in place. gloo's ``gather``
 # receives into a temporary flat tensor of the full size that it allocates on every call and then
 # copies into the output chunks; its all-to-all receives straight into ``output``. Measured on
-# the 2-rank CPU benchmark (a 12.6 MB unit, 6 units and the root): the temporary and its copy
-# cost rank 0 about 2 ms of CPU per unit, and took the rank0_only model state dict from 0.29x to
-# 0.55x torch FSDP1's time; the all-to-all brings it back to the direct receives' time. On NCCL
+# the 2-rank CPU benchmark (7 units of up to 12.6 MB, both forms in the same processes, turn
+# about): rank 0 spends 42-48 ms of CPU on a rank0_only model state dict with ``gather``, 28-32
+# ms with the all-to-all (31-38 ms with the per-peer receives of before): about 2 ms a unit for
+# the temporary and its copy, which took the save from 0.29x to 0.55x torch FSDP1's time. On NCCL
 # both are the same grouped ``ncclSend``/``ncclRecv`` inside the group's own communicator (a
 # zero split sends nothing); per-peer ``isend``/``irecv`` would build one communicator per pair.
+# gloo does exchange the empty messages (N - 1 per rank and unit at world size N, a few bytes
+# each), a small price next to a staging copy of every unit.
 
 
 class CheckedWork:
