@@ -1,8 +1,9 @@
 """fsdp's collective layer (``fsdp/_comm/_collectives.py``): one path for every backend.
 
 The flat all-gather and reduce-scatter are torch's collectives themselves; the rank-0 gather of
-full state dicts is one ``gather`` collective (no per-peer sends). Checked against
-``torch.distributed``'s own results, bit for bit, also with several collectives in flight.
+full state dicts is one collective, an all-to-all that sends every shard to the receiver only
+(no per-peer sends). Checked against ``torch.distributed``'s own results, bit for bit, also with
+several collectives in flight.
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ def _data(seed: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def gather_to_one_rank() -> None:
-    """Each rank's shard lands in its chunk on ``dst`` only, through one ``dist.gather`` call."""
+    """Each rank's shard lands in its chunk on ``dst`` only, through one collective call
+    (``dist.all_to_all_single``, [Note: Gather to one rank])."""
     rank, ws = dist.get_rank(), dist.get_world_size()
     calls: list[str] = []
-    originals = {name: getattr(dist, name) for name in ("gather", "isend", "irecv", "send", "recv")}
+    originals = {name: getattr(dist, name) for name in ("all_to_all_single", "gather", "isend", "irecv", "send", "recv")}
 
     def spy(name: str) -> Any:
         def recording(*args: Any, **kwargs: Any) -> Any:
@@ -53,7 +55,7 @@ def gather_to_one_rank() -> None:
     finally:
         for name, original in originals.items():
             setattr(dist, name, original)
-    assert set(calls) == {"gather"}, calls
+    assert set(calls) == {"all_to_all_single"}, calls
     assert len(calls) == 3 * ws
 
 

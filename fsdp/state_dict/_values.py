@@ -66,11 +66,11 @@ __all__ = [
 # - ``dst=None``: every rank (one all-gather into the fresh tensor).
 # - ``dst=NOBODY``: no rank of this group keeps the result (with hybrid sharding, the rank that
 #   saves is in another replica's group): nothing is communicated.
-# - ``dst=<group rank>`` (``rank0_only``): one ``gather`` collective
-#   (``fsdp._comm._collectives.gather_flat_to``). Each rank sends its shard from where it lives
-#   (no copy, no allocation: a rank that keeps nothing never holds an unsharded unit); the
-#   receiver gets every shard in place, in its chunk of the fresh tensor. Each shard moves once,
-#   to the receiver, where an all-gather moves every shard to every rank.
+# - ``dst=<group rank>`` (``rank0_only``): one collective, ``fsdp._comm._collectives.gather_flat_to``
+#   ([Note: Gather to one rank] there). Each rank sends its shard from where it lives (no copy,
+#   no allocation: a rank that keeps nothing never holds an unsharded unit); the receiver gets
+#   every shard in place, in its chunk of the fresh tensor (no staging buffer). Each shard moves
+#   once, to the receiver, where an all-gather moves every shard to every rank.
 #
 # As for any collective, the callers issue these gathers in the same order on every rank of the
 # group.
