@@ -434,3 +434,85 @@ def run_tp_unsupported() -> None:
 
 def test_tp_unsupported(pool4: RankPool) -> None:
     pool4.run(run_tp_unsupported)
+
+
+def _plain_fsdp(lib: str) -> nn.Module:
+    """The same model without tensor parallelism, FSDP over all 4 ranks (another layout)."""
+    if lib == "ours":
+        from fsdp import FullyShardedDataParallel as FSDP
+        from fsdp.wrap import ModuleWrapPolicy
+
+        return FSDP(_make_model(), auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=True)
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchPolicy
+
+    return TorchFSDP(_make_model(), auto_wrap_policy=TorchPolicy({Block}), use_orig_params=True, device_id=torch.device("cpu"))
+
+
+def _full_state(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[tuple[str, str], torch.Tensor]]:
+    """Every parameter's and every optimizer state's full tensor, read through torch's DCP
+    state-dict API (full_state_dict=True; a tp DTensor's ``full_tensor()``)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    from torch.distributed.tensor import DTensor
+
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    params = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in msd.items()}
+    return params, _full_values(osd)
+
+
+def run_tp_dcp_state_dict_api() -> None:
+    """torch.distributed.checkpoint.state_dict on the 2-D model: get_state_dict gives torch
+    FSDP1's keys, types and (sharded) values; a dcp.save of it loads through set_state_dict into
+    a fresh 2-D model (resuming exactly as the continuous run) and into the same model without
+    tensor parallelism, FSDP over all 4 ranks (the same full parameters and optimizer states),
+    as torch FSDP1's checkpoint loads into torch FSDP1's plain model."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    ours = _wrap("ours", _tp_model(), "FULL_SHARD", True)
+    theirs = _wrap("torch", _tp_model(), "FULL_SHARD", True)
+    opts = [torch.optim.AdamW(m.parameters(), lr=0.01) for m in (ours, theirs)]
+    for model, opt in zip((ours, theirs), opts):
+        _train(model, opt, range(2))
+    for full in (False, True):
+        options = StateDictOptions(full_state_dict=full)
+        (msd, osd), (tmsd, tosd) = get_state_dict(ours, opts[0], options=options), get_state_dict(theirs, opts[1], options=options)
+        _assert_same_values(msd, tmsd, f"model full={full}")
+        # torch FSDP1's FULL optimizer values are wrong here (see run_tp_optim_state_dicts)
+        _assert_same_optim(osd, tosd, f"optim full={full}", values=not full)
+    original = _full_state(ours, opts[0])
+    torch_values = _full_values(get_state_dict(theirs, opts[1])[1])  # sharded: torch's are right
+    assert list(original[1]) == list(torch_values)
+    assert all(torch.equal(value, torch_values[key]) for key, value in original[1].items())
+    paths = [_shared_dir(), _shared_dir()]
+    for model, opt, path in zip((ours, theirs), opts, paths):
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    # A fresh 2-D model resumes exactly.
+    fresh = _wrap("ours", _tp_model(), "FULL_SHARD", True)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.01)
+    msd, osd = get_state_dict(fresh, fresh_opt)
+    template = {"model": msd, "optim": osd}
+    dcp.load(template, checkpoint_id=paths[0])
+    set_state_dict(fresh, fresh_opt, model_state_dict=template["model"], optim_state_dict=template["optim"])
+    resumed, continued = _train(fresh, fresh_opt, range(2, 4)), _train(ours, opts[0], range(2, 4))
+    assert all(torch.equal(a, b) for a, b in zip(resumed, continued)), (resumed, continued)
+    # Another layout: no TP, FSDP over 4 ranks; torch FSDP1 loads its own checkpoint the same way.
+    loaded = []
+    for lib, path in zip(("ours", "torch"), paths):
+        plain = _plain_fsdp(lib)
+        plain_opt = torch.optim.AdamW(plain.parameters(), lr=0.01)
+        msd, osd = get_state_dict(plain, plain_opt)
+        template = {"model": msd, "optim": osd}
+        dcp.load(template, checkpoint_id=path)
+        set_state_dict(plain, plain_opt, model_state_dict=template["model"], optim_state_dict=template["optim"])
+        loaded.append(_full_state(plain, plain_opt))
+    for what, values in (("params", 0), ("optim", 1)):
+        assert list(loaded[0][values]) == list(original[values]), what
+        for key, value in original[values].items():
+            assert torch.equal(loaded[0][values][key], value), (what, key)
+            assert torch.equal(loaded[1][values][key], value), ("torch", what, key)
+
+
+def test_tp_dcp_state_dict_api(pool4: RankPool) -> None:
+    pool4.run(run_tp_dcp_state_dict_api)
