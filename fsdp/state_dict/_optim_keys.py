@@ -211,7 +211,7 @@ def refuse_rank0_only_tensor_parallel(view: ModelView, api: str) -> None:
                     f"{list(info.dtensor_spec.placements)}), and one rank cannot hold every tp "
                     f"rank's piece (torch FSDP1 hangs here). Use rank0_only=False "
                     f"(FullOptimStateDictConfig(rank0_only=False); with torch.distributed."
-                    f"checkpoint.state_dict, full_state_dict=True without cpu_offload=True) or a "
+                    f"checkpoint.state_dict, full_state_dict=True without cpu_offload or broadcast_from_rank0) or a "
                     f"SHARDED_STATE_DICT."
                 )
 
