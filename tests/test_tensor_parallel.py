@@ -25,7 +25,7 @@ from torch import nn
 from tests._harness import RankPool
 from tests._models import Block, global_batch, lm_loss, local_rows, make_toy
 
-_MESH: dict[str, Any] = {}
+_MESH: dict[tuple[int, int], Any] = {}
 
 # [Note: Tolerance against the one-process model] One process's float32 training on the whole
 # batch vs the 2-D sharded runs: the same operations, but sums in another order (the dp
@@ -61,13 +61,13 @@ def _ref_tol(optim: str) -> dict[str, float]:
     return dict(rtol=_STEPS * _U, atol=atol)
 
 
-def _mesh() -> Any:
-    """The (dp, tp) mesh, made once per rank process (every rank creates it in order)."""
-    if not _MESH:
+def _mesh(shape: tuple[int, int] = (2, 2)) -> Any:
+    """The (dp, tp) mesh of ``shape``, made once per rank process (every rank creates it in order)."""
+    if shape not in _MESH:
         from torch.distributed.device_mesh import init_device_mesh
 
-        _MESH["mesh"] = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    return _MESH["mesh"]
+        _MESH[shape] = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
+    return _MESH[shape]
 
 
 _N_BLOCKS = 2
@@ -81,8 +81,8 @@ def _make_model() -> nn.Module:
     return model
 
 
-def _tp_model(n_blocks: int = _N_BLOCKS) -> nn.Module:
-    """:func:`_make_model` with each block's MLP tensor-parallel over ``tp``."""
+def _tp_model(n_blocks: int = _N_BLOCKS, shape: tuple[int, int] = (2, 2)) -> nn.Module:
+    """:func:`_make_model` with each block's MLP tensor-parallel over ``tp`` of the ``shape`` mesh."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     model = _make_model()
@@ -90,10 +90,12 @@ def _tp_model(n_blocks: int = _N_BLOCKS) -> nn.Module:
     for i in range(n_blocks):
         plan[f"blocks.{i}.fc1"] = ColwiseParallel()
         plan[f"blocks.{i}.fc2"] = RowwiseParallel()
-    return parallelize_module(model, _mesh()["tp"], plan)
+    return parallelize_module(model, _mesh(shape)["tp"], plan)
 
 
-def _wrap(lib: str, model: nn.Module, strategy: str, nested: bool, use_orig_params: bool = True) -> nn.Module:
+def _wrap(
+    lib: str, model: nn.Module, strategy: str, nested: bool, use_orig_params: bool = True, shape: tuple[int, int] = (2, 2)
+) -> nn.Module:
     if lib == "ours":
         from fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
         from fsdp.wrap import ModuleWrapPolicy
@@ -107,7 +109,7 @@ def _wrap(lib: str, model: nn.Module, strategy: str, nested: bool, use_orig_para
     policy = ModuleWrapPolicy({Block}) if nested else None
     return FSDP(
         model,
-        device_mesh=_mesh()["dp"],
+        device_mesh=_mesh(shape)["dp"],
         sharding_strategy=ShardingStrategy[strategy],
         auto_wrap_policy=policy,
         use_orig_params=use_orig_params,
@@ -489,9 +491,10 @@ def _full_state(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[dict[str,
 def run_tp_dcp_state_dict_api() -> None:
     """torch.distributed.checkpoint.state_dict on the 2-D model: get_state_dict gives torch
     FSDP1's keys, types and (sharded) values; a dcp.save of it loads through set_state_dict into
-    a fresh 2-D model (resuming exactly as the continuous run) and into the same model without
-    tensor parallelism, FSDP over all 4 ranks (the same full parameters and optimizer states),
-    as torch FSDP1's checkpoint loads into torch FSDP1's plain model."""
+    a fresh 2-D model (resuming exactly as the continuous run) and into other layouts: the same
+    model without tensor parallelism, FSDP over all 4 ranks, and TP on (4, 1) and (1, 4) meshes
+    (the same full parameters and optimizer states), as torch FSDP1's checkpoint loads into
+    torch FSDP1's (where torch can)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
@@ -523,21 +526,23 @@ def run_tp_dcp_state_dict_api() -> None:
     set_state_dict(fresh, fresh_opt, model_state_dict=template["model"], optim_state_dict=template["optim"])
     resumed, continued = _train(fresh, fresh_opt, range(2, 4)), _train(ours, opts[0], range(2, 4))
     assert all(torch.equal(a, b) for a, b in zip(resumed, continued)), (resumed, continued)
-    # Another layout: no TP, FSDP over 4 ranks; torch FSDP1 loads its own checkpoint the same way.
-    loaded = []
-    for lib, path in zip(("ours", "torch"), paths):
-        plain = _plain_fsdp(lib)
-        plain_opt = torch.optim.AdamW(plain.parameters(), lr=0.01)
-        msd, osd = get_state_dict(plain, plain_opt)
-        template = {"model": msd, "optim": osd}
-        dcp.load(template, checkpoint_id=path)
-        set_state_dict(plain, plain_opt, model_state_dict=template["model"], optim_state_dict=template["optim"])
-        loaded.append(_full_state(plain, plain_opt))
-    for what, values in (("params", 0), ("optim", 1)):
-        assert list(loaded[0][values]) == list(original[values]), what
-        for key, value in original[values].items():
-            assert torch.equal(loaded[0][values][key], value), (what, key)
-            assert torch.equal(loaded[1][values][key], value), ("torch", what, key)
+    # Other layouts: no TP (FSDP over 4 ranks), TP on (4, 1) and (1, 4) meshes: the original's
+    # full parameters and optimizer states. Torch FSDP1 loads its own checkpoint the same way
+    # into the first two; on (1, 4) (dp of size 1, so NO_SHARD) its get_state_dict fails
+    # (AssertionError: Expected fqn_to_param_info[fqn].handle.flat_param is flat_param).
+    for shape, libs in ((None, ("ours", "torch")), ((4, 1), ("ours", "torch")), ((1, 4), ("ours",))):
+        for lib, path in zip(libs, paths):
+            other = _plain_fsdp(lib) if shape is None else _wrap(lib, _tp_model(shape=shape), "FULL_SHARD", True, shape=shape)
+            other_opt = torch.optim.AdamW(other.parameters(), lr=0.01)
+            msd, osd = get_state_dict(other, other_opt)
+            template = {"model": msd, "optim": osd}
+            dcp.load(template, checkpoint_id=path)
+            set_state_dict(other, other_opt, model_state_dict=template["model"], optim_state_dict=template["optim"])
+            loaded = _full_state(other, other_opt)
+            for what in (0, 1):
+                assert list(loaded[what]) == list(original[what]), (shape, lib, what)
+                for key, value in original[what].items():
+                    assert torch.equal(loaded[what][key], value), (shape, lib, key)
 
 
 def test_tp_dcp_state_dict_api(pool4: RankPool) -> None:

@@ -180,11 +180,6 @@ class ModelView:
         h, index = self.fqn_to_slot[fqn]
         return self.handles[h].param_infos[index].dtensor_spec
 
-    @property
-    def has_tensor_parallel(self) -> bool:
-        """Whether a unit holds tensor-parallel (DTensor) parameters."""
-        return any(info.dtensor_spec is not None for h in self.handles for info in h.param_infos)
-
     def describe_fqns(self) -> str:
         names = list(self.fqn_to_param)
         shown = ", ".join(f"'{n}' {tuple(self.fqn_shape(n))}" for n in names[:8])
