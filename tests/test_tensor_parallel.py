@@ -494,7 +494,8 @@ def run_tp_dcp_state_dict_api() -> None:
     a fresh 2-D model (resuming exactly as the continuous run) and into other layouts: the same
     model without tensor parallelism, FSDP over all 4 ranks, and TP on (4, 1) and (1, 4) meshes
     (the same full parameters and optimizer states), as torch FSDP1's checkpoint loads into
-    torch FSDP1's (where torch can)."""
+    torch FSDP1's (where torch can); and back, the plain model's FULL optimizer state dict into
+    a 2-D model."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
@@ -543,6 +544,22 @@ def run_tp_dcp_state_dict_api() -> None:
                 assert list(loaded[what]) == list(original[what]), (shape, lib, what)
                 for key, value in original[what].items():
                     assert torch.equal(loaded[what][key], value), (shape, lib, key)
+            if shape is None and lib == "ours":
+                plain, plain_opt = other, other_opt
+    # Back the other way, without DCP: the plain model's FULL optimizer state dict (plain full
+    # tensors) loads into a 2-D model, each TP parameter's state cut to its tp piece.
+    from fsdp import FullyShardedDataParallel as FSDP, StateDictType
+
+    with FSDP.state_dict_type(plain, StateDictType.FULL_STATE_DICT):
+        plain_osd = FSDP.optim_state_dict(plain, plain_opt)
+    back = _wrap("ours", _tp_model(), "FULL_SHARD", True)
+    back_opt = torch.optim.AdamW(back.parameters(), lr=0.01)
+    _train(back, back_opt, range(1))
+    with FSDP.state_dict_type(back, StateDictType.FULL_STATE_DICT):
+        back_opt.load_state_dict(FSDP.optim_state_dict_to_load(back, back_opt, plain_osd))
+    back_values = _full_state(back, back_opt)[1]
+    assert list(back_values) == list(original[1])
+    assert all(torch.equal(back_values[key], value) for key, value in original[1].items())
 
 
 def test_tp_dcp_state_dict_api(pool4: RankPool) -> None:
