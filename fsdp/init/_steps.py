@@ -131,6 +131,8 @@ def plan_unit(
     warn_construction(module, strategy, args.sharding_strategy, world_size)
     if world_size == 1 and strategy not in HYBRID_STRATEGIES:
         strategy = ShardingStrategy.NO_SHARD  # nothing to shard (as torch FSDP1 does)
+    if strategy in HYBRID_STRATEGIES:
+        _refuse_hybrid_tensor_parallel(module, strategy)
     root_kwargs = args.wrap_kwargs()
     plan = plan_units(
         module, auto_wrap_policy, root_kwargs, ignored_modules, ignored_states, warn_stacklevel=5
@@ -139,6 +141,28 @@ def plan_unit(
         apply_mixed_precision_overrides(module, mixed_precision_classes(root_kwargs))
     wrapped_before = [unit_state(sub) for sub in module.modules() if is_fsdp(sub)]
     return UnitSetup(strategy, groups, device, rank, world_size, plan, wrapped_before)
+
+
+def _refuse_hybrid_tensor_parallel(module: nn.Module, strategy: ShardingStrategy) -> None:
+    """Hybrid sharding of tensor-parallel (DTensor) parameters, a 3-D (replicate, shard, tp)
+    layout, is refused before anything changes: torch FSDP1 accepts the constructor and then
+    fails in the first forward (``Cannot writeback when the parameter shape changes``), so there
+    is no behaviour to match, and fsdp does not check its state dicts there.
+
+    Raises:
+        NotImplementedError: Naming the first DTensor parameter and the layouts that work.
+    """
+    from torch.distributed.tensor import DTensor
+
+    for name, param in module.named_parameters():
+        if isinstance(param, DTensor):
+            raise NotImplementedError(
+                f"fsdp: {strategy} with tensor-parallel (DTensor) parameters is not supported: "
+                f"parameter '{name}' is a DTensor (placements {list(param.placements)}). Torch "
+                f"FSDP1 fails on this layout too (at the first forward). Use FULL_SHARD or "
+                f"SHARD_GRAD_OP with device_mesh=mesh['dp'] of a 2-D (dp, tp) mesh, or hybrid "
+                f"sharding without tensor parallelism."
+            )
 
 
 def build_handles(

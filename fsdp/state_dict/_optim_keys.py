@@ -48,6 +48,7 @@ from fsdp._comm import _collectives as comm
 from fsdp.api import OptimStateKeyType
 from fsdp.flat_param.flat_param import FlatParamHandle
 from fsdp.runtime._state import check_idle, is_fsdp, unit_state
+from fsdp.state_dict._values import parent_mesh
 
 __all__ = [
     "OptimStateKeyError",
@@ -57,7 +58,7 @@ __all__ = [
     "ParamKey",
     "NO_FSDP",
     "ModelView",
-    "refuse_tensor_parallel",
+    "refuse_rank0_only_tensor_parallel",
     "param_list",
     "optimizer_keys",
     "keyed_by_names",
@@ -119,6 +120,8 @@ class ModelView:
             prefix.setdefault(id(module), name)
         self.handles: list[FlatParamHandle] = []
         self.handle_fqns: list[list[str]] = []
+        # Each handle's unit's parent mesh ([Note: 2-D sharded values]), None if none.
+        self.roots: list[Any] = []
         # fqn -> (handle position, index in the handle)
         self.fqn_to_slot: dict[str, tuple[int, int]] = {}
         # id(param) -> the parameter's FQNs (a FlatParameter: all of its parameters' names)
@@ -140,6 +143,7 @@ class ModelView:
                     self.fqn_to_slot[fqn] = (h, index)
                 self.handles.append(handle)
                 self.handle_fqns.append(fqns)
+                self.roots.append(parent_mesh(unit_state(unit)))
                 self.flat_to_handle[id(handle.flat_param)] = h
                 self.param_to_fqns[id(handle.flat_param)] = list(fqns)
                 for index, param in enumerate(handle.managed_orig_params()):
@@ -160,10 +164,21 @@ class ModelView:
                 self.fqn_to_param[fqn] = origs[index] if origs else handle.flat_param
 
     def fqn_shape(self, fqn: str) -> torch.Size:
+        """The parameter's shape as the user sees it (a tensor-parallel one's global shape)."""
+        spec = self.fqn_spec(fqn)
+        if spec is not None:
+            return spec.shape
         if fqn in self.fqn_to_slot:
             h, index = self.fqn_to_slot[fqn]
             return self.handles[h].param_infos[index].shape
         return self.unmanaged[fqn].shape
+
+    def fqn_spec(self, fqn: str) -> Optional[Any]:
+        """A tensor-parallel parameter's DTensor spec ([Note: DTensor parameters]), else None."""
+        if fqn not in self.fqn_to_slot:
+            return None
+        h, index = self.fqn_to_slot[fqn]
+        return self.handles[h].param_infos[index].dtensor_spec
 
     def describe_fqns(self) -> str:
         names = list(self.fqn_to_param)
@@ -172,25 +187,27 @@ class ModelView:
         return shown + more
 
 
-def refuse_tensor_parallel(handles: Any, api: str) -> None:
-    """Raises before anything moves if a unit holds tensor-parallel (DTensor) parameters.
+def refuse_rank0_only_tensor_parallel(view: ModelView, api: str) -> None:
+    """Raises before anything moves if ``rank0_only`` meets tensor-parallel (DTensor) parameters.
 
-    Optimizer state dicts of such units are not supported yet: torch FSDP1 gives their state as
-    DTensors (tp DTensors when full, 2-D when sharded); fsdp would give plain local pieces.
+    One rank cannot return (or hand out) the state of every tp piece: each tp rank holds its own.
+    Torch FSDP1 hangs there (its ranks leave the dp groups' gathers unmatched).
 
     Raises:
         NotImplementedError: Naming the first DTensor parameter and what works instead.
     """
-    for handle in handles:
-        for info in handle.param_infos:
+    for h, handle in enumerate(view.handles):
+        for index, info in enumerate(handle.param_infos):
             if info.dtensor_spec is not None:
                 raise NotImplementedError(
-                    f"fsdp: {api} does not support tensor-parallel (DTensor) parameters yet: "
-                    f"parameter '{info.fqn}' of FSDP unit '{handle.unit_name}' is a DTensor "
-                    f"(placements {list(info.dtensor_spec.placements)}). Model state dicts "
-                    f"(FULL and SHARDED, through torch.distributed.checkpoint too) work; save "
-                    f"the optimizer with optim.state_dict() per rank, or use torch FSDP1 for "
-                    f"this model's optimizer checkpoints."
+                    f"fsdp: {api} with rank0_only=True does not support tensor-parallel (DTensor) "
+                    f"parameters: parameter '{view.handle_fqns[h][index]}' of FSDP unit "
+                    f"'{handle.unit_name}' is a DTensor (placements "
+                    f"{list(info.dtensor_spec.placements)}), and one rank cannot hold every tp "
+                    f"rank's piece (torch FSDP1 hangs here). Use rank0_only=False "
+                    f"(FullOptimStateDictConfig(rank0_only=False); with torch.distributed."
+                    f"checkpoint.state_dict, full_state_dict=True without cpu_offload or broadcast_from_rank0) or a "
+                    f"SHARDED_STATE_DICT."
                 )
 
 

@@ -30,9 +30,9 @@ from fsdp.state_dict._optim_keys import (
     keys_by_fqn,
     optimizer_keys,
     param_list,
-    refuse_tensor_parallel,
+    refuse_rank0_only_tensor_parallel,
 )
-from fsdp.state_dict._values import ValueKind
+from fsdp.state_dict._values import ValueKind, tp_local
 
 __all__ = ["to_load"]
 
@@ -74,7 +74,8 @@ def to_load(
     [Note: Optimizer state keyed by names across ranks]).
     """
     view = ModelView(model)
-    refuse_tensor_parallel(view.handles, "loading an optimizer state dict")
+    if rank0_only:
+        refuse_rank0_only_tensor_parallel(view, "loading an optimizer state dict")
     if load_directly and optim is None:
         # torch FSDP1 fails with an AttributeError (on None.load_state_dict).
         raise OptimStateAttributeError("fsdp: load_directly=True needs the optimizer to load into; pass optim.")
@@ -143,12 +144,23 @@ def _prepare_load(
 
 def _gathered_state(osd: dict[str, Any], view: ModelView) -> dict[str, dict[str, Any]]:
     """The state by FQN with sharded values (DTensor / ShardedTensor) gathered back to full
-    tensors, in the order of ``_sharded_layout`` (model order, then state names), the same on
-    every rank."""
+    tensors, and a tensor-parallel parameter's values to its tp-local tensors ([Note:
+    Tensor-parallel values to load] in ``_values.py``), in model order, then state names, the
+    same on every rank."""
     state: dict[str, dict[str, Any]] = {fqn: dict(entry) for fqn, entry in osd["state"].items()}
-    for fqn, name, _, _ in _sharded_layout(osd, view):
-        value = state[fqn][name]
-        state[fqn][name] = ValueKind.of(value).full_tensor(value, f"state '{name}' of '{fqn}'")
+    for fqn in view.fqn_to_param:
+        entry = state.get(fqn)
+        if not isinstance(entry, dict):
+            continue
+        spec = view.fqn_spec(fqn)
+        for name in sorted(entry):
+            value = entry[name]
+            kind = ValueKind.of(value)
+            if spec is not None and (kind.has_dims or kind.sharded):
+                h, _ = view.fqn_to_slot[fqn]
+                entry[name] = tp_local(value, spec, view.roots[h])
+            elif kind.sharded:
+                entry[name] = kind.full_tensor(value, f"state '{name}' of '{fqn}'")
     return state
 
 
@@ -185,7 +197,9 @@ def _load_orig_states(
             out_state[key] = sharded_entry
         elif named_optim is not None:
             _keep_named_state(named_optim, key_to_param[key], key, fqn, out_state)
-    return out_state
+    # In this optimizer's order, as torch FSDP1 gives it, whatever the saved order.
+    position = {key: index for index, key in enumerate(held.keys)}
+    return {key: out_state[key] for key in sorted(out_state, key=position.__getitem__)}
 
 
 def _strip_tensors(osd: dict[str, Any]) -> tuple[dict[str, Any], list[torch.Tensor]]:

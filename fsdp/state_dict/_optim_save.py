@@ -40,9 +40,18 @@ from fsdp.state_dict._optim_keys import (
     names_to_ids,
     optimizer_keys,
     param_list,
-    refuse_tensor_parallel,
+    refuse_rank0_only_tensor_parallel,
 )
-from fsdp.state_dict._values import NOBODY, PendingGather, ValueKind, gather, shard_rows, start_gather
+from fsdp.state_dict._values import (
+    NOBODY,
+    PendingGather,
+    ValueKind,
+    gather,
+    shard_rows,
+    start_gather,
+    to_2d_dtensor,
+    tp_dtensor,
+)
 
 __all__ = ["save"]
 
@@ -85,7 +94,8 @@ def save(
     different orders (see [Note: Optimizer state keyed by names across ranks]).
     """
     view = ModelView(model)
-    refuse_tensor_parallel(view.handles, "saving an optimizer state dict")
+    if full and rank0_only:
+        refuse_rank0_only_tensor_parallel(view, "saving an optimizer state dict")
     osd, params, infos = _prepare_save(view, model, optim, optim_state_dict, optim_input, group)
     options = _SaveOptions(
         to_save=not rank0_only or dist.get_rank(group) == 0 or not full,
@@ -159,7 +169,9 @@ def _save_flat_states(
             continue
         handle = view.handles[h]
         dst = _receiver(handle, options.rank0_only_full, options.group)
-        entries = _unflatten_flat_param_state(handle, entry, options.to_save, options.shard, options.offload, dst)
+        entries = _unflatten_flat_param_state(
+            handle, view.roots[h], entry, options.to_save, options.shard, options.offload, dst
+        )
         if options.to_save:
             out_state.update(zip(view.handle_fqns[h], entries))
     return out_state
@@ -187,7 +199,7 @@ def _save_orig_states(
     # Handles in model order on every rank (the collectives' order).
     results = [
         _gather_orig_param_states(
-            handle, view.handle_fqns[h], per_handle[h], options.to_save, options.shard, options.offload,
+            handle, view.roots[h], view.handle_fqns[h], per_handle[h], options.to_save, options.shard, options.offload,
             _receiver(handle, options.rank0_only_full, options.group),
         )
         for h, handle in enumerate(view.handles)
@@ -219,16 +231,26 @@ def _saved_groups(
     return groups
 
 
-def _finish(value: torch.Tensor, handle: FlatParamHandle, shard: bool, offload: bool, fresh: bool) -> Any:
-    """A full per-parameter value as it goes into the returned state dict.
+def _finish(
+    value: torch.Tensor, handle: FlatParamHandle, index: int, root: Any, shard: bool, offload: bool, fresh: bool
+) -> Any:
+    """A full per-parameter value (of parameter ``index`` of ``handle``) as it goes into the
+    returned state dict.
 
     ``fresh``: ``value`` views a buffer made for this call (else it views the optimizer's own
-    state and is cloned).
+    state and is cloned). ``root``: the unit's parent mesh, None if none. A tensor-parallel
+    parameter's value is its tp-local full tensor: a tp DTensor when full, a 2-D DTensor when
+    sharded, as torch FSDP1 gives them ([Note: 2-D sharded values]).
     """
+    spec = handle.param_infos[index].dtensor_spec
     if not fresh:
         value = value.detach().clone()
     if offload:
         value = value.cpu()
+    if shard and root is not None:
+        return to_2d_dtensor(value, spec, root, offload)
+    if spec is not None:
+        return tp_dtensor(value, spec)  # NO_SHARD, sharded too: dp does not shard it
     if shard:
         # Chunked along dim 0 over the handle's group like ``torch.chunk``: a DTensor holding
         # this rank's chunk (empty on ranks past the last chunk).
@@ -287,6 +309,7 @@ def _split(handle: FlatParamHandle, flat: torch.Tensor) -> list[torch.Tensor]:
 
 def _unflatten_flat_param_state(
     handle: FlatParamHandle,
+    root: Any,
     flat_state: dict[str, Any],
     to_save: bool,
     shard: bool,
@@ -295,7 +318,8 @@ def _unflatten_flat_param_state(
 ) -> list[dict[str, Any]]:
     """Per original parameter, the state of a FlatParameter.
 
-    ``dst``: the group rank that keeps the gathered states (rank0_only), None for every rank.
+    ``dst``: the group rank that keeps the gathered states (rank0_only), None for every rank;
+    ``root``: the unit's parent mesh, None if none.
     """
     kinds = {name: ValueKind.of(value) for name, value in flat_state.items()}
     gathered = _gather_flat_states(handle, flat_state, kinds, dst)
@@ -308,7 +332,7 @@ def _unflatten_flat_param_state(
     for index in range(len(handle.param_infos)):
         entry: dict[str, Any] = {}
         for name, views in tensors.items():
-            entry[name] = _finish(views[index], handle, shard, offload, fresh[name])
+            entry[name] = _finish(views[index], handle, index, root, shard, offload, fresh[name])
         for name in sorted(flat_state):
             value = flat_state[name]
             if kinds[name] is ValueKind.SCALAR:
@@ -322,6 +346,7 @@ def _unflatten_flat_param_state(
 
 def _gather_orig_param_states(
     handle: FlatParamHandle,
+    root: Any,
     fqns: list[str],
     local: dict[str, dict[str, Any]],
     to_save: bool,
@@ -331,7 +356,8 @@ def _gather_orig_param_states(
 ) -> dict[str, dict[str, Any]]:
     """use_orig_params: the full state of each of a handle's parameters that has state on any rank.
 
-    ``dst``: the group rank that keeps the gathered states (rank0_only), None for every rank.
+    ``dst``: the group rank that keeps the gathered states (rank0_only), None for every rank;
+    ``root``: the unit's parent mesh, None if none.
     """
     if not handle.uses_sharding:
         # As torch FSDP1: nothing to gather, plain tensors even for a sharded state dict.
@@ -340,11 +366,14 @@ def _gather_orig_param_states(
         out = {}
         for fqn in sorted(f for f in fqns if f in local):
             entry = {}
+            spec = handle.param_infos[fqns.index(fqn)].dtensor_spec
             for name, value in local[fqn].items():
                 if isinstance(value, torch.Tensor):
                     value = value.detach().clone()
                     if offload:
                         value = value.cpu()
+                    if spec is not None and value.dim() > 0:
+                        value = tp_dtensor(value, spec)
                 entry[name] = value
             out[fqn] = entry
         return out
@@ -391,7 +420,7 @@ def _gather_orig_param_states(
         views = _split(handle, padded_unsharded[: handle.unpadded_unsharded_numel])
         for index, fqn in enumerate(fqns):
             if fqn in result:
-                result[fqn][name] = _finish(views[index], handle, shard, offload, True)
+                result[fqn][name] = _finish(views[index], handle, index, root, shard, offload, True)
     return result if to_save else {}
 
 

@@ -25,6 +25,13 @@ of the shard (possibly empty, or absent on a rank that holds no part of the para
   full tensors, every name and shape is checked against the model before anything changes,
   then each parameter's state is flattened (missing parameters of a FlatParameter get zeros),
   padded, and this rank's slice taken; the result is keyed by this optimizer's parameter IDs.
+- Tensor-parallel (DTensor) parameters ([Note: DTensor parameters] in
+  ``flat_param/_layout.py``): each unit holds their tp-local tensors, so the gathered state is
+  tp-local too; saving gives it as torch FSDP1 does, FULL as a DTensor on the tp mesh with the
+  parameter's placements, SHARDED as the 2-D DTensor of [Note: 2-D sharded values] (a plain
+  parameter's values on such a unit are 2-D as well, ``(Shard(0), Replicate())``); loading
+  takes any form back to the tp-local tensor ([Note: Tensor-parallel values to load] in
+  ``_values.py``). ``rank0_only`` is refused there: one rank cannot hold every tp piece.
 - Named optimizers (``NamedOptimizer`` / TorchRec's ``KeyedOptimizer``, see
   [Note: Named optimizers]) key their own state dicts by parameter names instead of IDs.
 

@@ -39,6 +39,9 @@ __all__ = [
     "gather",
     "local_form",
     "parent_mesh",
+    "tp_dtensor",
+    "to_2d_dtensor",
+    "tp_local",
     "to_dtensor",
     "check_sharded_value",
     "full_value",
@@ -219,6 +222,54 @@ def _to_2d_dtensor(value: torch.Tensor, root: Any, offload: bool) -> Any:
         result.to_local().clone(), root, sharded, run_check=False, shape=result.shape, stride=result.stride()
     )
     return result.cpu() if offload else result
+
+
+def to_2d_dtensor(value: torch.Tensor, spec: Any, root: Any, offload: bool) -> Any:
+    """The 2-D SHARDED value torch FSDP1 gives for a parameter's tp-local full ``value`` (an
+    optimizer state, say): ``spec``, the parameter's DTensor spec (None for a plain parameter),
+    ``root``, the unit's parent mesh ([Note: 2-D sharded values])."""
+    return _to_2d_dtensor(value if spec is None else tp_dtensor(value, spec), root, offload)
+
+
+def tp_dtensor(local: torch.Tensor, spec: Any) -> Any:
+    """``local`` (a tp-local tensor of a tensor-parallel parameter) as the DTensor on the tp mesh
+    with the parameter's placements, global shape and stride ``spec``: a FULL value of it as
+    torch FSDP1 gives it. No communication."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, spec.mesh, spec.placements, run_check=False, shape=spec.shape, stride=spec.stride)
+
+
+# [Note: Tensor-parallel values to load] A value given for a tensor-parallel parameter (DTensor
+# spec ``spec``) is loaded as its tp-local tensor, whatever form it comes in: our own (or torch
+# FSDP1's) FULL value, a DTensor with the parameter's tp mesh and placements, is its local
+# tensor; a SHARDED one, a 2-D DTensor on the unit's parent mesh with the parameter's tp
+# placement last, is gathered over dp only (torch FSDP1's way); any other DTensor (another
+# mesh, e.g. a checkpoint of another layout loaded by DCP into such a template) is made full and
+# cut; a plain full tensor (a model without tensor parallelism saved it) is cut to this rank's
+# tp piece with DTensor's own arithmetic (``compute_local_shape_and_global_offset``), no
+# communication. Collective for the 2-D and foreign DTensors: every rank converts the same
+# entries in the same order.
+def tp_local(value: Any, spec: Any, root: Any) -> torch.Tensor:
+    """The tp-local tensor of ``value`` for a tensor-parallel parameter with DTensor spec
+    ``spec`` (on a unit whose parent mesh is ``root``, None if none); see
+    [Note: Tensor-parallel values to load]."""
+    from torch.distributed.tensor import DTensor, Placement, Replicate
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if isinstance(value, DTensor):
+        placements = tuple(value.placements)
+        if value.device_mesh == spec.mesh and placements == tuple(spec.placements):
+            return value.to_local()
+        if root is not None and value.device_mesh == root and placements[-1] == spec.placements[-1]:
+            gathered: list[Placement] = [Replicate()] * root.ndim
+            gathered[-1] = spec.placements[-1]
+            return value.redistribute(root, gathered).to_local()
+        value = value.full_tensor()
+    elif is_sharded_tensor(value):
+        value = ValueKind.SHARDED_TENSOR.full_tensor(value, "a value of a tensor-parallel parameter")
+    shape, offset = compute_local_shape_and_global_offset(spec.shape, spec.mesh, spec.placements)
+    return value[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
 
 
 def local_form(value: Any, state: UnitState) -> Any:
