@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.modules.module import _IncompatibleKeys
 
+from fsdp._comm._groups import ProcessGroupType
 from fsdp._common import FLAT_PARAM, FSDP_PREFIX, FSDP_WRAPPED_MODULE, compile_boundary
 from fsdp.api import (  # the config names are re-exported here too, as torch's module does
     BackwardPrefetch,
@@ -56,18 +57,13 @@ from fsdp.runtime._summon import apply_summoned, names_in_summon
 from fsdp.runtime._summon import summon_full_params as _summon_full_params
 from fsdp.state_dict import _model_state_dict, _settings
 from fsdp.state_dict import _optim_state_dict as _osd
+from fsdp.state_dict._optim_keys import OptimInput
 from fsdp.wrap import CustomPolicy, ModuleWrapPolicy
 
 # Torch's module of the same name exports these two; its other public names (the configs and
 # enums above, ``FlatParameter``, ``FLAT_PARAM``, ``FSDP_PREFIX``, the wrap policies) are
 # importable from it too, and stacks such as accelerate import them from here.
 __all__ = ["FullyShardedDataParallel", "OptimStateKeyType"]
-
-# torch FSDP1's argument types: one group, or (intra-node, inter-node) for hybrid strategies;
-# the legacy ``optim_input`` is the optimizer's param groups (torch types them Dict[str, Any])
-# or its parameters.
-_ProcessGroupType = Optional[Union[dist.ProcessGroup, tuple[dist.ProcessGroup, dist.ProcessGroup]]]
-_OptimInput = Optional[Union[list[dict[str, Any]], Iterable[nn.Parameter]]]
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -122,7 +118,7 @@ class FullyShardedDataParallel(nn.Module):
     def __init__(
         self,
         module: nn.Module,
-        process_group: _ProcessGroupType = None,
+        process_group: ProcessGroupType = None,
         sharding_strategy: Optional[ShardingStrategy] = None,
         cpu_offload: Optional[CPUOffload] = None,
         auto_wrap_policy: Optional[Callable] = None,
@@ -530,7 +526,7 @@ class FullyShardedDataParallel(nn.Module):
     def full_optim_state_dict(
         model: nn.Module,
         optim: torch.optim.Optimizer,
-        optim_input: _OptimInput = None,
+        optim_input: OptimInput = None,
         rank0_only: bool = True,
         group: Optional[dist.ProcessGroup] = None,
     ) -> dict[str, Any]:
@@ -548,7 +544,7 @@ class FullyShardedDataParallel(nn.Module):
     def shard_full_optim_state_dict(
         full_optim_state_dict: dict[str, Any],
         model: nn.Module,
-        optim_input: _OptimInput = None,
+        optim_input: OptimInput = None,
         optim: Optional[torch.optim.Optimizer] = None,
     ) -> dict[str, Any]:
         """This rank's flattened part of a full optimizer state dict (legacy API)."""
@@ -565,7 +561,7 @@ class FullyShardedDataParallel(nn.Module):
     def scatter_full_optim_state_dict(
         full_optim_state_dict: Optional[dict[str, Any]],
         model: nn.Module,
-        optim_input: _OptimInput = None,
+        optim_input: OptimInput = None,
         optim: Optional[torch.optim.Optimizer] = None,
         group: Optional[dist.ProcessGroup] = None,
     ) -> dict[str, Any]:
@@ -577,7 +573,7 @@ class FullyShardedDataParallel(nn.Module):
         optim_state_dict: dict[str, Any],
         optim_state_key_type: OptimStateKeyType,
         model: nn.Module,
-        optim_input: _OptimInput = None,
+        optim_input: OptimInput = None,
         optim: Optional[torch.optim.Optimizer] = None,
     ) -> dict[str, Any]:
         """Re-keys an optimizer state dict by parameter names or by parameter IDs."""

@@ -13,7 +13,8 @@ the same exception type again with the unit, the phase, the collective and the g
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from datetime import timedelta
+from typing import Any, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -21,13 +22,15 @@ import torch.distributed as dist
 from fsdp._common import group_rank, group_size, p_assert
 from fsdp._comm._errors import raise_collective_error
 
+T = TypeVar("T")
+
 
 def all_gather_flat(
     output: torch.Tensor,
     input: torch.Tensor,
     group: Optional[dist.ProcessGroup],
     async_op: bool = False,
-) -> Optional[Any]:
+) -> Optional[CheckedWork]:
     """All-gathers equal-sized 1-D ``input`` shards into ``output`` (rank order).
 
     With ``async_op`` it returns the work handle to wait on before ``output`` is read.
@@ -45,7 +48,7 @@ def reduce_scatter_flat(
     input: torch.Tensor,
     group: Optional[dist.ProcessGroup],
     async_op: bool = False,
-) -> Optional[Any]:
+) -> Optional[CheckedWork]:
     """Sum-reduces ``input`` across ranks and leaves chunk ``rank`` of the result in ``output``.
 
     Example with world size 2: rank 0 passes ``[1, 2, 3, 4]`` and rank 1 ``[5, 6, 7, 8]``;
@@ -66,7 +69,7 @@ def gather_flat_to(
     group: Optional[dist.ProcessGroup],
     dst: int,
     async_op: bool = False,
-) -> Optional[Any]:
+) -> Optional[CheckedWork]:
     """Gathers equal-sized 1-D ``input`` shards into ``output`` on group rank ``dst`` only.
 
     One collective ([Note: Gather to one rank]): every rank sends its shard from where it lives,
@@ -108,22 +111,24 @@ class CheckedWork:
 
     __slots__ = ("_work", "_collective", "_group")
 
-    def __init__(self, work: Any, collective: str, group: Optional[dist.ProcessGroup]) -> None:
+    def __init__(self, work: dist.Work, collective: str, group: Optional[dist.ProcessGroup]) -> None:
         self._work = work
         self._collective = collective
         self._group = group
 
-    def wait(self, *args: Any, **kwargs: Any) -> Any:
+    def wait(self, timeout: Optional[timedelta] = None) -> bool:
+        """``dist.Work.wait``: blocks until the collective is done (or ``timeout``)."""
         try:
-            return self._work.wait(*args, **kwargs)
+            return self._work.wait() if timeout is None else self._work.wait(timeout)
         except RuntimeError as err:
             raise_collective_error(err, self._collective, self._group)
 
-    def __getattr__(self, name: str) -> Any:  # is_completed, get_future, ...
+    # Any: forwards whatever else dist.Work has (is_completed, get_future, ...), typed by torch.
+    def __getattr__(self, name: str) -> Any:
         return getattr(self._work, name)
 
 
-def _checked(work: Optional[Any], collective: str, group: Optional[dist.ProcessGroup]) -> Optional[Any]:
+def _checked(work: Optional[dist.Work], collective: str, group: Optional[dist.ProcessGroup]) -> Optional[CheckedWork]:
     """``work`` (None for a completed synchronous call) with a checked ``wait()``."""
     return None if work is None else CheckedWork(work, collective, group)
 
@@ -162,9 +167,9 @@ def all_gather_tensors(tensor: torch.Tensor, group: Optional[dist.ProcessGroup])
     return out
 
 
-def all_gather_object(obj: Any, group: Optional[dist.ProcessGroup]) -> list[Any]:
+def all_gather_object(obj: T, group: Optional[dist.ProcessGroup]) -> list[T]:
     """Every rank's picklable ``obj``, in rank order."""
-    out: list[Any] = [None] * group_size(group)
+    out = [obj] * group_size(group)  # placeholders, every entry overwritten
     try:
         dist.all_gather_object(out, obj, group=group)
     except RuntimeError as err:
@@ -172,7 +177,7 @@ def all_gather_object(obj: Any, group: Optional[dist.ProcessGroup]) -> list[Any]
     return out
 
 
-def broadcast_object_from_rank0(obj: Any, group: Optional[dist.ProcessGroup]) -> Any:
+def broadcast_object_from_rank0(obj: T, group: Optional[dist.ProcessGroup]) -> T:
     """Group-rank 0's picklable ``obj`` on every rank."""
     box = [obj]
     try:

@@ -6,7 +6,7 @@ from the constructor's arguments) describes what the two groups are.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -14,6 +14,9 @@ import torch.distributed as dist
 from fsdp._comm import _collectives as comm
 from fsdp._common import group_size
 
+# torch FSDP1's ``process_group`` argument: one group, or (intra-node, inter-node) for hybrid
+# strategies.
+ProcessGroupType = Optional[Union[dist.ProcessGroup, tuple[dist.ProcessGroup, dist.ProcessGroup]]]
 
 class ShardingGroups(NamedTuple):
     """The groups one unit communicates over.

@@ -4,8 +4,7 @@ The layout concern of :class:`~fsdp.flat_param.flat_param.FlatParamHandle`: the 
 unit's parameters (:class:`ParamInfo`, :class:`SharedParamInfo`), their flat layout with its
 padding and this rank's shard of it (:class:`ShardLayout`, built on the pure arithmetic of
 ``_sharding.py``), flattening the parameters into one tensor and cutting this rank's shard out
-of it, and the metadata torch FSDP1 keeps on its FlatParameter (:func:`set_torch_metadata`).
-Nothing here holds state that changes after construction.
+of it. Nothing here holds state that changes after construction.
 """
 
 from __future__ import annotations
@@ -34,7 +33,6 @@ __all__ = [
     "itemsize",
     "local_tensor",
     "mark_flattened",
-    "set_torch_metadata",
 ]
 
 # What torch FSDP1 fills the alignment padding of a use_orig_params flat parameter with (a
@@ -344,70 +342,3 @@ def _as_dtensor(local: torch.Tensor, spec: Any) -> torch.Tensor:
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor's local tensor, any other tensor itself."""
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
-
-
-def set_torch_metadata(
-    flat: nn.Parameter,
-    unit_params: UnitParams,
-    layout: ShardLayout,
-    orig_params: Optional[list[nn.Parameter]],
-) -> None:
-    """Sets the read-only metadata torch FSDP1 keeps on its FlatParameter, under its names.
-
-    [Note: torch-named metadata] Stacks built on torch FSDP1 read these (accelerate:
-    ``_flat_param._fqns``; Lightning: ``param._fsdp_flattened``). Same types and meaning as
-    torch's: ``_fqns`` (list of names relative to the wrapped module), ``_shapes`` (list of
-    ``torch.Size``), ``_strides`` (list of tuples), ``_numels`` (tuple of int),
-    ``_num_params``, ``_param_infos`` (``param_name``, ``module``, ``module_name`` first),
-    ``_modules`` (set), ``_unpadded_unsharded_size`` / ``_padded_unsharded_size`` (sharding
-    only) / ``_sharded_size`` (``torch.Size``), ``_shard_numel_padded`` (padding elements in
-    this rank's shard), ``_params`` / ``_shared_params`` (the original Parameters with
-    use_orig_params, else None) and ``_fsdp_flattened`` (on the FlatParameter, and on the
-    original Parameters with use_orig_params), and the layout: ``_numels_with_padding``
-    (tuple), ``_is_padding_mask`` (list of bool) and ``_shard_param_infos`` (tuple of
-    :class:`ShardParamInfo`, one per parameter), with torch's alignment padding under
-    use_orig_params (see [Note: Aligned flat parameter layout] in ``_sharding.py``).
-
-    Args:
-        flat: The FlatParameter.
-        unit_params: Its parameters and their names.
-        layout: Its layout.
-        orig_params: The original Parameters kept registered (use_orig_params), else None.
-    """
-    infos = unit_params.param_infos
-    flat._num_params = len(infos)  # type: ignore[attr-defined]
-    flat._param_infos = list(infos)  # type: ignore[attr-defined]
-    flat._fqns = [info.fqn for info in infos]  # type: ignore[attr-defined]
-    flat._shapes = [info.shape for info in infos]  # type: ignore[attr-defined]
-    flat._strides = [tuple(p.stride()) for p in unit_params.unique_params]  # type: ignore[attr-defined]
-    flat._numels = tuple(info.numel for info in infos)  # type: ignore[attr-defined]
-    flat._numels_with_padding = layout.flat.numels_with_padding  # type: ignore[attr-defined]
-    flat._is_padding_mask = list(layout.flat.is_padding_mask)  # type: ignore[attr-defined]
-    flat._shard_param_infos = tuple(  # type: ignore[attr-defined]
-        ShardParamInfo(False, None, None, None, None)
-        if piece is None
-        else ShardParamInfo(
-            True, piece.offset_in_shard, piece.numel, piece.offset_in_param, piece.offset_in_param + piece.numel - 1
-        )
-        for piece in layout.shard_slices
-    )
-    flat._modules = {info.module for info in infos} | {  # type: ignore[attr-defined]
-        shared.module for shared in unit_params.shared_param_infos
-    }
-    flat._unpadded_unsharded_size = torch.Size([layout.unpadded_unsharded_numel])  # type: ignore[attr-defined]
-    if layout.uses_sharding:
-        flat._padded_unsharded_size = torch.Size([layout.padded_unsharded_numel])  # type: ignore[attr-defined]
-    flat._shard_numel_padded = layout.shard_numel_padded()  # type: ignore[attr-defined]
-    flat._sharded_size = torch.Size([layout.sharded_numel])  # type: ignore[attr-defined]
-    if orig_params is not None:
-        flat._params = orig_params  # type: ignore[attr-defined]
-        flat._shared_params = [  # type: ignore[attr-defined]
-            orig_params[shared.prim_index] for shared in unit_params.shared_param_infos
-        ]
-        for param in unit_params.unique_params:
-            param._fsdp_flattened = True  # type: ignore[attr-defined]
-    else:
-        flat._params = None  # type: ignore[attr-defined]
-        flat._shared_params = None  # type: ignore[attr-defined]
-    flat._param_extensions = [info.dtensor_spec for info in infos]  # type: ignore[attr-defined]
-    flat._fsdp_flattened = True  # type: ignore[attr-defined]

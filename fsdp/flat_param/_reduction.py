@@ -33,7 +33,7 @@ class _InflightReduction(NamedTuple):
     writes, whether that still needs the post-divide, and what must stay alive until the
     collective has read it."""
 
-    work: Optional[dist.Work]
+    work: Optional[comm.CheckedWork]
     event: Optional[torch.cuda.Event]
     sharded_grad: torch.Tensor
     post_divide: bool
@@ -256,7 +256,7 @@ class GradReduction:
 
     def _reduce_default(
         self, unsharded_grad: torch.Tensor, async_op: bool
-    ) -> tuple[torch.Tensor, Optional[dist.Work], bool]:
+    ) -> tuple[torch.Tensor, Optional[comm.CheckedWork], bool]:
         """Pre-divide, reduce-scatter (all-reduce for NO_SHARD), all-reduce across replicas.
 
         Returns ``(sharded gradient, work, post-divide pending)``: with ``async_op`` a lone

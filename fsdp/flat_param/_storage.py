@@ -5,14 +5,15 @@ The storage concern of :class:`~fsdp.flat_param.flat_param.FlatParamHandle`: the
 the FlatParameter's ``.data`` is (:class:`HandleState`, an explicit state machine with checked
 transitions), and the all-gather that fills an unsharded buffer (on CUDA possibly on a side
 stream, ordered by an event). See docs/flat_param_lifecycle.md, [Note: Flat parameter storage
-lifecycle], for what memory each state holds.
+lifecycle], for what memory each state holds. The FlatParameter declares the metadata torch
+FSDP1 keeps on it, and :func:`set_torch_metadata` sets it.
 """
 
 from __future__ import annotations
 
 import contextlib
 from enum import Enum, auto
-from typing import ContextManager, NamedTuple, Optional, cast
+from typing import Any, ContextManager, NamedTuple, Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -20,10 +21,10 @@ from torch import nn
 
 from fsdp._comm import _collectives as comm
 from fsdp._common import p_assert
-from fsdp.flat_param._layout import FSDP_FLATTENED
+from fsdp.flat_param._layout import FSDP_FLATTENED, ParamInfo, ShardLayout, ShardParamInfo, UnitParams
 from fsdp.flat_param._precision import HandlePrecision
 
-__all__ = ["FlatParameter", "FlatParamStorage", "HandleState"]
+__all__ = ["FlatParameter", "FlatParamStorage", "HandleState", "set_torch_metadata"]
 
 #: The attribute that marks a parameter as a FlatParameter (torch FSDP1's name).
 IS_FLAT_PARAM = "_is_flat_param"
@@ -53,6 +54,27 @@ class FlatParameter(nn.Parameter, metaclass=_FlatParameterMeta):
     falls back to the per-tensor loop, which is slower on GPUs and rounds AdamW's update
     differently, so results would no longer equal torch FSDP1's bit for bit.
     """
+
+    # torch FSDP1's read-only metadata, under its names (:func:`set_torch_metadata`).
+    _num_params: int
+    _param_infos: list[ParamInfo]
+    _fqns: list[str]
+    _shapes: list[torch.Size]
+    _strides: list[tuple[int, ...]]
+    _numels: tuple[int, ...]
+    _numels_with_padding: tuple[int, ...]
+    _is_padding_mask: list[bool]
+    _shard_param_infos: tuple[ShardParamInfo, ...]
+    _modules: set[nn.Module]
+    _unpadded_unsharded_size: torch.Size
+    _padded_unsharded_size: torch.Size  # set only when the handle shards, as torch's
+    _shard_numel_padded: int
+    _sharded_size: torch.Size
+    _params: Optional[list[nn.Parameter]]
+    _shared_params: Optional[list[nn.Parameter]]
+    # A DTensor parameter's spec, None for a plain one (torch types the spec Any).
+    _param_extensions: list[Optional[Any]]
+    _fsdp_flattened: bool
 
     def __new__(cls, data: torch.Tensor, requires_grad: bool = True) -> "FlatParameter":
         p_assert(data.dim() == 1, f"FlatParameter data must be 1-D, got shape {tuple(data.shape)}")
@@ -95,7 +117,7 @@ class _PendingUnshard(NamedTuple):
     """A launched all-gather: its work handle (CPU) or its completion event (CUDA), and the
     input shard, kept alive until the collective has read it."""
 
-    work: Optional[dist.Work]
+    work: Optional[comm.CheckedWork]
     event: Optional[torch.cuda.Event]
     shard: torch.Tensor
 
@@ -330,3 +352,65 @@ class FlatParamStorage:
         """Copies ``local_slice`` (this rank's slice of ``padded_unsharded``) into the local shard."""
         if padded_unsharded.data_ptr() != self.local_shard.data_ptr():
             self.local_shard.copy_(local_slice)
+
+
+def set_torch_metadata(
+    flat: FlatParameter,
+    unit_params: UnitParams,
+    layout: ShardLayout,
+    orig_params: Optional[list[nn.Parameter]],
+) -> None:
+    """Sets the read-only metadata torch FSDP1 keeps on its FlatParameter, under its names.
+
+    [Note: torch-named metadata] Stacks built on torch FSDP1 read these (accelerate:
+    ``_flat_param._fqns``; Lightning: ``param._fsdp_flattened``). Same types and meaning as
+    torch's: ``_fqns`` (list of names relative to the wrapped module), ``_shapes`` (list of
+    ``torch.Size``), ``_strides`` (list of tuples), ``_numels`` (tuple of int),
+    ``_num_params``, ``_param_infos`` (``param_name``, ``module``, ``module_name`` first),
+    ``_modules`` (set), ``_unpadded_unsharded_size`` / ``_padded_unsharded_size`` (sharding
+    only) / ``_sharded_size`` (``torch.Size``), ``_shard_numel_padded`` (padding elements in
+    this rank's shard), ``_params`` / ``_shared_params`` (the original Parameters with
+    use_orig_params, else None) and ``_fsdp_flattened`` (on the FlatParameter, and on the
+    original Parameters with use_orig_params), and the layout: ``_numels_with_padding``
+    (tuple), ``_is_padding_mask`` (list of bool) and ``_shard_param_infos`` (tuple of
+    :class:`ShardParamInfo`, one per parameter), with torch's alignment padding under
+    use_orig_params (see [Note: Aligned flat parameter layout] in ``_sharding.py``).
+
+    Args:
+        flat: The FlatParameter.
+        unit_params: Its parameters and their names.
+        layout: Its layout.
+        orig_params: The original Parameters kept registered (use_orig_params), else None.
+    """
+    infos = unit_params.param_infos
+    flat._num_params = len(infos)
+    flat._param_infos = list(infos)
+    flat._fqns = [info.fqn for info in infos]
+    flat._shapes = [info.shape for info in infos]
+    flat._strides = [tuple(p.stride()) for p in unit_params.unique_params]
+    flat._numels = tuple(info.numel for info in infos)
+    flat._numels_with_padding = layout.flat.numels_with_padding
+    flat._is_padding_mask = list(layout.flat.is_padding_mask)
+    flat._shard_param_infos = tuple(
+        ShardParamInfo(False, None, None, None, None)
+        if piece is None
+        else ShardParamInfo(
+            True, piece.offset_in_shard, piece.numel, piece.offset_in_param, piece.offset_in_param + piece.numel - 1
+        )
+        for piece in layout.shard_slices
+    )
+    flat._modules = {info.module for info in infos} | {shared.module for shared in unit_params.shared_param_infos}
+    flat._unpadded_unsharded_size = torch.Size([layout.unpadded_unsharded_numel])
+    if layout.uses_sharding:
+        flat._padded_unsharded_size = torch.Size([layout.padded_unsharded_numel])
+    flat._shard_numel_padded = layout.shard_numel_padded()
+    flat._sharded_size = torch.Size([layout.sharded_numel])
+    if orig_params is not None:
+        flat._params = orig_params
+        flat._shared_params = [orig_params[shared.prim_index] for shared in unit_params.shared_param_infos]
+        for param in unit_params.unique_params:
+            setattr(param, FSDP_FLATTENED, True)  # a plain nn.Parameter declares no such attribute
+    else:
+        flat._params = None
+        flat._shared_params = None
+    flat._param_extensions = [info.dtensor_spec for info in infos]

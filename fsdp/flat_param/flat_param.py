@@ -48,7 +48,6 @@ from fsdp.flat_param._layout import (
     collect_params,
     itemsize,
     mark_flattened,
-    set_torch_metadata,
 )
 from fsdp.flat_param._precision import HandlePrecision
 from fsdp.flat_param._reduction import GradReduction
@@ -57,7 +56,7 @@ from fsdp.flat_param._sharding import (
     aligned_numel,
     handle_uses_sharding,
 )
-from fsdp.flat_param._storage import FlatParameter, FlatParamStorage, HandleState
+from fsdp.flat_param._storage import FlatParameter, FlatParamStorage, HandleState, set_torch_metadata
 from fsdp.flat_param._views import ParamViews, assign_grad
 
 __all__ = [

@@ -25,8 +25,10 @@ from fsdp.runtime._state import HYBRID_STRATEGIES
 _DERIVED_HYBRID_GROUPS: dict[tuple[int, int], "ShardingGroups"] = {}
 
 
-def _check_initialized() -> None:
-    if not dist.is_available() or not dist.is_initialized():
+def _check_initialized() -> dist.ProcessGroup:
+    """The default process group, or the error that torch.distributed is not initialized."""
+    world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+    if world is None:
         raise RuntimeError(
             "fsdp: FullyShardedDataParallel needs an initialized default process group, and "
             "torch.distributed is not initialized. Call "
@@ -34,6 +36,7 @@ def _check_initialized() -> None:
             "first, typically under `torchrun --nproc_per_node=N train.py`; or try the "
             "self-launching demo in a clone of the repository: python -m examples.train"
         )
+    return world
 
 
 def _check_group(group: Any, what: str) -> dist.ProcessGroup:
@@ -107,7 +110,7 @@ def resolve_process_groups(
             )
         return _derived_hybrid_groups(strategy)
     if process_group is None:
-        return ShardingGroups(dist.group.WORLD, None)  # type: ignore[arg-type]
+        return ShardingGroups(_check_initialized(), None)
     return ShardingGroups(_check_group(process_group, "process_group"), None)
 
 

@@ -12,14 +12,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, Callable, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Union
 
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
-from fsdp._comm._groups import ShardingGroups
+from fsdp._comm._groups import ProcessGroupType, ShardingGroups
 from fsdp._common import group_backend, group_rank, group_size
 from fsdp.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from fsdp.flat_param.flat_param import FlatParamHandle
@@ -44,6 +44,9 @@ from fsdp.runtime._mixed_precision import (
 )
 from fsdp.runtime._state import UnitState, is_fsdp, set_reported_ignored, unit_state
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
 
 @dataclass(frozen=True)
 class UnitArgs:
@@ -53,18 +56,18 @@ class UnitArgs:
     names and order are the constructor's.
     """
 
-    process_group: Any
+    process_group: ProcessGroupType
     sharding_strategy: Optional[ShardingStrategy]
     cpu_offload: Optional[CPUOffload]
     backward_prefetch: Optional[BackwardPrefetch]
     mixed_precision: Optional[MixedPrecision]
     param_init_fn: Optional[Callable[[nn.Module], None]]
-    device_id: Any
+    device_id: Union[None, int, str, torch.device]
     sync_module_states: bool
     forward_prefetch: bool
     limit_all_gathers: bool
     use_orig_params: bool
-    device_mesh: Any
+    device_mesh: Optional[DeviceMesh]
 
     def wrap_kwargs(self) -> dict[str, Any]:
         """The keyword arguments a nested unit is built with (the policy may override some)."""
@@ -104,7 +107,7 @@ def plan_unit(
     args: UnitArgs,
     auto_wrap_policy: Optional[Callable],
     ignored_modules: Optional[Iterable[nn.Module]],
-    ignored_states: Optional[Iterable[Any]],
+    ignored_states: Union[None, Iterable[nn.Parameter], Iterable[nn.Module]],
 ) -> UnitSetup:
     """Step 1: checks everything a user can get wrong and plans every unit, changing nothing.
 
@@ -332,5 +335,6 @@ def annotate_for_dynamo(module: nn.Module, ignored_modules: set[nn.Module], use_
     """
     for sub in module.modules():
         if sub not in ignored_modules:
+            # nn.Module.__setattr__ is typed to take tensors and modules.
             sub._is_fsdp_managed_module = True  # type: ignore[assignment]
             sub._fsdp_use_orig_params = use_orig_params  # type: ignore[assignment]

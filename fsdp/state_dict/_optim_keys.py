@@ -37,7 +37,7 @@ since the first release) both catch it, and its message is printed as written (a
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Optional, TypeVar, Union
+from typing import Any, Callable, Iterable, Optional, TypeVar, Union, cast
 
 import torch
 import torch.distributed as dist
@@ -49,6 +49,10 @@ from fsdp.api import OptimStateKeyType
 from fsdp.flat_param.flat_param import FlatParamHandle
 from fsdp.runtime._state import check_idle, is_fsdp, unit_state
 from fsdp.state_dict._values import parent_mesh
+
+# torch FSDP1's legacy ``optim_input`` argument: the optimizer's param groups (torch types them
+# Dict[str, Any]) or its parameters.
+OptimInput = Optional[Union[list[dict[str, Any]], Iterable[nn.Parameter]]]
 
 __all__ = [
     "OptimStateKeyError",
@@ -212,7 +216,7 @@ def refuse_rank0_only_tensor_parallel(view: ModelView, api: str) -> None:
 
 
 def param_list(
-    model: nn.Module, optim: Optional[torch.optim.Optimizer], optim_input: Optional[Any]
+    model: nn.Module, optim: Optional[torch.optim.Optimizer], optim_input: OptimInput
 ) -> list[nn.Parameter]:
     """The parameters in optimizer-ID order (``optim_input`` first, as torch FSDP1, else
     ``optim``, else the model's parameters).
@@ -226,7 +230,7 @@ def param_list(
     if optim_input is None:
         return list(model.parameters())
     try:
-        items = list(optim_input)
+        items: list[Any] = list(optim_input)  # Any: the user's items, their kinds checked below
     except TypeError as exc:
         raise TypeError(
             f"fsdp: optim_input must be an iterable of tensors or of parameter groups (dicts), as "
@@ -331,7 +335,7 @@ def rekey(
     osd: dict[str, Any],
     key_type: Any,
     model: nn.Module,
-    optim_input: Optional[Any],
+    optim_input: OptimInput,
     optim: Optional[torch.optim.Optimizer],
 ) -> dict[str, Any]:
     """Re-keys ``osd`` by parameter names (PARAM_NAME) or by optimizer parameter IDs (PARAM_ID).
@@ -434,4 +438,4 @@ def agree(local: Callable[[], T], group: Optional[dist.ProcessGroup], what: str)
         if failure is not None:
             error_type, message = failure
             raise _rebuild(error_type, f"fsdp: rank {rank} could not {what}, so no rank goes on: {message}")
-    return [value for value, _ in gathered]
+    return [cast(T, value) for value, _ in gathered]  # no rank failed: every value was computed

@@ -24,6 +24,7 @@ from fsdp.flat_param.flat_param import FlatParamHandle
 from fsdp.state_dict._optim_keys import (
     ModelView,
     OptimStateAttributeError,
+    OptimInput,
     OptimStateKeyError,
     ParamKey,
     agree,
@@ -35,6 +36,8 @@ from fsdp.state_dict._optim_keys import (
 from fsdp.state_dict._values import ValueKind, tp_local
 
 __all__ = ["to_load"]
+
+# State dict values are Any here: torch types Optimizer.state_dict() as dict[str, Any].
 
 
 @dataclasses.dataclass
@@ -62,7 +65,7 @@ def to_load(
     *,
     rank0_only: bool = False,
     sharded: bool = False,
-    optim_input: Optional[Any] = None,
+    optim_input: OptimInput = None,
 ) -> dict[str, Any]:
     """This rank's flattened / sharded optimizer state dict, keyed as ``optim`` keys its own.
 
@@ -95,8 +98,8 @@ def to_load(
         out["param_groups"] = _loaded_groups(
             osd["param_groups"], held.fqn_to_key, None if is_named_optimizer else optim, held.params, held.keys
         )
-    if load_directly:
-        optim.load_state_dict(out)  # type: ignore[union-attr]
+    if load_directly and optim is not None:  # (None raised above)
+        optim.load_state_dict(out)
     return out
 
 
@@ -109,11 +112,12 @@ def _prepare_load(
     group: Optional[dist.ProcessGroup],
     rank0_only: bool,
     sharded: bool,
-    optim_input: Optional[Any],
+    optim_input: OptimInput,
 ) -> tuple[dict[str, Any], _HeldKeys]:
     """The checked FQN-keyed state dict to load (rank 0's, broadcast, with ``rank0_only``) and
     this optimizer's keys. Raises on every rank together where the ranks must agree."""
     prepared: dict[str, Any] = {}
+    osd: dict[str, Any] = {}
 
     def prepare_optimizer() -> None:
         params = param_list(model, optim, optim_input)
@@ -127,9 +131,11 @@ def _prepare_load(
     else:
 
         def prepare() -> list[tuple[str, str, tuple[int, ...], str]]:
+            nonlocal osd
             prepare_optimizer()
             if optim_state_dict is None:
                 raise ValueError("fsdp: optim_state_dict must be an optimizer state dict, got None")
+            osd = optim_state_dict
             _validate(optim_state_dict, view)
             _check_groups_held(optim_state_dict, prepared["fqn_to_key"])
             return _sharded_layout(optim_state_dict, view)
@@ -138,7 +144,6 @@ def _prepare_load(
             _check_layouts_agree(agree(prepare, group, "load its sharded optimizer state dict"))
         else:
             prepare()
-        osd = optim_state_dict  # type: ignore[assignment]
     return osd, _HeldKeys(prepared["params"], prepared["keys"], prepared["fqn_to_key"])
 
 
@@ -178,7 +183,7 @@ def _load_flat_states(view: ModelView, state: dict[str, dict[str, Any]], held: _
 
 
 def _load_orig_states(
-    view: ModelView, state: dict[str, dict[str, Any]], held: _HeldKeys, named_optim: Optional[Any]
+    view: ModelView, state: dict[str, dict[str, Any]], held: _HeldKeys, named_optim: Optional[torch.optim.Optimizer]
 ) -> dict[ParamKey, Any]:
     """use_orig_params=True: this rank's part of each managed parameter's state, by optimizer key.
 
@@ -224,7 +229,8 @@ def _broadcast_from_rank0(osd: Optional[dict[str, Any]], view: ModelView, group:
     """rank0_only loading: rank 0's (validated) state dict on every rank."""
     rank = dist.get_rank(group)
     error: Optional[BaseException] = None
-    stripped: Optional[dict[str, Any]] = None
+    stripped: dict[str, Any] = {}
+    loaded: dict[str, Any] = {}  # rank 0: the validated state dict
     tensors: list[torch.Tensor] = []
     if rank == 0:
         try:
@@ -235,13 +241,13 @@ def _broadcast_from_rank0(osd: Optional[dict[str, Any]], view: ModelView, group:
                     "scatter_full_optim_state_dict), got None"
                 )
             _validate(osd, view)
+            loaded = osd
         except (ValueError, TypeError) as exc:
             error = exc
         else:
-            stripped, tensors = _strip_tensors(osd)
-    structure = comm.broadcast_object_from_rank0(
-        {"error": (type(error), str(error))} if error is not None else stripped, group
-    )
+            stripped, tensors = _strip_tensors(loaded)
+    sent: dict[str, Any] = {"error": (type(error), str(error))} if error is not None else stripped
+    structure = comm.broadcast_object_from_rank0(sent, group)
     if error is not None:
         raise error
     if "error" in structure:
@@ -251,7 +257,7 @@ def _broadcast_from_rank0(osd: Optional[dict[str, Any]], view: ModelView, group:
         device = _comm_device(view)
         for value in tensors:
             comm.broadcast_from_rank0(value.detach().to(device).contiguous(), group)
-        return osd  # type: ignore[return-value]
+        return loaded
     device = _comm_device(view)
     for key, st in structure["state"].items():
         for name, value in list(st.items()):
@@ -379,7 +385,7 @@ def _flatten_for_handle(handle: FlatParamHandle, fqns: list[str], state: dict[st
 
 
 def _keep_named_state(
-    optim: Any, param: nn.Parameter, key: ParamKey, fqn: str, out_state: dict[ParamKey, Any]
+    optim: torch.optim.Optimizer, param: nn.Parameter, key: ParamKey, fqn: str, out_state: dict[ParamKey, Any]
 ) -> None:
     """A named optimizer's state for a parameter this rank holds none of, as torch FSDP1 gives it.
 

@@ -34,6 +34,7 @@ from fsdp._comm import _collectives as comm
 from fsdp.flat_param.flat_param import FlatParamHandle
 from fsdp.state_dict._optim_keys import (
     ModelView,
+    OptimInput,
     OptimStateKeyError,
     agree,
     keyed_by_names,
@@ -85,7 +86,7 @@ def save(
     full: bool = True,
     rank0_only: bool = False,
     offload: bool = True,
-    optim_input: Optional[Any] = None,
+    optim_input: OptimInput = None,
 ) -> dict[str, Any]:
     """The optimizer state keyed by parameter FQNs (see [Note: Optimizer state dict formats]).
 
@@ -121,7 +122,7 @@ def _prepare_save(
     model: nn.Module,
     optim: torch.optim.Optimizer,
     optim_state_dict: Optional[dict[str, Any]],
-    optim_input: Optional[Any],
+    optim_input: OptimInput,
     group: Optional[dist.ProcessGroup],
 ) -> tuple[dict[str, Any], list[nn.Parameter], list[_RankOptimState]]:
     """The ID-keyed state dict to save, the parameters in ID order, and every rank's

@@ -76,7 +76,7 @@ from torch import nn
 from fsdp.api import StateDictType
 from fsdp.runtime._state import is_fsdp
 from fsdp.state_dict import _settings
-from fsdp.state_dict._optim_keys import NO_FSDP, OptimStateAttributeError, rekey
+from fsdp.state_dict._optim_keys import NO_FSDP, OptimInput, OptimStateAttributeError, rekey
 from fsdp.state_dict._optim_load import to_load
 from fsdp.state_dict._optim_save import save
 
@@ -174,7 +174,7 @@ def optim_state_dict_to_load_api(
 
 
 def full_optim_state_dict(
-    model: nn.Module, optim: torch.optim.Optimizer, optim_input: Optional[Any], rank0_only: bool, group: Optional[dist.ProcessGroup]
+    model: nn.Module, optim: torch.optim.Optimizer, optim_input: OptimInput, rank0_only: bool, group: Optional[dist.ProcessGroup]
 ) -> dict[str, Any]:
     """Legacy ``full_optim_state_dict``: full state keyed by FQNs, offloaded to CPU."""
     _warn_legacy_api("full_optim_state_dict", "optim_state_dict")
@@ -194,7 +194,7 @@ def sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, gro
 
 
 def shard_full_optim_state_dict(
-    full_osd: dict[str, Any], model: nn.Module, optim_input: Optional[Any], optim: Optional[torch.optim.Optimizer]
+    full_osd: dict[str, Any], model: nn.Module, optim_input: OptimInput, optim: Optional[torch.optim.Optimizer]
 ) -> dict[str, Any]:
     """Legacy ``shard_full_optim_state_dict``: every rank passes the full state dict."""
     _warn_legacy_api("shard_full_optim_state_dict", "optim_state_dict_to_load")
@@ -213,7 +213,7 @@ def flatten_sharded_optim_state_dict(
 def scatter_full_optim_state_dict(
     full_osd: Optional[dict[str, Any]],
     model: nn.Module,
-    optim_input: Optional[Any],
+    optim_input: OptimInput,
     optim: Optional[torch.optim.Optimizer],
     group: Optional[dist.ProcessGroup],
 ) -> dict[str, Any]:
@@ -227,7 +227,7 @@ def rekey_optim_state_dict(
     osd: dict[str, Any],
     key_type: Any,
     model: nn.Module,
-    optim_input: Optional[Any],
+    optim_input: OptimInput,
     optim: Optional[torch.optim.Optimizer],
 ) -> dict[str, Any]:
     """Re-keys ``osd`` by parameter names (PARAM_NAME) or by optimizer parameter IDs (PARAM_ID).
