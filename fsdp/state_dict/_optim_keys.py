@@ -72,6 +72,8 @@ __all__ = [
     "agree",
 ]
 
+# State dict values are Any here: torch types Optimizer.state_dict() as dict[str, Any].
+
 T = TypeVar("T")
 
 

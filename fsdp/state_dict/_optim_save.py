@@ -56,6 +56,8 @@ from fsdp.state_dict._values import (
 
 __all__ = ["save"]
 
+# State dict values are Any here: torch types Optimizer.state_dict() as dict[str, Any].
+
 
 @dataclasses.dataclass(frozen=True)
 class _SaveOptions:

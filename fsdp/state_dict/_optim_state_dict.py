@@ -91,6 +91,8 @@ __all__ = [
     "rekey_optim_state_dict",
 ]
 
+# State dict values are Any here: torch types Optimizer.state_dict() as dict[str, Any].
+
 
 _FSDP_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
