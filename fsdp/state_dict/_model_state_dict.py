@@ -133,6 +133,12 @@ class _ManagedParam:
         self.index = index
         self.shape = shape
 
+    @property
+    def spec(self) -> Any:
+        """The parameter's DTensor spec if it is tensor-parallel, else None ([Note: DTensor
+        parameters])."""
+        return self.handle.param_infos[self.index].dtensor_spec
+
 
 def _unit_managed(state: UnitState) -> "OrderedDict[str, _ManagedParam]":
     """The unit's managed parameters keyed by their clean names inside its wrapped module."""
@@ -664,13 +670,25 @@ def _check_tree(module: nn.Module, state_dict: dict[str, Any], strict: bool) -> 
     unexpected = [k for k in state_dict if k not in managed and k not in local and k not in others]
     if strict and (missing or unexpected):
         raise RuntimeError(_format_incompatible(module, missing, unexpected))
+    mismatches: list[str] = []
+    plain_tp_mismatches: set[str] = set()
     for key, (param, state) in managed.items():  # [Note: 2-D sharded values]
         if key in state_dict:
-            state_dict[key] = local_form(state_dict[key], state)
-    mismatches: list[str] = []
+            value = state_dict[key]
+            if param.spec is not None and _is_tensor_like(value) and not (is_dtensor(value) or is_sharded_tensor(value)):
+                # A plain full value of a tensor-parallel parameter: its global shape, as the
+                # unwrapped model has it ([Note: Tensor-parallel values to load]).
+                mismatch = _size_mismatch(key, value, param.spec.shape)
+                if mismatch is not None:
+                    mismatches.append(mismatch)
+                    plain_tp_mismatches.add(key)
+                    continue
+            state_dict[key] = local_form(value, state, param.spec)
     error: Optional[_LoadError] = None
     try:
         for key, value in state_dict.items():
+            if key in plain_tp_mismatches:
+                continue
             if key in managed:
                 param, state = managed[key]
                 mismatch = _check_managed(key, param, value, state)
