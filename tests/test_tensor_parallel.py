@@ -614,6 +614,9 @@ def run_tp_load_plain_full(configs: list[tuple[str, bool, bool]]) -> None:
       equals the continuous run, bit for bit.
     - a plain value of another shape is refused with nn.Module's size-mismatch message, naming the
       global shape, before anything changes.
+    - under a root that is no FSDP unit, the plain, FULL and SHARDED forms load alike.
+    - torch FSDP1 without a mesh: its FULL model state dict and its SHARDED optimizer state dict
+      (ShardedTensors) load, to its values.
     """
     from fsdp import FullyShardedDataParallel as FSDP, StateDictType
     from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP, StateDictType as TorchType
@@ -679,6 +682,14 @@ def run_tp_load_plain_full(configs: list[tuple[str, bool, bool]]) -> None:
         resumed, continued = _train(fresh, fresh_opt, range(5, 7)), _train(ours, opts[0], range(5, 7))
         assert all(torch.equal(a, b) for a, b in zip(resumed, continued)), (what, resumed, continued)
         _assert_same_values(dict(fresh.named_parameters()), dict(ours.named_parameters()), f"resumed {what}")
+        # Under a root that is no FSDP unit (the units' load hooks do the work): each form loads.
+        for kind, make_plain in (("FULL_STATE_DICT", True), ("FULL_STATE_DICT", False), ("SHARDED_STATE_DICT", False)):
+            with FSDP.state_dict_type(ours, StateDictType[kind]):
+                sd = _plain_values(ours.state_dict()) if make_plain else ours.state_dict()
+            outer = nn.ModuleDict({"inner": _wrap("ours", _tp_model(), strategy, nested, use_orig_params)})
+            with FSDP.state_dict_type(outer, StateDictType[kind]):
+                outer.load_state_dict({"inner." + k: v for k, v in sd.items()})
+            _assert_same_values(dict(outer["inner"].named_parameters()), dict(ours.named_parameters()), f"outer {kind} {what}")
     # From torch FSDP1 without tensor parallelism (FSDP over all 4 ranks, no device_mesh): its
     # FULL model state dict (plain tensors) and its SHARDED optimizer state dict, whose values
     # are ShardedTensors (chunked over the 4 ranks), each cut to this rank's tp piece ([Note:
@@ -718,7 +729,8 @@ def run_tp_no_shard(configs: list[tuple[bool, str, bool]]) -> str:
     """NO_SHARD over the dp dimension with tensor-parallel blocks: training stays within [Note:
     Tolerance against the one-process model] of one process training the unsharded model, and
     every model state dict type (a NO_SHARD unit gives FULL values for each, with torch's
-    warning: tp DTensors for the tensor-parallel parameters) loads back into a fresh model.
+    warning: tp DTensors for the tensor-parallel parameters) loads back into a fresh model, and
+    so does the FULL one made plain (full tensors).
     Torch FSDP1 builds the same model but fails at its first forward; returns its error (''
     if it does not)."""
     import warnings
@@ -745,7 +757,7 @@ def run_tp_no_shard(configs: list[tuple[bool, str, bool]]) -> str:
         assert list(mine) == [n for n, _ in ref.named_parameters()], what
         for name, p in ref.named_parameters():
             torch.testing.assert_close(mine[name], p.detach(), **_ref_tol(optim), msg=f"{what} {name}")
-        for kind in ("FULL_STATE_DICT", "SHARDED_STATE_DICT", "LOCAL_STATE_DICT"):
+        for kind, plain in (("FULL_STATE_DICT", False), ("FULL_STATE_DICT", True), ("SHARDED_STATE_DICT", False), ("LOCAL_STATE_DICT", False)):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)
                 fresh = _wrap("ours", _tp_model(), "NO_SHARD", nested, use_orig_params)
@@ -756,9 +768,9 @@ def run_tp_no_shard(configs: list[tuple[bool, str, bool]]) -> str:
             assert isinstance(saved["blocks.0.fc1.weight"], DTensor) and not isinstance(saved["embed.weight"], DTensor), what
             with FSDP.state_dict_type(fresh, StateDictType[kind]), warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)
-                fresh.load_state_dict(saved)
+                fresh.load_state_dict(_plain_values(saved) if plain else saved)
             loaded = _full(fresh, FSDP)
-            assert all(torch.equal(loaded[k], v) for k, v in mine.items()), (what, kind)
+            assert all(torch.equal(loaded[k], v) for k, v in mine.items()), (what, kind, plain)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         theirs = _wrap("torch", _tp_model(), "NO_SHARD", True)
