@@ -730,7 +730,8 @@ def run_tp_no_shard(configs: list[tuple[bool, str, bool]]) -> str:
     Tolerance against the one-process model] of one process training the unsharded model, and
     every model state dict type (a NO_SHARD unit gives FULL values for each, with torch's
     warning: tp DTensors for the tensor-parallel parameters) loads back into a fresh model, and
-    so does the FULL one made plain (full tensors).
+    so does the FULL one made plain (full tensors); FULL and SHARDED model + optimizer state
+    dicts resume exactly as the continuous run.
     Torch FSDP1 builds the same model but fails at its first forward; returns its error (''
     if it does not)."""
     import warnings
@@ -771,6 +772,23 @@ def run_tp_no_shard(configs: list[tuple[bool, str, bool]]) -> str:
                 fresh.load_state_dict(_plain_values(saved) if plain else saved)
             loaded = _full(fresh, FSDP)
             assert all(torch.equal(loaded[k], v) for k, v in mine.items()), (what, kind, plain)
+        for i, kind in enumerate(("FULL_STATE_DICT", "SHARDED_STATE_DICT")):  # model + optimizer: resumes exactly
+            with FSDP.state_dict_type(ours, StateDictType[kind]), warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                msd, osd = ours.state_dict(), FSDP.optim_state_dict(ours, opts[1])
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                fresh = _wrap("ours", _tp_model(), "NO_SHARD", nested, use_orig_params)
+            fresh_opt = _make_optim(optim, fresh.parameters())
+            _train(fresh, fresh_opt, range(1))  # state to replace
+            with FSDP.state_dict_type(fresh, StateDictType[kind]), warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                fresh.load_state_dict(msd)
+                fresh_opt.load_state_dict(FSDP.optim_state_dict_to_load(fresh, fresh_opt, osd))
+            steps = range(_STEPS + 2 * i, _STEPS + 2 * i + 2)
+            resumed, continued = _train(fresh, fresh_opt, steps), _train(ours, opts[1], steps)
+            assert all(torch.equal(a, b) for a, b in zip(resumed, continued)), (what, kind, resumed, continued)
+            _assert_same_values(dict(fresh.named_parameters()), dict(ours.named_parameters()), f"resumed {what} {kind}")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         theirs = _wrap("torch", _tp_model(), "NO_SHARD", True)
