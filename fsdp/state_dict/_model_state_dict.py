@@ -133,6 +133,12 @@ class _ManagedParam:
         self.index = index
         self.shape = shape
 
+    @property
+    def spec(self) -> Any:
+        """The parameter's DTensor spec if it is tensor-parallel, else None ([Note: DTensor
+        parameters])."""
+        return self.handle.param_infos[self.index].dtensor_spec
+
 
 def _unit_managed(state: UnitState) -> "OrderedDict[str, _ManagedParam]":
     """The unit's managed parameters keyed by their clean names inside its wrapped module."""
@@ -444,6 +450,17 @@ def _check_managed(key: str, param: _ManagedParam, value: Any, state: UnitState)
     return None
 
 
+def _local_form_checked(key: str, param: _ManagedParam, value: Any, state: UnitState) -> tuple[Any, Optional[str]]:
+    """``value`` as the unit holds it (``local_form``: collective for a 2-D DTensor), or itself
+    with a size-mismatch message when it is a plain value of a tensor-parallel parameter whose
+    shape is not the parameter's global shape (the unwrapped model's, which nn.Module names)."""
+    if param.spec is not None and _is_tensor_like(value) and not (is_dtensor(value) or is_sharded_tensor(value)):
+        mismatch = _size_mismatch(key, value, param.spec.shape)  # [Note: Tensor-parallel values to load]
+        if mismatch is not None:
+            return value, mismatch
+    return local_form(value, state, param.spec), None
+
+
 def _check_local(key: str, index: int, value: Any, state: UnitState) -> None:
     error = check_local_value(key, state.unit_name, value, state.handles[index])
     if error is not None:
@@ -555,21 +572,23 @@ def _load_full_or_sharded_entries(
     present = [(inner + key, param) for key, param in managed.items() if inner + key in state_dict]
     pending.absent_keys = [clean_fqn(prefix + key) for key, param in managed.items() if inner + key not in state_dict]
     values = [state_dict.pop(key) for key, _ in present]
-    mismatches: list[str] = []
+    mismatches: list[Optional[str]] = [None] * len(present)
+    if not _ROOT_CHECKED[0]:  # a root that is no FSDP unit: the values as _check_tree makes them
+        for i, (key, param) in enumerate(present):
+            values[i], mismatches[i] = _local_form_checked(clean_fqn(key), param, values[i], state)
     error: Optional[_LoadError] = None
     try:
-        for (key, param), value in zip(present, values):
-            mismatch = _check_managed(clean_fqn(key), param, value, state)
-            if mismatch is not None:
-                mismatches.append(mismatch)
+        for i, ((key, param), value) in enumerate(zip(present, values)):
+            if mismatches[i] is None:
+                mismatches[i] = _check_managed(clean_fqn(key), param, value, state)
     except _LoadError as exc:
         error = exc
     if _needs_collectives(values) and not _ROOT_CHECKED[0]:
         _raise_unless_agreed(error, state, f"unit '{state.unit_name}'")
     if error is not None:
         raise error.error_type(str(error))
-    if mismatches:  # nn.Module raises them at the end; this unit stays as it was
-        error_msgs.extend(mismatches)
+    if any(mismatches):  # nn.Module raises them at the end; this unit stays as it was
+        error_msgs.extend(m for m in mismatches if m is not None)
         return
     for (_, param), value in zip(present, values):  # all tensor-like: checked above
         _load_managed(param, full_value(value, param.shape, state))
@@ -664,13 +683,19 @@ def _check_tree(module: nn.Module, state_dict: dict[str, Any], strict: bool) -> 
     unexpected = [k for k in state_dict if k not in managed and k not in local and k not in others]
     if strict and (missing or unexpected):
         raise RuntimeError(_format_incompatible(module, missing, unexpected))
+    mismatches: list[str] = []
+    plain_tp_mismatches: set[str] = set()
     for key, (param, state) in managed.items():  # [Note: 2-D sharded values]
         if key in state_dict:
-            state_dict[key] = local_form(state_dict[key], state)
-    mismatches: list[str] = []
+            state_dict[key], mismatch = _local_form_checked(key, param, state_dict[key], state)
+            if mismatch is not None:
+                mismatches.append(mismatch)
+                plain_tp_mismatches.add(key)
     error: Optional[_LoadError] = None
     try:
         for key, value in state_dict.items():
+            if key in plain_tp_mismatches:
+                continue
             if key in managed:
                 param, state = managed[key]
                 mismatch = _check_managed(key, param, value, state)

@@ -246,9 +246,12 @@ def tp_dtensor(local: torch.Tensor, spec: Any) -> Any:
 # tensor; a SHARDED one, a 2-D DTensor on the unit's parent mesh with the parameter's tp
 # placement last, is gathered over dp only (torch FSDP1's way); any other DTensor (another
 # mesh, e.g. a checkpoint of another layout loaded by DCP into such a template) is made full and
-# cut; a plain full tensor (a model without tensor parallelism saved it) is cut to this rank's
-# tp piece with DTensor's own arithmetic (``compute_local_shape_and_global_offset``), no
-# communication. Collective for the 2-D and foreign DTensors: every rank converts the same
+# cut; a ShardedTensor (torch FSDP1's SHARDED optimizer values of a model without a mesh, via
+# ``optim_state_dict_to_load``) is gathered over its group and cut; a plain full tensor (a model
+# without tensor parallelism saved it: a model state dict's value of the parameter's global
+# shape, see :func:`local_form`, or an optimizer state's) is cut to this rank's tp piece with
+# DTensor's own arithmetic (``compute_local_shape_and_global_offset``), no communication.
+# Collective for the 2-D and foreign DTensors and ShardedTensors: every rank converts the same
 # entries in the same order.
 def tp_local(value: Any, spec: Any, root: Any) -> torch.Tensor:
     """The tp-local tensor of ``value`` for a tensor-parallel parameter with DTensor spec
@@ -272,13 +275,23 @@ def tp_local(value: Any, spec: Any, root: Any) -> torch.Tensor:
     return value[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
 
 
-def local_form(value: Any, state: UnitState) -> Any:
+def local_form(value: Any, state: UnitState, spec: Any = None) -> Any:
     """A value of a managed parameter as the unit holds it: a 2-D DTensor on the parent mesh
-    ([Note: 2-D sharded values]) gathered over dp, a tp DTensor (FULL) its local tensor; any
-    other value itself. Collective for a 2-D DTensor (every dp rank calls it in the same order)."""
+    ([Note: 2-D sharded values]) gathered over dp, a tp DTensor (FULL) its local tensor, a plain
+    full tensor of a tensor-parallel parameter (DTensor spec ``spec``, None for a plain
+    parameter) of the parameter's global shape its tp piece ([Note: Tensor-parallel values to
+    load]); any other value itself. Collective for a 2-D DTensor (every dp rank calls it in the
+    same order)."""
     from torch.distributed.tensor import DTensor, Placement, Replicate
 
     if not isinstance(value, DTensor):
+        if (
+            spec is not None
+            and not is_sharded_tensor(value)
+            and torch.overrides.is_tensor_like(value)
+            and tuple(value.shape) == tuple(spec.shape)
+        ):
+            return tp_local(value, spec, None)  # a cut, no communication
         return value
     root = parent_mesh(state)
     if root is not None and value.device_mesh == root:
