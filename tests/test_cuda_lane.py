@@ -603,3 +603,18 @@ def lane_device_placement() -> Optional[str]:
 
 def test_device_placement(cuda_pool1: RankPool) -> None:
     assert cuda_pool1.run(lane_device_placement) == ["cuda:0"]
+
+
+# ------------------------------------------------------------------------------ device_id only
+@pytest.mark.parametrize("pool_name", ["cuda_pool1", "cuda_pool2"])
+def test_object_collectives_on_device_id(pool_name: str, request: pytest.FixtureRequest) -> None:
+    """NCCL at world size 1 (and gloo with CUDA tensors at 2), ``device_id=cuda:0`` passed explicitly: object collectives (the
+    optimizer state-dict APIs' agreement and rank-0 broadcast) and the sharded optimizer values
+    stage on ``device_id``; fsdp never asks for ``torch.cuda.current_device()`` (patched to raise
+    for fsdp's callers). With a second GPU the current device is moved off ``device_id`` first,
+    so a tensor staged on the current device fails the check (tests/_object_device.py)."""
+    from tests._object_device import check_object_collectives_on
+
+    pool: RankPool = request.getfixturevalue(pool_name)
+    counts = pool.run(check_object_collectives_on, "cuda:0")
+    assert counts[0] > 0 and counts == [counts[0]] * pool.world_size
