@@ -57,6 +57,7 @@ def check_execution_order(state: UnitState, phase: str) -> None:
             continue
         codes = _all_gather_int(code, group, ctx.root.compute_device)
         if any(c != code for c in codes):
+            ctx.raised_in_step = True  # every rank raises here, after the same collectives
             described = comm.all_gather_object(f"{phase} of unit '{state.unit_name}'", group, ctx.root.compute_device)
             ranks = [describe_group_rank(group, r) for r in range(world)]
             listing = "; ".join(f"{rank}: {what}" for rank, what in zip(ranks, described))
