@@ -122,3 +122,33 @@ def test_ranks_raising_at_different_points_both_stop(pool2: RankPool) -> None:
     # Each names how far the other got: rank 1 reached blocks.1's backward, rank 0 did not.
     assert "'blocks.1'" in rank0["next_forward"].split("rank 1: ")[1], rank0
     assert "'blocks.1'" not in rank1["next_forward"].split("rank 0: ")[1], rank1
+
+
+def same_point_on_every_rank() -> bool:
+    """Every rank's backward raises at ``blocks.1``: the next forward warns, resets and the step
+    runs; the gradients then equal a clean model's exactly (the interrupted backward's are
+    dropped), and no phase report is left in the store for a later failure to misread."""
+    from fsdp._comm._errors import _REPORT_KEY
+
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=_GROUP_TIMEOUT_S))
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    model, clean = _model(group), _model(group)
+    tokens, targets = global_batch(0, ws)
+    x, y = local_rows(tokens, rank, ws), local_rows(targets, rank, ws)
+    _arm(model, 1)
+    with pytest.raises(_Boom):
+        lm_loss(model(x), y).backward()
+    with pytest.warns(UserWarning, match="previous backward did not finish"):
+        loss = lm_loss(model(x), y)
+    loss.backward()
+    lm_loss(clean(x), y).backward()
+    for mine, theirs in zip(model.parameters(), clean.parameters()):
+        assert torch.equal(mine.grad, theirs.grad)
+    store = dist.distributed_c10d._get_default_store()
+    left = store.check([_REPORT_KEY.format(group.group_name, rank)])
+    dist.barrier()
+    return left
+
+
+def test_same_point_on_every_rank_recovers(pool2: RankPool) -> None:
+    assert pool2.run(same_point_on_every_rank, _timeout=60) == [False, False]

@@ -61,7 +61,12 @@ How ranks learn it: the failed rank knows, at its next root forward, that its ba
 finish; it publishes how far it got (which units were in their backward) in the default store,
 the phase exchange's mechanism, and reads the group's other ranks' reports, waiting as the
 exchange does. Identical reports: every rank stopped at the same point, so the collectives they
-issued match and resetting is safe. The healthy ranks get nothing on their normal path: no store
+issued match and resetting is safe (reports that differ only because the exception came from
+fsdp's execution-order check, which raises on every rank after the same collective, are not
+compared). The failed rank publishes its phase before it waits, so a healthy rank's timeout
+exchange finds it whichever comes first. Ranks whose backward raised at the same point but that
+reach their next forward more than the wait apart are taken as disagreeing: an error, on the
+safe side, never a mismatched collective. The healthy ranks get nothing on their normal path: no store
 read, no collective per step. A check at every root forward (a store round trip, ~0.1 ms per
 step on TCP) would not help them anyway: a healthy rank is in the common case blocked inside its
 backward's collectives, never reaching that forward, and one that did reach it would equally
@@ -314,7 +319,15 @@ def check_interrupted_backward_agreed(groups: Sequence[dist.ProcessGroup], progr
         attempt = _RECOVERIES[name] = _RECOVERIES.get(name, 0) + 1
         ranks = [r for r in all_ranks if r != me]
         wait_s = _exchange_wait_s(_group_timeout(group))
+        report = _REPORT_KEY.format(name, me)
         try:
+            # First this rank's phase, for the other ranks' collective errors (the phase
+            # exchange) should they time out meanwhile; removed again where the ranks agree.
+            store.set(
+                report,
+                f"recovery from an interrupted backward: its backward raised after reaching "
+                f"{progress}, and it will run no more collectives of this group",
+            )
             store.set(_RECOVERY_KEY.format(name, me, attempt), progress)
             try:
                 store.wait([_RECOVERY_KEY.format(name, r, attempt) for r in ranks], timedelta(seconds=wait_s))
@@ -324,18 +337,11 @@ def check_interrupted_backward_agreed(groups: Sequence[dist.ProcessGroup], progr
                 r: store.get(key).decode() if store.check([key]) else None
                 for r, key in ((r, _RECOVERY_KEY.format(name, r, attempt)) for r in ranks)
             }
+            if all(p == progress for p in theirs.values()):
+                store.delete_key(report)  # no failure: a later exchange must not read it
+                continue
         except Exception:  # a store that cannot be reached: the check is left out
             continue
-        if all(p == progress for p in theirs.values()):
-            continue
-        try:  # the other ranks' collective errors (the phase exchange) name what this rank did
-            store.set(
-                _REPORT_KEY.format(name, me),
-                f"recovery from an interrupted backward: its backward raised after reaching "
-                f"{progress}, and it will run no more collectives of this group",
-            )
-        except Exception:
-            pass
         listing = "; ".join(
             f"rank {r}: "
             + (f"its backward raised too, after reaching {p}" if p is not None
