@@ -113,7 +113,7 @@ def steps(out: str) -> list[Step]:
              lambda limit: [PY, "-c", "import torch, fsdp; print(torch.__version__, torch.cuda.is_available())"],
              ("torch", "fsdp")),
         Step("cuda_lane", 150, 60, _pytest(out, "cuda_lane", lane), _pytest(out, "cuda_lane", lane),
-             ("pytest", "tests.conftest", "tests._models"), (("FSDP_TEST_DEVICE", "cuda"),), (0, 5)),
+             ("pytest", "tests.conftest", "tests._models", "tests._object_device"), (("FSDP_TEST_DEVICE", "cuda"),), (0, 5)),
         Step("plan_gpu", 75, 40,
              lambda limit: [PY, "-m", "benchmarks.validate_plan", "--device", "cuda", "--max-total", "60GiB",
                             "--timeout", f"{max(10.0, limit - 10):.0f}", "10M", "100M", "1B"],

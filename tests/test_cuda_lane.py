@@ -324,6 +324,55 @@ def test_scaler_with_offload_and_busy_gpu(cuda_pool1: RankPool) -> None:
     assert all(n > 0 for n in cuda_pool1.run(lane_scaler_with_offload))
 
 
+# ------------------------------------------------------------------------------ summon with grads
+def lane_summon_with_grads_offload() -> int:
+    """``summon_full_params(with_grads=True)`` with ``CPUOffload``: the offloaded sharded gradient
+    (host memory) is gathered on the GPU (a pure NCCL group refuses a CPU tensor, and world size 1
+    with offload keeps the sharded path), and the full gradients equal those of the same model
+    trained without offload bit for bit (the same GPU arithmetic; offload only moves the reduced
+    shard). The sharded gradient stays on the host, unchanged, and an in-place edit made inside
+    with ``writeback=True`` reaches it. Returns the parameters compared."""
+    FSDP = _lib("ours").FSDP
+    _, _, x, y = _batch(0)
+    compared = 0
+    for uop in (False, True):
+        models = {
+            "offload": _wrap("ours", make_toy(), dict(strategy="FULL_SHARD", offload=True, uop=uop)),
+            "gpu": _wrap("ours", make_toy().to(_dev()), dict(strategy="FULL_SHARD", uop=uop)),
+        }
+        full: dict[str, dict[str, torch.Tensor]] = {}
+        for name, model in models.items():
+            _loss(model, x, y).backward()
+            with FSDP.summon_full_params(model, with_grads=True):
+                full[name] = {}
+                for n, p in model.named_parameters():
+                    assert p.grad is not None, f"uop={uop} {name}: {n} has no gradient"
+                    assert p.grad.device == p.device, f"uop={uop} {name}: {n}: grad on {p.grad.device}"
+                    full[name][n] = p.grad.detach().cpu().clone()
+        assert list(full["offload"]) == list(full["gpu"]), f"uop={uop}"
+        for n in full["gpu"]:
+            assert torch.equal(full["offload"][n], full["gpu"][n]), f"uop={uop}: {n}: offloaded gradient differs"
+        model = models["offload"]
+        sharded = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        assert sharded and all(g.device.type == "cpu" for g in sharded.values()), f"uop={uop}: grads not on the host"
+        with FSDP.summon_full_params(model, with_grads=True, writeback=True):
+            for p in model.parameters():
+                p.grad.mul_(2)
+        for n, p in model.named_parameters():
+            if n in sharded:
+                assert p.grad is not None and p.grad.device.type == "cpu", f"uop={uop}: {n}"
+                assert torch.equal(p.grad, sharded[n] * 2), f"uop={uop}: {n}: the grad edit did not reach the host shard"
+        compared += len(full["gpu"])
+    return compared
+
+
+@pytest.mark.parametrize("pool_name", ["cuda_pool1", "cuda_pool2"])
+def test_summon_with_grads_offload(pool_name: str, request: pytest.FixtureRequest) -> None:
+    pool: RankPool = request.getfixturevalue(pool_name)
+    counts = pool.run(lane_summon_with_grads_offload)
+    assert counts[0] > 0 and counts == [counts[0]] * pool.world_size
+
+
 def _init_on_gpu(module: nn.Module) -> None:
     module.to_empty(device=_dev(), recurse=False)
     for m in [module]:
@@ -554,3 +603,18 @@ def lane_device_placement() -> Optional[str]:
 
 def test_device_placement(cuda_pool1: RankPool) -> None:
     assert cuda_pool1.run(lane_device_placement) == ["cuda:0"]
+
+
+# ------------------------------------------------------------------------------ device_id only
+@pytest.mark.parametrize("pool_name", ["cuda_pool1", "cuda_pool2"])
+def test_object_collectives_on_device_id(pool_name: str, request: pytest.FixtureRequest) -> None:
+    """NCCL at world size 1 (and gloo with CUDA tensors at 2), ``device_id=cuda:0`` passed explicitly: object collectives (the
+    optimizer state-dict APIs' agreement and rank-0 broadcast) and the sharded optimizer values
+    stage on ``device_id``; fsdp never asks for ``torch.cuda.current_device()`` (patched to raise
+    for fsdp's callers). With a second GPU the current device is moved off ``device_id`` first,
+    so a tensor staged on the current device fails the check (tests/_object_device.py)."""
+    from tests._object_device import check_object_collectives_on
+
+    pool: RankPool = request.getfixturevalue(pool_name)
+    counts = pool.run(check_object_collectives_on, "cuda:0")
+    assert counts[0] > 0 and counts == [counts[0]] * pool.world_size

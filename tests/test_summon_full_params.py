@@ -26,9 +26,12 @@ from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
 
 from fsdp import FullyShardedDataParallel as FSDP
+from fsdp.api import CPUOffload, ShardingStrategy
+from fsdp.wrap import ModuleWrapPolicy
 from tests._harness import RankPool
 from tests._net import (
     ATOL,
+    Block,
     D_HID,
     D_OUT,
     LR,
@@ -451,6 +454,46 @@ def _check_with_grads() -> int:
     return checks
 
 
+def _check_with_grads_offload() -> int:
+    """``with_grads=True`` under ``CPUOffload``: the offloaded gradient shard is gathered on the
+    compute device (the CPU here; the CUDA lane's ``test_summon_with_grads_offload`` runs the GPU
+    case, where a pure NCCL group refuses the host shard) and equals the gradients of the same
+    model without offload exactly (offload only moves the reduced shard). An in-place edit inside
+    ``writeback=True`` reaches the sharded gradient."""
+    checks = 0
+    for strategy in SHARDED:
+        for uop in (False, True):
+            what = f"{strategy} use_orig_params={uop}"
+            models = {
+                offload: FSDP(
+                    _plain(),
+                    sharding_strategy=ShardingStrategy[strategy],
+                    auto_wrap_policy=ModuleWrapPolicy({Block}),
+                    use_orig_params=uop,
+                    cpu_offload=CPUOffload(offload_params=offload),
+                )
+                for offload in (True, False)
+            }
+            full = {}
+            for offload, model in models.items():
+                _backward(model, 0, is_plain=False)
+                with FSDP.summon_full_params(model, with_grads=True):
+                    full[offload] = {n: p.grad.clone() for n, p in model.named_parameters()}
+            assert sorted(full[True]) == sorted(ALL_NAMES), what
+            assert_same(full[True], full[False], True, f"{what}: offloaded grads vs not")
+            model = models[True]
+            sharded = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+            assert sharded, what
+            with FSDP.summon_full_params(model, with_grads=True, writeback=True):
+                for p in model.parameters():
+                    p.grad.mul_(2)
+            for n, p in model.named_parameters():
+                if n in sharded:
+                    assert torch.equal(p.grad, sharded[n] * 2), f"{what}: {n}: grad edit lost"
+            checks += 1
+    return checks
+
+
 def _init_linear_const(m: nn.Module) -> None:
     if isinstance(m, nn.Linear):
         nn.init.constant_(m.weight, 0.125)
@@ -568,6 +611,11 @@ def test_rank0_only_recurse_and_nesting(dist_pool: RankPool) -> None:
 @WORLD_SIZES
 def test_with_grads(dist_pool: RankPool) -> None:
     assert dist_pool.run(_check_with_grads) == [len(STRATEGIES)] * dist_pool.world_size
+
+
+@WORLD_SIZES
+def test_with_grads_cpu_offload(dist_pool: RankPool) -> None:
+    assert dist_pool.run(_check_with_grads_offload) == [len(SHARDED) * 2] * dist_pool.world_size
 
 
 @WORLD_SIZES

@@ -13,6 +13,7 @@ the same exception type again with the unit, the phase, the collective and the g
 
 from __future__ import annotations
 
+import contextlib
 from datetime import timedelta
 from typing import Any, Optional, TypeVar
 
@@ -167,21 +168,37 @@ def all_gather_tensors(tensor: torch.Tensor, group: Optional[dist.ProcessGroup])
     return out
 
 
-def all_gather_object(obj: T, group: Optional[dist.ProcessGroup]) -> list[T]:
-    """Every rank's picklable ``obj``, in rank order."""
+def all_gather_object(obj: T, group: Optional[dist.ProcessGroup], device: torch.device) -> list[T]:
+    """Every rank's picklable ``obj``, in rank order, staged on the unit's compute ``device``
+    where the group stages objects on CUDA ([Note: Object collectives' device])."""
     out = [obj] * group_size(group)  # placeholders, every entry overwritten
     try:
-        dist.all_gather_object(out, obj, group=group)
+        with _object_device(device):
+            dist.all_gather_object(out, obj, group=group)
     except RuntimeError as err:
         raise_collective_error(err, "all-gather (objects)", group)
     return out
 
 
-def broadcast_object_from_rank0(obj: T, group: Optional[dist.ProcessGroup]) -> T:
-    """Group-rank 0's picklable ``obj`` on every rank."""
+def broadcast_object_from_rank0(obj: T, group: Optional[dist.ProcessGroup], device: torch.device) -> T:
+    """Group-rank 0's picklable ``obj`` on every rank (staged as :func:`all_gather_object`)."""
     box = [obj]
     try:
-        dist.broadcast_object_list(box, group=group, group_src=0)
+        with _object_device(device):
+            dist.broadcast_object_list(box, group=group, group_src=0)
     except RuntimeError as err:
         raise_collective_error(err, "broadcast (objects)", group)
     return box[0]
+
+
+# [Note: Object collectives' device]
+# torch's object collectives pickle into a byte tensor on the device type the group stages
+# objects on ("cuda" for NCCL, "cpu" for gloo), and "cuda" means torch.cuda.current_device().
+# A user who passes device_id and never calls torch.cuda.set_device (as the README shows) trains,
+# since every other collective uses tensors on the unit's device, and then the first checkpoint
+# (or order check) would stage on cuda:0: a second NCCL communicator on the wrong GPU, or a hang.
+# Making the unit's compute device current for the call fixes the device and keeps torch's own
+# choice of staging device type (gloo with CUDA tensors still stages on the host).
+def _object_device(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """``torch.cuda.device(device)`` for a CUDA ``device``, else nothing."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()

@@ -33,6 +33,45 @@ phase, or that it reported no failure (it is busy or blocked elsewhere), and, wh
 dict is involved on some ranks, says that state dicts are collectives. A connection closed by
 a peer is said as such: that peer exited or crashed, and nobody waited for a timeout. All of
 it runs only while failing; a store that cannot be reached just leaves the exchange out.
+
+[Note: A backward that raised on some ranks]
+An exception escaping one rank's backward (a user hook, an out-of-memory, a NaN check) leaves
+its peers where that backward's collectives leave them: usually blocked in a reduce-scatter or
+backward all-gather this rank will never issue, at best (the failure came after its last
+collective) already in the next forward. If the failed rank, caught by the user's ``except``,
+reset its units and went on, its next forward's all-gathers would pair with the others' backward
+collectives: a hang until the timeout, a gloo size mismatch that aborts the process, or on NCCL
+wrong data in silence. What fsdp guarantees:
+
+* Every rank's backward raised at the same point (the same exception in the same place, the
+  common case for a bug in the model or the loss): the next forward of each rank warns, drops
+  that backward's gradients and trains on, in step (``_recover_if_backward_interrupted``).
+* Otherwise (only some ranks raised, or ranks raised at different points): each rank whose
+  backward raised raises a ``RuntimeError`` at its next forward, within the exchange's wait
+  (a quarter of the group's timeout, 1 to 10 s), before any collective, saying what each rank
+  reported; a rank whose backward did not raise is blocked in a collective the failed rank does
+  not join and fails at the group's timeout, and its error's phase listing names the failed
+  rank's "recovery from an interrupted backward". No rank runs a mismatched collective; the
+  group is to be abandoned (restart and resume from a checkpoint).
+* Not covered: an exception raised before any FSDP hook of that backward ran (the loss's own
+  hooks): fsdp saw nothing to recover and the ranks are still in step unless their peers'
+  backward started; the peers then wait at their root's backward all-gather (timeout).
+
+How ranks learn it: the failed rank knows, at its next root forward, that its backward did not
+finish; it publishes how far it got (which units were in their backward) in the default store,
+the phase exchange's mechanism, and reads the group's other ranks' reports, waiting as the
+exchange does. Identical reports: every rank stopped at the same point, so the collectives they
+issued match and resetting is safe (reports that differ only because the exception came from
+fsdp's execution-order check, which raises on every rank after the same collective, are not
+compared). The failed rank publishes its phase before it waits, so a healthy rank's timeout
+exchange finds it whichever comes first. Ranks whose backward raised at the same point but that
+reach their next forward more than the wait apart are taken as disagreeing: an error, on the
+safe side, never a mismatched collective. The healthy ranks get nothing on their normal path: no store
+read, no collective per step. A check at every root forward (a store round trip, ~0.1 ms per
+step on TCP) would not help them anyway: a healthy rank is in the common case blocked inside its
+backward's collectives, never reaching that forward, and one that did reach it would equally
+block in its first all-gather; both end in the group's timeout, whose error reads the failed
+rank's report through the phase exchange. So the cost lives on the failure path only.
 """
 
 from __future__ import annotations
@@ -41,12 +80,12 @@ import dataclasses
 import sys
 from datetime import timedelta
 from types import FrameType
-from typing import NoReturn, Optional, Union
+from typing import NoReturn, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["raise_collective_error"]
+__all__ = ["check_interrupted_backward_agreed", "raise_collective_error"]
 
 # (module, function) -> the phase it is; the innermost match names the phase, outer ones add
 # "within ...". Names are matched as strings so this file imports nothing above it.
@@ -92,6 +131,9 @@ _STATE_DICT_HINT = (
     "decides which rank receives the result."
 )
 _CONTEXT_ATTR = "_fsdp_collective_context"
+# [Note: A backward that raised on some ranks]: one key per group, global rank and recovery.
+_RECOVERY_KEY = "fsdp/interrupted_backward/group{}/rank{}/{}"
+_RECOVERIES: dict[str, int] = {}  # group name -> recoveries this process ran (the keys' last part)
 
 
 def raise_collective_error(
@@ -226,8 +268,7 @@ def _phases_of_ranks(
         name = resolved.group_name
     except Exception:  # no default group (explicit groups only)
         return None
-    timeout_s = timeout.total_seconds() if timeout is not None else 1800.0
-    wait_s = min(10.0, max(1.0, timeout_s / 4))
+    wait_s = _exchange_wait_s(timeout)
     theirs: dict[int, Optional[str]] = {}
     try:
         store.set(_REPORT_KEY.format(name, me), mine)
@@ -241,6 +282,82 @@ def _phases_of_ranks(
     except Exception:  # describing must never hide the original error
         return None
     return _RankPhases(mine, theirs, wait_s)
+
+
+def _exchange_wait_s(timeout: Optional[timedelta]) -> float:
+    """How long a failing rank waits for the others' reports: a quarter of the group's timeout,
+    between 1 and 10 s."""
+    timeout_s = timeout.total_seconds() if timeout is not None else 1800.0
+    return min(10.0, max(1.0, timeout_s / 4))
+
+
+def check_interrupted_backward_agreed(groups: Sequence[dist.ProcessGroup], progress: str) -> None:
+    """Before a rank resets from a backward that raised: checks that every rank of ``groups``
+    is resetting from the same point ([Note: A backward that raised on some ranks]).
+
+    ``progress`` says how far this rank's backward got (which units it reached); it is published
+    in the default store and compared with the other ranks' reports, read for a moment (as the
+    phase exchange waits). Runs only on this recovery path; a store that cannot be reached
+    leaves the check out (the reset goes on, as without it).
+
+    Raises:
+        RuntimeError: On this rank, without any collective, where another rank did not report
+            the same progress in time (its backward finished or still waits in a collective this
+            rank will not join, or it raised at another point). What this rank did is also
+            published as its phase, so the other ranks' collective errors name it.
+    """
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        me = dist.get_rank()
+    except Exception:  # no default group: nothing to compare with
+        return
+    for group in groups:
+        all_ranks = _global_ranks(group)
+        if isinstance(all_ranks, str) or len(all_ranks) < 2:
+            continue
+        name = group.group_name
+        attempt = _RECOVERIES[name] = _RECOVERIES.get(name, 0) + 1
+        ranks = [r for r in all_ranks if r != me]
+        wait_s = _exchange_wait_s(_group_timeout(group))
+        report = _REPORT_KEY.format(name, me)
+        try:
+            # First this rank's phase, for the other ranks' collective errors (the phase
+            # exchange) should they time out meanwhile; removed again where the ranks agree.
+            store.set(
+                report,
+                f"recovery from an interrupted backward: its backward raised after reaching "
+                f"{progress}, and it will run no more collectives of this group",
+            )
+            store.set(_RECOVERY_KEY.format(name, me, attempt), progress)
+            try:
+                store.wait([_RECOVERY_KEY.format(name, r, attempt) for r in ranks], timedelta(seconds=wait_s))
+            except Exception:  # some ranks did not report: said below
+                pass
+            theirs = {
+                r: store.get(key).decode() if store.check([key]) else None
+                for r, key in ((r, _RECOVERY_KEY.format(name, r, attempt)) for r in ranks)
+            }
+            if all(p == progress for p in theirs.values()):
+                store.delete_key(report)  # no failure: a later exchange must not read it
+                continue
+        except Exception:  # a store that cannot be reached: the check is left out
+            continue
+        listing = "; ".join(
+            f"rank {r}: "
+            + (f"its backward raised too, after reaching {p}" if p is not None
+               else f"reported no failed backward within {wait_s:.0f} s (its backward finished, or "
+               f"it waits in a collective of that backward)")
+            for r, p in theirs.items()
+        )
+        raise RuntimeError(
+            f"fsdp: the previous backward raised on this rank (rank {me}) after reaching "
+            f"{progress}, but the other ranks of the process group of global ranks {all_ranks} "
+            f"did not stop at the same point: {listing}. The ranks' collectives no longer match "
+            f"(the next forward's all-gathers would pair with another rank's backward "
+            f"collectives: a hang, or mixed data on NCCL), so FSDP does not resume here and runs "
+            f"no collective. Fix the exception the backward raised on this rank (printed where "
+            f"it was raised), restart every rank, and resume from a checkpoint."
+        )
 
 
 def _phase_and_unit(frame: Optional[FrameType]) -> tuple[Optional[str], Optional[str]]:

@@ -57,7 +57,8 @@ def check_execution_order(state: UnitState, phase: str) -> None:
             continue
         codes = _all_gather_int(code, group, ctx.root.compute_device)
         if any(c != code for c in codes):
-            described = comm.all_gather_object(f"{phase} of unit '{state.unit_name}'", group)
+            ctx.raised_in_step = True  # every rank raises here, after the same collectives
+            described = comm.all_gather_object(f"{phase} of unit '{state.unit_name}'", group, ctx.root.compute_device)
             ranks = [describe_group_rank(group, r) for r in range(world)]
             listing = "; ".join(f"{rank}: {what}" for rank, what in zip(ranks, described))
             raise RuntimeError(
@@ -106,7 +107,7 @@ def check_same_layout(ctx: RootContext) -> None:
         digest = _digest(layout)
         if all(d == digest for d in _all_gather_int(digest, group, ctx.root.compute_device)):
             continue
-        layouts: list[list[str]] = comm.all_gather_object(layout, group)  # every rank's _layout
+        layouts: list[list[str]] = comm.all_gather_object(layout, group, ctx.root.compute_device)  # every rank's _layout
         ranks = [describe_group_rank(group, r) for r in range(world)]
         longest = max(len(lay) for lay in layouts)
         first = next(

@@ -16,6 +16,7 @@ from torch import nn
 from torch.autograd import Variable
 
 from fsdp._common import apply_to_tensors, compile_boundary, eager_only, p_assert
+from fsdp._comm._errors import check_interrupted_backward_agreed
 from fsdp.flat_param.flat_param import FlatParameter, FlatParamHandle
 from fsdp.flat_param._recast import adopt_external_cast, check_not_recast_since_forward
 from fsdp.runtime._exec_order import check_execution_order, finish_first_iteration
@@ -100,13 +101,24 @@ def _recover_if_backward_interrupted(state: UnitState) -> None:
 
     The end-of-backward callback never ran, so units may still be gathered, in a backward
     state, holding half-reduced gradients. Warn, drop what that backward produced (gradients
-    from before it are kept) and start clean, instead of failing every later step.
+    from before it are kept) and start clean, instead of failing every later step; but only
+    where every rank stopped at the same point ([Note: A backward that raised on some ranks]).
+
+    Raises:
+        RuntimeError: The other ranks did not stop where this one did (nothing is reset).
     """
     ctx = state.ctx
     assert ctx is not None
+    in_step, ctx.raised_in_step = ctx.raised_in_step, False
     stuck = [s for s in ctx.states if s.training_state in (HandleTrainingState.BACKWARD_PRE, HandleTrainingState.BACKWARD_POST) or s.ran_pre_backward]
     if not stuck and not ctx.final_callback_queued:
         return
+    # Safe only where every rank stopped at the same point ([Note: A backward that raised on
+    # some ranks] in fsdp/_comm/_errors.py); raises before any collective otherwise.
+    progress = ", ".join(f"'{s.unit_name}' ({s.training_state.name}{', pre-backward ran' if s.ran_pre_backward else ''})" for s in stuck)
+    groups = [g for g in (ctx.root.process_group, ctx.root.replicate_group) if g is not None]
+    if not in_step:
+        check_interrupted_backward_agreed(groups, f"FSDP units {progress or 'none'}")
     warnings.warn(
         "fsdp: the previous backward did not finish (an exception was raised inside it?); "
         f"resetting FSDP units {[s.unit_name for s in stuck]} and discarding the gradients "

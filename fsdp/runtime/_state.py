@@ -248,6 +248,8 @@ class RootContext:
         order_checked: The first iteration's execution-order check is done
             ([Note: Execution order check]).
         exec_order: The first iteration's order of gathers (unit index x phase).
+        raised_in_step: The execution-order check raised (on every rank together) since the
+            root's last forward.
         inflight_reductions: Handles whose gradient reduction is still in flight, oldest first.
         state_dict_active: A ``state_dict()`` call of this tree is in progress.
         state_dict_done: Ids of state-dict values already finished by nested units.
@@ -270,6 +272,9 @@ class RootContext:
     final_callback_queued: bool = False
     unit_index: dict[int, int] = field(default_factory=dict)
     order_checked: bool = False
+    # The execution-order check raised on every rank at once (in step): a backward it
+    # interrupted needs no agreement to reset ([Note: A backward that raised on some ranks]).
+    raised_in_step: bool = False
     exec_order: list[int] = field(default_factory=list)
     inflight_reductions: list["FlatParamHandle"] = field(default_factory=list)
     state_dict_active: bool = False

@@ -182,8 +182,11 @@ def _gather_grad(handle: FlatParamHandle) -> Optional[torch.Tensor]:
         return None
     if not handle.uses_sharding:
         return grad
-    full = torch.empty(handle.padded_unsharded_numel, dtype=grad.dtype, device=grad.device)
-    comm.all_gather_flat(full, grad, handle.process_group)
+    # On the compute device, where the full parameters were gathered: with CPU offload the
+    # sharded gradient lives on the CPU, and a CPU tensor is refused by a pure NCCL group
+    # (world size 1 too: offload keeps the sharded path there, [Note: CPU offload on one rank]).
+    full = torch.empty(handle.padded_unsharded_numel, dtype=grad.dtype, device=handle.device)
+    comm.all_gather_flat(full, grad.to(handle.device), handle.process_group)
     return full
 
 

@@ -121,6 +121,8 @@ class ModelView:
                 check_idle(unit, "an optimizer state dict API")
         flags = {unit_state(u).handles[0].use_orig_params for u in units if unit_state(u).handles}
         self.use_orig_params = flags == {True}
+        # Where object collectives stage ([Note: Object collectives' device] in fsdp/_comm/).
+        self.compute_device: torch.device = unit_state(units[0]).compute_device
         prefix: dict[int, str] = {}
         for name, module in model.named_modules(remove_duplicate=False):
             prefix.setdefault(id(module), name)
@@ -415,8 +417,8 @@ def _rebuild(error_type: type, message: str) -> BaseException:
         return RuntimeError(message)
 
 
-def agree(local: Callable[[], T], group: Optional[dist.ProcessGroup], what: str) -> list[T]:
-    """Runs ``local`` here and all-gathers its result over ``group``.
+def agree(local: Callable[[], T], group: Optional[dist.ProcessGroup], what: str, device: torch.device) -> list[T]:
+    """Runs ``local`` here and all-gathers its result over ``group`` (staged on ``device``).
 
     Returns:
         Every rank's result, in rank order.
@@ -432,7 +434,7 @@ def agree(local: Callable[[], T], group: Optional[dist.ProcessGroup], what: str)
     except (ValueError, TypeError, KeyError, IndexError, RuntimeError, AssertionError) as exc:
         error = exc
     gathered = comm.all_gather_object(
-        (result, None if error is None else (type(error), str(error))), group
+        (result, None if error is None else (type(error), str(error))), group, device
     )
     if error is not None:
         raise error

@@ -125,7 +125,7 @@ def _prepare_load(
         prepared.update(params=params, keys=keys, fqn_to_key=keys_by_fqn(view, params, keys))
 
     if rank0_only:
-        agree(prepare_optimizer, group, "match its optimizer to the model")
+        agree(prepare_optimizer, group, "match its optimizer to the model", view.compute_device)
         osd = _broadcast_from_rank0(optim_state_dict, view, group)
         _check_groups_held(osd, prepared["fqn_to_key"])
     else:
@@ -141,7 +141,7 @@ def _prepare_load(
             return _sharded_layout(optim_state_dict, view)
 
         if sharded:
-            _check_layouts_agree(agree(prepare, group, "load its sharded optimizer state dict"))
+            _check_layouts_agree(agree(prepare, group, "load its sharded optimizer state dict", view.compute_device))
         else:
             prepare()
     return osd, _HeldKeys(prepared["params"], prepared["keys"], prepared["fqn_to_key"])
@@ -163,9 +163,9 @@ def _gathered_state(osd: dict[str, Any], view: ModelView) -> dict[str, dict[str,
             kind = ValueKind.of(value)
             if spec is not None and (kind.has_dims or kind.sharded):
                 h, _ = view.fqn_to_slot[fqn]
-                entry[name] = tp_local(value, spec, view.roots[h])
+                entry[name] = tp_local(value, spec, view.roots[h], view.compute_device)
             elif kind.sharded:
-                entry[name] = kind.full_tensor(value, f"state '{name}' of '{fqn}'")
+                entry[name] = kind.full_tensor(value, f"state '{name}' of '{fqn}'", view.compute_device)
     return state
 
 
@@ -247,7 +247,7 @@ def _broadcast_from_rank0(osd: Optional[dict[str, Any]], view: ModelView, group:
         else:
             stripped, tensors = _strip_tensors(loaded)
     sent: dict[str, Any] = {"error": (type(error), str(error))} if error is not None else stripped
-    structure = comm.broadcast_object_from_rank0(sent, group)
+    structure = comm.broadcast_object_from_rank0(sent, group, view.compute_device)
     if error is not None:
         raise error
     if "error" in structure:

@@ -145,7 +145,7 @@ def _prepare_save(
         prepared.update(osd=osd, params=params)
         return _local_optim_state(view, params, osd["state"])
 
-    infos = agree(prepare, group, "describe its optimizer state")
+    infos = agree(prepare, group, "describe its optimizer state", view.compute_device)
     return prepared["osd"], prepared["params"], infos
 
 
@@ -394,7 +394,7 @@ def _gather_orig_param_states(
                 info[fqn][name] = ("s", value.detach().cpu())
             else:
                 info[fqn][name] = ("o", value)
-    gathered = comm.all_gather_object(info, handle.process_group)
+    gathered = comm.all_gather_object(info, handle.process_group, handle.device)
     with_state = [fqn for fqn in fqns if any(fqn in g for g in gathered)]
     tensor_names = sorted({n for g in gathered for st in g.values() for n, v in st.items() if v[0] == "t"})
     result: dict[str, dict[str, Any]] = {fqn: {} for fqn in sorted(with_state)}

@@ -253,10 +253,10 @@ def tp_dtensor(local: torch.Tensor, spec: Any) -> Any:
 # DTensor's own arithmetic (``compute_local_shape_and_global_offset``), no communication.
 # Collective for the 2-D and foreign DTensors and ShardedTensors: every rank converts the same
 # entries in the same order.
-def tp_local(value: Any, spec: Any, root: Any) -> torch.Tensor:
+def tp_local(value: Any, spec: Any, root: Any, device: torch.device) -> torch.Tensor:
     """The tp-local tensor of ``value`` for a tensor-parallel parameter with DTensor spec
-    ``spec`` (on a unit whose parent mesh is ``root``, None if none); see
-    [Note: Tensor-parallel values to load]."""
+    ``spec`` (on a unit whose parent mesh is ``root``, None if none; a ShardedTensor is gathered
+    on the compute ``device``); see [Note: Tensor-parallel values to load]."""
     from torch.distributed.tensor import DTensor, Placement, Replicate
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -270,7 +270,7 @@ def tp_local(value: Any, spec: Any, root: Any) -> torch.Tensor:
             return value.redistribute(root, gathered).to_local()
         value = value.full_tensor()
     elif is_sharded_tensor(value):
-        value = ValueKind.SHARDED_TENSOR.full_tensor(value, "a value of a tensor-parallel parameter")
+        value = ValueKind.SHARDED_TENSOR.full_tensor(value, "a value of a tensor-parallel parameter", device)
     shape, offset = compute_local_shape_and_global_offset(spec.shape, spec.mesh, spec.placements)
     return value[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
 
@@ -669,16 +669,17 @@ class ValueKind(enum.Enum):
             return value.metadata().tensor_properties.dtype
         return value.dtype
 
-    def full_tensor(self, value: Any, where: str) -> torch.Tensor:
+    def full_tensor(self, value: Any, where: str, device: torch.device) -> torch.Tensor:
         """The full tensor of a sharded ``value``: a DTensor, or a dim-0 chunk-sharded
-        ShardedTensor; a collective over its group. ``where`` names it in errors."""
+        ShardedTensor; a collective over its group (on the compute ``device`` for NCCL).
+        ``where`` names it in errors."""
         if self is ValueKind.DTENSOR:
             return value.full_tensor()
         p_assert(self is ValueKind.SHARDED_TENSOR, f"{where}: not a sharded value")
-        return _gather_sharded_tensor(value, where)
+        return _gather_sharded_tensor(value, where, device)
 
 
-def _gather_sharded_tensor(value: Any, where: str) -> torch.Tensor:
+def _gather_sharded_tensor(value: Any, where: str, compute_device: torch.device) -> torch.Tensor:
     """The full tensor of a ShardedTensor chunked along dim 0 over its group (an all-gather),
     read through its metadata and local shards only; another layout raises ``ValueError``."""
     group = value._process_group
@@ -699,5 +700,5 @@ def _gather_sharded_tensor(value: Any, where: str) -> torch.Tensor:
     dtype = metadata.tensor_properties.dtype
     device = shards[0].tensor.device if shards else torch.device("cpu")
     if group is not None and dist.get_backend(group) == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
+        device = compute_device
     return gather_chunked_rows(shards[0].tensor if shards else None, size, dtype, device, group, ws)
