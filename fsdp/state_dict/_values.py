@@ -291,7 +291,7 @@ def local_form(value: Any, state: UnitState, spec: Any = None) -> Any:
             and torch.overrides.is_tensor_like(value)
             and tuple(value.shape) == tuple(spec.shape)
         ):
-            return tp_local(value, spec, None)  # a cut, no communication
+            return tp_local(value, spec, None, state.compute_device)  # a cut, no communication
         return value
     root = parent_mesh(state)
     if root is not None and value.device_mesh == root:
