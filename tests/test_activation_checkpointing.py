@@ -83,7 +83,8 @@ def run(mode: str, strategy: str) -> list[int]:
             if i == 1 and step > 0:  # the first iteration also runs the execution-order check
                 gathers.append(counts.calls.get("all_gather", 0))
                 if strategy != "NO_SHARD":
-                    assert all(u._fsdp_state.handle.unsharded_storage_nbytes() == 0 for u in units if u._fsdp_state.handle)
+                    handles = [u._fsdp_state.handle for u in units if u._fsdp_state.handle]
+                    assert all(h.storage.unsharded_storage_nbytes() == 0 for h in handles)
             opt.step()
             opt.zero_grad()
     mine, torch_full, ref_full = _full_params(ours, FSDP), _full_params(theirs, TorchFSDP), dict(ref.named_parameters())

@@ -35,8 +35,8 @@ def step_counts(strategy: str, freeze_block: bool) -> dict[str, Any]:
         result[lib] = (dict(counts.calls), dict(counts.bytes))
         if lib == "ours":
             handles = [m._fsdp_state.handle for m in FSDP.fsdp_modules(model)]
-            result["padded_bytes"] = [h.padded_unsharded_numel * 4 for h in handles]
-            result["sharded_bytes"] = [h.sharded_numel * 4 for h in handles]
+            result["padded_bytes"] = [h.shard_layout.padded_unsharded_numel * 4 for h in handles]
+            result["sharded_bytes"] = [h.shard_layout.sharded_numel * 4 for h in handles]
     return result
 
 
@@ -82,7 +82,7 @@ def memory_lifecycle(strategy: str) -> None:
     root, blocks = units[0], units[1:]
 
     def nbytes(unit: Any) -> int:
-        return unit._fsdp_state.handle.unsharded_storage_nbytes()
+        return unit._fsdp_state.handle.storage.unsharded_storage_nbytes()
 
     assert all(nbytes(u) == 0 for u in units), "nothing is unsharded before the first forward"
     rank, ws = dist.get_rank(), dist.get_world_size()
@@ -92,13 +92,13 @@ def memory_lifecycle(strategy: str) -> None:
         assert all(nbytes(b) == 0 for b in blocks), "FULL_SHARD frees non-root units after forward"
         assert nbytes(root) > 0, "the root stays unsharded for its backward"
     else:
-        assert all(nbytes(u) == u._fsdp_state.handle.padded_unsharded_numel * 4 for u in units)
+        assert all(nbytes(u) == u._fsdp_state.handle.shard_layout.padded_unsharded_numel * 4 for u in units)
     loss.backward()
     for unit in units:
         handle = unit._fsdp_state.handle
         assert nbytes(unit) == 0, f"{unit._fsdp_state.unit_name} still holds unsharded storage"
-        assert handle.flat_param.numel() == handle.sharded_numel
-        assert handle.flat_param.grad.shape == (handle.sharded_numel,)
+        assert handle.flat_param.numel() == handle.shard_layout.sharded_numel
+        assert handle.flat_param.grad.shape == (handle.shard_layout.sharded_numel,)
     # Steady state (from the second iteration): the last block, whose backward comes right
     # after the root's, stays unsharded from its forward into its backward.
     x = local_rows(tokens, rank, ws)

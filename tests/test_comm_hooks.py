@@ -102,7 +102,7 @@ def reduced_grads_match_arithmetic(strategy: str, name: str) -> None:
         for other in everyone[1:]:
             total = total + other.to(dtype) / pre
         expected = (total / post).to(torch.float32)
-        if handle.uses_sharding:
+        if handle.shard_layout.uses_sharding:
             expected = expected.chunk(ws)[rank]
         assert torch.equal(handle.flat_param.grad, expected), handle.unit_name
 

@@ -215,7 +215,8 @@ def ignored(strategy: str, how: str) -> None:
     ours = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}), sharding_strategy=ShardingStrategy[strategy], **kw)
     tmodel, tkw = build()
     theirs = TorchFSDP(tmodel, auto_wrap_policy=TorchPolicy({Block}), sharding_strategy=TorchStrategy[strategy], device_id=torch.device("cpu"), **tkw)
-    managed = sum(m._fsdp_state.handle.unpadded_unsharded_numel for m in FSDP.fsdp_modules(ours) if m._fsdp_state.handle)
+    handles = [m._fsdp_state.handle for m in FSDP.fsdp_modules(ours) if m._fsdp_state.handle]
+    managed = sum(h.shard_layout.unpadded_unsharded_numel for h in handles)
     total = sum(p.numel() for p in make_toy().parameters())
     assert managed == total - sum(p.numel() for n, p in make_toy().named_parameters() if n in ignored_ptrs)
     for name, ptr in ignored_ptrs.items():  # untouched: same tensors, still registered

@@ -66,7 +66,7 @@ def _unsharded_units(model: FSDP) -> list[str]:
     return [
         unit._fsdp_state.unit_name
         for unit in FSDP.fsdp_modules(model)
-        if unit._fsdp_state.handle.unsharded_storage_nbytes() != 0
+        if unit._fsdp_state.handle.storage.unsharded_storage_nbytes() != 0
     ]
 
 

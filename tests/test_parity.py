@@ -157,7 +157,7 @@ def tied_storage_once() -> tuple[int, int]:
     model = FSDP(make_toy(tie=True))
     handle = model._fsdp_state.handle
     untied = sum(p.numel() for p in make_toy(tie=False).parameters())
-    return handle.unpadded_unsharded_numel, untied - 13 * 7
+    return handle.shard_layout.unpadded_unsharded_numel, untied - 13 * 7
 
 
 def test_tied_weight_stored_once(pool2: RankPool) -> None:

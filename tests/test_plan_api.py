@@ -31,8 +31,8 @@ def _wrapper_units() -> list[tuple[int, int, int]]:
     sizes = []
     for m in wrapped.modules():
         if is_fsdp(m):
-            for h in unit_state(m).handles:
-                sizes.append((h.unpadded_unsharded_numel, h.padded_unsharded_numel, h.sharded_numel))
+            for layout in (h.shard_layout for h in unit_state(m).handles):
+                sizes.append((layout.unpadded_unsharded_numel, layout.padded_unsharded_numel, layout.sharded_numel))
     return sizes
 
 

@@ -109,7 +109,7 @@ def prefetch_parity(strategy: str, backward: Optional[str], forward: bool, limit
                 # stays gathered]); without a backward prefetch it is freed and gathered again.
                 assert kept is not None and kept.unit_name == "blocks.2"
                 expected_calls["all_gather"] -= 1
-                expected_bytes["all_gather"] -= kept.handles[0].padded_unsharded_numel * 4
+                expected_bytes["all_gather"] -= kept.handles[0].shard_layout.padded_unsharded_numel * 4
             else:
                 assert kept is None
             assert (dict(mine.calls), dict(mine.bytes)) == (expected_calls, expected_bytes), (mine.calls, plain.calls)

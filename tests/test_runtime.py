@@ -86,7 +86,8 @@ def edge_cases(strategy: str, steps: int = 3) -> None:
     ours = [m for m in FSDP.fsdp_modules(models[1])]
     for unit in ours:
         assert unit.training_state.name == "IDLE"
-        assert unit._fsdp_state.handle is None or unit._fsdp_state.handle.unsharded_storage_nbytes() == 0 or strategy == "NO_SHARD"
+        handle = unit._fsdp_state.handle
+        assert handle is None or handle.storage.unsharded_storage_nbytes() == 0 or strategy == "NO_SHARD"
     aux = models[1].aux._fsdp_state.handle.flat_param
     frozen = models[1].frozen._fsdp_state.handle.flat_param
     assert aux.grad is None and frozen.grad is None and not frozen.requires_grad

@@ -130,12 +130,12 @@ def rank0_only_memory() -> dict[str, Any]:
 
     def unshard_spy(self: FlatParamHandle) -> None:
         original_unshard(self)
-        unsharded.append(sum(h.unsharded_storage_nbytes() > 0 for h in handles))
+        unsharded.append(sum(h.storage.unsharded_storage_nbytes() > 0 for h in handles))
 
     def gather_spy(*args: Any, **kwargs: Any) -> Any:
         out = original_gather(*args, **kwargs)
         received.append(out is not None)
-        unsharded.append(sum(h.unsharded_storage_nbytes() > 0 for h in handles))
+        unsharded.append(sum(h.storage.unsharded_storage_nbytes() > 0 for h in handles))
         return out
 
     FlatParamHandle.unshard = unshard_spy  # type: ignore[method-assign]
@@ -148,12 +148,12 @@ def rank0_only_memory() -> dict[str, Any]:
     finally:
         FlatParamHandle.unshard = original_unshard  # type: ignore[method-assign]
         model_sd.gather = original_gather  # type: ignore[assignment]
-    assert all(h.unsharded_storage_nbytes() == 0 for h in handles)
+    assert all(h.storage.unsharded_storage_nbytes() == 0 for h in handles)
     return {
         "unsharded": unsharded,
         "received": received,
         "save_extra_bytes": trace.peaks["save"] - trace.starts["save"],
-        "unit_bytes": max(h.padded_unsharded_numel * h.flat_param.element_size() for h in handles),
+        "unit_bytes": max(h.shard_layout.padded_unsharded_numel * h.flat_param.element_size() for h in handles),
     }
 
 

@@ -118,8 +118,9 @@ def _assert_resharded(model: FSDP, strategy: str, what: str) -> None:
         handle = unit._fsdp_state.handle
         assert handle is not None
         if strategy in SHARDED and dist.get_world_size() > 1:
-            assert handle.unsharded_storage_nbytes() == 0, f"{what}: unit {unit._fsdp_state.unit_name} unsharded"
-            assert handle.flat_param.numel() == handle.sharded_numel, what
+            unsharded = f"{what}: unit {unit._fsdp_state.unit_name} unsharded"
+            assert handle.storage.unsharded_storage_nbytes() == 0, unsharded
+            assert handle.flat_param.numel() == handle.shard_layout.sharded_numel, what
 
 
 def _outputs(models: dict[str, nn.Module], step: int = 99) -> dict[str, torch.Tensor]:
@@ -315,8 +316,8 @@ def _check_rank0_only_and_recurse() -> int:
                 if sharded:
                     for unit in FSDP.fsdp_modules(ours):
                         handle = unit._fsdp_state.handle
-                        assert handle.unsharded_storage_nbytes() == 0
-                        assert handle.flat_param.numel() == handle.sharded_numel
+                        assert handle.storage.unsharded_storage_nbytes() == 0
+                        assert handle.flat_param.numel() == handle.shard_layout.sharded_numel
         _assert_resharded(ours, strategy, f"{strategy}: after rank0_only")
         # rank0_only=True with offload_to_cpu=True (the combination torch recommends).
         with FSDP.summon_full_params(ours, writeback=False, rank0_only=True, offload_to_cpu=True):
@@ -339,9 +340,9 @@ def _check_rank0_only_and_recurse() -> int:
             assert len(nested_units) == 2
             if sharded:
                 root_handle = ours._fsdp_state.handle
-                assert root_handle.unsharded_storage_nbytes() > 0
+                assert root_handle.storage.unsharded_storage_nbytes() > 0
                 for unit in nested_units:
-                    assert unit._fsdp_state.handle.unsharded_storage_nbytes() == 0
+                    assert unit._fsdp_state.handle.storage.unsharded_storage_nbytes() == 0
                 # A sharded nested unit's parameters hold no data under their original names.
                 with pytest.raises(RuntimeError, match="sharded"):
                     ours.module.blocks[0].module.fc1.weight + 1
@@ -394,8 +395,8 @@ def _check_rank0_only_and_recurse() -> int:
                 assert "blocks.0.fc1.weight" in got and "blocks.1._flat_param" in got
                 torch.testing.assert_close(got["blocks.0.fc1.weight"], expected["blocks.0.fc1.weight"], rtol=RTOL, atol=ATOL)
             if sharded:
-                assert ours.module.blocks[0]._fsdp_state.handle.unsharded_storage_nbytes() == 0
-                assert ours._fsdp_state.handle.unsharded_storage_nbytes() > 0
+                assert ours.module.blocks[0]._fsdp_state.handle.storage.unsharded_storage_nbytes() == 0
+                assert ours._fsdp_state.handle.storage.unsharded_storage_nbytes() > 0
         _assert_resharded(ours, strategy, f"{strategy}: after nested summons")
 
         # Training still works and matches the plain model.

@@ -118,7 +118,7 @@ def frozen_memory() -> tuple[int, int, int]:
     for unit in FSDP.fsdp_modules(ours):
         for handle in unit._fsdp_state.handles:
             if handle.flat_param.requires_grad:
-                trainable += sharded_numel(handle.unpadded_unsharded_numel, ws) * 4
+                trainable += sharded_numel(handle.shard_layout.unpadded_unsharded_numel, ws) * 4
             else:
                 assert handle.flat_param.grad is None  # the frozen handle has no gradient at all
     return ours_bytes, theirs_bytes, trainable

@@ -65,7 +65,7 @@ ApplyFn = Callable[[torch.Tensor], torch.Tensor]
 
 def _expected_device(handle: "FlatParamHandle") -> torch.device:
     """Where the local shard lives: CPU with parameter offload, else the compute device."""
-    return torch.device("cpu") if handle.offload_params else handle.device
+    return torch.device("cpu") if handle.storage.offload_params else handle.device
 
 
 def planned_local_shard(handle: "FlatParamHandle", fn: ApplyFn) -> Optional[tuple[torch.dtype, torch.device]]:
@@ -93,7 +93,7 @@ def planned_local_shard(handle: "FlatParamHandle", fn: ApplyFn) -> Optional[tupl
     if probe_out.device != expected:
         where = (
             "with parameter CPU offloading enabled keeps its parameters on cpu"
-            if handle.offload_params
+            if handle.storage.offload_params
             else f"computes on {expected}"
         )
         raise RuntimeError(
@@ -145,7 +145,7 @@ def recast_handle(
 
     Postcondition: the local shard, ``.data`` of the FlatParameter (and, with use_orig_params,
     of the original Parameters), the padded unsharded buffers, the placeholders and the held
-    gradients are in the new dtype; ``handle.dtype`` and ``handle.precision`` are resolved from
+    gradients are in the new dtype; ``handle.dtype`` and ``handle.storage.precision`` are resolved from
     it and ``mixed_precision`` as at construction; the handle is SHARDED (UNSHARDED if it never
     frees anything); ``handle.views.cast_generation`` is increased.
     """
@@ -165,7 +165,7 @@ def recast_handle(
         new_local.dim() == 1 and new_local.numel() == old_local.numel(),
         f"unit '{handle.unit_name}': the cast gave a local shard of shape {tuple(new_local.shape)}",
     )
-    if handle.offload_params and handle.device.type != "cpu" and not new_local.is_pinned():
+    if handle.storage.offload_params and handle.device.type != "cpu" and not new_local.is_pinned():
         new_local = new_local.pin_memory()
     new_dtype = new_local.dtype
     precision = HandlePrecision.resolve(mixed_precision, new_dtype)
@@ -264,7 +264,7 @@ def _cast_around_wrapper(handle: "FlatParamHandle") -> Optional[torch.dtype]:
                 return param.dtype
         return None
     unsharded = handle.state.name == "UNSHARDED" and handle.has_unsharded_buffer
-    expected = handle.precision.param_dtype if unsharded else handle.dtype
+    expected = handle.storage.precision.param_dtype if unsharded else handle.dtype
     return handle.flat_param.dtype if handle.flat_param.dtype != expected else None
 
 

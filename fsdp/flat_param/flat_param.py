@@ -52,7 +52,6 @@ from fsdp.flat_param._layout import (
 from fsdp.flat_param._precision import HandlePrecision
 from fsdp.flat_param._reduction import GradReduction
 from fsdp.flat_param._sharding import (
-    ParamShardSlice,
     aligned_numel,
     handle_uses_sharding,
 )
@@ -215,7 +214,7 @@ class FlatParamHandle:
         for shared in self.shared_param_infos:
             shared.module._parameters.pop(shared.param_name, None)
         self.wrapped_module.register_parameter(FLAT_PARAM, self.flat_param)
-        if self.uses_sharding or self.has_unsharded_buffer:
+        if self.shard_layout.uses_sharding or self.has_unsharded_buffer:
             self.views.use_sharded()
         else:
             with torch.no_grad():
@@ -241,41 +240,6 @@ class FlatParamHandle:
         """The shard group's size."""
         return self.shard_layout.world_size
 
-    @property
-    def uses_sharding(self) -> bool:
-        """False for NO_SHARD and for world size 1 (the local shard is the whole parameter)."""
-        return self.shard_layout.uses_sharding
-
-    @property
-    def unpadded_unsharded_numel(self) -> int:
-        return self.shard_layout.unpadded_unsharded_numel
-
-    @property
-    def padded_unsharded_numel(self) -> int:
-        return self.shard_layout.padded_unsharded_numel
-
-    @property
-    def sharded_numel(self) -> int:
-        return self.shard_layout.sharded_numel
-
-    @property
-    def shard_slices(self) -> list[Optional[ParamShardSlice]]:
-        """Each parameter's part of the local shard (None where this rank holds none of it)."""
-        return self.shard_layout.shard_slices
-
-    @property
-    def _orig_sharded_ranges(self) -> list[tuple[int, int]]:
-        """``(offset in the local shard, numel)`` of each parameter's part on this rank."""
-        return self.shard_layout.sharded_ranges
-
-    def local_slice(self, padded_unsharded: torch.Tensor) -> torch.Tensor:
-        """This rank's shard-sized slice of a padded unsharded flat tensor."""
-        return self.shard_layout.local_slice(padded_unsharded)
-
-    def unsharded_views(self, source: torch.Tensor) -> list[torch.Tensor]:
-        """Views of a padded unsharded flat tensor shaped like the original parameters."""
-        return self.shard_layout.unsharded_views(source)
-
     # ------------------------------------------------------------------ torch FSDP1's names
     @property
     def _orig_param_dtype(self) -> torch.dtype:
@@ -295,14 +259,9 @@ class FlatParamHandle:
     @property
     def _fwd_bwd_param_dtype(self) -> torch.dtype:
         """The dtype forward and backward compute in (torch FSDP1's name)."""
-        return self.precision.param_dtype
+        return self.storage.precision.param_dtype
 
     # ------------------------------------------------------------------ storage
-    @property
-    def precision(self) -> HandlePrecision:
-        """The dtypes the handle keeps, computes and reduces in (changed only by a recast)."""
-        return self.storage.precision
-
     @property
     def dtype(self) -> torch.dtype:
         """The original (full) dtype: the local shard's and the sharded gradient's."""
@@ -323,17 +282,8 @@ class FlatParamHandle:
         return self.storage.has_unsharded_buffer
 
     @property
-    def offload_params(self) -> bool:
-        """The local shard and its gradient live on CPU ([Note: CPU offload])."""
-        return self.storage.offload_params
-
-    @property
     def _local_shard(self) -> torch.Tensor:
         return self.storage.local_shard
-
-    def unsharded_storage_nbytes(self) -> int:
-        """Bytes the padded unsharded buffers hold right now (0 when freed)."""
-        return self.storage.unsharded_storage_nbytes()
 
     def unshard(self, full_precision: bool = False, async_op: bool = False) -> None:
         """Makes the padded unsharded parameter the FlatParameter's ``.data``.
@@ -386,7 +336,7 @@ class FlatParamHandle:
         """Copies this rank's slice of ``padded_unsharded`` into the local shard."""
         local_shard = self.storage.local_shard
         if padded_unsharded.data_ptr() != local_shard.data_ptr():
-            local_shard.copy_(self.local_slice(padded_unsharded))
+            local_shard.copy_(self.shard_layout.local_slice(padded_unsharded))
 
     # ------------------------------------------------------------------ views and gradients
     def use_unsharded_views(self, as_params: bool = False) -> None:

@@ -79,7 +79,7 @@ def clip_grad_norm_(
     """
     assert state.ctx is not None, "clip_grad_norm_ runs after lazy init"
     handles = [handle for unit in state.ctx.states for handle in unit.handles]
-    if not any(handle.uses_sharding for handle in handles):
+    if not any(handle.shard_layout.uses_sharding for handle in handles):
         return torch.nn.utils.clip_grad_norm_(root.parameters(), max_norm, norm_type)
     if norm_type == 0:
         raise ZeroDivisionError(
@@ -92,7 +92,7 @@ def clip_grad_norm_(
     grads: list[torch.Tensor] = []  # every gradient, for the clipping and the result's dtype
     managed: set[int] = set()
     for handle in handles:
-        target = sharded if handle.uses_sharding else replicated
+        target = sharded if handle.shard_layout.uses_sharding else replicated
         flat_grad = handle.grads.sync_from_orig()
         managed.add(id(handle.flat_param))
         if handle.use_orig_params:
@@ -122,7 +122,7 @@ def clip_grad_norm_(
         if local_replicated is not None:
             total += local_replicated**norm_type
         total = total ** (1.0 / norm_type)
-    if any(handle.offload_params for handle in handles):
+    if any(handle.storage.offload_params for handle in handles):
         total = total.cpu()
 
     clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)

@@ -81,7 +81,7 @@ def _layout(ctx: RootContext) -> list[str]:
     lines = []
     for unit in ctx.states:
         flats = ", ".join(
-            f"{handle.flat_param.dtype} x {handle.padded_unsharded_numel}" for handle in unit.handles
+            f"{handle.flat_param.dtype} x {handle.shard_layout.padded_unsharded_numel}" for handle in unit.handles
         )
         lines.append(f"'{unit.unit_name}' [{flats or 'no parameters'}]")
     return lines

@@ -137,8 +137,8 @@ def _summon_handle(
         wrapped = handle.wrapped_module
         registered = wrapped._parameters.pop(FLAT_PARAM, None) is not None
         layout = handle.shard_layout
-        params = handle.views.full_params(layout.orig_tensors(handle.unsharded_views(source)))
-        grad_views = layout.orig_tensors(handle.unsharded_views(full_grad)) if full_grad is not None else []
+        params = handle.views.full_params(layout.orig_tensors(layout.unsharded_views(source)))
+        grad_views = layout.orig_tensors(layout.unsharded_views(full_grad)) if full_grad is not None else []
         for param, grad_view in zip(params, grad_views):
             assign_grad(param, grad_view)
         if full_grad is None:
@@ -180,12 +180,12 @@ def _gather_grad(handle: FlatParamHandle) -> Optional[torch.Tensor]:
     grad = handle.flat_param.grad
     if grad is None:
         return None
-    if not handle.uses_sharding:
+    if not handle.shard_layout.uses_sharding:
         return grad
     # On the compute device, where the full parameters were gathered: with CPU offload the
     # sharded gradient lives on the CPU, and a CPU tensor is refused by a pure NCCL group
     # (world size 1 too: offload keeps the sharded path there, [Note: CPU offload on one rank]).
-    full = torch.empty(handle.padded_unsharded_numel, dtype=grad.dtype, device=handle.device)
+    full = torch.empty(handle.shard_layout.padded_unsharded_numel, dtype=grad.dtype, device=handle.device)
     comm.all_gather_flat(full, grad.to(handle.device), handle.process_group)
     return full
 
@@ -214,7 +214,7 @@ def _write_back(handle: FlatParamHandle, params: list[nn.Parameter], source: tor
     In-place changes already live in ``source``. A parameter whose ``.data`` or module
     attribute was replaced is copied in as well (torch FSDP1 silently drops those).
     """
-    views = handle.unsharded_views(source)
+    views = handle.shard_layout.unsharded_views(source)
     with torch.no_grad():
         for info, param, view in zip(handle.param_infos, params, views):
             current = info.module._parameters.get(info.param_name, getattr(info.module, info.param_name, None))
@@ -235,7 +235,7 @@ def _write_back(handle: FlatParamHandle, params: list[nn.Parameter], source: tor
 def _write_back_grad(handle: FlatParamHandle, params: list[nn.Parameter], full_grad: torch.Tensor) -> None:
     """Copies gradient edits made inside the context into the sharded ``.grad``."""
     with torch.no_grad():
-        for info, param, view in zip(handle.param_infos, params, handle.unsharded_views(full_grad)):
+        for info, param, view in zip(handle.param_infos, params, handle.shard_layout.unsharded_views(full_grad)):
             grad = None if param.grad is None else local_tensor(param.grad)
             if grad is not None and grad.data_ptr() != view.data_ptr():
                 if grad.shape != view.shape:
@@ -246,7 +246,7 @@ def _write_back_grad(handle: FlatParamHandle, params: list[nn.Parameter], full_g
                 view.copy_(grad)
         sharded_grad = handle.flat_param.grad
         if sharded_grad is not None and sharded_grad.data_ptr() != full_grad.data_ptr():
-            sharded_grad.copy_(handle.local_slice(full_grad))
+            sharded_grad.copy_(handle.shard_layout.local_slice(full_grad))
 
 
 @contextlib.contextmanager

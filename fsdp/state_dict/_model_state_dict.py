@@ -287,7 +287,7 @@ def _gathers_directly(state: UnitState) -> bool:
     for handle in state.handles:
         adopt_external_cast(handle)  # [Note: Casting after wrapping]
         handle.writeback_orig_params()
-    return all(handle.uses_sharding and handle.state is HandleState.SHARDED for handle in state.handles)
+    return all(handle.shard_layout.uses_sharding and handle.state is HandleState.SHARDED for handle in state.handles)
 
 
 def _gather_unsharded(handle: FlatParamHandle, rank0_only: bool, offload: bool) -> Optional[torch.Tensor]:
@@ -312,7 +312,8 @@ def _full_views_registered(handle: FlatParamHandle, padded_unsharded: torch.Tens
     wrapped = handle.wrapped_module
     flat_registered = wrapped._parameters.pop(FLAT_PARAM, None) is not None
     requires_grad = handle.flat_param.requires_grad
-    views = handle.shard_layout.orig_tensors(handle.unsharded_views(padded_unsharded))  # [Note: DTensor parameters]
+    layout = handle.shard_layout
+    views = layout.orig_tensors(layout.unsharded_views(padded_unsharded))  # [Note: DTensor parameters]
     params = [nn.Parameter(view, requires_grad=requires_grad) for view in views]
     try:
         register_params(handle, params)
@@ -496,7 +497,7 @@ def _load_managed(param: _ManagedParam, full: torch.Tensor) -> None:
     # (Lightning's lazily loaded checkpoint tensors) is accepted, as torch's ``copy_`` accepts it.
     flat_value = torch.flatten(full).detach().to(handle._local_shard.device, handle._local_shard.dtype)
     # The handle's own slices: they skip any alignment padding (use_orig_params).
-    piece = handle.shard_slices[param.index]
+    piece = handle.shard_layout.shard_slices[param.index]
     if piece is not None:
         handle._local_shard[piece.offset_in_shard : piece.offset_in_shard + piece.numel].copy_(
             flat_value[piece.offset_in_param : piece.offset_in_param + piece.numel]

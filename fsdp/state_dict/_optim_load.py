@@ -372,10 +372,10 @@ def _flatten_for_handle(handle: FlatParamHandle, fqns: list[str], state: dict[st
                 else:
                     pieces.append(value.detach().reshape(-1).to(handle.device))
             flat = torch.cat(pieces)
-            if handle.uses_sharding:
-                padded = torch.zeros(handle.padded_unsharded_numel, dtype=flat.dtype, device=flat.device)
+            if handle.shard_layout.uses_sharding:
+                padded = torch.zeros(handle.shard_layout.padded_unsharded_numel, dtype=flat.dtype, device=flat.device)
                 padded[: flat.numel()].copy_(flat)
-                flat = handle.local_slice(padded).clone()
+                flat = handle.shard_layout.local_slice(padded).clone()
             flat_state[name] = flat
         elif kind is ValueKind.SCALAR:
             flat_state[name] = first.detach().clone().cpu()
@@ -413,7 +413,7 @@ def _shard_orig_state(handle: FlatParamHandle, index: int, entry: dict[str, Any]
     torch FSDP1: its gradient there is None, so its optimizer never makes state for it, and
     resuming then matches training straight on exactly.
     """
-    piece = handle.shard_slices[index]
+    piece = handle.shard_layout.shard_slices[index]
     if piece is None:
         return {}
     out: dict[str, Any] = {}
@@ -421,7 +421,7 @@ def _shard_orig_state(handle: FlatParamHandle, index: int, entry: dict[str, Any]
         kind = ValueKind.of(value)
         if kind.has_dims:
             value = value.detach().to(handle.device)
-            if handle.uses_sharding:
+            if handle.shard_layout.uses_sharding:
                 start = piece.offset_in_param
                 value = value.reshape(-1)[start : start + piece.numel].clone()
             else:

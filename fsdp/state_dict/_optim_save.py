@@ -160,7 +160,9 @@ def _save_flat_states(
     position_of = {id(param): position for position, param in enumerate(params)}
     out_state: dict[str, Any] = {}
     flat_fqns = {view.handle_fqns[h][0]: view.handle_fqns[h] for h in range(len(view.handles))}
-    sharded_numels = {view.handle_fqns[h][0]: handle.sharded_numel for h, handle in enumerate(view.handles)}
+    sharded_numels = {
+        view.handle_fqns[h][0]: handle.shard_layout.sharded_numel for h, handle in enumerate(view.handles)
+    }
     # Rank 0's order, every rank: the collectives below run in one order by names.
     for key in _check_save_flat(infos, flat_fqns, sharded_numels):
         param = view.fqn_to_param[key]
@@ -265,9 +267,9 @@ def _check_flat_state(handle: FlatParamHandle, name: str, value: torch.Tensor) -
     """Internal: ``value`` is shaped like the FlatParameter's local shard (``_check_save_flat``
     checked every rank's before any collective)."""
     p_assert(
-        value.dim() == 1 and value.numel() == handle.sharded_numel,
+        value.dim() == 1 and value.numel() == handle.shard_layout.sharded_numel,
         f"optimizer state '{name}' of unit '{handle.unit_name}' has shape {tuple(value.shape)}, "
-        f"expected ({handle.sharded_numel},)",
+        f"expected ({handle.shard_layout.sharded_numel},)",
     )
 
 
@@ -287,6 +289,7 @@ def _gather_flat_states(
     not receive (``dst``), ``fresh`` whether it is a tensor made for this call. The gathers of
     all states run at once.
     """
+    unpadded_numel = handle.shard_layout.unpadded_unsharded_numel
     pending: dict[str, PendingGather] = {}
     out: dict[str, tuple[Optional[torch.Tensor], bool]] = {}
     for name in sorted(flat_state):
@@ -294,20 +297,20 @@ def _gather_flat_states(
         if not kinds[name].has_dims:
             continue
         _check_flat_state(handle, name, value)
-        if handle.uses_sharding:
+        if handle.shard_layout.uses_sharding:
             pending[name] = _start_flat_state_gather(handle, value, dst)
         else:
-            out[name] = (value[: handle.unpadded_unsharded_numel], False)
+            out[name] = (value[:unpadded_numel], False)
     for name, pending_gather in pending.items():
         padded_unsharded = pending_gather.wait()
-        unpadded = None if padded_unsharded is None else padded_unsharded[: handle.unpadded_unsharded_numel]
+        unpadded = None if padded_unsharded is None else padded_unsharded[:unpadded_numel]
         out[name] = (unpadded, True)
     return {name: out[name] for name in sorted(out)}
 
 
 def _split(handle: FlatParamHandle, flat: torch.Tensor) -> list[torch.Tensor]:
     """Each parameter's view of an unpadded unsharded flat value (alignment padding skipped)."""
-    return handle.unsharded_views(flat)
+    return handle.shard_layout.unsharded_views(flat)
 
 
 def _unflatten_flat_param_state(
@@ -362,7 +365,7 @@ def _gather_orig_param_states(
     ``dst``: the group rank that keeps the gathered states (rank0_only), None for every rank;
     ``root``: the unit's parent mesh, None if none.
     """
-    if not handle.uses_sharding:
+    if not handle.shard_layout.uses_sharding:
         # As torch FSDP1: nothing to gather, plain tensors even for a sharded state dict.
         if not to_save:
             return {}
@@ -409,10 +412,10 @@ def _gather_orig_param_states(
                         result[fqn][name] = v[1]
     for name in tensor_names:
         dtype = next(v[1] for g in gathered for st in g.values() for n, v in st.items() if n == name and v[0] == "t")
-        local_shard = torch.zeros(handle.sharded_numel, dtype=dtype, device=handle.device)
+        local_shard = torch.zeros(handle.shard_layout.sharded_numel, dtype=dtype, device=handle.device)
         for index, fqn in enumerate(fqns):
             value = local.get(fqn, {}).get(name)
-            offset, numel = handle._orig_sharded_ranges[index]
+            offset, numel = handle.shard_layout.sharded_ranges[index]
             if value is None or numel == 0:
                 continue
             p_assert(value.numel() == numel, f"state '{name}' of '{fqn}': {value.numel()} != {numel}")
@@ -420,7 +423,7 @@ def _gather_orig_param_states(
         padded_unsharded = gather(local_shard, handle.process_group, handle.rank, handle.world_size, dst)
         if padded_unsharded is None or not to_save:
             continue
-        views = _split(handle, padded_unsharded[: handle.unpadded_unsharded_numel])
+        views = _split(handle, padded_unsharded[: handle.shard_layout.unpadded_unsharded_numel])
         for index, fqn in enumerate(fqns):
             if fqn in result:
                 result[fqn][name] = _finish(views[index], handle, index, root, shard, offload, True)
@@ -507,7 +510,7 @@ def _local_optim_state(
     if view.use_orig_params:
         for h, handle in enumerate(view.handles):
             for index, fqn in enumerate(view.handle_fqns[h]):
-                local_numels[fqn] = handle._orig_sharded_ranges[index][1]
+                local_numels[fqn] = handle.shard_layout.sharded_ranges[index][1]
     return _RankOptimState(keys, states, local_numels)
 
 

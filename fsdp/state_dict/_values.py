@@ -507,10 +507,12 @@ def _quiet_sharded_tensor() -> Iterator[None]:
         yield
 
 
-def _local_layout(unpadded_numel: int, sharded_numel: int, world_size: int) -> list[tuple[int, int]]:
+def _local_layout(handle: FlatParamHandle) -> list[tuple[int, int]]:
     """``(offset, numel)`` of every rank's unpadded part, in rank order (0-numel parts included)."""
+    unpadded_numel = handle.shard_layout.unpadded_unsharded_numel
+    sharded_numel = handle.shard_layout.sharded_numel
     parts = []
-    for rank in range(world_size):
+    for rank in range(handle.world_size):
         offset = rank * sharded_numel
         parts.append((offset, max(0, min(sharded_numel, unpadded_numel - offset))))
     return parts
@@ -523,7 +525,7 @@ def local_value(handle: FlatParamHandle, offload: bool) -> Any:
     from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
     local_shard = handle._local_shard.detach()
-    parts = _local_layout(handle.unpadded_unsharded_numel, handle.sharded_numel, handle.world_size)
+    parts = _local_layout(handle)
     device = local_shard.device
     shards_metadata = [
         ShardMetadata([offset], [numel], f"rank:{rank}/{device}")
@@ -536,7 +538,7 @@ def local_value(handle: FlatParamHandle, offload: bool) -> Any:
         local_shards.append(Shard(local_shard[:numel].view(numel), shards_metadata[handle.rank]))
     properties = TensorProperties.create_from_tensor(local_shard[:0])
     metadata = ShardedTensorMetadata(
-        shards_metadata, torch.Size([handle.unpadded_unsharded_numel]), properties
+        shards_metadata, torch.Size([handle.shard_layout.unpadded_unsharded_numel]), properties
     )
     with _quiet_sharded_tensor():
         value = ShardedTensor._init_from_local_shards_and_global_metadata(
@@ -551,9 +553,10 @@ def check_local_value(key: str, unit_name: str, value: Any, handle: FlatParamHan
     """Why ``value`` cannot be loaded as the local flat shard ``key`` (None: it can); no communication."""
     from torch.distributed._shard.sharded_tensor import ShardedTensor
 
+    layout = handle.shard_layout
     current = (
-        f"this model (its unit '{unit_name}' holds {handle.unpadded_unsharded_numel} elements in "
-        f"shards of {handle.sharded_numel} over {handle.world_size} rank(s))"
+        f"this model (its unit '{unit_name}' holds {layout.unpadded_unsharded_numel} elements in "
+        f"shards of {layout.sharded_numel} over {handle.world_size} rank(s))"
     )
     remedy = (
         "A local state dict only loads at the same world size and wrapping; use "
@@ -568,10 +571,10 @@ def check_local_value(key: str, unit_name: str, value: Any, handle: FlatParamHan
     saved = sorted((int(m.shard_offsets[0]), int(m.shard_sizes[0])) for m in metadata.shards_metadata)
     expected = [
         part
-        for part in _local_layout(handle.unpadded_unsharded_numel, handle.sharded_numel, handle.world_size)
+        for part in _local_layout(handle)
         if part[1] > 0
     ]
-    if tuple(metadata.size) != (handle.unpadded_unsharded_numel,) or saved != expected:
+    if tuple(metadata.size) != (layout.unpadded_unsharded_numel,) or saved != expected:
         return (
             f"fsdp: the LOCAL_STATE_DICT entry '{key}' was saved with a different layout "
             f"({int(metadata.size.numel())} elements in {len(saved)} shard(s) of sizes "
@@ -579,7 +582,7 @@ def check_local_value(key: str, unit_name: str, value: Any, handle: FlatParamHan
             f"shards have sizes {[n for _, n in expected]} at offsets {[o for o, _ in expected]}. "
             f"{remedy}"
         )
-    offset, numel = _local_layout(handle.unpadded_unsharded_numel, handle.sharded_numel, handle.world_size)[handle.rank]
+    offset, numel = _local_layout(handle)[handle.rank]
     shards = value.local_shards()
     local_ok = (not shards and numel == 0) or (
         len(shards) == 1
