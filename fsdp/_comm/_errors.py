@@ -80,7 +80,7 @@ import dataclasses
 import sys
 from datetime import timedelta
 from types import FrameType
-from typing import NoReturn, Optional, Sequence, Union
+from typing import Callable, NoReturn, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -269,19 +269,24 @@ def _phases_of_ranks(
     except Exception:  # no default group (explicit groups only)
         return None
     wait_s = _exchange_wait_s(timeout)
-    theirs: dict[int, Optional[str]] = {}
     try:
-        store.set(_REPORT_KEY.format(name, me), mine)
-        try:
-            store.wait([_REPORT_KEY.format(name, r) for r in ranks], timedelta(seconds=wait_s))
-        except Exception:  # some ranks did not report: said in the message
-            pass
-        for r in ranks:
-            key = _REPORT_KEY.format(name, r)
-            theirs[r] = store.get(key).decode() if store.check([key]) else None
+        theirs = _exchange(store, lambda r: _REPORT_KEY.format(name, r), me, ranks, mine, wait_s)
     except Exception:  # describing must never hide the original error
         return None
     return _RankPhases(mine, theirs, wait_s)
+
+
+def _exchange(
+    store: dist.Store, key: Callable[[int], str], me: int, ranks: list[int], mine: str, wait_s: float
+) -> dict[int, Optional[str]]:
+    """Publishes ``mine`` under this rank's ``key`` and reads the other ``ranks``' values, waiting
+    up to ``wait_s`` for them (None: a rank that reported nothing by then)."""
+    store.set(key(me), mine)
+    try:
+        store.wait([key(r) for r in ranks], timedelta(seconds=wait_s))
+    except Exception:  # some ranks did not report: the caller says so
+        pass
+    return {r: store.get(key(r)).decode() if store.check([key(r)]) else None for r in ranks}
 
 
 def _exchange_wait_s(timeout: Optional[timedelta]) -> float:
@@ -328,15 +333,9 @@ def check_interrupted_backward_agreed(groups: Sequence[dist.ProcessGroup], progr
                 f"recovery from an interrupted backward: its backward raised after reaching "
                 f"{progress}, and it will run no more collectives of this group",
             )
-            store.set(_RECOVERY_KEY.format(name, me, attempt), progress)
-            try:
-                store.wait([_RECOVERY_KEY.format(name, r, attempt) for r in ranks], timedelta(seconds=wait_s))
-            except Exception:  # some ranks did not report: said below
-                pass
-            theirs = {
-                r: store.get(key).decode() if store.check([key]) else None
-                for r, key in ((r, _RECOVERY_KEY.format(name, r, attempt)) for r in ranks)
-            }
+            theirs = _exchange(
+                store, lambda r: _RECOVERY_KEY.format(name, r, attempt), me, ranks, progress, wait_s
+            )
             if all(p == progress for p in theirs.values()):
                 store.delete_key(report)  # no failure: a later exchange must not read it
                 continue
