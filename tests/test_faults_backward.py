@@ -62,6 +62,7 @@ def backward_raised_on(fail_at: dict[int, int]) -> dict[str, Any]:
     model = _model(group)
     tokens, targets = global_batch(0, ws)
     x, y = local_rows(tokens, rank, ws), local_rows(targets, rank, ws)
+    dist.barrier()  # in step before the group's first collective: its timeout is only 3 s
     lm_loss(model(x), y).backward()  # one clean step: the first-iteration checks are done
     dist.barrier()
     if rank in fail_at:
@@ -72,6 +73,10 @@ def backward_raised_on(fail_at: dict[int, int]) -> dict[str, Any]:
     if rank in fail_at:
         with pytest.raises(_Boom):
             loss.backward()
+        if len(fail_at) == ws:
+            # Every rank failed: they reach the next forward together (on a loaded machine the
+            # skew could otherwise exceed the exchange's 1 s wait, which reads as disagreeing).
+            dist.barrier()
         start = time.monotonic()
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # no "resetting" warning: nothing is reset
@@ -136,8 +141,10 @@ def same_point_on_every_rank() -> bool:
     tokens, targets = global_batch(0, ws)
     x, y = local_rows(tokens, rank, ws), local_rows(targets, rank, ws)
     _arm(model, 1)
+    dist.barrier()  # in step before the group's first collective: its timeout is only 3 s
     with pytest.raises(_Boom):
         lm_loss(model(x), y).backward()
+    dist.barrier()  # the exchange's premise: the ranks reach the next forward within its wait
     with pytest.warns(UserWarning, match="previous backward did not finish"):
         loss = lm_loss(model(x), y)
     loss.backward()
