@@ -3,7 +3,10 @@ command, within a time budget.
 
 On the GPU machine, from the repository root (torch preinstalled, no network)::
 
-    python benchmarks/gpu_run.py --out $OUT --budget-s 540
+    python3 benchmarks/gpu_run.py --out /tmp/g --budget-s 530; tar czf $OUT/gpu_run.tgz -C /tmp/g .
+
+(the device tool brings back at most 8 files, and the run writes about 15: they travel as one
+archive; 530 s of budget leave the 10-minute command time for the archive and a slow start).
 
 The script installs fsdp itself (``pip install --no-deps --no-build-isolation -e .``, which
 touches no other package; ``--no-install`` skips it) and every step also runs with the
@@ -12,13 +15,14 @@ each a subprocess with its own time limit (its log in ``$OUT/NN_<step>.log``, JS
 beside it):
 
 1. ``cuda_lane``: ``FSDP_TEST_DEVICE=cuda python -m pytest tests/test_cuda_lane.py``;
-2. ``plan_gpu``: the memory planner against ``torch.cuda.max_memory_allocated`` (10M, 100M, 1B);
-3. ``bench_eager`` and ``bench_compile``: the GPU benchmark at world size 1, then ``--compile``
+2. ``lane_sanitizer``: the lane's training parity under ``TORCH_CUDA_SANITIZER=1`` (about 90 s on
+   an H100: the sanitizer traces every kernel launch);
+3. ``plan_gpu``: the memory planner against ``torch.cuda.max_memory_allocated`` (10M, 100M, 1B);
+4. ``ws2_memory``: world size 2 on the one GPU, per-rank max allocated, fsdp against torch FSDP1;
+5. ``bench_eager`` and ``bench_compile``: the GPU benchmark at world size 1, then ``--compile``
    runs of fsdp, torch FSDP1 and the unwrapped model;
-4. ``offload``: CPU offload, fsdp against torch FSDP1, walking 1B, 2B, 4B (one size compared,
+6. ``offload``: CPU offload, fsdp against torch FSDP1, walking 1B, 2B, 4B (one size compared,
    and the largest each trains);
-5. ``ws2_memory``: world size 2 on the one GPU, per-rank max allocated, fsdp against torch FSDP1;
-6. ``lane_sanitizer``: the lane's training parity under ``TORCH_CUDA_SANITIZER=1``, if time allows;
 7. ``cpu_suite``: whatever time is left, the CPU suite on the GPU machine's torch.
 
 A step starts only while at least its minimum time is left; its limit is the smaller of its cap
@@ -114,11 +118,21 @@ def steps(out: str) -> list[Step]:
              ("torch", "fsdp")),
         Step("cuda_lane", 150, 60, _pytest(out, "cuda_lane", lane), _pytest(out, "cuda_lane", lane),
              ("pytest", "tests.conftest", "tests._models", "tests._object_device"), (("FSDP_TEST_DEVICE", "cuda"),), (0, 5)),
+        Step("lane_sanitizer", 120, 60, _pytest(out, "lane_sanitizer", lane, "-k", "test_training_parity"),
+             _pytest(out, "lane_sanitizer", lane, "-k", "test_training_parity"),
+             ("pytest", "tests.conftest", "tests._models"), (("FSDP_TEST_DEVICE", "cuda"), ("TORCH_CUDA_SANITIZER", "1")),
+             (0, 5)),
         Step("plan_gpu", 75, 40,
              lambda limit: [PY, "-m", "benchmarks.validate_plan", "--device", "cuda", "--max-total", "60GiB",
                             "--timeout", f"{max(10.0, limit - 10):.0f}", "10M", "100M", "1B"],
              lambda limit: [PY, "-m", "benchmarks.validate_plan", "--device", "cuda", "--list", "10M", "100M", "1B"],
              ("benchmarks.validate_plan",)),
+        Step("ws2_memory", 90, 40,
+             lambda limit: [PY, "-m", "benchmarks.ws2_memory", "--timeout", f"{max(10.0, limit / 2 - 5):.0f}",
+                            "--json", os.path.join(out, "ws2_memory.json")],
+             lambda limit: [PY, "-m", "benchmarks.ws2_memory", "--dry-run", *TINY, "--steps", "2",
+                            "--json", os.path.join(out, "ws2_memory.json")],
+             ("benchmarks.ws2_memory",)),
         Step("bench_eager", 150, 60, _bench(out, "bench_eager", "--rounds", "3"),
              _bench(out, "bench_eager", "--cpu-dry-run", *TINY, "--rounds", "1", "--warmup-steps", "1", "--steps", "1"),
              ("benchmarks.__main__", "benchmarks.cuda")),
@@ -132,16 +146,6 @@ def steps(out: str) -> list[Step]:
         Step("offload", 120, 60, _bench(out, "offload", "--offload", "--offload-sizes", "1,2,4"),
              _bench(out, "offload", "--cpu-dry-run", *TINY, "--offload-sizes", "3e-5,1e-5"),
              ("benchmarks.__main__", "benchmarks.cuda")),
-        Step("ws2_memory", 90, 40,
-             lambda limit: [PY, "-m", "benchmarks.ws2_memory", "--timeout", f"{max(10.0, limit / 2 - 5):.0f}",
-                            "--json", os.path.join(out, "ws2_memory.json")],
-             lambda limit: [PY, "-m", "benchmarks.ws2_memory", "--dry-run", *TINY, "--steps", "2",
-                            "--json", os.path.join(out, "ws2_memory.json")],
-             ("benchmarks.ws2_memory",)),
-        Step("lane_sanitizer", 75, 45, _pytest(out, "lane_sanitizer", lane, "-k", "test_training_parity"),
-             _pytest(out, "lane_sanitizer", lane, "-k", "test_training_parity"),
-             ("pytest", "tests.conftest", "tests._models"), (("FSDP_TEST_DEVICE", "cuda"), ("TORCH_CUDA_SANITIZER", "1")),
-             (0, 5)),
         Step("cpu_suite", 10_000, 60, _pytest(out, "cpu_suite", "tests"),
              _pytest(out, "cpu_suite", "--collect-only", "tests"), ("tests",)),
     ]
