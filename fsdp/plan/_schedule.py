@@ -21,7 +21,8 @@ and free in a steady-state step (the second on, when prefetching is on):
   post-backward stream; on CPU a lone reduce-scatter); then the sharded gradient is cast to
   full precision (offload: copied to the host buffer) and kept.
 - pre-backward on CPU: the reduction in flight completes before the ``BACKWARD_PRE`` prefetch.
-- post-backward: the unit's unsharded parameters are freed; ``BACKWARD_POST`` gathers next.
+- post-backward: the unit's unsharded parameters are freed before the reduction is launched;
+  ``BACKWARD_POST`` gathers next.
 - optimizer step: shards, sharded gradients and optimizer state plus the step's temporaries.
 """
 
@@ -240,6 +241,8 @@ class _Replay:
         unsharded = spec.padded_unsharded_numel * param_b
         self.add(UNSHARDED_GRADS, unsharded)  # the concatenation
         self.add(UNSHARDED_GRADS, -held_bytes)
+        # [Note: Reshard before reducing] in runtime/_hooks.py: freed before the reduction.
+        self.reshard(hid[0], only_frozen_besides=hid[1])
         if reduce_b != param_b:
             self.add(LOW, spec.padded_unsharded_numel * reduce_b)
             self.add(UNSHARDED_GRADS, -unsharded)
@@ -262,7 +265,6 @@ class _Replay:
             if spec.uses_sharding:
                 self.add(unsharded_kind, -unsharded)
             self.accumulate(hid, reduced)
-        self.reshard(hid[0], only_frozen_besides=hid[1])
         if cfg.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
             self.prefetch(hid[0], self.backward_order, backward=True)
 

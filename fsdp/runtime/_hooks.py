@@ -327,7 +327,16 @@ def _post_backward_hook(
     handle_ref: "weakref.ref[FlatParamHandle]",
     flat_param: FlatParameter,
 ) -> None:
-    """Runs once a handle's unsharded gradient is accumulated: reduce it, then reshard."""
+    """Runs once a handle's unsharded gradient is accumulated: reshard, then reduce it.
+
+    [Note: Reshard before reducing]
+    The unit's unsharded parameters are freed before its gradient reduction is launched, as
+    torch FSDP1's post-backward hook does: nothing reads them once autograd has accumulated the
+    gradient, and the reduction allocates (the reduced output; gloo a full-size copy of its
+    input), so freeing first keeps one unit's unsharded parameters out of the reduction's peak
+    (on CUDA the caching allocator cannot hand the freed block to the post-backward stream, but
+    the compute stream's next allocations reuse it).
+    """
     state, handle = state_ref(), handle_ref()
     if state is None or handle is None:
         return  # the model is being destroyed
@@ -342,6 +351,8 @@ def _post_backward_hook(
     ctx = state.ctx
     # Finish the oldest reductions first, so at most MAX_INFLIGHT_REDUCTIONS stay in flight.
     finish_inflight_reductions(ctx, keep=MAX_INFLIGHT_REDUCTIONS - 1)
+    if state.reshards_after_backward():
+        _reshard_after_backward(state, handle)
     handle.grads.reduce(
         state.sync_gradients,
         state.comm_hook,
@@ -350,8 +361,6 @@ def _post_backward_hook(
     )
     if handle.grads.inflight is not None:
         ctx.inflight_reductions.append(handle)
-    if state.reshards_after_backward():
-        _reshard_after_backward(state, handle)
     prefetch_after(state, "backward_post")
 
 
