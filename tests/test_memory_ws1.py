@@ -76,7 +76,9 @@ def held_at_the_loss(impl: str) -> dict[str, Any]:
         opt.zero_grad(set_to_none=True)
     with torch_fsdp().FullyShardedDataParallel.summon_full_params(model) if impl == "torch_fsdp1" else _summon(model):
         params = {name.replace("_fsdp_wrapped_module.", ""): p.detach().clone() for name, p in model.named_parameters()}
-    return {"at_loss": at_loss, "at_loss_backward": at_loss_backward, "params": params}
+    kept_unit = model._fsdp_state.ctx.unit_kept_for_backward if impl == "fsdp" else None
+    kept = None if kept_unit is None else kept_unit.unit_name
+    return {"at_loss": at_loss, "at_loss_backward": at_loss_backward, "params": params, "kept": kept}
 
 
 def _summon(model: nn.Module) -> Any:
@@ -95,6 +97,7 @@ def test_no_unit_holds_its_bf16_copy_through_the_loss(pool1: RankPool) -> None:
     # included: the last block's backward comes first there, yet it is not kept).
     assert ours["at_loss"] == theirs["at_loss"]
     assert ours["at_loss_backward"] == theirs["at_loss_backward"]
+    assert ours["kept"] is None  # the orders were recorded, yet no NO_SHARD unit is kept
     # The same training, bit for bit.
     assert ours["params"].keys() == theirs["params"].keys()
     for name, value in theirs["params"].items():
@@ -133,3 +136,17 @@ def test_step_peak_at_most_torch_fsdp1_and_fsdp2(pool1: RankPool) -> None:
     for impl in ("torch_fsdp1", "torch_fsdp2"):
         for step in range(1, STEPS):
             assert ours[step] <= peaks[impl][1][step], (impl, step, ours, peaks[impl][1])
+
+
+def test_kept_unit_rule_needs_an_all_gather() -> None:
+    # The rule the runtime and the planner share: the last block (3) of the forward, whose
+    # backward comes right after the root's (0) with BACKWARD_PRE, is kept only where its
+    # unshard is an all-gather.
+    from fsdp.api import BackwardPrefetch
+    from fsdp.runtime._prefetch import unit_kept_for_backward
+
+    forward, backward, pre = [0, 1, 2, 3], [0, 3, 2, 1], BackwardPrefetch.BACKWARD_PRE
+    assert unit_kept_for_backward(forward, backward, 0, pre, {0, 1, 2, 3}) == 3
+    assert unit_kept_for_backward(forward, backward, 0, pre, {0, 1, 2}) is None
+    assert unit_kept_for_backward(forward, backward, 0, pre, set()) is None
+    assert unit_kept_for_backward(forward, backward, 0, BackwardPrefetch.BACKWARD_POST, {0, 1, 2, 3}) is None
