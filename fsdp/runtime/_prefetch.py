@@ -64,7 +64,8 @@ post-forward as torch FSDP1 does, so the peak holds no extra copy. Measured (CPU
 blocks of width 256, vocab 4096, bf16 parameters, world size 1): the kept last block's bf16 copy
 (1.51 MiB) was the only allocation alive at the step's peak (the cross entropy in forward, the
 log-softmax backward) that torch FSDP1 did not hold; on the H100 benchmark's 1.1B GPT the same
-unit is 100.7 MB, the measured gap of 33.16 GiB vs 33.06 GiB. ``tests/test_memory_ws1.py``.
+unit is 100.7 MB (0.094 GiB), which matches the measured gap of 33.16 GiB vs 33.06 GiB (0.09-0.11
+GiB after rounding; not yet measured again on a GPU). ``tests/test_memory_ws1.py``.
 """
 
 from __future__ import annotations
