@@ -10,7 +10,7 @@ and free in a steady-state step (the second on, when prefetching is on):
   the all-gather runs, the shard cast to ``param_dtype`` and (offload) its device copy;
   ``forward_prefetch`` / ``BACKWARD_PRE`` gather the next unit of the recorded order too.
 - post-forward: FULL_SHARD and HYBRID_SHARD free it (never the root, nor the unit whose
-  backward comes first: [Note: The first backward unit stays gathered] in
+  backward comes first and that all-gathers: [Note: The first backward unit stays gathered] in
   ``runtime/_prefetch.py``, the same rule through ``unit_kept_for_backward``); SHARD_GRAD_OP
   keeps it.
 - gradients: each parameter's gradient lives until the handle's last one is ready; then
@@ -120,7 +120,13 @@ class _Replay:
                 self.backward_order.append(event[1])
         roots = [index for index, unit in enumerate(units) if unit.is_root]
         self.kept_unit = (
-            unit_kept_for_backward(self.forward_order, self.backward_order, roots[0], cfg.backward_prefetch)
+            unit_kept_for_backward(
+                self.forward_order,
+                self.backward_order,
+                roots[0],
+                cfg.backward_prefetch,
+                {index for index, unit in enumerate(units) if any(h.uses_sharding for h in unit.handles)},
+            )
             if roots
             else None
         )

@@ -40,7 +40,8 @@ already holds it (the prefetch). The same holds, whatever the prefetch setting, 
 own backward is the first (a root with no computation after it). So from the second iteration on (when both orders are known)
 that unit keeps its unsharded parameters from its post-forward into its backward, like the
 root: one all-gather less per step (FULL_SHARD: 2 x blocks - 1 gathers of the blocks instead of
-2 x blocks) and no exposed gather at the start of backward, at no cost to the step's peak.
+2 x blocks) and no exposed gather at the start of backward, for one unit's unsharded parameters held
+through the loss ([Note: Only a gathered unit stays gathered] says when that is worth it).
 torchtitan makes the same choice with FSDP2 (``reshard_after_forward=False`` for the last
 block). The unit is released (resharded) wherever the backward that should take it does not
 come: at the end of backward if the backward never reached it, at the root's next forward
@@ -48,11 +49,28 @@ after a forward with no backward, and by a failed backward's reset. With ``BACKW
 no backward prefetch, a unit whose backward is not the first is freed at post-forward as before
 (keeping it would raise the memory between forward and backward). The memory planner replays the same rule
 (``fsdp/plan/_schedule.py``, through :func:`unit_kept_for_backward`).
+
+[Note: Only a gathered unit stays gathered]
+Keeping the unit is not free: its unsharded parameters stay alive from its post-forward to the
+moment the backward would have gathered them anyway (the root's pre-backward prefetch, or its own
+pre-backward). In between run the root's remaining forward, the loss, and the loss's backward,
+and for a language model that interval *is* the step's peak: the logits, their fp32 copy and
+the log-softmax, each ``batch x seq x vocab``. What the keep saves is one all-gather, so it is
+worth a unit of memory at that peak only when the unshard is a collective. A unit that does not
+shard (NO_SHARD, or world size 1, where FULL_SHARD runs as NO_SHARD) with low-precision
+parameters "unshards" by a local cast of its parameter (or a host-to-device copy with offload):
+as cheap to redo as to keep, and no communication to save. Such a unit is freed at its
+post-forward as torch FSDP1 does, so the peak holds no extra copy. Measured (CPU, GPT of 4
+blocks of width 256, vocab 4096, bf16 parameters, world size 1): the kept last block's bf16 copy
+(1.51 MiB) was the only allocation alive at the step's peak (the cross entropy in forward, the
+log-softmax backward) that torch FSDP1 did not hold; on the H100 benchmark's 1.1B GPT the same
+unit is 100.7 MB (0.094 GiB), which matches the measured gap of 33.16 GiB vs 33.06 GiB (0.09-0.11
+GiB after rounding; not yet measured again on a GPU). ``tests/test_memory_ws1.py``.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Collection, Optional, Sequence
 
 import torch
 
@@ -84,6 +102,7 @@ def record_phase_orders(ctx: RootContext) -> None:
         [index[id(unit)] for unit in ctx.backward_order],
         index[id(ctx.root)],
         ctx.root.backward_prefetch,
+        {position for position, unit in enumerate(ctx.states) if _gathers(unit)},
     )
     unit = None if kept is None else ctx.states[kept]
     ctx.unit_kept_for_backward = unit if unit is not None and unit.frees_after_forward() else None
@@ -94,18 +113,23 @@ def unit_kept_for_backward(
     backward_order: Sequence[int],
     root: int,
     backward_prefetch: Optional[BackwardPrefetch],
+    gathering: Collection[int],
 ) -> Optional[int]:
     """The unit that keeps its parameters from its post-forward into its backward, if any.
 
     [Note: The first backward unit stays gathered]: the last non-root unit of the forward, when
     its backward is the first of the backward, or the second after the root's with
-    ``BACKWARD_PRE`` (the root's pre-backward hook prefetches it). Units are given by index
-    (the runtime's and the planner's recorded orders alike).
+    ``BACKWARD_PRE`` (the root's pre-backward hook prefetches it), and when its unshard is an
+    all-gather ([Note: Only a gathered unit stays gathered]). Units are given by index (the
+    runtime's and the planner's recorded orders alike); ``gathering`` holds the units whose
+    unshard all-gathers (some handle shards).
     """
     non_root_forward = [unit for unit in forward_order if unit != root]
     if not non_root_forward or not backward_order:
         return None
     candidate = non_root_forward[-1]
+    if candidate not in gathering:
+        return None  # [Note: Only a gathered unit stays gathered]
     if backward_order[0] == candidate:
         return candidate
     if (
@@ -116,6 +140,11 @@ def unit_kept_for_backward(
     ):
         return candidate
     return None
+
+
+def _gathers(unit: UnitState) -> bool:
+    """Whether the unit's unshard is an all-gather (some handle shards)."""
+    return any(handle.shard_layout.uses_sharding for handle in unit.handles)
 
 
 def _first_occurrences(ctx: RootContext, phase: int) -> list[UnitState]:
