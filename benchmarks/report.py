@@ -660,8 +660,7 @@ def offload_limits(rates: Optional[dict[str, Any]], root_numel: int, block_numel
     params = root_numel + sum(block_numels)
     out: dict[str, Any] = {"params": params, **offload_copy_bytes(root_numel, block_numels)}
     out["adamw_traffic_bytes"] = ADAMW_BYTES_PER_PARAM * params
-    ok = rates is not None and not rates.get("error")
-    r = rates if ok and rates is not None else {}
+    r = rates if rates is not None and not rates.get("error") else {}
     h2d_s = ratio(out["h2d_bytes"], r.get("h2d_bytes_per_s"))
     d2h_s = ratio(out["d2h_bytes"], r.get("d2h_bytes_per_s"))
     out["copies_s"] = h2d_s + d2h_s if h2d_s is not None and d2h_s is not None else None
