@@ -24,7 +24,9 @@ Default sizes (example GPT of :mod:`fsdp.plan.gpt`, vocabulary 50304, sequence 2
   about 0.17-0.3 s on an H100 at 30-50% MFU.
 * offload: 36 blocks (2.02e9 parameters; host memory holds 16 bytes/parameter = 32 GB of
   model states for one implementation at a time, plus the model as built), batch 2; 2 rounds
-  of 1 warm-up and 3 timed steps (a step takes seconds: AdamW runs on the CPU).
+  of 1 warm-up and 3 timed steps (a step takes seconds: AdamW runs on the CPU). The CPU AdamW
+  is torch's default (``--offload-optimizer default``: one tensor after another on CPU) or
+  ``fused=True`` (``--offload-optimizer fused``), the same for fsdp and torch FSDP1.
 * ``--compile``: ``torch.compile`` of each wrapped model (fsdp and torch FSDP1 with
   ``use_orig_params=True``), the rest as above.
 """
@@ -47,6 +49,7 @@ __all__ = [
     "parse_device",
     "CUDA_IMPLEMENTATIONS",
     "OFFLOAD_IMPLEMENTATIONS",
+    "OFFLOAD_OPTIMIZERS",
     "CudaBenchConfig",
     "parse_cuda_args",
     "block_params",
@@ -216,6 +219,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> BenchConfig:
 CUDA_IMPLEMENTATIONS = ("fsdp", "torch_fsdp1", "torch_fsdp2", "local")
 #: The CPU-offload comparison's implementations.
 OFFLOAD_IMPLEMENTATIONS = ("fsdp", "torch_fsdp1")
+#: ``--offload-optimizer``: torch's default AdamW (on CPU tensors: one tensor after another),
+#: or ``fused=True`` (torch's one-kernel AdamW, which has a CPU kernel).
+OFFLOAD_OPTIMIZERS = ("default", "fused")
 
 # Per mode: (layers, batch, rounds, warm-up steps, timed steps). An offload step takes seconds
 # (the AdamW step runs on the CPU), so that mode runs fewer, shorter rounds.
@@ -259,6 +265,8 @@ class CudaBenchConfig:
             for tests on machines without a GPU; hidden from ``--help``.
         time_budget_s: no new round starts after this many seconds (the rounds done are
             reported); a stuck run dumps every thread's stack and exits after ``hang_timeout_s``.
+        offload_optimizer: one of :data:`OFFLOAD_OPTIMIZERS`, the AdamW of both offloaded
+            implementations.
     """
 
     layers: Optional[int] = None
@@ -274,6 +282,7 @@ class CudaBenchConfig:
     peak_tflops: Optional[float] = None
     offload: bool = False
     offload_sizes: tuple[float, ...] = ()
+    offload_optimizer: str = "default"
     compile: bool = False
     compile_backend: str = "inductor"
     profile: bool = False
@@ -316,6 +325,10 @@ class CudaBenchConfig:
             raise ValueError(f"--peak-tflops must be positive, not {self.peak_tflops}")
         if any(size <= 0 for size in self.offload_sizes):
             raise ValueError(f"--offload-sizes must be positive billions, not {list(self.offload_sizes)}")
+        if self.offload_optimizer not in OFFLOAD_OPTIMIZERS:
+            raise ValueError(f"--offload-optimizer must be one of {list(OFFLOAD_OPTIMIZERS)}, not {self.offload_optimizer!r}")
+        if self.offload_optimizer != "default" and not self.offload:
+            raise ValueError("--offload-optimizer chooses the CPU AdamW of --offload; add --offload or drop it")
         if self.profile and self.offload:
             raise ValueError("--profile profiles the training comparison's fsdp; drop --offload")
         if self.profile and "fsdp" not in self.only:
@@ -384,6 +397,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", action="store_true", help="torch.compile each wrapped model (fsdp and torch FSDP1 with use_orig_params=True)")
     p.add_argument("--compile-backend", default=d.compile_backend, help="torch.compile's backend with --compile (aot_eager builds no kernels: the CPU dry run's)")
     p.add_argument("--offload-sizes", type=_floats, default=(), help="with --offload: model sizes in billions to walk, e.g. 1,2,4")
+    p.add_argument("--offload-optimizer", choices=OFFLOAD_OPTIMIZERS, default=d.offload_optimizer,
+                   help="with --offload: the CPU AdamW of fsdp and torch FSDP1 (default: torch's defaults; fused: fused=True)")
     p.add_argument("--profile", action="store_true", help="also profile fsdp's steps (torch.profiler, top 25 ops)")
     p.add_argument("--profile-steps", type=int, default=d.profile_steps)
     p.add_argument("--json", dest="json_out", default=None, help="write every number as JSON here")
@@ -412,6 +427,7 @@ def parse_cuda_args(argv: Optional[Sequence[str]] = None) -> CudaBenchConfig:
             peak_tflops=a.peak_tflops,
             offload=a.offload,
             offload_sizes=a.offload_sizes,
+            offload_optimizer=a.offload_optimizer,
             compile=a.compile,
             compile_backend=a.compile_backend,
             profile=a.profile,

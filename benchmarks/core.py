@@ -11,7 +11,8 @@ Two models, one interface (:class:`ModelSpec`):
   cross entropy of the logits cast to fp32.
 
 Every implementation starts from the same weights (seeded construction) and trains on the same
-per-rank batches with AdamW (lr 1e-4, weight decay 0.01, torch's default ``foreach``). How each
+per-rank batches with AdamW (lr 1e-4, weight decay 0.01, torch's default: ``foreach`` on a GPU,
+one tensor after another on CPU; ``fused=True`` for the GPU benchmark's ``--offload-optimizer fused``). How each
 wraps (:func:`wrap`, :class:`WrapOptions`):
 
 * ``fsdp`` and ``torch_fsdp1``: ``ModuleWrapPolicy({block class})``, the strategy, torch's
@@ -172,9 +173,10 @@ def loss_fn(model: nn.Module, batch: Batch) -> torch.Tensor:
     return F.cross_entropy(out.float().view(-1, out.size(-1)), targets.view(-1))
 
 
-def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
-    """AdamW, lr 1e-4, weight decay 0.01, torch's defaults otherwise."""
-    return torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+def make_optimizer(model: nn.Module, fused: bool = False) -> torch.optim.Optimizer:
+    """AdamW, lr 1e-4, weight decay 0.01, torch's defaults otherwise (``fused``: ``fused=True``,
+    torch's one-kernel AdamW, which has a CPU kernel too)."""
+    return torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True if fused else None)
 
 
 def train_step(model: nn.Module, opt: torch.optim.Optimizer, batch: Batch, autocast: bool = False) -> torch.Tensor:

@@ -12,6 +12,11 @@ report takes medians over rounds; see :mod:`benchmarks.report`.
 
 A run that fails (out of memory, or an exception from an implementation) is recorded with the
 end of its traceback and that implementation is skipped in later rounds; the others go on.
+
+``--offload`` first measures, in this process and in a few seconds, what the limits of
+[Note: Offload limits] (``benchmarks/report.py``) need: the pinned host<->device bandwidth each
+way and the host's memcpy bandwidth, and one CPU AdamW step (torch's default and ``fused=True``)
+over a shard of each unit size (:func:`measure_offload_rates`).
 """
 
 from __future__ import annotations
@@ -27,10 +32,11 @@ import sys
 import time
 import traceback
 import warnings
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from benchmarks.config import CudaBenchConfig, gpt_params, layers_for_size, parse_cuda_args
 from benchmarks.core import WrapOptions, build_model, make_batches, make_optimizer, train_step, wrap
@@ -38,12 +44,14 @@ from benchmarks.report import (
     evaluate_targets,
     format_gpu_report,
     format_offload,
+    format_offload_rates,
+    model_unit_numels,
     peak_flops,
     summarize_gpu,
     summarize_offload,
 )
 
-__all__ = ["main_cuda", "cuda_unavailable_message"]
+__all__ = ["main_cuda", "cuda_unavailable_message", "measure_offload_rates"]
 
 #: Host bytes per parameter an offloaded run needs, to skip sizes that cannot fit before the
 #: kernel's OOM killer ends the whole process: fp32 parameter, gradient and two AdamW moments
@@ -188,7 +196,7 @@ def measure(
             model = model.cpu()
             _cleanup(device)
         model = wrap(impl, model, _wrap_options(cfg, device, offload))
-        opt = make_optimizer(model)
+        opt = make_optimizer(model, fused=offload and cfg.offload_optimizer == "fused")
         batches = make_batches(cfg.spec(layers), warmup + steps, 0, device)
         if cuda:
             torch.cuda.synchronize()
@@ -299,13 +307,16 @@ def _no_op(runs: list[dict[str, Any]]) -> None:
     pass
 
 
-def _rounds(cfg: CudaBenchConfig, device: torch.device, offload: bool, on_run: OnRun = _no_op) -> list[dict[str, Any]]:
+def _rounds(
+    cfg: CudaBenchConfig, device: torch.device, offload: bool, on_run: OnRun = _no_op, start: Optional[float] = None
+) -> list[dict[str, Any]]:
     """Alternating rounds of every implementation at ``cfg.layers``; one that fails once is
-    skipped afterwards; no round starts after ``cfg.time_budget_s``. Round ``r`` starts with
-    implementation ``r + 1`` (the first round measures the torch baselines before fsdp)."""
+    skipped afterwards; no round starts after ``cfg.time_budget_s`` from ``start`` (a
+    ``perf_counter`` time; default now). Round ``r`` starts with implementation ``r + 1`` (the
+    first round measures the torch baselines before fsdp)."""
     runs: list[dict[str, Any]] = []
     failed: set[str] = set()
-    start = time.perf_counter()
+    start = time.perf_counter() if start is None else start
     impls = list(cfg.impls)
     for rnd in range(cfg.rounds or 1):
         if rnd and time.perf_counter() - start > cfg.time_budget_s:
@@ -326,13 +337,15 @@ def _rounds(cfg: CudaBenchConfig, device: torch.device, offload: bool, on_run: O
     return runs
 
 
-def _walk_sizes(cfg: CudaBenchConfig, device: torch.device, on_run: OnRun = _no_op) -> list[dict[str, Any]]:
+def _walk_sizes(
+    cfg: CudaBenchConfig, device: torch.device, on_run: OnRun = _no_op, start: Optional[float] = None
+) -> list[dict[str, Any]]:
     """``--offload-sizes``: each size once per implementation (1 warm-up, 2 timed steps),
     smallest first; an implementation that does not fit a size is not tried at larger ones, and
-    no size starts after ``cfg.time_budget_s``."""
+    no size starts after ``cfg.time_budget_s`` from ``start`` (default now)."""
     runs: list[dict[str, Any]] = []
     too_big: set[str] = set()
-    start = time.perf_counter()
+    start = time.perf_counter() if start is None else start
     for size in sorted(cfg.offload_sizes):
         if runs and time.perf_counter() - start > cfg.time_budget_s:
             print(f"time budget of {cfg.time_budget_s:.0f} s spent: no sizes above {runs[-1]['size_b']:g}B", flush=True)
@@ -356,6 +369,122 @@ def _walk_sizes(cfg: CudaBenchConfig, device: torch.device, on_run: OnRun = _no_
             runs.append(rec)
             on_run(runs)
     return runs
+
+
+# ------------------------------------------------------------------ --offload: the limits' rates
+
+#: Bytes of each copy that measures a bandwidth: a pinned host buffer to and from the GPU, and
+#: host memcpy (the CPU dry run's "copies" too, with a smaller buffer: its machine is shared).
+_RATE_BUFFER_BYTES = {"cuda": 256 * 2**20, "cpu": 16 * 2**20}
+#: The CPU AdamW step is timed on at most this many elements of a unit's shard (1 GiB of fp32
+#: parameter, gradient and moments) and scaled by elements above; see [Note: Offload limits].
+_ADAMW_TIMED_NUMEL = 2**26
+#: Timed repetitions of each copy (the best is kept) and of each AdamW step, after one warm-up.
+_COPY_REPS, _ADAMW_REPS = 3, 2
+#: The rates' measurement stops repeating after this share of ``--time-budget``.
+_RATES_SHARE_OF_BUDGET = 0.1
+
+
+def _best_seconds(fn: Callable[[], object], reps: int, deadline: float, sync: Callable[[], None]) -> float:
+    """The fastest of up to ``reps`` timed calls of ``fn`` after one untimed warm-up, each
+    bracketed by ``sync`` (``torch.cuda.synchronize`` around GPU copies); after ``deadline``
+    (a ``perf_counter`` time) no further repetition starts, but one is always timed."""
+    fn()
+    sync()
+    best = float("inf")
+    for _ in range(reps):
+        begin = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - begin)
+        if time.perf_counter() > deadline:
+            break
+    return best
+
+
+def _adamw_seconds(unit_numels: Sequence[int], deadline: float) -> list[dict[str, float]]:
+    """One CPU AdamW step (the benchmark's, :func:`~benchmarks.core.make_optimizer`) over one
+    fp32 tensor of each distinct unit shard size, torch's default and ``fused=True``, best of
+    :data:`_ADAMW_REPS` after a warm-up step (which allocates the moments); a shard above
+    :data:`_ADAMW_TIMED_NUMEL` elements is timed on that many and scaled by elements.
+
+    Returns:
+        Per distinct size: ``{"numel", "timed_numel", "default_s", "fused_s"}``.
+    """
+    rows: list[dict[str, float]] = []
+    for numel in sorted(set(unit_numels)):
+        timed = min(numel, _ADAMW_TIMED_NUMEL)
+        param = nn.Parameter(torch.empty(timed).uniform_(-0.1, 0.1))
+        param.grad = torch.empty_like(param).uniform_(-1e-3, 1e-3)
+        row: dict[str, float] = {"numel": numel, "timed_numel": timed}
+        for kind in ("default", "fused"):
+            opt = make_optimizer(nn.ParameterList([param]), fused=kind == "fused")
+            row[f"{kind}_s"] = _best_seconds(opt.step, _ADAMW_REPS, deadline, lambda: None) * numel / timed
+            del opt  # its moments freed before the next one's
+        rows.append(row)
+    return rows
+
+
+def _copy_seconds(device: torch.device, nbytes: int, deadline: float) -> tuple[float, float]:
+    """Seconds of the best copy of ``nbytes`` from a host buffer (pinned for a GPU) to
+    ``device`` and of the best copy back (``non_blocking``, as fsdp's copies; synchronized)."""
+    cuda = device.type == "cuda"
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    host = torch.ones(nbytes, dtype=torch.uint8, pin_memory=cuda)
+    other = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    to_device = _best_seconds(lambda: other.copy_(host, non_blocking=True), _COPY_REPS, deadline, sync)
+    to_host = _best_seconds(lambda: host.copy_(other, non_blocking=True), _COPY_REPS, deadline, sync)
+    return to_device, to_host
+
+
+def _copy_rates(device: torch.device, nbytes: int, deadline: float) -> dict[str, Union[str, float]]:
+    """Bytes per second host to device and back, and of a host memcpy (bytes read and written:
+    what AdamW's memory traffic is divided by). On the CPU dry run the device copies are host
+    memcpys too."""
+    h2d, d2h = _copy_seconds(device, nbytes, deadline)
+    memcpy, _ = _copy_seconds(torch.device("cpu"), nbytes, deadline)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        getattr(torch._C, "_host_emptyCache", lambda: None)()  # the pinned buffer back to the host
+    return {
+        "copy_how": "pinned" if device.type == "cuda" else "no GPU: host memcpy",
+        "copy_buffer_bytes": nbytes,
+        "h2d_bytes_per_s": nbytes / h2d,
+        "d2h_bytes_per_s": nbytes / d2h,
+        "host_memcpy_bytes_per_s": 2 * nbytes / memcpy,
+    }
+
+
+def measure_offload_rates(cfg: CudaBenchConfig, device: torch.device, root_numel: int, block_numels: Sequence[int]) -> dict[str, Any]:
+    """What [Note: Offload limits] (``benchmarks/report.py``) needs, measured on this machine:
+    the copy and memcpy bandwidths, and one CPU AdamW step over a shard of each unit size
+    (``root_numel`` and ``block_numels``: the units of the smallest model measured; every size
+    has the same width, so the same two shard sizes). A few seconds at 1e9 parameters (at most
+    :data:`_ADAMW_TIMED_NUMEL` elements per timed AdamW step); no repetition starts after :data:`_RATES_SHARE_OF_BUDGET` of
+    ``--time-budget``.
+
+    Returns:
+        ``{"copy_how", "copy_buffer_bytes", "h2d_bytes_per_s", "d2h_bytes_per_s",
+        "host_memcpy_bytes_per_s", "adamw_units", "threads", "seconds", "error"}``
+        (``adamw_units``: see :func:`_adamw_seconds`); a failure is recorded in ``"error"``
+        (the end of its traceback), never raised: the offload runs go on without limits.
+    """
+    start = time.perf_counter()
+    deadline = start + _RATES_SHARE_OF_BUDGET * cfg.time_budget_s
+    rates: dict[str, Any] = {"threads": torch.get_num_threads(), "error": None}
+    try:
+        rates.update(_copy_rates(device, _RATE_BUFFER_BYTES[device.type], deadline))
+        rates["adamw_units"] = _adamw_seconds([root_numel, *block_numels], deadline)
+    except Exception:  # noqa: BLE001 - the limits are context; the runs are the benchmark
+        rates["error"] = _error_text(8)
+    finally:
+        gc.collect()
+    rates["seconds"] = time.perf_counter() - start
+    return rates
 
 
 def _nccl_version() -> Optional[str]:
@@ -393,8 +522,17 @@ def _run(cfg: CudaBenchConfig, device: torch.device) -> dict[str, Any]:
         _write_json(cfg, doc)
 
     if cfg.offload:
-        runs = _walk_sizes(cfg, device, on_run) if cfg.offload_sizes else _rounds(cfg, device, True, on_run)
-        summary = summarize_offload(cfg, runs)
+        start = time.perf_counter()  # the limits' measurement counts against the time budget
+        first_layers = layers_for_size(min(cfg.offload_sizes), cfg.d_model, cfg.vocab, cfg.seq) if cfg.offload_sizes else cfg.layers_
+        rates = measure_offload_rates(cfg, device, *model_unit_numels(cfg.spec(first_layers)))
+        print(format_offload_rates(rates), flush=True)
+        doc["offload"] = {"rates": rates}  # replaced by the summary, which keeps them, at the end
+        _write_json(cfg, doc)
+        if cfg.offload_sizes:
+            runs = _walk_sizes(cfg, device, on_run, start)
+        else:
+            runs = _rounds(cfg, device, True, on_run, start)
+        summary = summarize_offload(cfg, runs, rates)
         doc.update(runs=runs, offload=summary)
         print(format_offload(cfg, env, summary), flush=True)
         return doc

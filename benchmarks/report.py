@@ -22,6 +22,27 @@ machine (2 ranks on 2 cores), communication costs step time even when it overlap
 because its CPU work (the kernel copying bytes through loopback TCP sockets on gloo) takes a
 core away from a rank's compute; ``floor_vs_local`` says how far the CPU work alone puts an
 implementation above the local baseline.
+
+[Note: Offload limits]
+The physical limits of fsdp's offloaded step on the machine it runs on, measured there and
+printed beside its step time:
+
+* **copies**: the bytes that cross PCIe per step over the pinned bandwidth measured at run
+  time (:func:`offload_copy_bytes`; the best of a few synchronized copies of a 256 MiB
+  pinned buffer each way), H2D and D2H time added (a full-duplex link can overlap the two
+  directions; the sum is the time with no overlap between them).
+* **CPU AdamW**: one AdamW step (the benchmark's hyperparameters) over CPU tensors of the
+  units' fp32 shard sizes, timed on the host at run time for torch's default (one tensor
+  after another) and ``fused=True``: each distinct shard size (the root's and a block's) is
+  timed alone, on at most 2^26 elements (scaled by elements above: 1 GiB of fp32 parameter,
+  gradient and moments keeps it to seconds), and the model's time is the sum over its units.
+  The **traffic bound**: a fused AdamW reads
+  the parameter, the gradient and both moments and writes the parameter and the moments, 28
+  bytes per parameter, at the host's memcpy bandwidth (bytes read and written per second).
+
+``step / (copies + fused AdamW)`` is how far the step is from doing only those two, one
+after the other; overlapping them with each other and with the GPU's work goes below 1x.
+On the CPU dry run the "copies" are host memcpys (no GPU), the AdamW as on a GPU machine.
 """
 
 from __future__ import annotations
@@ -30,8 +51,10 @@ import math
 import statistics
 from typing import Any, Optional, Sequence
 
+import torch
+
 from benchmarks.config import OFFLOAD_IMPLEMENTATIONS, BenchConfig, CudaBenchConfig, gpt_params
-from benchmarks.core import IMPLEMENTATIONS, REFERENCE, blocks, build_model, median, ratio, times
+from benchmarks.core import IMPLEMENTATIONS, REFERENCE, ModelSpec, blocks, build_model, median, ratio, times
 
 __all__ = [
     "TARGETS",
@@ -40,6 +63,7 @@ __all__ = [
     "format_profile",
     "minimum_bytes",
     "unit_numels",
+    "model_unit_numels",
     "GPU_TARGETS",
     "PEAK_BF16_FLOPS",
     "peak_flops",
@@ -47,8 +71,11 @@ __all__ = [
     "summarize_gpu",
     "evaluate_targets",
     "format_gpu_report",
+    "offload_copy_bytes",
+    "offload_limits",
     "summarize_offload",
     "format_offload",
+    "format_offload_rates",
 ]
 
 MiB = 1024 * 1024
@@ -71,12 +98,18 @@ TARGETS = (
 CHECKPOINT_TARGETS = ("model_sd_vs_fsdp1", "optim_sd_vs_fsdp1")
 
 
-def unit_numels(cfg: BenchConfig) -> tuple[int, list[int]]:
-    """Parameters owned by the root unit and by each layer unit."""
-    model = build_model(cfg.spec)
+def model_unit_numels(spec: ModelSpec) -> tuple[int, list[int]]:
+    """Parameters owned by the root unit and by each block unit (the model built on the meta
+    device: no memory, no initialization)."""
+    model = build_model(spec, torch.device("meta"))
     layers = [sum(p.numel() for p in layer.parameters()) for layer in blocks(model)]
     total = sum(p.numel() for p in model.parameters())
     return total - sum(layers), layers
+
+
+def unit_numels(cfg: BenchConfig) -> tuple[int, list[int]]:
+    """Parameters owned by the root unit and by each layer unit."""
+    return model_unit_numels(cfg.spec)
 
 
 def minimum_bytes(cfg: BenchConfig) -> dict[str, int]:
@@ -584,18 +617,83 @@ def format_gpu_report(cfg: CudaBenchConfig, env: dict[str, Any], summary: dict[s
     return "\n".join(lines)
 
 
-def summarize_offload(cfg: CudaBenchConfig, runs: list[dict[str, Any]]) -> dict[str, Any]:
+#: Bytes of memory traffic of one fused AdamW step per parameter ([Note: Offload limits]).
+ADAMW_BYTES_PER_PARAM = 28
+
+
+def offload_copy_bytes(root_numel: int, block_numels: Sequence[int]) -> dict[str, int]:
+    """Bytes fsdp copies host to device and device to host per training step with
+    ``CPUOffload(offload_params=True)``, in the GPU benchmark's configuration (world size 1:
+    NO_SHARD, fp32 parameters, bf16 compute, fp32 reduction), from the second step on.
+
+    At world size 1 offload takes the sharded path ([Note: CPU offload on one rank] in
+    ``fsdp/flat_param/_sharding.py``): a unit's local shard is its whole fp32 flat parameter,
+    in pinned host memory. Every unshard copies it to the GPU, then casts it to bf16 there
+    (``FlatParamStorage.gather``). NO_SHARD frees an offloaded unit's compute copy after its
+    forward, the root's too (``UnitState.frees_after_forward``), so every unit is copied in
+    forward and again in backward, except the last block, which stays gathered from its forward
+    into its backward ([Note: The first backward unit stays gathered]). Each unit's reduced fp32
+    gradient is copied to the host once (``fsdp/flat_param/_reduction.py``). With N parameters
+    and the last block's L: ``h2d = 4 (2 N - L)``, ``d2h = 4 N``. For example a root of 100
+    and two blocks of 10: 4 x (2 x 120 - 10) = 920 bytes in, 480 out.
+    """
+    params = root_numel + sum(block_numels)
+    last_block = block_numels[-1] if block_numels else 0
+    return {"h2d_bytes": 4 * (2 * params - last_block), "d2h_bytes": 4 * params}
+
+
+def _units_seconds(timed: Sequence[dict[str, Any]], key: str, numels: Sequence[int]) -> float:
+    """The sum over units of the AdamW time of their shard size in ``timed`` (a size not timed:
+    the nearest timed size's time per element)."""
+    by_numel = {row["numel"]: row for row in timed}
+    total = 0.0
+    for numel in numels:
+        row = by_numel.get(numel) or min(timed, key=lambda row: abs(row["numel"] - numel))
+        total += row[key] * (numel / row["numel"])
+    return total
+
+
+def offload_limits(rates: Optional[dict[str, Any]], root_numel: int, block_numels: Sequence[int]) -> dict[str, Any]:
+    """The limits of [Note: Offload limits] for a model of these units, from the rates measured
+    at run time (``benchmarks.cuda.measure_offload_rates``; ``None`` or a failed measurement
+    leave the times ``None``)."""
+    params = root_numel + sum(block_numels)
+    out: dict[str, Any] = {"params": params, **offload_copy_bytes(root_numel, block_numels)}
+    out["adamw_traffic_bytes"] = ADAMW_BYTES_PER_PARAM * params
+    r = rates if rates is not None and not rates.get("error") else {}
+    h2d_s = ratio(out["h2d_bytes"], r.get("h2d_bytes_per_s"))
+    d2h_s = ratio(out["d2h_bytes"], r.get("d2h_bytes_per_s"))
+    out["copies_s"] = h2d_s + d2h_s if h2d_s is not None and d2h_s is not None else None
+    timed = r.get("adamw_units") or []
+    for kind in ("default", "fused"):
+        out[f"adamw_{kind}_s"] = _units_seconds(timed, f"{kind}_s", [root_numel, *block_numels]) if timed else None
+    out["adamw_traffic_s"] = ratio(out["adamw_traffic_bytes"], r.get("host_memcpy_bytes_per_s"))
+    fused, copies = out["adamw_fused_s"], out["copies_s"]
+    out["copies_plus_fused_adamw_s"] = copies + fused if copies is not None and fused is not None else None
+    return out
+
+
+def summarize_offload(cfg: CudaBenchConfig, runs: list[dict[str, Any]], rates: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """The offload comparison (runs at ``cfg.layers``) and the size walk (runs with a
-    ``size_b`` key): per size and implementation, fits or not, tokens/s and peak GPU memory."""
+    ``size_b`` key): per size and implementation, fits or not, tokens/s and peak GPU memory;
+    beside each, the limits of [Note: Offload limits] from ``rates`` and fsdp's step over
+    ``copies + fused AdamW`` (``fsdp_step_vs_limits``)."""
     main_runs = [r for r in runs if "size_b" not in r]
     main = summarize_gpu(cfg, main_runs, None) if main_runs else None
+    if main is not None:
+        main["limits"] = offload_limits(rates, *model_unit_numels(cfg.spec()))
+        main["fsdp_step_vs_limits"] = ratio(main["impls"].get("fsdp", {}).get("step_s"), main["limits"]["copies_plus_fused_adamw_s"])
     walk: dict[str, dict[str, Any]] = {}
     for r in runs:
         if "size_b" not in r:
             continue
         ok = r["status"] == "ok"
         step_s = statistics.mean(r["step_s"]) if ok else None
-        walk.setdefault(f"{r['size_b']:g}", {"layers": r["layers"], "params": r["params"]})[r["impl"]] = {
+        row = walk.get(f"{r['size_b']:g}")
+        if row is None:
+            row = walk[f"{r['size_b']:g}"] = {"layers": r["layers"], "params": r["params"],
+                                              "limits": offload_limits(rates, *model_unit_numels(cfg.spec(r["layers"])))}
+        row[r["impl"]] = {
             "status": "trains" if ok else ("does not fit" if r["status"] == "oom" else r["status"]),
             "error": r["error"],
             "step_s": step_s,
@@ -603,7 +701,57 @@ def summarize_offload(cfg: CudaBenchConfig, runs: list[dict[str, Any]]) -> dict[
             "max_allocated": r["max_allocated"],
             "host_rss": r["host_rss"],
         }
-    return {"main": main, "sizes": walk}
+        if r["impl"] == "fsdp":
+            row["fsdp_step_vs_limits"] = ratio(step_s, row["limits"]["copies_plus_fused_adamw_s"])
+    return {"main": main, "sizes": walk, "rates": rates}
+
+
+def _gb_s(value: Optional[float]) -> str:
+    return _f(value, ".1f", 1e9) + " GB/s"
+
+
+def format_offload_limits(label: str, step_s: Optional[float], limits: dict[str, Any], rates: Optional[dict[str, Any]],
+                          step_vs_limits: Optional[float]) -> str:
+    """One line: fsdp's step beside the limits of [Note: Offload limits]."""
+    r = rates or {}
+    if not r or r.get("error"):
+        reason = _last_line(r.get("error")) if r else "not measured"
+        return f"  offload {label}: step {_f(step_s, '.3f')} s; limits n/a ({reason})"
+    how = "" if r.get("copy_how") == "pinned" else f"{r.get('copy_how')}; "
+    copies = (
+        f"copies {_f(limits['copies_s'], '.3g')} s ({how}H2D {_gb_s(r.get('h2d_bytes_per_s'))}, "
+        f"D2H {_gb_s(r.get('d2h_bytes_per_s'))}, {(limits['h2d_bytes'] + limits['d2h_bytes']) / 1e9:.3g} GB)"
+    )
+    adamw = (
+        f"CPU AdamW {_f(limits['adamw_default_s'], '.3g')} s default / {_f(limits['adamw_fused_s'], '.3g')} s fused "
+        f"(traffic bound {_f(limits['adamw_traffic_s'], '.3g')} s at {_gb_s(r.get('host_memcpy_bytes_per_s'))})"
+    )
+    return (
+        f"  offload {label}: step {_f(step_s, '.3f')} s; limits: {copies}, {adamw}; "
+        f"step / (copies + fused AdamW) = {times(step_vs_limits, 2)}"
+    )
+
+
+def format_offload_rates(r: dict[str, Any]) -> str:
+    """One line: what the limits were measured from (``benchmarks.cuda.measure_offload_rates``)."""
+    if r.get("error"):
+        return f"  offload limits not measured ({r['seconds']:.1f} s): {_last_line(r['error'])}"
+    shards = ", ".join(
+        f"{row['numel']:,}" + ("" if row["timed_numel"] == row["numel"] else f" (timed on {row['timed_numel']:,})")
+        for row in r["adamw_units"]
+    )
+    return (
+        f"  offload limits measured in {r['seconds']:.1f} s: copies of {r['copy_buffer_bytes'] / 2**20:.0f} MiB "
+        f"({r['copy_how']}): H2D {_gb_s(r['h2d_bytes_per_s'])}, D2H {_gb_s(r['d2h_bytes_per_s'])}, host memcpy "
+        f"{_gb_s(r['host_memcpy_bytes_per_s'])} (read + written); CPU AdamW ({r['threads']} threads) on shards of "
+        f"{shards} elements, summed over the units; see [Note: Offload limits] in benchmarks/report.py"
+    )
+
+
+def _optimizer_text(cfg: CudaBenchConfig) -> str:
+    if cfg.offload_optimizer == "fused":
+        return "CPU AdamW fused=True"
+    return "CPU AdamW torch's default (one tensor after another)"
 
 
 def format_offload(cfg: CudaBenchConfig, env: dict[str, Any], summary: dict[str, Any]) -> str:
@@ -613,7 +761,7 @@ def format_offload(cfg: CudaBenchConfig, env: dict[str, Any], summary: dict[str,
     main = summary["main"]
     if main is not None:
         params = gpt_params(cfg.layers, cfg.d_model, cfg.vocab, cfg.seq)[0]
-        lines.append("== CPU offload (offload_params=True): " + _gpu_header(cfg, env, params))
+        lines.append(f"== CPU offload (offload_params=True, {_optimizer_text(cfg)}): " + _gpu_header(cfg, env, params))
         lines.append(f"{'impl':<12} {'rounds':>6} {'step_s':>7} {'tok/s':>8} {'alloc_GiB':>9} {'x_step':>8} {'x_alloc':>8}")
         for impl, e in main["impls"].items():
             if e["status"] != "ok":
@@ -624,8 +772,11 @@ def format_offload(cfg: CudaBenchConfig, env: dict[str, Any], summary: dict[str,
                 f"{_f(e['max_allocated'], '.2f', GIB):>9} {times(e['ratios']['step_s']):>8} {times(e['ratios']['max_allocated']):>8}"
             )
         lines.append(f"max |loss fsdp - loss {REFERENCE}| over the steps: {_f(main['loss_max_abs_diff'], '.2e')}")
+        lines.append(format_offload_limits(
+            f"{params / 1e9:.2f}e9", main["impls"].get("fsdp", {}).get("step_s"), main["limits"], summary.get("rates"),
+            main["fsdp_step_vs_limits"]))
     if summary["sizes"]:
-        lines.append(f"== CPU offload size walk (d_model {cfg.d_model}, batch {cfg.batch} x seq {cfg.seq})")
+        lines.append(f"== CPU offload size walk (d_model {cfg.d_model}, batch {cfg.batch} x seq {cfg.seq}, {_optimizer_text(cfg)})")
         for size, row in summary["sizes"].items():
             cells = []
             for impl in OFFLOAD_IMPLEMENTATIONS:
@@ -640,4 +791,10 @@ def format_offload(cfg: CudaBenchConfig, env: dict[str, Any], summary: dict[str,
                 else:
                     cells.append(f"{impl} {cell['status'].upper()}")
             lines.append(f"  {size}B ({row['params'] / 1e9:.2f}e9, {row['layers']} layers): " + "; ".join(cells))
+        for size, row in summary["sizes"].items():
+            fsdp_cell = row.get("fsdp") or {}
+            lines.append(format_offload_limits(
+                f"{size}B", fsdp_cell.get("step_s"), row["limits"], summary.get("rates"), row.get("fsdp_step_vs_limits")))
+    if summary.get("rates"):
+        lines.append(format_offload_rates(summary["rates"]))
     return "\n".join(lines)

@@ -20,12 +20,25 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from benchmarks import __main__ as bench_main
 from benchmarks import cuda as _cuda
-from benchmarks.config import BenchConfig, CudaBenchConfig, gpt_params, layers_for_size, parse_args, parse_cuda_args, parse_device
+from benchmarks.config import (
+    BenchConfig,
+    CudaBenchConfig,
+    block_params,
+    gpt_params,
+    layers_for_size,
+    parse_args,
+    parse_cuda_args,
+    parse_device,
+)
+from benchmarks.core import build_model, make_batches, train_step, wrap
 from benchmarks.report import (
     evaluate_targets,
     flops_per_token,
     format_gpu_report as format_report,
     format_offload,
+    model_unit_numels,
+    offload_copy_bytes,
+    offload_limits,
     peak_flops,
     summarize_gpu as summarize,
     summarize_offload,
@@ -64,7 +77,8 @@ def test_device_flag_dispatch_and_defaults() -> None:
     assert off.only == ("fsdp", "torch_fsdp1")
     walk = parse_cuda_args(["--offload-sizes", "4,1,2", "--only", "fsdp", "--layers", "3"])
     assert walk.offload and walk.offload_sizes == (4.0, 1.0, 2.0) and walk.only == ("fsdp",)
-    assert walk.layers == 3
+    assert walk.layers == 3 and walk.offload_optimizer == "default" and off.offload_optimizer == "default"
+    assert parse_cuda_args(["--offload", "--offload-optimizer", "fused"]).offload_optimizer == "fused"
     assert parse_cuda_args(["--only", "local,fsdp"]).only == ("fsdp", "local")  # report order
 
 
@@ -81,6 +95,8 @@ def test_device_flag_dispatch_and_defaults() -> None:
         (["--offload-sizes", "1,x"], "expected comma-separated numbers"),
         (["--offload-sizes", "1,-2"], "--offload-sizes must be positive"),
         (["--offload", "--profile"], "--profile profiles the training comparison"),
+        (["--offload-optimizer", "fused"], "--offload-optimizer chooses the CPU AdamW of --offload; add --offload"),
+        (["--offload", "--offload-optimizer", "foreach"], "argument --offload-optimizer: invalid choice: 'foreach'"),
         (["--profile", "--only", "local"], "--profile profiles fsdp; keep fsdp in --only"),
         (["--world-size", "2"], "unrecognized arguments: --world-size 2"),
     ],
@@ -235,6 +251,97 @@ def test_offload_summary_and_table() -> None:
     text = format_offload(cfg, {"device_name": "gpu"}, s)
     assert "1B (1.00e9, 2 layers): fsdp trains 32 tok/s, 1.0 GiB GPU, 20.0 GiB host RSS; torch_fsdp1 DOES NOT FIT" in text
     assert "2B (2.00e9, 2 layers): fsdp DOES NOT FIT" in text
+    # No rates measured: the limits' times are n/a, their bytes are still the model's.
+    assert s["sizes"]["1"]["limits"]["copies_s"] is None and s["sizes"]["1"]["fsdp_step_vs_limits"] is None
+    assert "offload 1B: step 1.000 s; limits n/a (not measured)" in text
+    assert "CPU AdamW torch's default (one tensor after another)" in text
+
+
+def test_offload_limits_arithmetic_and_line() -> None:
+    # The tiny GPT (width 32, vocabulary 64, sequence 16): the root owns 4,672 parameters
+    # (token and position tables, final LayerNorm, head), each block 12,704; two blocks: 30,080.
+    cfg = CudaBenchConfig(layers=2, d_model=32, n_head=4, vocab=64, seq=16, batch=2, offload=True, offload_optimizer="fused")
+    root, blocks = model_unit_numels(cfg.spec())
+    assert (root, blocks) == (4672, [12704, 12704]) and root + sum(blocks) == gpt_params(2, 32, 64, 16)[0]
+    # Host to device: every unit in forward and backward but the last block: 4 x (2 x 30,080 -
+    # 12,704) = 189,824 bytes; device to host: every gradient once, 4 x 30,080 = 120,320.
+    assert offload_copy_bytes(root, blocks) == {"h2d_bytes": 189_824, "d2h_bytes": 120_320}
+    rates = {
+        "copy_how": "pinned", "copy_buffer_bytes": 2**28, "threads": 16, "seconds": 2.0, "error": None,
+        "h2d_bytes_per_s": 189_824 * 4.0, "d2h_bytes_per_s": 120_320 * 8.0,  # 0.25 s + 0.125 s
+        "host_memcpy_bytes_per_s": 28 * 30_080 * 2.0,  # the traffic bound: 0.5 s
+        # Root 0.125 s / 0.0625 s, each block 0.25 s / 0.125 s: 0.625 s default, 0.3125 s fused.
+        "adamw_units": [{"numel": 4672, "timed_numel": 4672, "default_s": 0.125, "fused_s": 0.0625},
+                        {"numel": 12704, "timed_numel": 12704, "default_s": 0.25, "fused_s": 0.125}],
+    }
+    lim = offload_limits(rates, root, blocks)
+    # Every time is a binary fraction of a few bits and every scale a power of two: exact.
+    assert (lim["copies_s"], lim["adamw_default_s"], lim["adamw_fused_s"], lim["adamw_traffic_s"]) == (0.375, 0.625, 0.3125, 0.5)
+    assert lim["copies_plus_fused_adamw_s"] == 0.6875 and lim["adamw_traffic_bytes"] == 28 * 30_080
+    # A unit size that was not timed takes the nearest timed size's time per element.
+    assert offload_limits(rates, root, [2 * 12704])["adamw_default_s"] == 0.125 + 0.5
+
+    walk = [{**_run("fsdp", 0, 1.375, 2**30), "size_b": 1.0, "params": 30_080, "host_rss": 2**30}]
+    s = summarize_offload(cfg, walk, rates)
+    assert s["rates"] is rates and s["sizes"]["1"]["limits"] == lim
+    assert s["sizes"]["1"]["fsdp_step_vs_limits"] == 2.0  # 1.375 / 0.6875
+    text = format_offload(cfg, {"device_name": "gpu"}, s)
+    assert (
+        "  offload 1B: step 1.375 s; limits: copies 0.375 s (H2D 0.0 GB/s, D2H 0.0 GB/s, 0.00031 GB), "
+        "CPU AdamW 0.625 s default / 0.312 s fused (traffic bound 0.5 s at 0.0 GB/s); step / (copies + fused AdamW) = 2.00x"
+    ) in text
+    assert "CPU AdamW fused=True" in text and "copies of 256 MiB (pinned)" in text
+    assert "on shards of 4,672, 12,704 elements" in text
+    failed = {"error": "Traceback\nRuntimeError: no pinned memory", "seconds": 0.5}
+    text = format_offload(cfg, {"device_name": "gpu"}, summarize_offload(cfg, walk, failed))
+    assert "offload 1B: step 1.375 s; limits n/a (RuntimeError: no pinned memory)" in text
+
+
+def _count_offload_copies() -> list[dict[str, int]]:
+    """In a world-size-1 gloo rank: the benchmark's fsdp offload configuration (bf16, NO_SHARD
+    at world size 1) trains the tiny GPT with 3 blocks; the bytes each step's unshards copy from
+    the host shard and its gradients copy into host buffers, counted at fsdp's two copy sites."""
+    from fsdp.flat_param import _storage
+
+    cfg = CudaBenchConfig(**{**TINY_CFG, "layers": 3}, offload=True)
+    device = torch.device("cpu")
+    model = wrap("fsdp", build_model(cfg.spec(), device), _cuda._wrap_options(cfg, device, True))
+    opt = _cuda.make_optimizer(model)
+    counts = {"h2d_bytes": 0, "d2h_bytes": 0}
+    gather, new_host_buffer = _storage.FlatParamStorage.gather, _storage.FlatParamStorage.new_host_buffer
+
+    def counted_gather(self: Any, *args: Any, **kwargs: Any) -> None:
+        assert self.offload_params  # every unit offloads: each gather copies the host shard
+        counts["h2d_bytes"] += self.local_shard.numel() * self.local_shard.element_size()
+        gather(self, *args, **kwargs)
+
+    def counted_host_buffer(self: Any, like: torch.Tensor) -> torch.Tensor:
+        counts["d2h_bytes"] += like.numel() * like.element_size()  # after wrapping: gradients only
+        return new_host_buffer(self, like)
+
+    per_step = []
+    try:
+        _storage.FlatParamStorage.gather = counted_gather  # type: ignore[method-assign]
+        _storage.FlatParamStorage.new_host_buffer = counted_host_buffer  # type: ignore[method-assign]
+        for batch in make_batches(cfg.spec(), 3):
+            train_step(model, opt, batch)
+            per_step.append(dict(counts))
+            counts.update(h2d_bytes=0, d2h_bytes=0)
+    finally:
+        _storage.FlatParamStorage.gather = gather  # type: ignore[method-assign]
+        _storage.FlatParamStorage.new_host_buffer = new_host_buffer  # type: ignore[method-assign]
+    return per_step
+
+
+def test_offload_copy_bytes_are_what_fsdp_copies(pool1: RankPool) -> None:
+    (per_step,) = pool1.run(_count_offload_copies)
+    params = gpt_params(3, 32, 64, 16)[0]
+    expected = offload_copy_bytes(*model_unit_numels(CudaBenchConfig(**{**TINY_CFG, "layers": 3}).spec()))
+    assert expected == {"h2d_bytes": 4 * (2 * params - block_params(32)), "d2h_bytes": 4 * params}
+    # From the second step on (the phase orders are known, so the last block stays gathered
+    # into its backward), every step copies exactly that; the first copies the last block twice.
+    assert per_step[1:] == [expected, expected]
+    assert per_step[0] == {"h2d_bytes": expected["h2d_bytes"] + 4 * block_params(32), "d2h_bytes": 4 * params}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -307,9 +414,38 @@ def _offload_rank() -> dict[str, Any]:
     """In a world-size-1 gloo rank: ``--offload`` and ``--offload-sizes``, on CPU (the whole
     run but the process group, which the rank already has)."""
     device = torch.device("cpu")
-    main = _cuda._run(CudaBenchConfig(**TINY_CFG, offload=True, rounds=1, warmup_steps=1, steps=2), device)
-    walk = _cuda._run(CudaBenchConfig(**TINY_CFG, offload_sizes=(3e-5, 1e-5)), device)
-    return {"main": main, "walk": walk}
+    fused: list[Any] = []  # the wrapped models' optimizers: AdamW's "fused" default
+    make_optimizer = _cuda.make_optimizer
+
+    def recorded(model: Any, **kwargs: Any) -> torch.optim.Optimizer:
+        opt = make_optimizer(model, **kwargs)
+        if type(model).__name__ == "FullyShardedDataParallel":
+            fused.append(opt.defaults["fused"])
+        return opt
+
+    _cuda.make_optimizer = recorded  # type: ignore[assignment]
+    try:
+        main = _cuda._run(CudaBenchConfig(**TINY_CFG, offload=True, rounds=1, warmup_steps=1, steps=2), device)
+        walk = _cuda._run(CudaBenchConfig(**TINY_CFG, offload_sizes=(3e-5, 1e-5)), device)
+        default_fused = list(fused)
+        fused.clear()
+        walk_fused = _cuda._run(CudaBenchConfig(**TINY_CFG, offload_sizes=(1e-5,), offload_optimizer="fused"), device)
+    finally:
+        _cuda.make_optimizer = make_optimizer  # type: ignore[assignment]
+    return {"main": main, "walk": walk, "walk_fused": walk_fused, "default_fused": default_fused, "fused": fused}
+
+
+def _assert_limits(offload: dict[str, Any], limits: dict[str, Any], layers: int) -> None:
+    """The limits of one size measured on CPU: the bytes are the model's arithmetic, exactly;
+    every time is measured and positive."""
+    params = gpt_params(layers, 32, 64, 16)[0]
+    assert limits["params"] == params
+    assert (limits["h2d_bytes"], limits["d2h_bytes"]) == (4 * (2 * params - block_params(32)), 4 * params)
+    for key in ("copies_s", "adamw_default_s", "adamw_fused_s", "adamw_traffic_s"):
+        assert limits[key] > 0, (key, limits)
+    rates = offload["rates"]
+    assert rates["error"] is None and rates["copy_how"] == "no GPU: host memcpy"
+    assert [row["numel"] for row in rates["adamw_units"]] == [4672, 12704]  # the root's and a block's shard
 
 
 def test_cpu_dry_run_offload(pool1: RankPool) -> None:
@@ -327,6 +463,13 @@ def test_cpu_dry_run_offload(pool1: RankPool) -> None:
     entry = main["offload"]["main"]["impls"]["fsdp"]
     assert entry["step_s"] == sum(fsdp_run["step_s"]) / 2 and entry["ratios"]["step_s"] is None
     assert main["offload"]["sizes"] == {}
+    _assert_limits(main["offload"], main["offload"]["main"]["limits"], 2)
+    assert main["offload"]["main"]["fsdp_step_vs_limits"] > 0
+    # torch's default AdamW unless --offload-optimizer fused, for fsdp and torch FSDP1 alike.
+    assert result["default_fused"] == [None] * 6 and result["fused"] == [True, True]
+    assert main["config"]["offload_optimizer"] == "default"
+    assert result["walk_fused"]["config"]["offload_optimizer"] == "fused"
+    assert result["walk_fused"]["offload"]["sizes"]["1e-05"]["fsdp"]["status"] == "trains"
 
     walk = result["walk"]["runs"]
     # Smallest size first. Width 32: 4,672 parameters outside the blocks, 12,704 per block;
@@ -340,6 +483,9 @@ def test_cpu_dry_run_offload(pool1: RankPool) -> None:
     assert list(sizes) == ["1e-05", "3e-05"] and result["walk"]["offload"]["main"] is None
     assert sizes["3e-05"]["fsdp"]["status"] == "trains" and sizes["3e-05"]["layers"] == 2
     assert sizes["3e-05"]["fsdp"]["tokens_per_s"] == 32 / (sum(walk[2]["step_s"]) / 2)
+    for size, layers in (("1e-05", 1), ("3e-05", 2)):
+        _assert_limits(result["walk"]["offload"], sizes[size]["limits"], layers)
+        assert sizes[size]["fsdp_step_vs_limits"] == sizes[size]["fsdp"]["step_s"] / sizes[size]["limits"]["copies_plus_fused_adamw_s"]
 
 
 def test_size_walk_skips_sizes_the_host_cannot_hold(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from benchmarks import gpu_run
+from benchmarks.config import block_params, gpt_params
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,6 +55,17 @@ def test_dry_run_runs_every_step(tmp_path: Path) -> None:
     # implementation's failure that the walk records and goes on.
     assert [row["fsdp"]["status"] for row in walk.values()] == ["trains", "trains"]
     assert all(row["torch_fsdp1"]["status"] in ("trains", "error") for row in walk.values())
+    # Beside each size, the limits: the bytes fsdp's offload copies per step from the model's
+    # parameter count (every unit host to device in forward and in backward but the last block,
+    # every gradient back once: [Note: Offload limits]), exactly; the times measured, positive.
+    for row in walk.values():
+        params, limits = row["params"], row["limits"]
+        assert params == gpt_params(row["layers"], 32, 64, 16)[0]  # gpu_run.TINY's GPT
+        assert (limits["h2d_bytes"], limits["d2h_bytes"]) == (4 * (2 * params - block_params(32)), 4 * params)
+        assert all(limits[k] > 0 for k in ("copies_s", "adamw_default_s", "adamw_fused_s", "adamw_traffic_s"))
+        assert row["fsdp_step_vs_limits"] > 0
+    offload_log = (out / f"{names.index('offload') + 1:02d}_offload.log").read_text()
+    assert "no GPU: host memcpy" in offload_log and "step / (copies + fused AdamW) = " in offload_log
     ws2 = json.loads((out / "ws2_memory.json").read_text())["results"]
     assert [r["losses"] for r in ws2["fsdp"]] == [r["losses"] for r in ws2["torch_fsdp1"]]
     assert (out / "cpu_suite.xml").exists() and (out / "cuda_lane.xml").exists()
