@@ -282,10 +282,14 @@ class GradReduction:
             sharded_grad.div_(self.post_divide)
         return sharded_grad, None, False
 
-    def finalize(self) -> None:
+    def finalize(self) -> bool:
         """At the end of backward: sets ``.grad`` to the sharded gradient (plus any stash).
 
         Precondition: the FlatParameter holds its sharded data (or never shards).
+
+        Returns:
+            Whether this backward reduced a gradient for the handle (not inside ``no_sync``,
+            and its gradient arrived).
         """
         self.wait()
         if self.storage.offload_params and self.storage.device.type == "cuda":
@@ -295,7 +299,7 @@ class GradReduction:
         self.sharded_grad_stash = None
         if pending is None and stash is None:
             self.use_sharded_grad_views()  # no_sync: the held unsharded gradient's views
-            return
+            return False
         if self.storage.has_unsharded_buffer:
             p_assert(
                 self.storage.flat_param.data.data_ptr() == self.storage.local_shard.data_ptr(),
@@ -306,6 +310,7 @@ class GradReduction:
             stash.add_(pending)
             grad = stash
         self.set_sharded_grad(grad)
+        return pending is not None
 
     def set_sharded_grad(self, grad: Optional[torch.Tensor]) -> None:
         """Sets the FlatParameter's ``.grad`` (in ``grad_dtype``) and the original params' views."""

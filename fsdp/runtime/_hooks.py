@@ -408,12 +408,45 @@ def _final_callback(ctx: RootContext) -> None:
                 if handle.grads.unsynced_unsharded_grad is not None:
                     handle.grads.use_sharded_grad_views()  # no_sync: the accumulated unsharded views
             if not handle.is_unsharded or not handle.has_unsharded_buffer:
-                handle.grads.finalize()
+                if handle.grads.finalize():
+                    _step_optimizers_in_backward(handle)
         state.ran_pre_backward = False
         state.training_state = HandleTrainingState.IDLE
     ctx.final_callback_queued = False
     ctx.kept_unit_pending = None  # resharded above if this backward never reached it
     finish_first_iteration(ctx)
+
+
+def _step_optimizers_in_backward(handle: FlatParamHandle) -> None:
+    """Steps the optimizers ``_apply_optimizer_in_backward`` gave the handle's parameters.
+
+    [Note: Optimizers in backward]
+    ``torch.distributed.optim._apply_optimizer_in_backward`` gives each parameter its own
+    optimizer (``param._in_backward_optimizers``) and steps it from a hook on the parameter's
+    gradient accumulation. Under FSDP with ``use_orig_params=True`` no such accumulation happens
+    (forward uses views of the FlatParameter), so, as torch FSDP1 does, the wrapper steps them
+    once the parameter's sharded gradient of a synchronized backward is set: every optimizer of
+    a parameter that has a gradient on this rank steps, then the gradient is dropped (a
+    parameter this rank holds no part of has none and is skipped). The FlatParameter's
+    gradient then follows the original ones (``sync_from_orig``: None once all are None).
+    Nothing steps inside ``no_sync``, nor for a unit whose gradient did not arrive. Each
+    parameter's update reads only its own gradient and state, so stepping at the end of the
+    backward gives the values torch FSDP1 gives by stepping in each unit's post-backward.
+    ``use_orig_params=False`` is refused at lazy initialization, as torch FSDP1 does.
+    """
+    if not handle.use_orig_params:
+        return
+    stepped = False
+    for param in handle.views.orig_params:
+        optimizers = getattr(param, "_in_backward_optimizers", None)
+        if not optimizers or param.grad is None:
+            continue
+        for optimizer in optimizers:
+            optimizer.step()
+        optimizers[-1].zero_grad(set_to_none=True)
+        stepped = True
+    if stepped:
+        handle.grads.sync_from_orig()
 
 
 @contextlib.contextmanager

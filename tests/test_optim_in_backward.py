@@ -1,0 +1,177 @@
+"""Optimizers in backward (``torch.distributed.optim._apply_optimizer_in_backward``).
+
+Each parameter gets its own optimizer, stepped during ``backward()``; under FSDP with
+``use_orig_params=True`` the wrapper steps them once the sharded gradient is set ([Note:
+Optimizers in backward] in ``fsdp/runtime/_hooks.py``). The same scenario runs through fsdp,
+torch FSDP1 (bit for bit) and the plain module with the same per-parameter optimizers (to the
+tolerance of tests/test_parity.py: only the order of the gradient's summation differs).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.optim import _apply_optimizer_in_backward
+
+from tests._harness import RankPool
+from tests._models import Block, global_batch, lm_loss, local_rows, make_toy
+
+# One optimizer class per parameter; Adam carries state, so a skipped or doubled step shows.
+OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
+    "sgd": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+    "adam": (torch.optim.Adam, {"lr": 0.01}),
+}
+
+
+def _wrap(lib: str, model: nn.Module, strategy: str, **kwargs: Any) -> nn.Module:
+    if lib == "ours":
+        from fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
+        from fsdp.wrap import ModuleWrapPolicy
+    else:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP  # type: ignore[no-redef]
+        from torch.distributed.fsdp import ShardingStrategy  # type: ignore[no-redef]
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy  # type: ignore[no-redef]
+
+        kwargs.setdefault("device_id", torch.device("cpu"))
+    return FSDP(
+        model, auto_wrap_policy=ModuleWrapPolicy({Block}), sharding_strategy=ShardingStrategy[strategy], **kwargs
+    )
+
+
+def _full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    cls = type(model)
+    with cls.summon_full_params(model, writeback=False):  # type: ignore[attr-defined]
+        return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def _in_backward(model: nn.Module, optim: str, only_blocks: bool) -> torch.optim.Optimizer:
+    """Per-parameter optimizers on the blocks' parameters (all, unless ``only_blocks``); a
+    regular optimizer of the same kind over the rest (returned; it may hold no parameter)."""
+    cls, kwargs = OPTIMIZERS[optim]
+    chosen = [p for name, p in model.named_parameters() if not only_blocks or "blocks" in name]
+    rest = [p for name, p in model.named_parameters() if only_blocks and "blocks" not in name]
+    _apply_optimizer_in_backward(cls, chosen, kwargs)
+    return cls(rest or [torch.zeros(1, requires_grad=True)], **kwargs)
+
+
+def run_in_backward(strategy: str, optim: str, only_blocks: bool = False, steps: int = 3) -> int:
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    ref = make_toy()
+    ours = _wrap("ours", make_toy(), strategy, use_orig_params=True)
+    theirs = _wrap("torch", make_toy(), strategy, use_orig_params=True)
+    models = (ref, ours, theirs)
+    rest = [_in_backward(m, optim, only_blocks) for m in models]
+    for step in range(steps):
+        tokens, targets = global_batch(step, ws)
+        losses = []
+        for i, (model, opt) in enumerate(zip(models, rest)):
+            x, y = (tokens, targets) if i == 0 else (local_rows(tokens, rank, ws), local_rows(targets, rank, ws))
+            loss = lm_loss(model(x), y)
+            loss.backward()
+            # Stepped and dropped inside backward: no gradient is left on a stepped parameter.
+            for name, p in model.named_parameters():
+                if not only_blocks or "blocks" in name:
+                    assert p.grad is None, f"step {step}: {name} kept its gradient"
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        assert torch.equal(losses[1], losses[2]), f"step {step}: loss {losses[1]} != torch FSDP1 {losses[2]}"
+    mine, torch_full, ref_full = _full_params(ours), _full_params(theirs), dict(ref.named_parameters())
+    assert list(mine) == list(torch_full)
+    initial = dict(make_toy().named_parameters())
+    for name in mine:
+        assert torch.equal(mine[name], torch_full[name]), f"{name} differs from torch FSDP1"
+        torch.testing.assert_close(mine[name], ref_full[name].detach(), rtol=2e-5, atol=2e-6, msg=name)
+        assert not torch.equal(mine[name], initial[name]), f"{name} never moved"
+    return len(mine)
+
+
+@pytest.mark.parametrize("optim", ["sgd", "adam"])
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
+@pytest.mark.parametrize("dist_pool", [1, 2, 4], indirect=True)
+def test_matches_torch_fsdp1(dist_pool: RankPool, strategy: str, optim: str) -> None:
+    assert dist_pool.run(run_in_backward, strategy, optim) == [20] * dist_pool.world_size
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])
+def test_some_parameters_in_backward(pool2: RankPool, strategy: str) -> None:
+    """The blocks step in backward, the rest with a regular optimizer after it."""
+    assert pool2.run(run_in_backward, strategy, "adam", only_blocks=True) == [20, 20]
+
+
+def in_backward_with_no_sync() -> None:
+    """Inside ``no_sync`` nothing steps; the synchronized backward steps once, on the sum."""
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    ours = _wrap("ours", make_toy(), "FULL_SHARD", use_orig_params=True)
+    theirs = _wrap("torch", make_toy(), "FULL_SHARD", use_orig_params=True)
+    for model in (ours, theirs):
+        _in_backward(model, "adam", only_blocks=False)
+    for step in range(2):
+        micro = [global_batch(2 * step + k, ws) for k in range(2)]
+        for model in (ours, theirs):
+            before = _full_params(model)
+            tokens, targets = micro[0]
+            with model.no_sync():  # type: ignore[operator]
+                lm_loss(model(local_rows(tokens, rank, ws)), local_rows(targets, rank, ws)).backward()
+            assert all(torch.equal(before[n], v) for n, v in _full_params(model).items()), "stepped inside no_sync"
+            tokens, targets = micro[1]
+            lm_loss(model(local_rows(tokens, rank, ws)), local_rows(targets, rank, ws)).backward()
+            assert all(p.grad is None for p in model.parameters())
+    mine, torch_full = _full_params(ours), _full_params(theirs)
+    for name in mine:
+        assert torch.equal(mine[name], torch_full[name]), f"{name} differs from torch FSDP1"
+
+
+def test_no_sync(pool2: RankPool) -> None:
+    pool2.run(in_backward_with_no_sync)
+
+
+def in_backward_with_offload() -> None:
+    """CPU offload (its logic runs without a GPU, [Note: CPU offload]) steps the host shards
+    to the values training without offload gives; torch FSDP1 refuses offload without a GPU."""
+    from fsdp import CPUOffload
+
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    plain = _wrap("ours", make_toy(), "FULL_SHARD", use_orig_params=True)
+    offloaded = _wrap("ours", make_toy(), "FULL_SHARD", use_orig_params=True, cpu_offload=CPUOffload(offload_params=True))
+    for model in (plain, offloaded):
+        _in_backward(model, "adam", only_blocks=False)
+    for step in range(3):
+        tokens, targets = global_batch(step, ws)
+        for model in (plain, offloaded):
+            lm_loss(model(local_rows(tokens, rank, ws)), local_rows(targets, rank, ws)).backward()
+    from fsdp import FullyShardedDataParallel as FSDP
+
+    assert all(h.storage.offload_params for unit in FSDP.fsdp_modules(offloaded) for h in unit._fsdp_state.handles)
+    mine, reference = _full_params(offloaded), _full_params(plain)
+    initial = dict(make_toy().named_parameters())
+    for name in mine:
+        assert torch.equal(mine[name], reference[name]), f"{name}: offload differs"
+        assert not torch.equal(mine[name], initial[name]), f"{name} never moved"
+
+
+def test_cpu_offload(pool2: RankPool) -> None:
+    pool2.run(in_backward_with_offload)
+
+
+def flat_parameter_refused() -> list[str]:
+    """``use_orig_params=False`` gives the optimizer the FlatParameters: both libraries refuse
+    at the first forward, before any collective."""
+    messages = []
+    for lib in ("ours", "torch"):
+        model = _wrap(lib, make_toy(), "FULL_SHARD")
+        _apply_optimizer_in_backward(torch.optim.SGD, model.parameters(), {"lr": 0.1})
+        tokens, _ = global_batch(0, dist.get_world_size())
+        with pytest.raises(RuntimeError, match="FSDP optimizer in backward only supported with use_orig_params=True") as err:
+            model(local_rows(tokens, dist.get_rank(), dist.get_world_size()))
+        messages.append(str(err.value))
+    return messages
+
+
+def test_flat_parameters_refused(pool2: RankPool) -> None:
+    for ours, _ in pool2.run(flat_parameter_refused):
+        assert "use_orig_params=True" in ours and "wrap with use_orig_params=True" in ours
