@@ -171,9 +171,12 @@ class GradReduction:
                 work, post_divide = None, False
             else:
                 sharded_grad, work, post_divide = self._reduce_default(unsharded_grad, in_flight and stream is None)
+            if stream is not None:
+                # [Note: A reduction finishes on its stream]
+                sharded_grad = self._kept_form(sharded_grad)
             event = record_event(stream) if stream is not None else None
         if not in_flight:  # complete already (CPU)
-            self._accumulate_reduced(sharded_grad)
+            self._accumulate_reduced(self._kept_form(sharded_grad))
             return
         # The unsharded gradient must stay alive until the collective has read it.
         self.inflight = _InflightReduction(work, event, sharded_grad, post_divide, unsharded_grad)
@@ -211,26 +214,42 @@ class GradReduction:
         if inflight.event is not None:
             current = torch.cuda.current_stream(self.storage.device)
             current.wait_event(inflight.event)
-            # Made on the post-backward stream, used on this one: keep it from being reused early.
-            sharded_grad.record_stream(current)
+            if sharded_grad.device.type == "cuda":  # (with offload it is already on the host)
+                # Made on the post-backward stream, used on this one: keep it from being reused early.
+                sharded_grad.record_stream(current)
         if inflight.post_divide and self.post_divide > 1:
             sharded_grad.div_(self.post_divide)
+        if inflight.event is None:
+            sharded_grad = self._kept_form(sharded_grad)
         self._accumulate_reduced(sharded_grad)
 
-    def _accumulate_reduced(self, sharded_grad: torch.Tensor) -> None:
-        """Adds a reduced (post-divided) gradient to this backward's pending sharded gradient.
+    def _kept_form(self, sharded_grad: torch.Tensor) -> torch.Tensor:
+        """A reduced (post-divided) gradient as it is kept: cast back to full precision
+        (accumulation, the stash and the optimizer work on full-precision gradients, see [Note:
+        Mixed precision dtypes]) and, with CPU offload, copied into a host buffer (pinned with
+        an accelerator; :meth:`finalize` waits for the copies).
 
-        The gradient is cast back to full precision first: accumulation, the stash and the
-        optimizer work on full-precision gradients (see [Note: Mixed precision dtypes]).
+        [Note: A reduction finishes on its stream]
+        On CUDA this runs on the post-backward stream, right after the collective and before
+        the event the compute stream waits on, as torch FSDP1 offloads a gradient on its
+        post-backward stream: the cast and the device-to-host copy (a unit's whole sharded
+        gradient with offload) overlap the next units' backward instead of queuing on the
+        compute stream in front of it. The device tensor it reads was made on that stream and
+        is used only there, so dropping it is safe; the host copy is complete once the event
+        is. tests/test_cuda_lane.py's training parity runs it (offload on the one-rank NCCL
+        pool, mixed precision on the two-rank pool). On CPU it runs when the reduction
+        completes.
         """
         if sharded_grad.dtype != self.storage.precision.full_dtype:
             sharded_grad = sharded_grad.to(self.storage.precision.full_dtype)
         if self.storage.offload_params:
-            # Copied into a host buffer (pinned with an accelerator); finalize_grad waits for the
-            # copies (end of backward).
             offloaded = self.storage.new_host_buffer(sharded_grad)
             offloaded.copy_(sharded_grad, non_blocking=True)
             sharded_grad = offloaded
+        return sharded_grad
+
+    def _accumulate_reduced(self, sharded_grad: torch.Tensor) -> None:
+        """Adds a reduced gradient, in its kept form, to this backward's pending sharded gradient."""
         pending = self.pending_sharded_grad
         if pending is not None:
             if self.storage.offload_params and self.storage.device.type == "cuda":

@@ -19,7 +19,8 @@ and free in a steady-state step (the second on, when prefetching is on):
   in flight (its buffers alive) until the next handle's first gradient or post-backward, one
   at a time, where ``reduction_stays_in_flight`` says so (every one on an accelerator's
   post-backward stream; on CPU a lone reduce-scatter); then the sharded gradient is cast to
-  full precision (offload: copied to the host buffer) and kept.
+  full precision (offload: copied to the host buffer) and kept; on an accelerator that happens
+  on the post-backward stream right after the collective (kept from the post-backward on).
 - pre-backward on CPU: the reduction in flight completes before the ``BACKWARD_PRE`` prefetch.
 - post-backward: the unit's unsharded parameters are freed before the reduction is launched;
   ``BACKWARD_POST`` gathers next.
@@ -109,7 +110,7 @@ class _Replay:
         self.act_sizes: dict[int, tuple[int, str]] = {}
         self.held: dict[tuple[int, int], list[int]] = {}  # per-parameter gradients awaiting reduction
         self.held_keys: set[int] = set()
-        self.inflight: Optional[tuple[tuple[int, int], list[tuple[str, int]], int]] = None
+        self.inflight: Optional[tuple[tuple[int, int], list[tuple[str, int]], Optional[int]]] = None
         self.ran_pre_backward: set[int] = set()
         self.forward_order: list[int] = []
         self.backward_order: list[int] = []
@@ -209,7 +210,8 @@ class _Replay:
         self.inflight = None
         for kind, nbytes in buffers:
             self.add(kind, -nbytes)
-        self.accumulate(hid, sharded_reduce_bytes)
+        if sharded_reduce_bytes is not None:
+            self.accumulate(hid, sharded_reduce_bytes)
 
     def accumulate(self, hid: tuple[int, int], sharded_reduce_bytes: int) -> None:
         """A reduced sharded gradient in reduce_dtype becomes the full-precision sharded grad."""
@@ -266,7 +268,13 @@ class _Replay:
             self.add(GRADS, unsharded)
             self.add(unsharded_kind, -unsharded)
         if in_flight:
-            self.inflight = (hid, [(unsharded_kind, unsharded)] if spec.uses_sharding else [], reduced)
+            kept: Optional[int] = reduced
+            if not cfg.device_is_cpu:
+                # [Note: A reduction finishes on its stream] in flat_param/_reduction.py: the
+                # cast (and offload copy) is made right after the collective, not at the wait.
+                self.accumulate(hid, reduced)
+                kept = None
+            self.inflight = (hid, [(unsharded_kind, unsharded)] if spec.uses_sharding else [], kept)
         else:
             if spec.uses_sharding:
                 self.add(unsharded_kind, -unsharded)
