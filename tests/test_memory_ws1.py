@@ -11,10 +11,12 @@ the logits, their fp32 copy and the log-softmax.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import warnings
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -22,17 +24,17 @@ from torch import nn
 
 from benchmarks.core import ModelSpec, WrapOptions, build_model, make_batches, make_optimizer, torch_fsdp, wrap
 from benchmarks.memory import MemoryTrace
-from tests._harness import RankPool
+from tests._harness import RankPool, get_pool
 
 SPEC = ModelSpec("gpt", layers=3, d_model=32, heads=4, batch=2, seq=64, vocab=2048)
 OPTIONS = WrapOptions(strategy="FULL_SHARD", device=torch.device("cpu"), bf16=True)  # benchmarks/cuda.py's
 STEPS = 3  # the first iteration records the orders; the later ones are the steady state
 
 
-def _wrapped(impl: str) -> nn.Module:
+def _wrapped(impl: str, strategy: str = "FULL_SHARD") -> nn.Module:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*NO_SHARD.*")  # both FSDP1 designs say so at world size 1
-        return wrap(impl, build_model(SPEC), OPTIONS)
+        return wrap(impl, build_model(SPEC), dataclasses.replace(OPTIONS, strategy=strategy))
 
 
 def _low_precision_copies(impl: str, model: nn.Module) -> dict[str, int]:
@@ -58,11 +60,11 @@ def _low_precision_copies(impl: str, model: nn.Module) -> dict[str, int]:
     return {name: buf.untyped_storage().nbytes() for name, buf in buffers.items() if buf.untyped_storage().nbytes()}
 
 
-def held_at_the_loss(impl: str) -> dict[str, Any]:
+def held_at_the_loss(impl: str, strategy: str = "FULL_SHARD") -> dict[str, Any]:
     """Trains ``STEPS`` steps; in each, which units hold their bf16 copy at the two moments of
     the step's peak (the cross entropy after the model's forward, and the log-softmax's
     backward, before the model's backward starts); and the final parameters."""
-    model = _wrapped(impl)
+    model = _wrapped(impl, strategy)
     opt = make_optimizer(model)
     at_loss: list[dict[str, int]] = []
     at_loss_backward: list[dict[str, int]] = []
@@ -87,9 +89,12 @@ def _summon(model: nn.Module) -> Any:
     return FSDP.summon_full_params(model)
 
 
-def test_no_unit_holds_its_bf16_copy_through_the_loss(pool1: RankPool) -> None:
-    ours = pool1.run(held_at_the_loss, "fsdp")[0]
-    theirs = pool1.run(held_at_the_loss, "torch_fsdp1")[0]
+@pytest.mark.parametrize("world_size, strategy", [(1, "FULL_SHARD"), (2, "NO_SHARD")], ids=["ws1", "ws2-NO_SHARD"])
+def test_no_unit_holds_its_bf16_copy_through_the_loss(world_size: int, strategy: str) -> None:
+    # World size 1 runs FULL_SHARD as NO_SHARD; at two ranks NO_SHARD is asked for (rank 0's view).
+    pool = get_pool(world_size)
+    ours = pool.run(held_at_the_loss, "fsdp", strategy)[0]
+    theirs = pool.run(held_at_the_loss, "torch_fsdp1", strategy)[0]
     # torch FSDP1 frees every unit's NO_SHARD bf16 copy at its post-forward and casts it again
     # in its pre-backward: none is alive while the loss runs.
     assert theirs["at_loss"] == theirs["at_loss_backward"] == [{}] * STEPS

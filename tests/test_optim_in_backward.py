@@ -28,15 +28,18 @@ OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
 
 
 def _wrap(lib: str, model: nn.Module, strategy: str, **kwargs: Any) -> nn.Module:
+    """``mixed_precision`` is given as the keywords of the library's ``MixedPrecision``."""
     if lib == "ours":
-        from fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
+        from fsdp import FullyShardedDataParallel as FSDP, MixedPrecision, ShardingStrategy
         from fsdp.wrap import ModuleWrapPolicy
     else:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP  # type: ignore[no-redef]
-        from torch.distributed.fsdp import ShardingStrategy  # type: ignore[no-redef]
+        from torch.distributed.fsdp import MixedPrecision, ShardingStrategy  # type: ignore[no-redef, assignment]
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy  # type: ignore[no-redef]
 
         kwargs.setdefault("device_id", torch.device("cpu"))
+    if "mixed_precision" in kwargs:
+        kwargs["mixed_precision"] = MixedPrecision(**kwargs["mixed_precision"])
     return FSDP(
         model, auto_wrap_policy=ModuleWrapPolicy({Block}), sharding_strategy=ShardingStrategy[strategy], **kwargs
     )
@@ -48,44 +51,85 @@ def _full_params(model: nn.Module) -> dict[str, torch.Tensor]:
         return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
-def _in_backward(model: nn.Module, optim: str, only_blocks: bool) -> torch.optim.Optimizer:
-    """Per-parameter optimizers on the blocks' parameters (all, unless ``only_blocks``); a
-    regular optimizer of the same kind over the rest (returned; it may hold no parameter)."""
+def _chosen(name: str, only: str) -> bool:
+    """Whether parameter ``name`` gets an optimizer in backward: every one (``""``), or those
+    whose name contains ``only`` (``"blocks"``: whole units; ``"weight"``: part of each unit)."""
+    return only in name
+
+
+def _in_backward(model: nn.Module, optim: str, only: str) -> torch.optim.Optimizer:
+    """Per-parameter optimizers on the chosen parameters (see :func:`_chosen`); a regular
+    optimizer of the same kind over the rest (returned; it may hold no parameter)."""
     cls, kwargs = OPTIMIZERS[optim]
-    chosen = [p for name, p in model.named_parameters() if not only_blocks or "blocks" in name]
-    rest = [p for name, p in model.named_parameters() if only_blocks and "blocks" not in name]
+    chosen = [p for name, p in model.named_parameters() if _chosen(name, only)]
+    rest = [p for name, p in model.named_parameters() if not _chosen(name, only)]
     _apply_optimizer_in_backward(cls, chosen, kwargs)
     return cls(rest or [torch.zeros(1, requires_grad=True)], **kwargs)
 
 
-def run_in_backward(strategy: str, optim: str, only_blocks: bool = False, steps: int = 3) -> int:
+def run_in_backward(
+    strategy: str,
+    optim: str,
+    only: str = "",
+    steps: int = 3,
+    bf16: bool = False,
+    hybrid: bool = False,
+    twice: bool = False,
+    clip: bool = False,
+) -> int:
+    """``bf16``: MixedPrecision(param_dtype=bf16) (compared with torch FSDP1 only);
+    ``hybrid``: HYBRID_SHARD over 2 x 2 groups; ``twice``: every chosen parameter gets a second
+    optimizer in backward (SGD); ``clip``: ``clip_grad_norm_`` of what backward leaves."""
     rank, ws = dist.get_rank(), dist.get_world_size()
+    extra: dict[str, Any] = {}
+    if bf16:
+        extra["mixed_precision"] = {"param_dtype": torch.bfloat16}
+    if hybrid:
+        from tests.test_hybrid_shard import _layouts
+
+        extra.update(_layouts()["tuple"])
     ref = make_toy()
-    ours = _wrap("ours", make_toy(), strategy, use_orig_params=True)
-    theirs = _wrap("torch", make_toy(), strategy, use_orig_params=True)
+    ours = _wrap("ours", make_toy(), strategy, use_orig_params=True, **extra)
+    theirs = _wrap("torch", make_toy(), strategy, use_orig_params=True, **extra)
     models = (ref, ours, theirs)
-    rest = [_in_backward(m, optim, only_blocks) for m in models]
+    rest = [_in_backward(m, optim, only) for m in models]
+    if twice:
+        for model in models:
+            _apply_optimizer_in_backward(
+                torch.optim.SGD, [p for name, p in model.named_parameters() if _chosen(name, only)], {"lr": 0.05}
+            )
     for step in range(steps):
         tokens, targets = global_batch(step, ws)
-        losses = []
+        losses, kept = [], []
         for i, (model, opt) in enumerate(zip(models, rest)):
             x, y = (tokens, targets) if i == 0 else (local_rows(tokens, rank, ws), local_rows(targets, rank, ws))
             loss = lm_loss(model(x), y)
             loss.backward()
-            # Stepped and dropped inside backward: no gradient is left on a stepped parameter.
-            for name, p in model.named_parameters():
-                if not only_blocks or "blocks" in name:
-                    assert p.grad is None, f"step {step}: {name} kept its gradient"
+            # Stepped and dropped inside backward: no gradient is left on a stepped parameter;
+            # the others keep theirs for the regular optimizer (where this rank holds a part).
+            kept.append({name: p.grad is not None for name, p in model.named_parameters()})
+            assert not any(kept[-1][name] for name in kept[-1] if _chosen(name, only)), (step, kept[-1])
+            if clip:
+                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5) if i == 0 else model.clip_grad_norm_(0.5)  # type: ignore[operator]
+                losses.append(norm.detach())
+                # Clipping rebuilds no gradient of a stepped parameter (torch FSDP1 keeps None).
+                assert kept[-1] == {name: p.grad is not None for name, p in model.named_parameters()}
             opt.step()
             opt.zero_grad()
             losses.append(loss.detach())
-        assert torch.equal(losses[1], losses[2]), f"step {step}: loss {losses[1]} != torch FSDP1 {losses[2]}"
+        per_model = len(losses) // 3
+        assert all(torch.equal(a, b) for a, b in zip(losses[per_model : 2 * per_model], losses[2 * per_model :])), (
+            f"step {step}: loss (and norm) {losses[per_model:2 * per_model]} != torch FSDP1 {losses[2 * per_model:]}"
+        )
+        assert kept[1] == kept[2], f"step {step}: gradients left: {kept[1]} != torch FSDP1 {kept[2]}"
+        assert all(kept[0][name] for name in kept[0] if not _chosen(name, only))
     mine, torch_full, ref_full = _full_params(ours), _full_params(theirs), dict(ref.named_parameters())
     assert list(mine) == list(torch_full)
     initial = dict(make_toy().named_parameters())
     for name in mine:
         assert torch.equal(mine[name], torch_full[name]), f"{name} differs from torch FSDP1"
-        torch.testing.assert_close(mine[name], ref_full[name].detach(), rtol=2e-5, atol=2e-6, msg=name)
+        if not bf16:
+            torch.testing.assert_close(mine[name], ref_full[name].detach(), rtol=2e-5, atol=2e-6, msg=name)
         assert not torch.equal(mine[name], initial[name]), f"{name} never moved"
     return len(mine)
 
@@ -97,10 +141,57 @@ def test_matches_torch_fsdp1(dist_pool: RankPool, strategy: str, optim: str) -> 
     assert dist_pool.run(run_in_backward, strategy, optim) == [20] * dist_pool.world_size
 
 
+@pytest.mark.parametrize(
+    "variant", [{"bf16": True}, {"twice": True}, {"clip": True, "only": "weight"}], ids=["bf16", "twice", "clip"]
+)
+def test_variants(pool2: RankPool, variant: dict[str, Any]) -> None:
+    assert pool2.run(run_in_backward, "FULL_SHARD", "adam", **variant) == [20, 20]
+
+
+@pytest.mark.parametrize("strategy", ["HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"])
+def test_hybrid(pool4: RankPool, strategy: str) -> None:
+    assert pool4.run(run_in_backward, strategy, "adam", hybrid=True) == [20] * 4
+
+
+def stepped_during_backward() -> list[list[int]]:
+    """Whether each unit's optimizers have stepped by the time the backward reaches the
+    embedding's output (the last gradient), in fsdp and in torch FSDP1: the last block's have
+    (a unit steps as its reduction completes), with the same step counts."""
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    seen: list[list[int]] = []
+    for lib in ("ours", "torch"):
+        model = _wrap(lib, make_toy(), "FULL_SHARD", use_orig_params=True)
+        _in_backward(model, "adam", only="")
+        last = [p for name, p in model.named_parameters() if "blocks.2." in name]
+        embed = next(m for name, m in model.named_modules() if name.endswith("embed"))
+        counts: list[int] = []
+
+        def record(grad: torch.Tensor) -> None:
+            states = [opt.state.get(p, {}) for p in last for opt in p._in_backward_optimizers]  # type: ignore[attr-defined]
+            counts.append(max(int(state["step"]) if "step" in state else 0 for state in states))
+
+        def on_output(module: nn.Module, args: Any, out: torch.Tensor) -> None:
+            out.register_hook(record)
+
+        embed.register_forward_hook(on_output)
+        for step in range(2):
+            tokens, targets = global_batch(step, ws)
+            lm_loss(model(local_rows(tokens, rank, ws)), local_rows(targets, rank, ws)).backward()
+        seen.append(counts)
+    return seen
+
+
+def test_steps_during_backward(pool2: RankPool) -> None:
+    for ours, theirs in pool2.run(stepped_during_backward):
+        assert ours == theirs == [1, 2]
+
+
+@pytest.mark.parametrize("only", ["blocks", "weight"])
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])
-def test_some_parameters_in_backward(pool2: RankPool, strategy: str) -> None:
-    """The blocks step in backward, the rest with a regular optimizer after it."""
-    assert pool2.run(run_in_backward, strategy, "adam", only_blocks=True) == [20, 20]
+def test_some_parameters_in_backward(pool2: RankPool, strategy: str, only: str) -> None:
+    """Some parameters step in backward (whole units, or the weights inside every unit), the
+    rest with a regular optimizer after it."""
+    assert pool2.run(run_in_backward, strategy, "adam", only=only) == [20, 20]
 
 
 def in_backward_with_no_sync() -> None:
@@ -109,7 +200,7 @@ def in_backward_with_no_sync() -> None:
     ours = _wrap("ours", make_toy(), "FULL_SHARD", use_orig_params=True)
     theirs = _wrap("torch", make_toy(), "FULL_SHARD", use_orig_params=True)
     for model in (ours, theirs):
-        _in_backward(model, "adam", only_blocks=False)
+        _in_backward(model, "adam", only="")
     for step in range(2):
         micro = [global_batch(2 * step + k, ws) for k in range(2)]
         for model in (ours, theirs):
@@ -139,7 +230,7 @@ def in_backward_with_offload() -> None:
     plain = _wrap("ours", make_toy(), "FULL_SHARD", use_orig_params=True)
     offloaded = _wrap("ours", make_toy(), "FULL_SHARD", use_orig_params=True, cpu_offload=CPUOffload(offload_params=True))
     for model in (plain, offloaded):
-        _in_backward(model, "adam", only_blocks=False)
+        _in_backward(model, "adam", only="")
     for step in range(3):
         tokens, targets = global_batch(step, ws)
         for model in (plain, offloaded):

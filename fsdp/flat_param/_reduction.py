@@ -69,6 +69,8 @@ class GradReduction:
         unsynced_unsharded_grad: Inside ``no_sync``: the accumulated unsharded gradient.
         pending_sharded_grad: This backward's reduced sharded gradient, until :meth:`finalize`.
         inflight: A reduction still in flight.
+        stepped_in_backward: This backward's gradient was finalized early and stepped by
+            optimizers in backward ([Note: Optimizers in backward] in ``runtime/_hooks.py``).
         pre_divide, post_divide: torch FSDP1's gradient divide factors over every
             data-parallel replica (shard group x replicate group).
 
@@ -98,6 +100,7 @@ class GradReduction:
         self.unsynced_unsharded_grad: Optional[torch.Tensor] = None
         self.pending_sharded_grad: Optional[torch.Tensor] = None
         self.inflight: Optional[_InflightReduction] = None
+        self.stepped_in_backward = False
 
     @property
     def unit_name(self) -> str:
@@ -234,9 +237,10 @@ class GradReduction:
         the event the compute stream waits on, as torch FSDP1 offloads a gradient on its
         post-backward stream: the cast and the device-to-host copy (a unit's whole sharded
         gradient with offload) overlap the next units' backward instead of queuing on the
-        compute stream in front of it. The device tensor it reads was made on that stream and
-        is used only there, so dropping it is safe; the host copy is complete once the event
-        is. tests/test_cuda_lane.py's training parity runs it (offload on the one-rank NCCL
+        compute stream in front of it. The reduced tensor it reads was made on that stream and
+        is used only there (NO_SHARD reduces the compute stream's gradient in place: that one
+        stays referenced by the reduction in flight until the compute stream has waited on the
+        event), so dropping it is safe; the host copy is complete once the event is. tests/test_cuda_lane.py's training parity runs it (offload on the one-rank NCCL
         pool, mixed precision on the two-rank pool). On CPU it runs when the reduction
         completes.
         """
@@ -301,14 +305,11 @@ class GradReduction:
             sharded_grad.div_(self.post_divide)
         return sharded_grad, None, False
 
-    def finalize(self) -> bool:
-        """At the end of backward: sets ``.grad`` to the sharded gradient (plus any stash).
+    def finalize(self) -> None:
+        """At the end of backward (or once its reduction is complete, for optimizers in
+        backward): sets ``.grad`` to the sharded gradient (plus any stash).
 
         Precondition: the FlatParameter holds its sharded data (or never shards).
-
-        Returns:
-            Whether this backward reduced a gradient for the handle (not inside ``no_sync``,
-            and its gradient arrived).
         """
         self.wait()
         if self.storage.offload_params and self.storage.device.type == "cuda":
@@ -318,7 +319,7 @@ class GradReduction:
         self.sharded_grad_stash = None
         if pending is None and stash is None:
             self.use_sharded_grad_views()  # no_sync: the held unsharded gradient's views
-            return False
+            return
         if self.storage.has_unsharded_buffer:
             p_assert(
                 self.storage.flat_param.data.data_ptr() == self.storage.local_shard.data_ptr(),
@@ -329,7 +330,6 @@ class GradReduction:
             stash.add_(pending)
             grad = stash
         self.set_sharded_grad(grad)
-        return pending is not None
 
     def set_sharded_grad(self, grad: Optional[torch.Tensor]) -> None:
         """Sets the FlatParameter's ``.grad`` (in ``grad_dtype``) and the original params' views."""
@@ -344,6 +344,7 @@ class GradReduction:
         unreduced unsharded gradient."""
         self.wait()  # never leave a collective in flight
         self.pending_sharded_grad = None
+        self.stepped_in_backward = False
         grad = self.storage.flat_param.grad
         if grad is not None and grad.shape != self.storage.local_shard.shape:
             self.storage.flat_param.grad = None  # an unreduced unsharded gradient
@@ -418,6 +419,11 @@ class GradReduction:
             if grad is not None and layout.sharded_ranges[index][1] > 0:
                 layout.orig_sharded_view(rebuilt, index).copy_(grad.reshape(layout.orig_sharded_view(rebuilt, index).shape))
         self.set_sharded_grad(rebuilt)
+        # A parameter whose gradient was None keeps None (its part of the flat gradient is
+        # zero), as torch FSDP1 keeps it: code that skips None gradients still skips it.
+        for param, grad in zip(self.views.orig_params, grads):
+            if grad is None:
+                param.grad = None
         return rebuilt
 
     def _sync_unsynced_from_orig(self, grads: Sequence[Optional[torch.Tensor]]) -> None:

@@ -22,8 +22,8 @@ and free in a steady-state step (the second on, when prefetching is on):
   full precision (offload: copied to the host buffer) and kept; on an accelerator that happens
   on the post-backward stream right after the collective (kept from the post-backward on).
 - pre-backward on CPU: the reduction in flight completes before the ``BACKWARD_PRE`` prefetch.
-- post-backward: the unit's unsharded parameters are freed before the reduction is launched;
-  ``BACKWARD_POST`` gathers next.
+- post-backward: the unit's unsharded parameters are freed and ``BACKWARD_POST`` gathers the
+  next unit, both before the reduction is launched.
 - optimizer step: shards, sharded gradients and optimizer state plus the step's temporaries.
 """
 
@@ -249,8 +249,11 @@ class _Replay:
         unsharded = spec.padded_unsharded_numel * param_b
         self.add(UNSHARDED_GRADS, unsharded)  # the concatenation
         self.add(UNSHARDED_GRADS, -held_bytes)
-        # [Note: Reshard before reducing] in runtime/_hooks.py: freed before the reduction.
+        # [Note: Reshard before reducing] in runtime/_hooks.py: freed (and BACKWARD_POST's
+        # gather launched) before the reduction.
         self.reshard(hid[0], only_frozen_besides=hid[1])
+        if cfg.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
+            self.prefetch(hid[0], self.backward_order, backward=True)
         if reduce_b != param_b:
             self.add(LOW, spec.padded_unsharded_numel * reduce_b)
             self.add(UNSHARDED_GRADS, -unsharded)
@@ -267,20 +270,26 @@ class _Replay:
         else:
             self.add(GRADS, unsharded)
             self.add(unsharded_kind, -unsharded)
-        if in_flight:
-            kept: Optional[int] = reduced
-            if not cfg.device_is_cpu:
-                # [Note: A reduction finishes on its stream] in flat_param/_reduction.py: the
-                # cast (and offload copy) is made right after the collective, not at the wait.
+        if in_flight and not cfg.device_is_cpu:
+            # [Note: A reduction finishes on its stream] in flat_param/_reduction.py: the kept
+            # form (cast, offload copy) is made right after the collective; the reduction's
+            # input stays alive until the wait (NO_SHARD: the gradient reduced in place).
+            if spec.uses_sharding:
                 self.accumulate(hid, reduced)
-                kept = None
-            self.inflight = (hid, [(unsharded_kind, unsharded)] if spec.uses_sharding else [], kept)
+                self.inflight = (hid, [(unsharded_kind, unsharded)], None)
+            else:
+                full = spec.sharded_numel * _itemsize(spec.precision.full_dtype)
+                if reduced != full or cfg.offload_params:
+                    self.add(GRADS, full, cpu=cfg.offload_params)
+                    self.inflight = (hid, [(GRADS, reduced)], None)
+                else:
+                    self.inflight = (hid, [], None)  # the reduced gradient itself is kept
+        elif in_flight:
+            self.inflight = (hid, [(unsharded_kind, unsharded)] if spec.uses_sharding else [], reduced)
         else:
             if spec.uses_sharding:
                 self.add(unsharded_kind, -unsharded)
             self.accumulate(hid, reduced)
-        if cfg.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
-            self.prefetch(hid[0], self.backward_order, backward=True)
 
     # ------------------------------------------------------------------ the stream
     def run(self) -> ReplayResult:

@@ -233,7 +233,9 @@ def finish_inflight_reductions(ctx: RootContext, keep: int = 0) -> None:
     end of backward.
     """
     while len(ctx.inflight_reductions) > keep:
-        ctx.inflight_reductions.pop(0).grads.wait()
+        handle = ctx.inflight_reductions.pop(0)
+        handle.grads.wait()
+        _step_optimizers_in_backward(handle)
 
 
 @eager_only  # FSDP bookkeeping runs eagerly; the module's own forward compiles
@@ -327,15 +329,17 @@ def _post_backward_hook(
     handle_ref: "weakref.ref[FlatParamHandle]",
     flat_param: FlatParameter,
 ) -> None:
-    """Runs once a handle's unsharded gradient is accumulated: reshard, then reduce it.
+    """Runs once a handle's unsharded gradient is accumulated: reshard, prefetch, reduce.
 
     [Note: Reshard before reducing]
-    The unit's unsharded parameters are freed before its gradient reduction is launched, as
-    torch FSDP1's post-backward hook does: nothing reads them once autograd has accumulated the
-    gradient, and the reduction allocates (the reduced output; gloo a full-size copy of its
-    input), so freeing first keeps one unit's unsharded parameters out of the reduction's peak
-    (on CUDA the caching allocator cannot hand the freed block to the post-backward stream, but
-    the compute stream's next allocations reuse it).
+    The unit's unsharded parameters are freed, and a ``BACKWARD_POST`` prefetch launched, before
+    its gradient reduction is, in torch FSDP1's order: nothing reads the parameters once
+    autograd has accumulated the gradient, and the reduction allocates (the reduced output;
+    gloo a full-size copy of its input), so freeing first keeps one unit's unsharded parameters
+    out of the reduction's peak; and the next unit's all-gather, which its compute waits for, is
+    issued ahead of this unit's reduce-scatter, which nothing waits for until later (NCCL runs a
+    group's collectives in issue order). On CUDA a sharded unit's buffer was allocated on the
+    unshard stream, so the freed block serves that stream's next gather.
     """
     state, handle = state_ref(), handle_ref()
     if state is None or handle is None:
@@ -353,6 +357,7 @@ def _post_backward_hook(
     finish_inflight_reductions(ctx, keep=MAX_INFLIGHT_REDUCTIONS - 1)
     if state.reshards_after_backward():
         _reshard_after_backward(state, handle)
+    prefetch_after(state, "backward_post")
     handle.grads.reduce(
         state.sync_gradients,
         state.comm_hook,
@@ -361,7 +366,8 @@ def _post_backward_hook(
     )
     if handle.grads.inflight is not None:
         ctx.inflight_reductions.append(handle)
-    prefetch_after(state, "backward_post")
+    elif state.sync_gradients:
+        _step_optimizers_in_backward(handle)  # the reduction completed here
 
 
 def _reshard_after_backward(state: UnitState, handle: FlatParamHandle) -> None:
@@ -407,9 +413,10 @@ def _final_callback(ctx: RootContext) -> None:
                 handle.views.use_sharded()
                 if handle.grads.unsynced_unsharded_grad is not None:
                     handle.grads.use_sharded_grad_views()  # no_sync: the accumulated unsharded views
-            if not handle.is_unsharded or not handle.has_unsharded_buffer:
-                if handle.grads.finalize():
-                    _step_optimizers_in_backward(handle)
+            if handle.grads.stepped_in_backward:
+                handle.grads.stepped_in_backward = False  # finalized and consumed already
+            elif not handle.is_unsharded or not handle.has_unsharded_buffer:
+                handle.grads.finalize()
         state.ran_pre_backward = False
         state.training_state = HandleTrainingState.IDLE
     ctx.final_callback_queued = False
@@ -418,35 +425,48 @@ def _final_callback(ctx: RootContext) -> None:
 
 
 def _step_optimizers_in_backward(handle: FlatParamHandle) -> None:
-    """Steps the optimizers ``_apply_optimizer_in_backward`` gave the handle's parameters.
+    """Once a handle's reduction of a synchronized backward is complete: steps the optimizers
+    ``_apply_optimizer_in_backward`` gave its parameters, if it has any.
 
     [Note: Optimizers in backward]
     ``torch.distributed.optim._apply_optimizer_in_backward`` gives each parameter its own
     optimizer (``param._in_backward_optimizers``) and steps it from a hook on the parameter's
     gradient accumulation. Under FSDP with ``use_orig_params=True`` no such accumulation happens
-    (forward uses views of the FlatParameter), so, as torch FSDP1 does, the wrapper steps them
-    once the parameter's sharded gradient of a synchronized backward is set: every optimizer of
-    a parameter that has a gradient on this rank steps, then the gradient is dropped (a
-    parameter this rank holds no part of has none and is skipped). The FlatParameter's
-    gradient then follows the original ones (``sync_from_orig``: None once all are None).
-    Nothing steps inside ``no_sync``, nor for a unit whose gradient did not arrive. Each
-    parameter's update reads only its own gradient and state, so stepping at the end of the
-    backward gives the values torch FSDP1 gives by stepping in each unit's post-backward.
-    ``use_orig_params=False`` is refused at lazy initialization, as torch FSDP1 does.
+    (forward uses views of the FlatParameter), so the wrapper steps them, as torch FSDP1 does,
+    unit by unit during the backward: as soon as a unit's reduction is complete (where it
+    completes: in its post-backward hook, or where the overlapped reduction is waited for, see
+    [Note: Overlapped gradient reduction]) its sharded gradient is finalized early (``.grad``
+    set, any accumulated one added), every optimizer of a parameter with a gradient on this rank
+    steps, and that gradient is dropped (a parameter this rank holds no part of has none and is
+    skipped). The unit's reduced gradient then lives no longer than its reduction, and its
+    parameters are updated while the rest of the backward runs, as in torch FSDP1. The
+    FlatParameter's gradient is dropped too once every original one is None; otherwise it stays
+    for the parameters the regular optimizer steps, and the stepped ones keep None (``.grad`` of
+    a parameter whose gradient is None stays None when the flat gradient is rebuilt,
+    ``sync_from_orig``). The end of backward skips the unit's finalization
+    (``stepped_in_backward``). Nothing steps inside ``no_sync``, nor for a unit whose gradient
+    did not arrive. ``use_orig_params=False`` is refused at lazy initialization, as torch
+    FSDP1 does.
     """
     if not handle.use_orig_params:
         return
-    stepped = False
-    for param in handle.views.orig_params:
-        optimizers = getattr(param, "_in_backward_optimizers", None)
-        if not optimizers or param.grad is None:
+    stepping = [
+        (param, optimizers)
+        for param in handle.views.orig_params
+        if (optimizers := getattr(param, "_in_backward_optimizers", None))
+    ]
+    if not stepping:
+        return
+    handle.grads.finalize()
+    handle.grads.stepped_in_backward = True
+    for param, optimizers in stepping:
+        if param.grad is None:
             continue
         for optimizer in optimizers:
             optimizer.step()
         optimizers[-1].zero_grad(set_to_none=True)
-        stepped = True
-    if stepped:
-        handle.grads.sync_from_orig()
+    if all(param.grad is None for param in handle.views.orig_params):
+        handle.flat_param.grad = None
 
 
 @contextlib.contextmanager
