@@ -240,9 +240,9 @@ class GradReduction:
         compute stream in front of it. The reduced tensor it reads was made on that stream and
         is used only there (NO_SHARD reduces the compute stream's gradient in place: that one
         stays referenced by the reduction in flight until the compute stream has waited on the
-        event), so dropping it is safe; the host copy is complete once the event is. tests/test_cuda_lane.py's training parity runs it (offload on the one-rank NCCL
-        pool, mixed precision on the two-rank pool). On CPU it runs when the reduction
-        completes.
+        event), so dropping it is safe; the host copy is complete once the event is.
+        tests/test_cuda_lane.py's training parity runs it (offload on the one-rank NCCL pool,
+        mixed precision on the two-rank pool). On CPU it runs when the reduction completes.
         """
         if sharded_grad.dtype != self.storage.precision.full_dtype:
             sharded_grad = sharded_grad.to(self.storage.precision.full_dtype)
