@@ -89,3 +89,50 @@ def interleaved_in_flight() -> None:
 @pytest.mark.parametrize("dist_pool", [2, 4], indirect=True)
 def test_several_in_flight(dist_pool: RankPool) -> None:
     dist_pool.run(interleaved_in_flight)
+
+
+def reduce_scatter_then_pause() -> None:
+    """[Note: A finished collective's thread runs]: after a host reduce-scatter completes (the
+    waited work's ``wait()``, or a synchronous call), the rank's thread steps aside once (not
+    before completion), and the result is the reduced shard either way."""
+    import time
+
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    full = torch.arange(4.0 * ws) + rank
+    expected = sum(torch.arange(4.0 * ws) + r for r in range(ws))[4 * rank : 4 * rank + 4]
+    calls: list[str] = []
+    original_sleep = time.sleep
+    time.sleep = lambda seconds: calls.append(f"pause {seconds}")  # type: ignore[assignment]
+    try:
+        out = torch.empty(4)
+        work = comm.reduce_scatter_flat(out, full, None, async_op=True)
+        assert work is not None and calls == []
+        torch_work = work._work
+
+        class Recording:
+            def wait(self, *args: Any) -> bool:
+                done = torch_work.wait(*args)
+                calls.append("done")
+                return done
+
+        work._work = Recording()  # type: ignore[assignment]
+        work.wait()
+        assert calls == ["done", f"pause {comm._COLLECTIVE_THREAD_PAUSE_S}"]
+        assert torch.equal(out, expected)
+        calls.clear()
+        out_sync = torch.empty(4)
+        assert comm.reduce_scatter_flat(out_sync, full, None) is None
+        assert calls == [f"pause {comm._COLLECTIVE_THREAD_PAUSE_S}"]
+        assert torch.equal(out_sync, expected)
+        calls.clear()
+        gathered = torch.empty(4 * ws)
+        gather_work = comm.all_gather_flat(gathered, out, None, async_op=True)
+        assert gather_work is not None
+        gather_work.wait()
+        assert calls == []  # gloo's all-gather frees its staging buffer before it completes
+    finally:
+        time.sleep = original_sleep  # type: ignore[assignment]
+
+
+def test_reduce_scatter_pauses_after_completion(pool2: RankPool) -> None:
+    pool2.run(reduce_scatter_then_pause)

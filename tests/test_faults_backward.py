@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 import warnings
 from datetime import timedelta
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -31,17 +31,26 @@ class _Boom(Exception):
     pass
 
 
-def _model(group: dist.ProcessGroup) -> nn.Module:
+def _model(group: dist.ProcessGroup, backward_prefetch: Optional[str] = "BACKWARD_PRE") -> nn.Module:
+    from fsdp import BackwardPrefetch
     from fsdp import FullyShardedDataParallel as FSDP
     from fsdp.wrap import ModuleWrapPolicy
 
-    return FSDP(make_toy(n_blocks=3), auto_wrap_policy=ModuleWrapPolicy({Block}), process_group=group)
+    return FSDP(
+        make_toy(n_blocks=3),
+        auto_wrap_policy=ModuleWrapPolicy({Block}),
+        process_group=group,
+        backward_prefetch=BackwardPrefetch[backward_prefetch] if backward_prefetch else None,
+    )
 
 
-def _arm(model: nn.Module, block: int) -> None:
+def _arm(model: nn.Module, block: int, inside: bool = False) -> None:
     """The next forward's ``blocks[block]`` output raises when its gradient arrives (after the
-    root's backward and that of the blocks after it ran, before its own)."""
+    root's backward and that of the blocks after it ran, before its own). ``inside``: the
+    block's ``fc2`` output instead, after the block's pre-backward hook, within its backward."""
     inner = model.module.blocks[block].module
+    if inside:
+        inner = inner.fc2
 
     def explode(grad: torch.Tensor) -> torch.Tensor:
         raise _Boom(f"user hook failed at blocks.{block}")
@@ -53,20 +62,23 @@ def _arm(model: nn.Module, block: int) -> None:
     handle = inner.register_forward_hook(hook)
 
 
-def backward_raised_on(fail_at: dict[int, int]) -> dict[str, Any]:
-    """Ranks in ``fail_at`` have their backward raise at ``blocks[fail_at[rank]]``; the others'
-    backward runs on. Each rank then catches what it got and (a failed rank) runs the next
-    forward. Returns each rank's messages and how long each took."""
+def backward_raised_on(
+    fail_at: dict[int, int], inside: tuple[int, ...] = (), backward_prefetch: Optional[str] = "BACKWARD_PRE"
+) -> dict[str, Any]:
+    """Ranks in ``fail_at`` have their backward raise at ``blocks[fail_at[rank]]`` (within its
+    backward for ranks in ``inside``); the others' backward runs on. Each rank then catches what
+    it got and (a failed rank) runs the next forward. Returns each rank's messages and how long
+    each took."""
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=_GROUP_TIMEOUT_S))
     rank, ws = dist.get_rank(), dist.get_world_size()
-    model = _model(group)
+    model = _model(group, backward_prefetch)
     tokens, targets = global_batch(0, ws)
     x, y = local_rows(tokens, rank, ws), local_rows(targets, rank, ws)
     dist.barrier()  # in step before the group's first collective: its timeout is only 3 s
     lm_loss(model(x), y).backward()  # one clean step: the first-iteration checks are done
     dist.barrier()
     if rank in fail_at:
-        _arm(model, fail_at[rank])
+        _arm(model, fail_at[rank], rank in inside)
     loss = lm_loss(model(x), y)
     result: dict[str, Any] = {}
     start = time.monotonic()
@@ -118,7 +130,12 @@ def test_one_rank_raises_mid_backward_error_reaches_both(pool2: RankPool) -> Non
 
 
 def test_ranks_raising_at_different_points_both_stop(pool2: RankPool) -> None:
-    rank0, rank1 = pool2.run(backward_raised_on, {0: 1, 1: 0}, _timeout=120)
+    """Rank 0 raises before ``blocks.1``'s backward, rank 1 within it: both stop at once, each
+    naming how far the other got. No collective may lie between the two points on rank 1, or
+    rank 1 waits in it for the group's timeout (the test above): with ``BACKWARD_PRE``,
+    ``blocks.1``'s pre-backward gathers ``blocks.0`` ahead, a collective rank 0 never joins (a
+    CPU prefetch completes where it is launched), so the scenario prefetches after backward."""
+    rank0, rank1 = pool2.run(backward_raised_on, {0: 1, 1: 1}, (1,), "BACKWARD_POST", _timeout=120)
     for me, other, result in ((0, 1, rank0), (1, 0, rank1)):
         message = result["next_forward"]
         assert f"the previous backward raised on this rank (rank {me})" in message, message

@@ -148,9 +148,11 @@ _EXPECTED = {
     "backward_reduce": r"reduce-scatter over the process group of global ranks \[0, 1\] failed during "
     r"backward reduce( \(within backward unshard\))? of FSDP unit 'blocks\.1', waiting for rank 1",
     # blocks.1, the last block, stays gathered from its forward into its backward ([Note: The
-    # first backward unit stays gathered]): the first gather of the backward is blocks.0's.
+    # first backward unit stays gathered]): the first gather of the backward is blocks.0's,
+    # prefetched in blocks.1's pre-backward, where a CPU gather completes ([Note: A CPU gather
+    # completes where it is launched]).
     "backward_unshard": r"all-gather over the process group of global ranks \[0, 1\] failed during "
-    r"backward unshard of FSDP unit 'blocks\.0', waiting for rank 1",
+    r"backward prefetch \(within backward unshard\) of FSDP unit 'blocks\.0', waiting for rank 1",
     "summon_full_params": r"all-gather over the process group of global ranks \[0, 1\] failed during "
     r"summon_full_params of FSDP unit '<root>', waiting for rank 1",
     "state_dict": r"all-gather over the process group of global ranks \[0, 1\] failed during state_dict "

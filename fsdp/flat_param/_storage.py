@@ -114,11 +114,10 @@ _TRANSITIONS: dict[HandleState, tuple[HandleState, ...]] = {
 
 
 class _PendingUnshard(NamedTuple):
-    """A launched all-gather: its work handle (CPU) or its completion event (CUDA), and the
-    input shard, kept alive until the collective has read it."""
+    """An all-gather launched on the unshard stream (CUDA): its completion event, and the input
+    shard, kept alive until the collective has read it."""
 
-    work: Optional[comm.CheckedWork]
-    event: Optional[torch.cuda.Event]
+    event: torch.cuda.Event
     shard: torch.Tensor
 
 
@@ -291,12 +290,13 @@ class FlatParamStorage:
         takes this path. On CUDA it runs on the unshard stream, after the compute stream's work
         so far, and the compute stream waits on an event (torch FSDP1's unshard stream: the CPU
         runs ahead and the gather overlaps the previous unit's compute); tests/test_cuda_lane.py
-        runs it (every config on the two-rank pool, offload on the one-rank NCCL pool). On CPU
-        a prefetch is an asynchronous collective (gloo's thread) and any other gather completes
-        here. A prefetch (``async_op``) is waited for by :meth:`wait_unshard`, else at once.
+        runs it (every config on the two-rank pool, offload on the one-rank NCCL pool). A
+        prefetch (``async_op``) is waited for by :meth:`wait_unshard`, any other gather at once.
+        On CPU every gather completes here, a prefetch too ([Note: A CPU gather completes where
+        it is launched] in ``runtime/_prefetch.py``).
 
         Precondition: SHARDED, no gather pending. Postcondition: the state is ``target``; the
-        values are valid unless ``async_op``.
+        values are valid unless ``async_op`` on CUDA.
         """
         low = self.precision.low_precision_params and not full_precision
         padded_unsharded = self.padded_unsharded_for(full_precision)
@@ -314,11 +314,9 @@ class FlatParamStorage:
                 if not self.uses_sharding:
                     padded_unsharded.copy_(shard)
                 else:
-                    lone = async_op and stream is None  # CPU prefetch: gloo's own thread
-                    work = comm.all_gather_flat(padded_unsharded, shard, self.process_group, async_op=lone)
-                    event = record_event(stream) if stream is not None else None
-                    if work is not None or event is not None:
-                        self.pending_unshard = _PendingUnshard(work, event, shard)
+                    comm.all_gather_flat(padded_unsharded, shard, self.process_group)
+                    if stream is not None:
+                        self.pending_unshard = _PendingUnshard(record_event(stream), shard)
         self.flat_param.data = padded_unsharded
         self._transition(target)
         if not async_op:
@@ -329,13 +327,10 @@ class FlatParamStorage:
         pending, self.pending_unshard = self.pending_unshard, None
         if pending is None:
             return
-        if pending.work is not None:
-            pending.work.wait()
-        if pending.event is not None:
-            current = torch.cuda.current_stream(self.device)
-            current.wait_event(pending.event)
-            # Allocated on the unshard stream, used on this one: keep it from being reused early.
-            self.flat_param.data.record_stream(current)
+        current = torch.cuda.current_stream(self.device)
+        current.wait_event(pending.event)
+        # Allocated on the unshard stream, used on this one: keep it from being reused early.
+        self.flat_param.data.record_stream(current)
 
     def free_unsharded(self) -> None:
         """Points ``.data`` back at the local shard and frees the padded unsharded buffers.

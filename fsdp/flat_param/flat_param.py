@@ -291,14 +291,15 @@ class FlatParamHandle:
         Args:
             full_precision: Gather the full-precision values (summon_full_params, state dicts)
                 instead of the ``param_dtype`` copy forward and backward use.
-            async_op: Prefetch: only launch the all-gather (on CPU an asynchronous collective;
-                on CUDA every gather runs on the unshard stream); the next plain ``unshard()``
-                waits for it ([Note: One gather path] in ``_storage.py``).
+            async_op: Prefetch: on CUDA only launch the all-gather on the unshard stream; the
+                next plain ``unshard()`` waits for it ([Note: One gather path] in
+                ``_storage.py``). On CPU the gather completes here all the same ([Note: A CPU
+                gather completes where it is launched] in ``runtime/_prefetch.py``).
 
         Postcondition: state is UNSHARDED (UNSHARDED_FULL_PRECISION when ``full_precision`` and
         the parameters run in low precision) with ``.data`` on the compute device, its values
-        valid unless ``async_op``. If already in that state only a pending prefetch is waited
-        for; a handle unsharded in the other precision is resharded first.
+        valid unless ``async_op`` on CUDA. If already in that state only a pending prefetch is
+        waited for; a handle unsharded in the other precision is resharded first.
         """
         target = self.storage.target_state(full_precision)
         if self.state is target:
