@@ -241,3 +241,38 @@ def diverging_ranks() -> None:
 
 def test_diverging_ranks_raise_instead_of_hanging(pool2: RankPool) -> None:
     pool2.run(diverging_ranks, _timeout=60)
+
+
+def reductions_finished_before_gradient_assembly() -> list[tuple[str, list[str]]]:
+    """[Note: Overlapped gradient reduction]: a reduction still in flight when a unit's
+    unsharded gradient is assembled is finished first, so its buffers are not alive with the
+    new gradient. The root's gradient is assembled last, after blocks.0's reduce-scatter was
+    launched (on CPU the pre-backward hooks finish the others earlier)."""
+    from fsdp import FullyShardedDataParallel as FSDP
+    from fsdp.wrap import ModuleWrapPolicy
+    from tests._models import make_toy
+
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    model = FSDP(make_toy(), auto_wrap_policy=ModuleWrapPolicy({Block}))
+    seen: list[tuple[str, list[str]]] = []
+
+    def record(name: str, grad: torch.Tensor) -> None:
+        # Runs when the FlatParameter's gradient has just been assembled, before accumulation.
+        seen.append((name, [h.unit_name for h in model._fsdp_state.ctx.inflight_reductions]))
+
+    for step in range(2):
+        removable = []
+        if step == 1:
+            handles = [h for unit in FSDP.fsdp_modules(model) for h in unit._fsdp_state.handles]
+            removable = [h.flat_param.register_hook(lambda g, n=h.unit_name: record(n, g)) for h in handles]
+        tokens, targets = global_batch(step, ws)
+        lm_loss(model(local_rows(tokens, rank, ws)), local_rows(targets, rank, ws)).backward()
+        for r in removable:
+            r.remove()
+    return seen
+
+
+def test_reductions_finished_before_gradient_assembly(pool2: RankPool) -> None:
+    for seen in pool2.run(reductions_finished_before_gradient_assembly):
+        assert [name for name, _ in seen] == ["blocks.2", "blocks.1", "blocks.0", "<root>"], seen
+        assert all(inflight == [] for _, inflight in seen), seen

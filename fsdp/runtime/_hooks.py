@@ -14,6 +14,7 @@ from typing import Any, Iterator, Optional, TypeVar, cast
 import torch
 from torch import nn
 from torch.autograd import Variable
+from torch.autograd.graph import Node
 
 from fsdp._common import apply_to_tensors, compile_boundary, eager_only, p_assert
 from fsdp._comm._errors import check_interrupted_backward_agreed
@@ -200,26 +201,42 @@ def _pre_forward(state: UnitState) -> None:
 
 
 def _register_early_reduction_wait(state: UnitState) -> None:
-    """In backward, the gradients of this unit's parameter views finish the reduction in flight.
+    """In backward, the assembly of this unit's unsharded gradient first finishes the reduction
+    in flight.
 
     [Note: Overlapped gradient reduction] keeps the previous unit's reduce-scatter running while
-    this unit's backward computes, and its gradient buffers alive until it completes. Hooks on
-    the views run once their gradients are complete, just before autograd hands them to the
-    views' backward node (the concatenation into the unsharded gradient): the unit's compute
-    has overlapped the reduction by then, and waiting there rather than at the unit's
-    post-backward frees the previous unit's buffers before this unit's own unsharded gradient is
-    allocated, the step's memory peak.
+    this unit's backward computes, and its gradient buffers alive until it completes. A pre-hook
+    on the node that concatenates the parameter views' gradients into the FlatParameter's
+    (split's backward) runs once they are all complete, just before that concatenation: the
+    unit's compute has overlapped the reduction by then, and waiting there rather than at the
+    unit's post-backward frees the previous unit's buffers before this unit's own unsharded
+    gradient is allocated, the step's memory peak. One hook per handle, not one per parameter
+    view: it runs once, where the last view's gradient is in (``tests/test_runtime.py``'s
+    ``test_reductions_finished_before_gradient_assembly``).
     """
     if not torch.is_grad_enabled() or state.ctx is None:
         return
     hook = functools.partial(_finish_reductions_hook, weakref.ref(state.ctx))
     for handle in state.handles:
-        for view in handle.views.module_tensors():
-            if view.requires_grad:
-                view.register_hook(hook)
+        views = [view for view in handle.views.module_tensors() if view.grad_fn is not None]
+        if views:
+            _gradient_assembly_node(views[0], handle.flat_param).register_prehook(hook)
 
 
-def _finish_reductions_hook(ctx_ref: "weakref.ref[RootContext]", grad: torch.Tensor) -> None:
+def _gradient_assembly_node(view: torch.Tensor, flat_param: torch.Tensor) -> Node:
+    """The autograd node that writes ``flat_param``'s gradient from its views' (split's
+    backward), found down the first inputs of ``view``'s graph (a view, then for a DTensor
+    parameter its ``from_local``)."""
+    node = view.grad_fn
+    # (An AccumulateGrad node's ``variable`` is its leaf: here the FlatParameter.)
+    while node is not None and not any(getattr(n, "variable", None) is flat_param for n, _ in node.next_functions):
+        node = node.next_functions[0][0] if node.next_functions else None
+    p_assert(node is not None, f"no autograd path from a parameter view ({view.grad_fn}) to its FlatParameter")
+    assert node is not None  # for type checkers
+    return node
+
+
+def _finish_reductions_hook(ctx_ref: "weakref.ref[RootContext]", grad_outputs: tuple[torch.Tensor, ...]) -> None:
     ctx = ctx_ref()
     if ctx is not None:
         finish_inflight_reductions(ctx)
@@ -229,8 +246,8 @@ def finish_inflight_reductions(ctx: RootContext, keep: int = 0) -> None:
     """Completes the gradient reductions in flight, oldest first, until ``keep`` remain.
 
     The one place reductions are waited for ([Note: Overlapped gradient reduction]): the
-    views' gradient hooks, the pre-backward hook on CPU, the post-backward hook's cap and the
-    end of backward.
+    pre-hook of the next unit's gradient assembly, the pre-backward hook on CPU, the
+    post-backward hook's cap and the end of backward.
     """
     while len(ctx.inflight_reductions) > keep:
         handle = ctx.inflight_reductions.pop(0)
