@@ -176,10 +176,10 @@ class _Replay:
                 comm += spec.sharded_numel * _itemsize(spec.precision.param_dtype)
             if comm:
                 self.add(COMM, comm)
-                if kind == PREFETCHED:
+                if kind == PREFETCHED and not self.cfg.device_is_cpu:
                     self.pending_comm[hid] = comm  # held by the pending gather until used
-                else:
-                    self.add(COMM, -comm)
+                else:  # complete here (on CPU a prefetch too: [Note: A CPU gather completes
+                    self.add(COMM, -comm)  # where it is launched] in runtime/_prefetch.py)
 
     def reshard(self, u: int, only_frozen_besides: Optional[int] = None) -> None:
         for h, spec in enumerate(self.units[u].handles):
