@@ -378,3 +378,38 @@ def test_clip_grad_norm_edge_cases(pool2: RankPool) -> None:
 def test_clip_grad_norm_bit_identical_to_torch(dist_pool: RankPool) -> None:
     compared = dist_pool.run(_check_exact, EXACT_STRATEGIES, (False, True), tuple(MIXED_PRECISION), _timeout=600)
     assert len(set(compared)) == 1 and compared[0] > 0
+
+
+def _float64_model_clips() -> None:
+    """A float64 model: the norm is taken in float64 and equals the one-process
+    ``torch.nn.utils.clip_grad_norm_``'s (the same arithmetic in another summation order: a
+    relative difference of at most about n u, n < 1e4 terms, u = 2**-53, so 1e-10 leaves a
+    margin of 100), and the gradients are clipped to ``max_norm``. Torch FSDP1 fails here (it
+    narrows every gradient's norm to fp32)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+
+    from fsdp.wrap import ModuleWrapPolicy
+    from tests._models import Block, global_batch, lm_loss, local_rows, make_toy
+
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    tokens, targets = global_batch(0, ws)
+    x, y = local_rows(tokens, rank, ws), local_rows(targets, rank, ws)
+    for norm_type in (2.0, math.inf):
+        ours = FSDP(make_toy().double(), auto_wrap_policy=ModuleWrapPolicy({Block}))
+        ref = make_toy().double()
+        lm_loss(ours(x), y).backward()
+        lm_loss(ref(tokens), targets).backward()
+        norm = ours.clip_grad_norm_(0.1, norm_type)
+        expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1, norm_type)
+        assert norm.dtype == torch.float64 and expected.item() > 0.1, (norm, expected)
+        torch.testing.assert_close(norm, expected, rtol=1e-10, atol=0)
+        clipped = ours.clip_grad_norm_(math.inf, norm_type)  # the norm of what was left
+        torch.testing.assert_close(clipped, 0.1 * norm / (norm + 1e-6), rtol=1e-10, atol=0)  # (torch's eps)
+    theirs = TorchFSDP(make_toy().double(), auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"))
+    lm_loss(theirs(x), y).backward()
+    with pytest.raises(RuntimeError, match="without narrowing"):
+        theirs.clip_grad_norm_(0.1)
+
+
+def test_clip_grad_norm_float64_model(pool2: RankPool) -> None:
+    pool2.run(_float64_model_clips)

@@ -2,9 +2,9 @@
 
 Each parameter gets its own optimizer, stepped during ``backward()``; under FSDP with
 ``use_orig_params=True`` the wrapper steps them once the sharded gradient is set ([Note:
-Optimizers in backward] in ``fsdp/runtime/_hooks.py``). The same scenario runs through fsdp,
-torch FSDP1 (bit for bit) and the plain module with the same per-parameter optimizers (to the
-tolerance of tests/test_parity.py: only the order of the gradient's summation differs).
+Optimizers in backward] in ``fsdp/runtime/_hooks.py``). The same scenario runs through fsdp and
+torch FSDP1 (bit for bit), and through fsdp and the plain module with the same per-parameter
+optimizers in float64 (to ``tests/test_parity.py``'s ``FP64_TOL``, derived there).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from torch.distributed.optim import _apply_optimizer_in_backward
 
 from tests._harness import RankPool
 from tests._models import Block, global_batch, lm_loss, local_rows, make_toy
+from tests.test_parity import FP64_TOL
 
 # One optimizer class per parameter; Adam carries state, so a skipped or doubled step shows.
 OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
@@ -88,10 +89,13 @@ def run_in_backward(
         from tests.test_hybrid_shard import _layouts
 
         extra.update(_layouts()["tuple"])
-    ref = make_toy()
+    # The plain module and a float64 fsdp (not with bf16, whose rounding no tolerance bounds).
+    ref = make_toy() if bf16 else make_toy().double()
     ours = _wrap("ours", make_toy(), strategy, use_orig_params=True, **extra)
     theirs = _wrap("torch", make_toy(), strategy, use_orig_params=True, **extra)
-    models = (ref, ours, theirs)
+    models: tuple[nn.Module, ...] = (ref, ours, theirs)
+    if not bf16:
+        models += (_wrap("ours", make_toy().double(), strategy, use_orig_params=True, **extra),)
     rest = [_in_backward(m, optim, only) for m in models]
     if twice:
         for model in models:
@@ -100,7 +104,8 @@ def run_in_backward(
             )
     for step in range(steps):
         tokens, targets = global_batch(step, ws)
-        losses, kept = [], []
+        losses: list[list[torch.Tensor]] = [[] for _ in models]
+        kept = []
         for i, (model, opt) in enumerate(zip(models, rest)):
             x, y = (tokens, targets) if i == 0 else (local_rows(tokens, rank, ws), local_rows(targets, rank, ws))
             loss = lm_loss(model(x), y)
@@ -111,15 +116,14 @@ def run_in_backward(
             assert not any(kept[-1][name] for name in kept[-1] if _chosen(name, only)), (step, kept[-1])
             if clip:
                 norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5) if i == 0 else model.clip_grad_norm_(0.5)  # type: ignore[operator]
-                losses.append(norm.detach())
+                losses[i].append(norm.detach())
                 # Clipping rebuilds no gradient of a stepped parameter (torch FSDP1 keeps None).
                 assert kept[-1] == {name: p.grad is not None for name, p in model.named_parameters()}
             opt.step()
             opt.zero_grad()
-            losses.append(loss.detach())
-        per_model = len(losses) // 3
-        assert all(torch.equal(a, b) for a, b in zip(losses[per_model : 2 * per_model], losses[2 * per_model :])), (
-            f"step {step}: loss (and norm) {losses[per_model:2 * per_model]} != torch FSDP1 {losses[2 * per_model:]}"
+            losses[i].append(loss.detach())
+        assert all(torch.equal(a, b) for a, b in zip(losses[1], losses[2])), (
+            f"step {step}: loss (and norm) {losses[1]} != torch FSDP1 {losses[2]}"
         )
         assert kept[1] == kept[2], f"step {step}: gradients left: {kept[1]} != torch FSDP1 {kept[2]}"
         assert all(kept[0][name] for name in kept[0] if not _chosen(name, only))
@@ -128,9 +132,12 @@ def run_in_backward(
     initial = dict(make_toy().named_parameters())
     for name in mine:
         assert torch.equal(mine[name], torch_full[name]), f"{name} differs from torch FSDP1"
-        if not bf16:
-            torch.testing.assert_close(mine[name], ref_full[name].detach(), rtol=2e-5, atol=2e-6, msg=name)
         assert not torch.equal(mine[name], initial[name]), f"{name} never moved"
+    if not bf16:
+        mine64 = _full_params(models[3])
+        assert list(mine64) == list(mine)
+        for name in mine64:
+            torch.testing.assert_close(mine64[name], ref_full[name].detach(), **FP64_TOL, msg=name)
     return len(mine)
 
 

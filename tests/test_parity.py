@@ -1,8 +1,9 @@
 """Parity: fsdp against torch FSDP1 (bit for bit) and single-process training (to tolerance).
 
-Each case trains the same model on the same data for several optimizer steps in three ways:
-a plain module on the global batch (the single-process reference), torch's FSDP1 and ours on
-each rank's slice. Losses and parameters are compared after every run.
+Each case trains the same model on the same data for several optimizer steps in four ways:
+torch's FSDP1 and ours on each rank's slice (float32, compared bit for bit), and a plain module
+on the global batch (the single-process reference) and ours again, both in float64 (compared to
+``FP64_TOL``). Losses and parameters are compared after every run.
 """
 
 from __future__ import annotations
@@ -19,6 +20,16 @@ from tests._harness import RankPool
 from tests._models import Block, ToyLM, global_batch, lm_loss, local_rows, make_toy
 
 STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]
+
+# fsdp against the plain module, both float64: the same arithmetic in another summation order
+# (the batch split over ranks, the reduction's order), so a gradient element differs by at most
+# about n u sum|terms| (n < 100 terms, u = 2**-53: ~1e-14 of the summed magnitudes). SGD's step
+# is linear in it; AdamW's normalized step turns a relative gradient error e into at most ~lr e,
+# large only where the gradient is cancelled: with lr = 0.01, an element moves by more than 1e-8
+# only if its gradient is below ~1e-8 of its terms' magnitudes, about one chance in 1e4 over a
+# case's few thousand element-steps. In float32 the same bound would be ~1e-7 relative, and
+# AdamW could turn a cancelled element's sign into a difference of 2 lr: no tolerance follows.
+FP64_TOL = {"rtol": 1e-8, "atol": 1e-8}
 POLICIES = ["none", "module", "transformer", "size", "lambda", "always", "custom", "manual", "enable_wrap"]
 
 
@@ -89,14 +100,15 @@ def run_parity(strategy: str, policy: str, optim: str, steps: int = 4, tie: bool
     from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
 
     rank, ws = dist.get_rank(), dist.get_world_size()
-    ref = make_toy(tie=tie, unused=unused)
+    ref = make_toy(tie=tie, unused=unused).double()
     ours = _wrap("ours", make_toy(tie=tie, unused=unused), strategy, policy)
     theirs = _wrap("torch", make_toy(tie=tie, unused=unused), strategy, policy)
+    ours64 = _wrap("ours", make_toy(tie=tie, unused=unused).double(), strategy, policy)
     # Same units as torch picks.
     assert [n for n, m in ours.named_modules() if isinstance(m, FSDP)] == [
         n for n, m in theirs.named_modules() if isinstance(m, TorchFSDP)
     ]
-    models = (ref, ours, theirs)
+    models = (ref, ours, theirs, ours64)
     opts = [_optim(optim, m.parameters()) for m in models]
     for step in range(steps):
         tokens, targets = global_batch(step, ws)
@@ -110,14 +122,15 @@ def run_parity(strategy: str, policy: str, optim: str, steps: int = 4, tie: bool
             losses.append(loss.detach())
         assert torch.equal(losses[1], losses[2]), f"step {step}: loss {losses[1]} != torch FSDP1 {losses[2]}"
     mine, torch_full, ref_full = _full_params(ours, FSDP), _full_params(theirs, TorchFSDP), dict(ref.named_parameters())
-    assert list(mine) == list(torch_full), (list(mine), list(torch_full))
+    mine64 = _full_params(ours64, FSDP)
+    assert list(mine) == list(torch_full) == list(mine64), (list(mine), list(torch_full))
     for name in mine:
         assert torch.equal(mine[name], torch_full[name]), f"{name} differs from torch FSDP1"
         if unused and name.startswith("unused.") and optim == "adamw":
             # FSDP1 semantics (torch's too): an unused parameter inside a flat unit gets a zero
             # gradient, not None, so AdamW's weight decay still moves it. Torch parity above.
             continue
-        torch.testing.assert_close(mine[name], ref_full[name].detach(), rtol=2e-5, atol=2e-6, msg=name)
+        torch.testing.assert_close(mine64[name], ref_full[name].detach(), **FP64_TOL, msg=name)
     if unused and optim == "sgd":
         # The unused Linear never saw a gradient: it keeps its initial values everywhere.
         init = make_toy(tie=tie, unused=unused)

@@ -16,7 +16,7 @@ from torch import nn
 
 from tests._harness import RankPool
 from tests._models import DIM, VOCAB, Block, global_batch, lm_loss, local_rows
-from tests.test_parity import _full_params
+from tests.test_parity import FP64_TOL, _full_params
 
 
 class Inputs(NamedTuple):
@@ -43,9 +43,9 @@ class Twice(nn.Module):
         return self.head(x), self.aux(x)
 
 
-def _make(lib: str, strategy: str) -> nn.Module:
+def _make(lib: str, strategy: str, dtype: torch.dtype = torch.float32) -> nn.Module:
     torch.manual_seed(0)
-    model = Twice()
+    model = Twice().to(dtype)
     if lib == "ref":
         return model
     if lib == "ours":
@@ -67,7 +67,10 @@ def edge_cases(strategy: str, steps: int = 3) -> None:
     from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
 
     rank, ws = dist.get_rank(), dist.get_world_size()
-    models = [_make(lib, strategy) for lib in ("ref", "ours", "torch")]
+    # The plain module and a second fsdp in float64 (test_parity's FP64_TOL); ours and torch
+    # FSDP1 in float32, bit for bit.
+    models = [_make("ref", strategy, torch.float64), _make("ours", strategy), _make("torch", strategy)]
+    models.append(_make("ours", strategy, torch.float64))
     opts = [torch.optim.SGD((p for p in m.parameters() if p.requires_grad), lr=0.1, momentum=0.9) for m in models]
     for step in range(steps):
         tokens, targets = global_batch(step, ws)
@@ -92,11 +95,11 @@ def edge_cases(strategy: str, steps: int = 3) -> None:
     frozen = models[1].frozen._fsdp_state.handle.flat_param
     assert aux.grad is None and frozen.grad is None and not frozen.requires_grad
     mine, theirs = _full_params(models[1], FSDP), _full_params(models[2], TorchFSDP)
-    ref = dict(models[0].named_parameters())
-    assert list(mine) == list(theirs) == list(ref)
+    mine64, ref = _full_params(models[3], FSDP), dict(models[0].named_parameters())
+    assert list(mine) == list(theirs) == list(ref) == list(mine64)
     for name in mine:
         assert torch.equal(mine[name], theirs[name]), name
-        torch.testing.assert_close(mine[name], ref[name].detach(), rtol=2e-5, atol=2e-6, msg=name)
+        torch.testing.assert_close(mine64[name], ref[name].detach(), **FP64_TOL, msg=name)
 
 
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])

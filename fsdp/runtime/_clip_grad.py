@@ -12,7 +12,9 @@ order of every operation:
   order. A gradient is the FlatParameter's, or with ``use_orig_params`` each original
   parameter's part on this rank (parameters without a part or without a gradient are left
   out). Each group's local norm is the p-norm of the stacked per-gradient p-norms, each taken
-  in fp32. For p = inf the two local norms' maximum is max-reduced over the group; otherwise the
+  in fp32 (in float64 for a float64 model, whose gradients torch FSDP1 fails to narrow to fp32
+  there; every rank takes the dtype from the parameters, which it holds with or without
+  gradients, so the ranks' reductions agree). For p = inf the two local norms' maximum is max-reduced over the group; otherwise the
   sharded norm's p-th power is sum-reduced, the replicated norm's p-th power added on each rank
   (it is the same everywhere) and the p-th root taken.
 * The clip coefficient ``min(max_norm / (norm + 1e-6), 1)`` is cast to each gradient's dtype
@@ -111,8 +113,14 @@ def clip_grad_norm_(
             grads.append(param.grad)
 
     device = state.compute_device
-    local_sharded = _local_norm(sharded, norm_type, device)
-    local_replicated = _local_norm(replicated, norm_type, device) if replicated else None
+    norm_dtype = functools.reduce(
+        torch.promote_types,
+        [handle.flat_param.dtype for handle in handles]
+        + [param.dtype for param in root.parameters() if id(param) not in managed],
+        torch.float32,
+    )
+    local_sharded = _local_norm(sharded, norm_type, device, norm_dtype)
+    local_replicated = _local_norm(replicated, norm_type, device, norm_dtype) if replicated else None
     if norm_type == math.inf:
         total = local_sharded if local_replicated is None else torch.maximum(local_sharded, local_replicated)
         comm.all_reduce_max(total, state.process_group)
@@ -138,12 +146,13 @@ def clip_grad_norm_(
     return total.to(functools.reduce(torch.promote_types, [grad.dtype for grad in grads]))
 
 
-def _local_norm(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
-    """The fp32 p-norm of the stacked per-gradient fp32 p-norms, on ``device`` (0 without any).
+def _local_norm(grads: list[torch.Tensor], norm_type: float, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The p-norm of the stacked per-gradient p-norms, all taken in ``dtype`` (fp32, or float64
+    for a float64 model), on ``device`` (0 without any).
 
     Gradients may live on CPU (CPU offload); each norm is taken where its gradient lives.
     """
     if not grads:
-        return torch.zeros((), dtype=torch.float32, device=device)
-    per_grad = [torch.linalg.vector_norm(grad.detach(), norm_type, dtype=torch.float32) for grad in grads]
-    return torch.linalg.vector_norm(torch.stack(per_grad), norm_type, dtype=torch.float32).to(device=device)
+        return torch.zeros((), dtype=dtype, device=device)
+    per_grad = [torch.linalg.vector_norm(grad.detach(), norm_type, dtype=dtype) for grad in grads]
+    return torch.linalg.vector_norm(torch.stack(per_grad), norm_type, dtype=dtype).to(device=device)
