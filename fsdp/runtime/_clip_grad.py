@@ -30,12 +30,13 @@ from __future__ import annotations
 import functools
 import math
 import warnings
-from typing import Union
+from typing import NamedTuple, Union
 
 import torch
 from torch import nn
 
 from fsdp._comm import _collectives as comm
+from fsdp.flat_param.flat_param import FlatParamHandle
 from fsdp.runtime._lazy_init import require_root
 from fsdp.runtime._state import UnitState, check_idle
 
@@ -89,36 +90,8 @@ def clip_grad_norm_(
             "0-'norm' (a count) has no 0-th root to combine the ranks' parts (torch FSDP1 fails "
             "here with 'float division by zero'). Use norm_type 1, 2 or inf."
         )
-    sharded: list[torch.Tensor] = []
-    replicated: list[torch.Tensor] = []
-    grads: list[torch.Tensor] = []  # every gradient, for the clipping and the result's dtype
-    managed: set[int] = set()
-    for handle in handles:
-        target = sharded if handle.shard_layout.uses_sharding else replicated
-        flat_grad = handle.grads.sync_from_orig()
-        managed.add(id(handle.flat_param))
-        if handle.use_orig_params:
-            orig_params = handle.managed_orig_params()
-            managed.update(id(p) for p in orig_params)
-            for param in orig_params:
-                if param.grad is not None and param.grad.numel() > 0:
-                    target.append(param.grad)
-        elif flat_grad is not None:
-            target.append(flat_grad)
-        if flat_grad is not None:
-            grads.append(flat_grad)
-    for param in root.parameters():
-        if id(param) not in managed and param.grad is not None:
-            replicated.append(param.grad)
-            grads.append(param.grad)
-
+    sharded, replicated, grads, norm_dtype = _collect_grads(root, handles)
     device = state.compute_device
-    norm_dtype = functools.reduce(
-        torch.promote_types,
-        [handle.flat_param.dtype for handle in handles]
-        + [param.dtype for param in root.parameters() if id(param) not in managed],
-        torch.float32,
-    )
     local_sharded = _local_norm(sharded, norm_type, device, norm_dtype)
     local_replicated = _local_norm(replicated, norm_type, device, norm_dtype) if replicated else None
     if norm_type == math.inf:
@@ -145,6 +118,41 @@ def clip_grad_norm_(
         return total
     return total.to(functools.reduce(torch.promote_types, [grad.dtype for grad in grads]))
 
+
+class _Grads(NamedTuple):
+    sharded: list[torch.Tensor]  # from units that shard
+    replicated: list[torch.Tensor]  # NO_SHARD units' and unmanaged parameters'
+    all: list[torch.Tensor]  # every gradient, for the clipping and the result's dtype
+    norm_dtype: torch.dtype  # fp32, or float64 for a float64 model (the same on every rank)
+
+
+def _collect_grads(root: nn.Module, handles: list[FlatParamHandle]) -> _Grads:
+    """The gradients in [Note: Clip-norm arithmetic]'s order and groups, and the norm dtype."""
+    sharded: list[torch.Tensor] = []
+    replicated: list[torch.Tensor] = []
+    grads: list[torch.Tensor] = []
+    managed: set[int] = set()
+    for handle in handles:
+        target = sharded if handle.shard_layout.uses_sharding else replicated
+        flat_grad = handle.grads.sync_from_orig()
+        managed.add(id(handle.flat_param))
+        if handle.use_orig_params:
+            orig_params = handle.managed_orig_params()
+            managed.update(id(p) for p in orig_params)
+            for param in orig_params:
+                if param.grad is not None and param.grad.numel() > 0:
+                    target.append(param.grad)
+        elif flat_grad is not None:
+            target.append(flat_grad)
+        if flat_grad is not None:
+            grads.append(flat_grad)
+    unmanaged = [param for param in root.parameters() if id(param) not in managed]
+    for param in unmanaged:
+        if param.grad is not None:
+            replicated.append(param.grad)
+            grads.append(param.grad)
+    dtypes = [handle.flat_param.dtype for handle in handles] + [param.dtype for param in unmanaged]
+    return _Grads(sharded, replicated, grads, functools.reduce(torch.promote_types, dtypes, torch.float32))
 
 def _local_norm(grads: list[torch.Tensor], norm_type: float, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """The p-norm of the stacked per-gradient p-norms, all taken in ``dtype`` (fp32, or float64
