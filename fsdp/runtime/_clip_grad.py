@@ -38,7 +38,7 @@ from torch import nn
 from fsdp._comm import _collectives as comm
 from fsdp.flat_param.flat_param import FlatParamHandle
 from fsdp.runtime._lazy_init import require_root
-from fsdp.runtime._state import UnitState, check_idle
+from fsdp.runtime._state import UnitState
 
 
 def clip_root_grad_norm_(
@@ -55,8 +55,8 @@ def clip_root_grad_norm_(
         root,
         "clip_grad_norm_()",
         torch_message="`clip_grad_norm_()` should only be called on the root FSDP instance",
+        idle_error=ValueError,  # torch FSDP1's type
     )
-    check_idle(root, "clip_grad_norm_()", error=ValueError)  # torch FSDP1's type
     return clip_grad_norm_(root, state, float(max_norm), float(norm_type))
 
 

@@ -24,7 +24,7 @@ from fsdp.runtime._exec_order import check_execution_order, finish_first_iterati
 from fsdp.runtime._lazy_init import lazy_init, require_root
 from fsdp.runtime._mixed_precision import cast_forward_inputs, set_buffers_full_precision
 from fsdp.runtime._prefetch import prefetch_after, record_free_event, unshard_unit
-from fsdp.runtime._state import HandleTrainingState, RootContext, UnitState, check_idle, transition
+from fsdp.runtime._state import HandleTrainingState, RootContext, UnitState, transition
 
 
 # Gradient reductions a backward keeps in flight (see [Note: Overlapped gradient reduction]).
@@ -504,8 +504,8 @@ def no_sync(root: nn.Module) -> Iterator[None]:
         "no_sync()",
         torch_message="`no_sync()` on inner FSDP instances is not supported. Please call "
         "`no_sync()` on root FSDP module.",
+        idle_error=ValueError,  # torch FSDP1's type
     )
-    check_idle(root, "no_sync()", error=ValueError)  # torch FSDP1's type
     assert state.ctx is not None
     previous = [(unit, unit.sync_gradients) for unit in state.ctx.states]
     for unit, _ in previous:

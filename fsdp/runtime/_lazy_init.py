@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import warnings
 import weakref
+from typing import Optional
 
 import torch
 from torch import nn
 
-from fsdp.runtime._state import RootContext, UnitState, named_fsdp_states, unit_state
+from fsdp.runtime._state import RootContext, UnitState, check_idle, named_fsdp_states, unit_state
 
 
 def lazy_init(module: nn.Module) -> UnitState:
@@ -146,6 +147,7 @@ def require_root(
     error: type[Exception] = RuntimeError,
     torch_message: str = "",
     anchored: bool = False,
+    idle_error: Optional[type[Exception]] = None,
 ) -> UnitState:
     """Lazily initializes ``module``'s tree and returns its state, if it is the root.
 
@@ -156,9 +158,12 @@ def require_root(
         torch_message: Torch FSDP1's message for the same call, which ours starts with.
         anchored: The message is exactly ``torch_message`` (torch's tests match it whole);
             ours goes into a note.
+        idle_error: Also require every unit of the tree to be idle (not in forward, backward
+            or ``summon_full_params``), raising this type (torch FSDP1's for the call).
 
     Raises:
         RuntimeError (or ``error``): ``module`` is a nested unit, not the root.
+        ``idle_error``: A unit of the tree is busy.
     """
     state: UnitState = unit_state(module)
     if not state.has_fsdp_parent:
@@ -177,4 +182,6 @@ def require_root(
             f"fsdp: {what} must be called on the root FSDP instance, but it was called on the "
             f"nested unit '{state.unit_name}'. {fix}"
         )
+    if idle_error is not None:
+        check_idle(module, what, error=idle_error)
     return state
