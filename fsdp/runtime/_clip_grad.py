@@ -14,9 +14,10 @@ order of every operation:
   out). Each group's local norm is the p-norm of the stacked per-gradient p-norms, each taken
   in fp32 (in float64 for a float64 model, whose gradients torch FSDP1 fails to narrow to fp32
   there; every rank takes the dtype from the parameters, which it holds with or without
-  gradients, so the ranks' reductions agree). For p = inf the two local norms' maximum is max-reduced over the group; otherwise the
-  sharded norm's p-th power is sum-reduced, the replicated norm's p-th power added on each rank
-  (it is the same everywhere) and the p-th root taken.
+  gradients, so the ranks' reductions agree). For p = inf the two local norms' maximum is
+  max-reduced over the group; otherwise the sharded norm's p-th power is sum-reduced, the
+  replicated norm's p-th power added on each rank (it is the same everywhere) and the p-th root
+  taken.
 * The clip coefficient ``min(max_norm / (norm + 1e-6), 1)`` is cast to each gradient's dtype
   and multiplied in; the norm is returned in the gradients' promoted dtype.
 
@@ -153,6 +154,7 @@ def _collect_grads(root: nn.Module, handles: list[FlatParamHandle]) -> _Grads:
             grads.append(param.grad)
     dtypes = [handle.flat_param.dtype for handle in handles] + [param.dtype for param in unmanaged]
     return _Grads(sharded, replicated, grads, functools.reduce(torch.promote_types, dtypes, torch.float32))
+
 
 def _local_norm(grads: list[torch.Tensor], norm_type: float, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """The p-norm of the stacked per-gradient p-norms, all taken in ``dtype`` (fp32, or float64
