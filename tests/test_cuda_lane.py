@@ -251,6 +251,67 @@ def test_training_parity(pool_name: str, request: pytest.FixtureRequest) -> None
     assert pool.run(lane_training_parity, CONFIGS, _timeout=600) == [len(CONFIGS)] * pool.world_size
 
 
+# ------------------------------------------------------------------------------ compress-hook race
+#: GPU cycles a hook holds the post-backward stream for (tens of ms at 1-2 GHz): long enough for
+#: the host to issue the previous unit's backward on the compute stream meanwhile.
+_HOOK_SLEEP_CYCLES = 50_000_000
+
+
+def _slow_compress_hook(compress: Any) -> Any:
+    """A hook that queues ``torch.cuda._sleep`` on the stream it runs on, then ``compress``."""
+
+    def hook(state: Any, grad: torch.Tensor, output: Optional[torch.Tensor] = None) -> None:
+        torch.cuda._sleep(_HOOK_SLEEP_CYCLES)
+        if output is None:
+            compress(state, grad)
+        else:
+            compress(state, grad, output)
+
+    return hook
+
+
+def lane_compress_hook_race(hook_lib: str) -> int:
+    """fp32 gradients through ``bf16_compress_hook`` behind a sleep on the post-backward stream
+    ([Note: The reduction's input outlives its readers] in fsdp/flat_param/_reduction.py): the
+    hook replaces ``grad.data`` with its bf16 cast, the last reference to the autograd-computed
+    gradient but one; while the cast waits behind the sleep, the compute stream runs the previous
+    unit's backward. Parameters equal torch FSDP1's with the same hook, bit for bit, after every
+    step. Returns the strategies checked."""
+    if hook_lib == "torch":
+        from torch.distributed.algorithms._comm_hooks import default_hooks as hooks
+    else:
+        import fsdp.comm_hooks as hooks  # type: ignore[no-redef]
+    strategies = ["FULL_SHARD"] if dist.get_world_size() == 1 else ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]
+    for strategy in strategies:
+        cfg = dict(strategy=strategy)
+        models = {name: _wrap(name, make_toy().to(_dev()), cfg) for name in ("ours", "torch")}
+        for model in models.values():
+            state = hooks.LowPrecisionState(dist.group.WORLD)
+            model.register_comm_hook(state, _slow_compress_hook(hooks.bf16_compress_hook))  # type: ignore[operator]
+        opts = {name: torch.optim.AdamW(m.parameters(), lr=LR) for name, m in models.items()}
+        for step in range(STEPS):
+            _, _, x, y = _batch(step)
+            for name, model in models.items():
+                _loss(model, x, y).backward()
+                opts[name].step()
+                opts[name].zero_grad()
+            mine, theirs = _full(models["ours"], "ours"), _full(models["torch"], "torch")
+            for key in mine:
+                assert torch.equal(mine[key], theirs[key]), f"{strategy} step {step}: {key} differs from torch FSDP1"
+        del models, opts
+        torch.cuda.empty_cache()
+    return len(strategies)
+
+
+@pytest.mark.parametrize("pool_name,hook_lib", [("cuda_pool1", "torch"), ("cuda_pool2", "ours")])
+def test_compress_hook_race(pool_name: str, hook_lib: str, request: pytest.FixtureRequest) -> None:
+    """torch's hook on the one-rank NCCL pool; fsdp's on the two-rank gloo pool (gloo reduces no
+    bf16: fsdp's collectives carry bf16 values in fp32, torch's hook would hand gloo bf16)."""
+    pool: RankPool = request.getfixturevalue(pool_name)
+    expected = 1 if pool.world_size == 1 else 3
+    assert pool.run(lane_compress_hook_race, hook_lib) == [expected] * pool.world_size
+
+
 # ------------------------------------------------------------------------------ fp16 + scaler
 def lane_fp16_grad_scaler() -> float:
     """fp16 mixed precision with ShardedGradScaler, including a step whose gradients overflow:

@@ -31,7 +31,8 @@ __all__ = ["GradReduction", "reduction_stays_in_flight"]
 class _InflightReduction(NamedTuple):
     """A launched reduction: its work (CPU) or completion event (CUDA), the sharded output it
     writes, whether that still needs the post-divide, and what must stay alive until the
-    collective has read it."""
+    collective has read it: the reduction's input as the compute stream made it ([Note: The
+    reduction's input outlives its readers])."""
 
     work: Optional[comm.CheckedWork]
     event: Optional[torch.cuda.Event]
@@ -168,6 +169,21 @@ class GradReduction:
         in_flight = reduction_stays_in_flight(
             stream is not None, self.layout.uses_sharding, self.replicate_world_size, comm_hook is not None
         )
+        # [Note: The reduction's input outlives its readers]
+        # On CUDA the compute stream made ``unsharded_grad`` and the post-backward stream reads
+        # it. The caching allocator ties a block to the stream that allocated it: once the last
+        # reference dies, the compute stream's next allocation (the previous unit's backward)
+        # may reuse the block while the post-backward stream still reads it. A comm hook may
+        # drop that reference itself: torch's ``fp16_compress_hook``/``bf16_compress_hook`` (and
+        # ours) replace ``grad.data`` with a cast copy whose kernel is queued on the
+        # post-backward stream, so the fp32 block would be free while the cast has not run.
+        # ``reduction_input`` is a second reference to the same storage, held by the in-flight
+        # record until :meth:`wait` has made the compute stream wait for the reduction's event:
+        # after that the compute stream frees it, in order. It costs no memory the reduction
+        # would not hold anyway (without a hook the in-flight record holds the same tensor).
+        # tests/test_cuda_lane.py's compress-hook race runs a hook that holds the post-backward
+        # stream (``torch.cuda._sleep``) before ``bf16_compress_hook`` casts.
+        reduction_input = unsharded_grad.detach()
         with on_stream(stream, self.storage.device):
             if comm_hook is not None:
                 sharded_grad = self._reduce_with_hook(unsharded_grad, comm_hook, comm_hook_state)
@@ -181,8 +197,7 @@ class GradReduction:
         if not in_flight:  # complete already (CPU)
             self._accumulate_reduced(self._kept_form(sharded_grad))
             return
-        # The unsharded gradient must stay alive until the collective has read it.
-        self.inflight = _InflightReduction(work, event, sharded_grad, post_divide, unsharded_grad)
+        self.inflight = _InflightReduction(work, event, sharded_grad, post_divide, reduction_input)
 
     def _take_unsharded_grad(self) -> torch.Tensor:
         """Takes the FlatParameter's unsharded gradient (``.grad`` becomes None), with any prior
