@@ -31,8 +31,32 @@ class CheckpointedBlock(Block):
         return x + checkpoint(mlp, x, use_reentrant=False)
 
 
+class ScaledCheckpointedBlock(Block):
+    """A Block with an RMSNorm and a learned elementwise gain, its whole body recomputed in
+    backward (``reentrant``: torch's reentrant checkpoint). Ops whose saved tensors depend on
+    whether their inputs are recorded by autograd (``rms_norm``, ``x * weight``) recompute the
+    same saves only if backward reads the parameters through the same recorded views as forward
+    ([Note: Backward reads forward's views] in fsdp/flat_param/_views.py)."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.norm = nn.RMSNorm(DIM)  # type: ignore[assignment]
+        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, DIM))
+        self.reentrant = reentrant
+
+    def _body(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.gain * self.fc2(torch.tanh(self.fc1(self.norm(x))))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self._body, x, use_reentrant=self.reentrant)
+
+
 def _toy(mode: str) -> nn.Module:
     model = make_toy()
+    if mode.startswith("scaled"):
+        torch.manual_seed(1)
+        for i in range(model.n_blocks):
+            model.blocks[i] = ScaledCheckpointedBlock(reentrant=mode == "scaled_reentrant")
     if mode == "inside":
         for i in range(model.n_blocks):
             block = CheckpointedBlock()
@@ -64,7 +88,7 @@ def run(mode: str, strategy: str) -> list[int]:
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TP
 
     rank, ws = dist.get_rank(), dist.get_world_size()
-    classes = {Block, CheckpointedBlock}
+    classes = {Block, CheckpointedBlock, ScaledCheckpointedBlock}
     ref = _toy(mode)
     ours = FSDP(_toy(mode), auto_wrap_policy=ModuleWrapPolicy(classes), sharding_strategy=ShardingStrategy[strategy])
     theirs = TorchFSDP(_toy(mode), auto_wrap_policy=TP(classes), sharding_strategy=TS[strategy], device_id=torch.device("cpu"))
@@ -97,7 +121,7 @@ def run(mode: str, strategy: str) -> list[int]:
 
 
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
-@pytest.mark.parametrize("mode", ["inside", "wrap_blocks", "wrap_units"])
+@pytest.mark.parametrize("mode", ["inside", "wrap_blocks", "wrap_units", "scaled", "scaled_reentrant"])
 def test_activation_checkpointing(pool2: RankPool, mode: str, strategy: str) -> None:
     gathers = pool2.run(run, mode, strategy)[0]
     units = 4  # root + 3 blocks

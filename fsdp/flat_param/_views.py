@@ -117,6 +117,11 @@ def assign_grad(param: nn.Parameter, grad: Optional[torch.Tensor]) -> None:
     param.grad.data = grad
 
 
+def _storage_key(tensor: torch.Tensor) -> int:
+    """The identity of ``tensor``'s storage, kept when the storage is freed and refilled."""
+    return tensor.untyped_storage()._cdata
+
+
 def _set_module_tensor(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
     """Sets ``module.name`` to a plain tensor attribute (not a registered parameter)."""
     module._parameters.pop(name, None)
@@ -147,6 +152,9 @@ class ParamViews:
             ``_recast.py``).
         forward_cast_generation: ``cast_generation`` when the last forward that autograd may
             backpropagate took views.
+        recorded_views: The views (as the names held them) that forward last took with
+            autograd recording, and the storage they view, until backward has read them
+            ([Note: Backward reads forward's views]).
     """
 
     def __init__(
@@ -168,6 +176,7 @@ class ParamViews:
         self._placeholders: Optional[list[_ShardedParamPlaceholder]] = None
         self.cast_generation = 0
         self.forward_cast_generation = 0
+        self.recorded_views: Optional[tuple[int, list[torch.Tensor]]] = None
 
     def drop_placeholders(self) -> None:
         """Forgets the placeholders (a recast: they are made again in the new dtype)."""
@@ -203,9 +212,40 @@ class ParamViews:
         views = self.layout.orig_tensors(self.layout.unsharded_views(self.storage.flat_param))
         if recorded:
             self.forward_cast_generation = self.cast_generation
+            self.recorded_views = (_storage_key(self.storage.flat_param), views)
         if as_params:
             self._set_module_params(self.full_params(views))
             return
+        self._set_module_tensors_and_orig(views)
+
+    def use_recorded_views(self) -> bool:
+        """Backward: points the names at the views forward recorded, if they view the current
+        unsharded buffer; returns whether it did (else the caller takes fresh views).
+
+        [Note: Backward reads forward's views]
+        Backward runs with grad mode off, so views taken there are not recorded by autograd.
+        A checkpointed region of the unit re-runs its forward during backward and reads the
+        names: with unrecorded views, ops whose saved tensors depend on whether an input is
+        recorded (``rms_norm``, ``x * weight``) save fewer tensors than in forward, and torch's
+        non-reentrant checkpoint refuses the recomputation; a reentrant checkpoint builds its
+        backward from the recomputation, where gradients of unrecorded views reach no
+        FlatParameter (silently wrong input gradients). The views forward took, on the same
+        buffer (refilled in place: [Note: Flat parameter storage lifecycle]), are what torch
+        FSDP1's names still hold in backward. tests/test_activation_checkpointing.py's
+        ``scaled`` modes run both checkpoints through such ops.
+        """
+        recorded = self.recorded_views
+        if recorded is None or recorded[0] != _storage_key(self.storage.flat_param):
+            return False
+        self._set_module_tensors_and_orig(recorded[1])
+        return True
+
+    def drop_recorded_views(self) -> None:
+        """Forgets forward's views (the unit's backward is done, or abandoned)."""
+        self.recorded_views = None
+
+    def _set_module_tensors_and_orig(self, views: Sequence[torch.Tensor]) -> None:
+        """The names hold ``views``; with use_orig_params ``_parameters`` lists them too."""
         self._set_module_tensors(views)
         if self.use_orig_params:
             # As torch FSDP1: the views are also listed in ``_parameters``, so that

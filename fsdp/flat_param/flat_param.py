@@ -382,6 +382,7 @@ class FlatParamHandle:
         was before that backward.
         """
         self.grads.drop_backward()
+        self.views.drop_recorded_views()
         if self.has_unsharded_buffer:
             self.reshard()
         self.grads.restore_prior_grad()

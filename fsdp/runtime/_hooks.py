@@ -322,8 +322,10 @@ def _pre_backward_hook(state: UnitState, grad: torch.Tensor, owner: Optional[nn.
     unshard_unit(state)
     for handle in state.handles:
         # Names become views again (not placeholders): a checkpointed submodule of this unit
-        # re-runs its forward during backward and reads them.
-        handle.use_unsharded_views()
+        # re-runs its forward during backward and reads them; forward's own views where it
+        # took them ([Note: Backward reads forward's views] in flat_param/_views.py).
+        if not handle.views.use_recorded_views():
+            handle.use_unsharded_views()
     # [Note: Overlapped gradient reduction]: on CPU the reduction launched by the unit before
     # this one completes before this unit's prefetch allocates its buffer, so that buffer and
     # the previous unit's gradients are never alive together (that was the step's peak).
@@ -421,6 +423,7 @@ def _final_callback(ctx: RootContext) -> None:
     finish_inflight_reductions(ctx)
     for state in ctx.states:
         for handle in state.handles:
+            handle.views.drop_recorded_views()
             if handle.is_unsharded and state.reshards_after_backward():
                 handle.reshard()
             elif handle.use_orig_params:
