@@ -17,13 +17,16 @@ beside it):
 1. ``cuda_lane``: ``FSDP_TEST_DEVICE=cuda python -m pytest tests/test_cuda_lane.py``;
 2. ``lane_sanitizer``: the lane's training parity under ``TORCH_CUDA_SANITIZER=1`` (about 90 s on
    an H100: the sanitizer traces every kernel launch);
-3. ``plan_gpu``: the memory planner against ``torch.cuda.max_memory_allocated`` (10M, 100M, 1B);
-4. ``ws2_memory``: world size 2 on the one GPU, per-rank max allocated, fsdp against torch FSDP1;
-5. ``bench_eager`` and ``bench_compile``: the GPU benchmark at world size 1, then ``--compile``
+3. ``scale``: rank 0 of N = 8 and 64 on torch's fake process group with emulated NVLink and
+   InfiniBand collectives (``benchmarks/scale.py``): fsdp, torch FSDP1 and FSDP2, step time,
+   exposed communication, per-rank memory, the planner beside (at most 180 s);
+4. ``plan_gpu``: the memory planner against ``torch.cuda.max_memory_allocated`` (10M, 100M, 1B);
+5. ``ws2_memory``: world size 2 on the one GPU, per-rank max allocated, fsdp against torch FSDP1;
+6. ``bench_eager`` and ``bench_compile``: the GPU benchmark at world size 1, then ``--compile``
    runs of fsdp, torch FSDP1 and the unwrapped model;
-6. ``offload``: CPU offload, fsdp against torch FSDP1, walking 1B, 2B, 4B (one size compared,
+7. ``offload``: CPU offload, fsdp against torch FSDP1, walking 1B, 2B, 4B (one size compared,
    and the largest each trains);
-7. ``cpu_suite``: whatever time is left, the CPU suite on the GPU machine's torch.
+8. ``cpu_suite``: whatever time is left, the CPU suite on the GPU machine's torch.
 
 A step starts only while at least its minimum time is left; its limit is the smaller of its cap
 and the time left, and a step over its limit is killed with its whole process group. After each
@@ -122,6 +125,13 @@ def steps(out: str) -> list[Step]:
              _pytest(out, "lane_sanitizer", lane, "-k", "test_training_parity"),
              ("pytest", "tests.conftest", "tests._models"), (("FSDP_TEST_DEVICE", "cuda"), ("TORCH_CUDA_SANITIZER", "1")),
              (0, 5)),
+        Step("scale", 180, 90,
+             lambda limit: [PY, "-m", "benchmarks.scale", "--device", "cuda", "--json", os.path.join(out, "scale.json"),
+                            "--time-budget", f"{max(30.0, limit - 75):.0f}"],
+             lambda limit: [PY, "-m", "benchmarks.scale", "--cpu-dry-run", "--model", "tiny", "--world-size", "8",
+                            "--batch", "2", "--seq", "16", "--no-plan", "--warmup", "1", "--steps", "1",
+                            "--rounds", "1", "--json", os.path.join(out, "scale.json")],
+             ("benchmarks.scale",)),
         Step("plan_gpu", 75, 40,
              lambda limit: [PY, "-m", "benchmarks.validate_plan", "--device", "cuda", "--max-total", "60GiB",
                             "--timeout", f"{max(10.0, limit - 10):.0f}", "10M", "100M", "1B"],
