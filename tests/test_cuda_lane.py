@@ -312,6 +312,90 @@ def test_compress_hook_race(pool_name: str, hook_lib: str, request: pytest.Fixtu
     assert pool.run(lane_compress_hook_race, hook_lib) == [expected] * pool.world_size
 
 
+# ------------------------------------------------------------------------------ runtime features
+def _scenario_step(name: str, model: nn.Module, opt: Optional[torch.optim.Optimizer], feature: str, step: int) -> Any:
+    """One step of ``feature`` on this rank's rows; returns what the step observes (a loss, a
+    norm, eval outputs) for the comparison with torch FSDP1."""
+    _, _, x, y = _batch(step)
+    if feature == "no_sync":  # two micro-batches accumulated unsynchronized, a third synchronized
+        with model.no_sync():  # type: ignore[operator]
+            _loss(model, x[:2], y[:2]).backward()
+            _loss(model, x[2:], y[2:]).backward()
+        observed: Any = _loss(model, x, y)
+        observed.backward()
+    elif feature == "eval":
+        model.eval()
+        with torch.no_grad():
+            observed = model(x).float()
+        model.train()
+        _loss(model, x, y).backward()
+    else:
+        observed = _loss(model, x, y)
+        observed.backward()
+    if feature == "clip":
+        observed = model.clip_grad_norm_(0.05)  # type: ignore[operator]
+    if opt is not None:
+        opt.step()
+        opt.zero_grad()
+    return observed.detach().cpu() if isinstance(observed, torch.Tensor) else observed
+
+
+def lane_runtime_features(features: list[str]) -> int:
+    """Each feature on CUDA streams (the unshard and post-backward streams; at world size 2 too):
+    ``no_sync`` accumulation, ``eval`` under ``no_grad`` between steps, ``clip_grad_norm_``,
+    activation checkpointing of every block (non-reentrant and reentrant), optimizers in backward
+    (``_apply_optimizer_in_backward``, ``use_orig_params=True``). STEPS steps through fsdp and torch
+    FSDP1; what each step observes (loss, norm, eval outputs) and the full parameters after every
+    step equal torch FSDP1's bit for bit. Returns the features checked."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+    from torch.distributed.optim import _apply_optimizer_in_backward
+
+    for feature in features:
+        cfg: dict[str, Any] = dict(strategy="FULL_SHARD", uop=feature == "optim_in_backward")
+        models: dict[str, nn.Module] = {}
+        opts: dict[str, Optional[torch.optim.Optimizer]] = {}
+        for name in ("ours", "torch"):
+            model = _wrap(name, make_toy().to(_dev()), cfg)
+            if feature.startswith("checkpoint"):
+                impl = CheckpointImpl.REENTRANT if feature == "checkpoint_reentrant" else CheckpointImpl.NO_REENTRANT
+                apply_activation_checkpointing(
+                    model,
+                    checkpoint_wrapper_fn=lambda m, impl=impl: checkpoint_wrapper(m, checkpoint_impl=impl),
+                    check_fn=lambda m: isinstance(m, Block),
+                )
+            if feature == "optim_in_backward":
+                _apply_optimizer_in_backward(torch.optim.Adam, list(model.parameters()), {"lr": LR})
+                opts[name] = None
+            else:
+                opts[name] = torch.optim.AdamW(model.parameters(), lr=LR)
+            models[name] = model
+        for step in range(STEPS):
+            seen = {name: _scenario_step(name, m, opts[name], feature, step) for name, m in models.items()}
+            assert torch.equal(torch.as_tensor(seen["ours"]), torch.as_tensor(seen["torch"])), (
+                f"{feature} step {step}: {seen['ours']} != torch {seen['torch']}"
+            )
+            mine, theirs = _full(models["ours"], "ours"), _full(models["torch"], "torch")
+            assert list(mine) == list(theirs), feature
+            for key in mine:
+                assert torch.equal(mine[key], theirs[key]), f"{feature} step {step}: {key} differs from torch FSDP1"
+        del models, opts
+        torch.cuda.empty_cache()
+    return len(features)
+
+
+RUNTIME_FEATURES = ["no_sync", "eval", "clip", "checkpoint", "checkpoint_reentrant", "optim_in_backward"]
+
+
+@pytest.mark.parametrize("pool_name", ["cuda_pool1", "cuda_pool2"])
+def test_runtime_features(pool_name: str, request: pytest.FixtureRequest) -> None:
+    pool: RankPool = request.getfixturevalue(pool_name)
+    assert pool.run(lane_runtime_features, RUNTIME_FEATURES, _timeout=600) == [len(RUNTIME_FEATURES)] * pool.world_size
+
+
 # ------------------------------------------------------------------------------ fp16 + scaler
 def lane_fp16_grad_scaler() -> float:
     """fp16 mixed precision with ShardedGradScaler, including a step whose gradients overflow:
