@@ -25,6 +25,8 @@ and free in a steady-state step (the second on, when prefetching is on):
 - post-backward: the unit's unsharded parameters are freed and ``BACKWARD_POST`` gathers the
   next unit, both before the reduction is launched.
 - optimizer step: shards, sharded gradients and optimizer state plus the step's temporaries.
+- on CUDA, the cuBLAS workspaces, for the whole step ([Note: cuBLAS workspaces] in
+  ``plan/_workspace.py``).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ TEMPS = "backward temporaries"
 COMM = "communication buffers"
 LOW = "low-precision copies"
 INPUTS = "inputs"
+WORKSPACES = "cuBLAS workspaces"
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -75,6 +78,8 @@ class ScheduleConfig:
         shard_world_size: Ranks a parameter is sharded over.
         replicate_world_size: Hybrid replicas (1 otherwise).
         static_bytes: Buffers and ignored parameters (device).
+        workspace_bytes: The CUDA libraries' workspaces ([Note: cuBLAS workspaces] in
+            ``fsdp/plan/_workspace.py``), held for the whole step.
         optim_state_bytes: Optimizer state.
         optim_temp_bytes: Peak temporaries of one optimizer step.
     """
@@ -86,6 +91,7 @@ class ScheduleConfig:
     shard_world_size: int
     replicate_world_size: int
     static_bytes: int = 0
+    workspace_bytes: int = 0
     optim_state_bytes: int = 0
     optim_temp_bytes: int = 0
 
@@ -315,6 +321,7 @@ class _Replay:
         shards = sum(h.shard_bytes() for u in self.units for h in u.handles)
         self.add(SHARDED_PARAMS, shards, cpu=cfg.offload_params)
         self.add(BUFFERS, cfg.static_bytes)
+        self.add(WORKSPACES, cfg.workspace_bytes)
         self.add(OPTIM_STATE, cfg.optim_state_bytes, cpu=cfg.offload_params)
         self.add(INPUTS, self.trace.input_bytes)
         for event in self.trace.events:
