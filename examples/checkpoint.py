@@ -297,10 +297,17 @@ def load_checkpoint(
     try:
         dcp.load(state, checkpoint_id=path)
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - re-raised, naming the folder
+        directory = os.path.dirname(os.path.abspath(path))
+        others = [p for _, p in _step_folders(directory) if os.path.abspath(p) != os.path.abspath(path)]
+        earlier = (
+            f" (the newest other one: echo {os.path.basename(others[-1])} > {os.path.join(directory, LATEST)})"
+            if others
+            else " (there is none here)"
+        )
         raise CheckpointReadError(
             f"fsdp example: cannot read checkpoint {path} ({_one_line(exc)}). It is truncated, "
             f"corrupt or from another model; resume from an earlier step_* folder by pointing "
-            f"{LATEST} at it, or start without --resume."
+            f"{LATEST} at it{earlier}, or start without --resume."
         ) from exc
     with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
         model.load_state_dict(state["model"])

@@ -143,7 +143,8 @@ def test_trainer_checkpoint_dir_resume_and_refusal(tmp_path: object, capsys: pyt
     assert len(advice) == 2, broken.stderr
     assert advice[0].startswith(f"fsdp example: cannot read checkpoint {latest} (") and advice[0].endswith(
         "It is truncated, corrupt or from another model; resume from an earlier step_* folder by pointing "
-        "latest at it, or start without --resume."
+        f"latest at it (the newest other one: echo step_000008 > {os.path.join(ckpt, 'latest')}), or start "
+        "without --resume."
     ), advice
     assert advice[1] == "  (--debug prints the reader's traceback)"
     assert "summary" not in broken.stdout and "total wall time" not in broken.stdout
