@@ -725,7 +725,14 @@ def _say_schedule_change(run: _Run) -> None:
     if not math.isclose(peak, args.lr, rel_tol=1e-12):
         run.say(f"  note: --lr {args.lr:g} is ignored: the peak learning rate is the checkpoint's, {peak:g}")
     saved = args.resume_steps
-    if saved is None or saved == args.steps:
+    if saved is None:
+        run.say(
+            f"  note: the checkpoint does not record its run's --steps (an older save): the "
+            f"learning-rate schedule (warmup + cosine) is this run's, ending at step {args.steps}; "
+            f"lr at step {step + 1} is {peak * _lr_factor(step, args.steps):.2e}"
+        )
+        return
+    if saved == args.steps:
         return
     run.say(
         f"  note: --steps {args.steps} is not the checkpoint's run's {saved}: the learning-rate "

@@ -340,3 +340,35 @@ def test_resume_of_a_checkpoint_without_run_json(tmp_path: Any) -> None:
         f"fsdp example: resuming {folder} at step 5 of --steps 9; it records no configuration (an older "
         "save): loading it as --model tiny --seq-len 32"
     )
+
+
+def test_resume_says_how_the_lr_schedule_changes() -> None:
+    """[Note: Resuming with another --steps]: the line a resume prints for a longer, a shorter,
+    the same and an unrecorded --steps, and for a --lr the checkpoint overrides."""
+    from types import SimpleNamespace
+
+    from examples.train import _lr_factor, _say_schedule_change, parse_args
+
+    def said(steps: int, saved: Any, lr: float = 3e-3, peak: float = 3e-3) -> list[str]:
+        lines: list[str] = []
+        args = parse_args(["--steps", str(steps), "--lr", str(lr)])
+        args.resume_steps = saved
+        run = SimpleNamespace(args=args, start_step=300, scheduler=SimpleNamespace(base_lrs=[peak]), say=lines.append)
+        _say_schedule_change(run)  # type: ignore[arg-type]
+        return lines
+
+    assert said(500, 500) == []
+    longer, old = 3e-3 * _lr_factor(300, 800), 3e-3 * _lr_factor(300, 500)
+    assert said(800, 500) == [
+        "  note: --steps 800 is not the checkpoint's run's 500: the learning-rate schedule (warmup + cosine) "
+        f"is re-stretched to end at step 800; lr at step 301 is {longer:.2e} (the old schedule's {old:.2e})"
+    ]
+    assert longer > old  # further from the end of its cosine
+    shorter = 3e-3 * _lr_factor(300, 400)
+    assert said(400, 500)[0].startswith("  note: --steps 400 is not the checkpoint's run's 500: the learning-rate "
+                                         f"schedule (warmup + cosine) is shortened to end at step 400; lr at step 301 is {shorter:.2e}")
+    assert said(800, None) == [
+        "  note: the checkpoint does not record its run's --steps (an older save): the learning-rate schedule "
+        f"(warmup + cosine) is this run's, ending at step 800; lr at step 301 is {longer:.2e}"
+    ]
+    assert said(500, 500, lr=1e-3) == ["  note: --lr 0.001 is ignored: the peak learning rate is the checkpoint's, 0.003"]
