@@ -705,7 +705,7 @@ def _resume(run: _Run) -> None:
         )
         run.say(
             f"  note: the global batch changes from {saved_tokens:,} to "
-            f"{run.tokens_per_step:,} tokens/step ({run.world_size} ranks x "
+            f"{run.tokens_per_step:,} tokens/step ({_ranks(run.world_size)} x "
             f"{args.batch_size}x{args.seq_len}); {hint}"
         )
 
