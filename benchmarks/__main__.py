@@ -22,6 +22,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return main_cuda(argv)
     cfg = parse_args(argv)
     start = time.perf_counter()
+    print(f"benchmarks: starting {cfg.world_size} local ranks ({', '.join(cfg.only)})", file=sys.stderr, flush=True)
     results = launch(cfg)
     if cfg.profile:
         print(format_profile(cfg, results[0]["profile"]))

@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import gc
 import os
+import sys
 import time
 import warnings
 from typing import Any, Callable, Iterator
@@ -153,6 +154,7 @@ def _timing_rounds(
 ) -> None:
     """The alternating step-time rounds, then one counted step of each implementation."""
     for r in range(cfg.rounds):
+        _progress(f"timing round [{r + 1}/{cfg.rounds}] ({cfg.steps_per_round} steps of each implementation)")
         order = names[r % len(names):] + names[: r % len(names)]
         for name in order:
             timing = _timed_steps(models[name], opts[name], batches, cfg.steps_per_round, r)
@@ -171,6 +173,12 @@ def _usable_cpus() -> int:
     return len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
 
 
+def _progress(line: str) -> None:
+    """Rank 0's progress, one line per phase or round on stderr (stdout keeps the report)."""
+    if dist.get_rank() == 0:
+        print(f"benchmarks: {line}", file=sys.stderr, flush=True)
+
+
 def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     rank = dist.get_rank()
     names = list(cfg.only)
@@ -185,19 +193,23 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         "checkpoint": {},
     }
     if cfg.memory:
-        for name in names:
+        for i, name in enumerate(names):
+            _progress(f"memory [{i + 1}/{len(names)}] {name}")
             out["memory"][name] = _memory_phase(cfg, name)
     # Timing: every implementation lives side by side; rounds alternate between them, and the
     # order rotates each round so none is always first after another's cache footprint.
     models = {name: _wrapped(name, cfg) for name in names}
     opts = {name: make_optimizer(models[name]) for name in names}
     batches = _batches(cfg)
+    _progress(f"warm-up: {cfg.warmup_steps} steps of each of {len(names)} implementations")
     for name in names:
         for i in range(cfg.warmup_steps):
             train_step(models[name], opts[name], batches[i % len(batches)])
     if not cfg.checkpoint_only:
         _timing_rounds(cfg, names, models, opts, batches, out)
     ckpt_names = [n for n in names if n in CHECKPOINTED] if cfg.checkpoint else []
+    if ckpt_names:
+        _progress(f"checkpoint saves: {cfg.checkpoint_reps} timed of each of {len(ckpt_names)} implementations")
     for name in ckpt_names:
         out["checkpoint"][name] = {"model_s": [], "optim_s": []}
         # One untimed save of each kind first (lazy imports, first-call caches).

@@ -35,6 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fsdp.plan._schedule import WORKSPACES
+
 from benchmarks.local_ranks import run_local_ranks, write_rank_result
 
 __all__ = ["ValidationPoint", "POINTS", "predict", "measure", "main"]
@@ -234,8 +236,9 @@ def _train(point: ValidationPoint, model: nn.Module, steps: int, on_step: Callab
 class _Meter:
     """The measured figure: peak RSS above a baseline on the CPU ([Note: Measuring peak RSS]),
     or ``torch.cuda.max_memory_allocated`` above the allocated bytes at the baseline on a GPU
-    (what the planner's ``peak_bytes`` predicts there: tensors, not the CUDA context or the
-    caching allocator's reserve)."""
+    (what the planner's ``peak_bytes`` predicts there, less the cuBLAS workspaces that the
+    warm-up made and the baseline holds: tensors, not the CUDA context or the caching
+    allocator's reserve)."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
@@ -384,8 +387,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         start = time.perf_counter()
         estimate = predict(point)
         plan_s = time.perf_counter() - start
-        predicted = estimate.peak_bytes
-        needed = point.world_size * (predicted + _PROCESS_OVERHEAD_BYTES)
+        needed = point.world_size * (estimate.peak_bytes + _PROCESS_OVERHEAD_BYTES)
+        # The baseline is taken after a warm-up step, which made the cuBLAS workspaces: they are
+        # in the baseline, so not in the measurement ([Note: cuBLAS workspaces]).
+        predicted = estimate.peak_bytes - estimate.breakdown.get(WORKSPACES, 0)
         prefix = f"| {name} | {point.describe()} | {predicted / 2**20:,.1f} MiB"
         if args.list:
             print(f"{prefix} | | | (needs about {needed / 2**30:.2f} GiB; planned in {plan_s:.1f} s) |")

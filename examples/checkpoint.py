@@ -243,6 +243,27 @@ def latest_checkpoint(directory: str) -> Optional[str]:
     )
 
 
+class CheckpointReadError(RuntimeError):
+    """A checkpoint folder that cannot be loaded (truncated, corrupt, another model). Its message
+    is the advice; the reader's exception is chained (``__cause__``)."""
+
+
+def _one_line(exc: BaseException) -> str:
+    """``TypeName: the first line of the message`` (at most 160 characters): what a reader's
+    error says, without DCP's per-rank tracebacks (a ``CheckpointException`` holds every
+    failed rank's exception; the first one is named)."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, inner = sorted(failures.items())[0]
+        inner = inner[0] if isinstance(inner, tuple) else inner
+        if isinstance(inner, BaseException):
+            return f"{_one_line(inner)}, on rank {rank}"
+    lines = str(exc).strip().splitlines()
+    text = lines[0] if lines else ""
+    text = text if len(text) <= 160 else text[:157] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 def _init_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Creates the optimizer's state tensors (a step with zero gradients and lr 0) so that a
     checkpoint can be loaded into them; parameters do not change."""
@@ -268,18 +289,25 @@ def load_checkpoint(
     ``extra_template`` has the keys ``extra`` was saved with (DCP fills the keys it is given).
 
     Raises:
-        RuntimeError: The checkpoint is unreadable (truncated, corrupt, another model), naming
-            the folder; the model and optimizer are unchanged.
+        CheckpointReadError: The checkpoint is unreadable (truncated, corrupt, another model),
+            naming the folder; the model and optimizer are unchanged.
     """
     _init_optimizer_state(model, optimizer)
     state = _state(model, optimizer, dict(extra_template))
     try:
         dcp.load(state, checkpoint_id=path)
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - re-raised, naming the folder
-        raise RuntimeError(
-            f"fsdp example: cannot read checkpoint {path} ({type(exc).__name__}; details in "
-            f"the chained exception). It is truncated, corrupt or from another model; resume "
-            f"from an earlier step_* folder by pointing {LATEST} at it, or start without --resume."
+        directory = os.path.dirname(os.path.abspath(path))
+        others = [p for _, p in _step_folders(directory) if os.path.abspath(p) != os.path.abspath(path)]
+        earlier = (
+            f" (the newest other one: echo {os.path.basename(others[-1])} > {os.path.join(directory, LATEST)})"
+            if others
+            else " (there is none here)"
+        )
+        raise CheckpointReadError(
+            f"fsdp example: cannot read checkpoint {path} ({_one_line(exc)}). It is truncated, "
+            f"corrupt or from another model; resume from an earlier step_* folder by pointing "
+            f"{LATEST} at it{earlier}, or start without --resume."
         ) from exc
     with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
         model.load_state_dict(state["model"])

@@ -14,9 +14,11 @@ with a warmup + cosine learning-rate schedule and ``clip_grad_norm_(1.0)``. Rank
 verdict and each rank's memory (parameter, gradient and optimizer-state bytes measured from its
 tensors; the step's peak of live tensors, [Note: Step peak on CPU]). The exit status is 1 when the
 smoothed loss did not fall (runs too short to judge give no verdict, [Note: Loss verdict]), so the
-command doubles as an end-to-end check, and 2 when the run is refused before any rank starts:
+command doubles as an end-to-end check, and 2 when the run is refused: before any rank starts,
 a bad flag, a --checkpoint-dir holding another run (without --resume or --overwrite), or a
---resume that cannot continue (no checkpoint, another model, nothing left to train).
+--resume that cannot continue (no checkpoint, another model, nothing left to train); once the
+ranks have started, a --resume checkpoint that cannot be read (the advice in two lines, the
+traceback only with --debug).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
@@ -47,6 +50,7 @@ from fsdp.wrap import ModuleWrapPolicy
 
 from examples.checkpoint import (
     DEFAULT_KEEP,
+    CheckpointReadError,
     checkpoint_step,
     clear_checkpoints,
     has_checkpoints,
@@ -79,6 +83,8 @@ MIN_VERDICT_STEPS = {"tiny": 4, "small": 10, "medium": 10}
 #: The longest --seq-len accepted (GPT-2's context): the attention's time per step grows with it,
 #: and the model's position table (block_size) has this many rows.
 MAX_SEQ_LEN = 1024
+#: Rank 0's verdict value (for the launcher) when --resume found the checkpoint unreadable.
+UNREADABLE_CHECKPOINT = 3
 #: Seconds a rank waits in a collective for a peer (see ``--timeout``).
 DEFAULT_TIMEOUT_S = 600
 DEFAULT_CHECKPOINT_DIR = "checkpoints/fsdp-demo"
@@ -127,8 +133,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if args.log_every is None:
         args.log_every = max(1, args.steps // 20)
     _check_args(parser, args, corpus_tokens)
-    # What a --resume loads and the line that says so (set by main, before any rank starts).
-    args.resume_from = args.resume_note = None
+    # What a --resume loads, the line that says so, and the --steps the checkpoint's run had
+    # (set by main, before any rank starts).
+    args.resume_from = args.resume_note = args.resume_steps = None
     return args
 
 
@@ -186,6 +193,11 @@ def _add_training_arguments(group: argparse._ArgumentGroup) -> None:
         type=int,
         default=None,
         help="log every N steps (default: --steps // 20, at least 1: about 20 lines per run)",
+    )
+    group.add_argument(
+        "--debug",
+        action="store_true",
+        help="print the traceback behind an error the trainer explains (an unreadable checkpoint)",
     )
 
 
@@ -321,6 +333,7 @@ def _check_resume(args: argparse.Namespace, path: str) -> Optional[str]:
             f"pass --steps > {step} (checkpoint {path})"
         )
     args.resume_from = path
+    args.resume_steps = None if info is None or "steps" not in info else int(info["steps"])
     args.resume_note = f"fsdp example: resuming {path} at step {step} of --steps {args.steps}; {made}"
     return None
 
@@ -359,6 +372,19 @@ def _all_gather_rows(local: torch.Tensor, world_size: int) -> torch.Tensor:
     gathered = [torch.empty_like(local) for _ in range(world_size)]
     dist.all_gather(gathered, local)
     return torch.stack(gathered).cpu()
+
+
+def _ranks(world_size: int) -> str:
+    return "1 rank" if world_size == 1 else f"{world_size} ranks"
+
+
+def runs_as(strategy: str, world_size: int) -> str:
+    """The strategy that runs, as the log says it: at world size 1 there is nothing to shard and
+    FSDP (torch FSDP1 as fsdp) runs NO_SHARD whatever was asked, so
+    ``runs_as("FULL_SHARD", 1) == "NO_SHARD (--strategy FULL_SHARD: nothing to shard on 1 rank)"``."""
+    if world_size > 1 or strategy == "NO_SHARD":
+        return strategy
+    return f"NO_SHARD (--strategy {strategy}: nothing to shard on 1 rank)"
 
 
 def _fmt_mib(values: Sequence[float]) -> str:
@@ -466,7 +492,12 @@ def train_worker(
     )
     try:
         run = _setup(rank, world_size, device, backend, args)
-        fell = _train(run, predicted or (lambda: _predict_or_say_why(args, world_size)))
+        try:
+            fell = _train(run, predicted or (lambda: _predict_or_say_why(args, world_size)))
+        except CheckpointReadError as exc:
+            if rank == 0:
+                _say_unreadable(exc, args.debug)
+            raise
         # Leave together: rank 0 hosts the rendezvous store, and tearing gloo down while a
         # peer is still finishing its last collective can abort the process at exit.
         dist.barrier()
@@ -478,6 +509,17 @@ def train_worker(
         # the interpreter shuts down.
         gc.collect()
         dist.destroy_process_group()
+
+
+def _say_unreadable(exc: CheckpointReadError, debug: bool) -> None:
+    """[Note: An unreadable checkpoint] Every rank's load fails together (DCP gathers the
+    readers' errors), so every rank raises :class:`CheckpointReadError`; rank 0 says the advice in
+    two lines on stderr, the launcher exits with status 2 and no rank prints a traceback (the
+    reader's traceback, DCP's per-rank ones included, runs to a hundred lines and hides the
+    advice). ``--debug`` prints it first."""
+    if debug:
+        traceback.print_exception(type(exc), exc, exc.__traceback__)
+    print(f"{exc}\n  (--debug prints the reader's traceback)", file=sys.stderr, flush=True)
 
 
 @dataclass
@@ -534,6 +576,8 @@ class _Run:
             "step": step,
             "model_config": dataclasses.asdict(self.config),
             "flags": _shaping_flags(self.args),
+            # The run's length: its learning-rate schedule (see [Note: Resuming with another --steps]).
+            "steps": self.args.steps,
         }
 
     def say(self, text: str) -> None:
@@ -623,7 +667,7 @@ def _setup(
         f"fsdp example: model {args.model} ({n_params / 1e6:.2f}M params, "
         f"{config.n_layer} blocks, d_model {config.d_model}, block_size {config.block_size} from "
         f"--seq-len), vocab {tokenizer.vocab_size}, corpus {data.numel():,} chars\n"
-        f"  {world_size} ranks ({backend}, {device.type}), strategy {args.strategy}, "
+        f"  {_ranks(world_size)} ({backend}, {device.type}), strategy {runs_as(args.strategy, world_size)}, "
         f"batch {args.batch_size}x{args.seq_len} per rank ({run.tokens_per_step:,} tokens/step), "
         f"lr {args.lr:g}, {args.steps} steps\n"
         f"  collective timeout {args.timeout:g} s (--timeout): a rank stuck longer than that "
@@ -644,7 +688,13 @@ def _resume(run: _Run) -> None:
     extra = load_checkpoint(path, run.model, run.optimizer, run.checkpoint_extra(0))
     run.start_step, run.first_losses = int(extra["step"]), list(extra["first_losses"])
     run.scheduler.load_state_dict(extra["scheduler"])
+    # The optimizer's state holds the lr the saved schedule set for this step; LambdaLR's load
+    # does not recompute it, so with another --steps the first resumed step would still train at
+    # the old schedule's lr. Set it from this run's schedule ([Note: Resuming with another --steps]).
+    for group, peak in zip(run.optimizer.param_groups, run.scheduler.base_lrs):  # type: ignore[attr-defined]
+        group["lr"] = peak * _lr_factor(run.scheduler.last_epoch, args.steps)
     run.say(f"resumed from {path} at step {run.start_step}")
+    _say_schedule_change(run)
     saved_tokens = int(extra["tokens_per_step"])
     if saved_tokens != run.tokens_per_step:
         per_rank_needed = saved_tokens / (args.seq_len * run.world_size)
@@ -655,9 +705,41 @@ def _resume(run: _Run) -> None:
         )
         run.say(
             f"  note: the global batch changes from {saved_tokens:,} to "
-            f"{run.tokens_per_step:,} tokens/step ({run.world_size} ranks x "
+            f"{run.tokens_per_step:,} tokens/step ({_ranks(run.world_size)} x "
             f"{args.batch_size}x{args.seq_len}); {hint}"
         )
+
+
+def _say_schedule_change(run: _Run) -> None:
+    """[Note: Resuming with another --steps]
+    --steps is the length of the whole run, and the learning-rate schedule (warmup, then cosine
+    down to 10% of the peak at the last step) is a function of it. A resume with a larger --steps
+    re-stretches the schedule over the new length, as a trainer that builds its scheduler from
+    the run's length does (Hugging Face's Trainer rebuilds it from max_steps and loads only the
+    step count): the old schedule has no value past its end (the cosine would rise again), and
+    the new steps would otherwise train at the floor. The lr then jumps at the resumed step, so
+    this line says so, with both values. The peak lr is the checkpoint's: the scheduler's state
+    restores it, and a different --lr is named as ignored."""
+    args, step = run.args, run.start_step
+    peak = float(run.scheduler.base_lrs[0])  # type: ignore[attr-defined]
+    if not math.isclose(peak, args.lr, rel_tol=1e-12):
+        run.say(f"  note: --lr {args.lr:g} is ignored: the peak learning rate is the checkpoint's, {peak:g}")
+    saved = args.resume_steps
+    if saved is None:
+        run.say(
+            f"  note: the checkpoint does not record its run's --steps (an older save): the "
+            f"learning-rate schedule (warmup + cosine) is this run's, ending at step {args.steps}; "
+            f"lr at step {step + 1} is {peak * _lr_factor(step, args.steps):.2e}"
+        )
+        return
+    if saved == args.steps:
+        return
+    run.say(
+        f"  note: --steps {args.steps} is not the checkpoint's run's {saved}: the learning-rate "
+        f"schedule (warmup + cosine) is {'re-stretched' if args.steps > saved else 'shortened'} to end at step {args.steps}; lr at step "
+        f"{step + 1} is {peak * _lr_factor(step, args.steps):.2e} (the old schedule's "
+        f"{peak * _lr_factor(step, saved):.2e})"
+    )
 
 
 def _step(run: _Run, step: int, train_start: float) -> None:
@@ -714,7 +796,8 @@ def _memory_lines(run: _Run, gathered: torch.Tensor, predicted: Any) -> List[str
     full = run.n_params * 4
     sharded = args.strategy != "NO_SHARD" and run.world_size > 1  # one rank: FSDP uses NO_SHARD
     held = f"sharded over {run.world_size} ranks" if sharded else "every rank holds all"
-    lines = [f"  memory/rank    {sizes} ({args.strategy}: {held} of the {full / 2**20:.2f} MiB of fp32 parameters)"]
+    strategy = "NO_SHARD" if not sharded else args.strategy
+    lines = [f"  memory/rank    {sizes} ({strategy}: {held} of the {full / 2**20:.2f} MiB of fp32 parameters)"]
     if run.device.type == "cuda":
         lines.append(
             f"  step peak      {_fmt_bytes(gathered[:, 4].tolist())} of live tensors per rank "
@@ -750,7 +833,7 @@ def _summarize(run: _Run, train_seconds: float, start: float, predicted: Any) ->
     if run.rank != 0:
         return fell
     lines = [
-        f"summary ({args.strategy}, {run.world_size} ranks, {args.model} model):",
+        f"summary ({runs_as(args.strategy, run.world_size)}, {_ranks(run.world_size)}, {args.model} model):",
         f"  loss           {sum(run.first_losses) / max(1, len(run.first_losses)):.4f} (mean of first "
         f"{window} steps) -> {sum(run.losses[-window:]) / max(1, len(run.losses[-window:])):.4f} "
         f"(mean of last {window} steps)",
@@ -775,7 +858,12 @@ def _spawn_entry(
     """``mp.spawn`` target: run one local rank; rank 0 stores the loss verdict (1 fell, 0 did
     not, 2 no verdict) and takes the memory prediction the launcher made meanwhile."""
     predicted = (lambda: predictions.get()) if rank == 0 else None
-    fell = train_worker(rank, world_size, rank, args, init_method=f"file://{store_path}", predicted=predicted)
+    try:
+        fell = train_worker(rank, world_size, rank, args, init_method=f"file://{store_path}", predicted=predicted)
+    except CheckpointReadError:  # said by rank 0, see [Note: An unreadable checkpoint]
+        if rank == 0:
+            verdict.value = UNREADABLE_CHECKPOINT
+        return
     if rank == 0:
         verdict.value = 2 if fell is None else int(fell)
 
@@ -803,7 +891,8 @@ def prepare_checkpoint_dir(args: argparse.Namespace, *, is_rank0: bool = True) -
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point; returns the process exit status (0 when the loss fell or the run was too
-    short to judge, 1 when it did not fall, 2 when the run was refused before it started)."""
+    short to judge, 1 when it did not fall, 2 when the run was refused before it started or its
+    --resume checkpoint could not be read)."""
     args = parse_args(argv)
     torchrun = _launched_by_torchrun()
     refusal = prepare_checkpoint_dir(args, is_rank0=not torchrun or os.environ["RANK"] == "0")
@@ -814,7 +903,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if torchrun:
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         local_rank = int(os.environ["LOCAL_RANK"])
-        fell = train_worker(rank, world_size, local_rank, args, init_method="env://")
+        try:
+            fell = train_worker(rank, world_size, local_rank, args, init_method="env://")
+        except CheckpointReadError:  # said by rank 0, see [Note: An unreadable checkpoint]
+            return 2
         return 1 if fell is False else 0
 
     start = time.perf_counter()
@@ -838,6 +930,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         )
     predictor.join()
     elapsed = time.perf_counter() - start
+    if verdict.value == UNREADABLE_CHECKPOINT:
+        return 2
     print(f"total wall time (including process start-up): {elapsed:.1f} s", flush=True)
     return 0 if verdict.value in (1, 2) else 1
 

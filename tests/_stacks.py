@@ -48,7 +48,8 @@ def run_example(
         backend: ``"torch"`` runs the script as is (torch's FSDP1); ``"fsdp"`` runs it through
             ``python -m fsdp.torch_alias`` (the redirect, the script unchanged).
         world_size: The number of ranks.
-        out_dir: The folder for checkpoints and ``result.json`` (a new temporary one if None).
+        out_dir: The folder for checkpoints and ``result.json`` (a new temporary one if None); one
+            that does not exist yet is the script's to create (the ranks run in its parent).
         extra_env: More environment variables for the ranks.
 
     Returns:
@@ -89,7 +90,8 @@ def run_example(
         env.update(extra_env or {})
         log = tempfile.TemporaryFile(mode="w+")
         logs.append(log)
-        procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=out_dir))
+        cwd = out_dir if os.path.isdir(out_dir) else os.path.dirname(out_dir)
+        procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=cwd))
     deadline = time.monotonic() + RUN_TIMEOUT_S
     failed = False
     for proc in procs:
@@ -136,6 +138,7 @@ def run_on_both_backends(
     tmp_path_factory: Any,
     torch_args: List[str],
     fsdp_args: Callable[[str], List[str]],
+    out_created_by_script: bool = False,
 ) -> BackendRuns:
     """Runs ``script`` on torch's FSDP1, then (the script unchanged) on fsdp.
 
@@ -145,10 +148,14 @@ def run_on_both_backends(
         torch_args: The torch run's arguments.
         fsdp_args: The fsdp run's arguments, given the torch run's output folder (to resume
             from its checkpoints).
+        out_created_by_script: Pass each run an ``--out`` folder that does not exist yet (the
+            script must create it).
     """
     stem = os.path.splitext(script)[0]
     torch_out = str(tmp_path_factory.mktemp(f"{stem}-torch"))
     fsdp_out = str(tmp_path_factory.mktemp(f"{stem}-fsdp"))
+    if out_created_by_script:
+        torch_out, fsdp_out = os.path.join(torch_out, "out"), os.path.join(fsdp_out, "out")
     torch_result = run_example(script, torch_args, backend="torch", out_dir=torch_out)
     fsdp_result = run_example(script, fsdp_args(torch_out), backend="fsdp", out_dir=fsdp_out)
     return BackendRuns(torch_result, fsdp_result, torch_out, fsdp_out)

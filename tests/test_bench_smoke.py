@@ -13,7 +13,10 @@ from pathlib import Path
 
 from torch import nn
 
+from benchmarks.config import CHECKPOINTED, BenchConfig
+
 IMPLS = ("fsdp", "torch_fsdp1", "torch_fsdp2", "ddp", "local")
+WARMUP = BenchConfig.warmup_steps
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -49,6 +52,15 @@ def test_bench_tiny_config(tmp_path: Path) -> None:
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
+    # Progress on stderr (rank 0): a line per phase, implementation or round, never per step.
+    progress = [line for line in proc.stderr.splitlines() if line.startswith("benchmarks: ")]
+    assert progress == [
+        f"benchmarks: starting 2 local ranks ({', '.join(IMPLS)})",
+        *[f"benchmarks: memory [{i + 1}/{len(IMPLS)}] {name}" for i, name in enumerate(IMPLS)],
+        f"benchmarks: warm-up: {WARMUP} steps of each of {len(IMPLS)} implementations",
+        "benchmarks: timing round [1/1] (2 steps of each implementation)",
+        f"benchmarks: checkpoint saves: 1 timed of each of {len(CHECKPOINTED)} implementations",
+    ], proc.stderr[-3000:]
 
     # The main table: one row per implementation, every number finite and positive (the local
     # baseline communicates nothing, so its bytes and their ratio are 0).

@@ -6,6 +6,7 @@ memory report is checked on the test pool's ranks."""
 
 from __future__ import annotations
 
+import glob
 import math
 import os
 import re
@@ -82,6 +83,7 @@ def test_trainer_checkpoint_dir_resume_and_refusal(tmp_path: object, capsys: pyt
         "step": 8,
         "flags": {"model": "tiny", "seq_len": 64},
         "model_config": {"vocab_size": 74, "block_size": 64, "n_layer": 4, "n_head": 4, "d_model": 128, "dropout": 0.0},
+        "steps": 8,
     }
     # Resuming another model, or past the end: one line, before loading, no rank started.
     for flags, message in [
@@ -110,6 +112,45 @@ def test_trainer_checkpoint_dir_resume_and_refusal(tmp_path: object, capsys: pyt
     assert "the global batch changes from 512 to 256 tokens/step" in resumed.stdout
     assert "pass --batch-size 8 to keep it" in resumed.stdout
     assert "FutureWarning" not in resumed.stderr, resumed.stderr[-3000:]
+    # One rank: the log and the summary name the strategy that runs (nothing to shard).
+    assert "1 rank (gloo, cpu), strategy NO_SHARD (--strategy FULL_SHARD: nothing to shard on 1 rank)" in resumed.stdout
+    assert "summary (NO_SHARD (--strategy FULL_SHARD: nothing to shard on 1 rank), 1 rank, tiny model)" in resumed.stdout
+    assert "(NO_SHARD: every rank holds all of the" in resumed.stdout
+    # --steps 10 after a run of 8: the schedule is re-stretched, said in one line with both lrs
+    # (peak 3e-3; at step index 8 the 8-step schedule (warmup 1) is at progress 1 (its 10%
+    # floor), the 10-step one at progress 7/9).
+    from examples.train import _lr_factor
+
+    old, new = 3e-3 * _lr_factor(8, 8), 3e-3 * _lr_factor(8, 10)
+    assert f"{old:.2e}" == "3.00e-04" and new > 2 * old  # 0.1 + 0.45 * (1 + cos(7 pi / 9)) = 0.205 of the peak
+    assert (
+        "  note: --steps 10 is not the checkpoint's run's 8: the learning-rate schedule (warmup + cosine) "
+        f"is re-stretched to end at step 10; lr at step 9 is {new:.2e} (the old schedule's {old:.2e})\n"
+    ) in resumed.stdout, resumed.stdout[:3000]
+    assert re.search(rf"step +9/10 .*\| lr {new:.2e} \|", resumed.stdout), resumed.stdout[-2000:]
+
+    # A corrupt checkpoint: two lines of advice on stderr, no traceback, exit status 2; --debug
+    # adds the traceback.
+    latest = latest_checkpoint(ckpt)
+    assert latest is not None and latest.endswith("step_000010")
+    for shard in glob.glob(os.path.join(latest, "*.distcp")):
+        with open(shard, "r+b") as f:
+            f.truncate(os.path.getsize(shard) // 2)
+    broken = _train("--steps", "12", "--checkpoint-dir", ckpt, "--resume", "--nprocs", "2")
+    assert broken.returncode == 2, broken.stdout[-3000:] + broken.stderr[-3000:]
+    assert "Traceback" not in broken.stderr + broken.stdout, broken.stderr[-3000:]
+    advice = broken.stderr.strip().splitlines()
+    assert len(advice) == 2, broken.stderr
+    assert advice[0].startswith(f"fsdp example: cannot read checkpoint {latest} (") and advice[0].endswith(
+        "It is truncated, corrupt or from another model; resume from an earlier step_* folder by pointing "
+        f"latest at it (the newest other one: echo step_000008 > {os.path.join(ckpt, 'latest')}), or start "
+        "without --resume."
+    ), advice
+    assert advice[1] == "  (--debug prints the reader's traceback)"
+    assert "summary" not in broken.stdout and "total wall time" not in broken.stdout
+    debug = _train("--steps", "12", "--checkpoint-dir", ckpt, "--resume", "--nprocs", "1", "--debug")
+    assert debug.returncode == 2, debug.stdout[-3000:] + debug.stderr[-3000:]
+    assert "Traceback (most recent call last)" in debug.stderr and debug.stderr.strip().endswith(advice[1])
 
     # --overwrite deletes the earlier run's checkpoints before any rank starts (in this process).
     from examples.train import parse_args, prepare_checkpoint_dir
@@ -299,3 +340,35 @@ def test_resume_of_a_checkpoint_without_run_json(tmp_path: Any) -> None:
         f"fsdp example: resuming {folder} at step 5 of --steps 9; it records no configuration (an older "
         "save): loading it as --model tiny --seq-len 32"
     )
+
+
+def test_resume_says_how_the_lr_schedule_changes() -> None:
+    """[Note: Resuming with another --steps]: the line a resume prints for a longer, a shorter,
+    the same and an unrecorded --steps, and for a --lr the checkpoint overrides."""
+    from types import SimpleNamespace
+
+    from examples.train import _lr_factor, _say_schedule_change, parse_args
+
+    def said(steps: int, saved: Any, lr: float = 3e-3, peak: float = 3e-3) -> list[str]:
+        lines: list[str] = []
+        args = parse_args(["--steps", str(steps), "--lr", str(lr)])
+        args.resume_steps = saved
+        run = SimpleNamespace(args=args, start_step=300, scheduler=SimpleNamespace(base_lrs=[peak]), say=lines.append)
+        _say_schedule_change(run)  # type: ignore[arg-type]
+        return lines
+
+    assert said(500, 500) == []
+    longer, old = 3e-3 * _lr_factor(300, 800), 3e-3 * _lr_factor(300, 500)
+    assert said(800, 500) == [
+        "  note: --steps 800 is not the checkpoint's run's 500: the learning-rate schedule (warmup + cosine) "
+        f"is re-stretched to end at step 800; lr at step 301 is {longer:.2e} (the old schedule's {old:.2e})"
+    ]
+    assert longer > old  # further from the end of its cosine
+    shorter = 3e-3 * _lr_factor(300, 400)
+    assert said(400, 500)[0].startswith("  note: --steps 400 is not the checkpoint's run's 500: the learning-rate "
+                                         f"schedule (warmup + cosine) is shortened to end at step 400; lr at step 301 is {shorter:.2e}")
+    assert said(800, None) == [
+        "  note: the checkpoint does not record its run's --steps (an older save): the learning-rate schedule "
+        f"(warmup + cosine) is this run's, ending at step 800; lr at step 301 is {longer:.2e}"
+    ]
+    assert said(500, 500, lr=1e-3) == ["  note: --lr 0.001 is ignored: the peak learning rate is the checkpoint's, 0.003"]

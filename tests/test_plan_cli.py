@@ -106,9 +106,16 @@ def test_parameter_counts_have_units() -> None:
 
 
 def test_estimate_echoes_model_inputs_loss_and_configuration(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out = _run(capsys, *TINY, "--world-size", "4", "--bf16", "--checkpointing", "--strategy", "SHARD_GRAD_OP")
+    code = main([*TINY, "--world-size", "4", "--bf16", "--checkpointing", "--strategy", "SHARD_GRAD_OP"])
+    captured = capsys.readouterr()
+    out = captured.out
     params = sum(p.numel() for p in _tiny_gpt().parameters())
     assert code == 0
+    # Progress on stderr: one line per phase.
+    assert captured.err.splitlines() == [
+        "fsdp.plan: building the model on the meta device",
+        "fsdp.plan: tracing one forward and backward on fake tensors, then replaying the FSDP schedule",
+    ], captured.err
     assert f"2 layers, d_model 64, 4 heads, vocab 128: {format_count(params)} parameters ({params:,})" in out
     assert "micro-batch 2 x sequence 32 tokens per rank; loss: next-token cross-entropy" in out
     assert "configuration: world size 4, SHARD_GRAD_OP, bf16, no offload, activation checkpointing, device cuda" in out
@@ -157,8 +164,17 @@ def test_budget_honours_fixed_flags(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_budget_searches_what_is_not_given(capsys: pytest.CaptureFixture[str]) -> None:
-    _, out = _run(capsys, *TINY, "--budget", "1GiB", "--max-world-size", "2", "--no-bf16", "--no-offload")
+    main([*TINY, "--budget", "1GiB", "--max-world-size", "2", "--no-bf16", "--no-offload"])
+    captured = capsys.readouterr()
+    out = captured.out
     rows = _rows(out)
+    # Progress on stderr: the count, then one line per configuration (8: see below), in order.
+    progress = captured.err.splitlines()
+    assert progress[0] == (
+        "fsdp.plan: searching 8 configurations (the first of each model traces it; the rest reuse the trace)"
+    ), progress
+    assert [line.split("]")[0] for line in progress[1:]] == [f"fsdp.plan: [{i}/8" for i in range(1, 9)], progress
+    assert progress[1] == "fsdp.plan: [1/8] world size 1, NO_SHARD, fp32, no offload, no checkpointing", progress
     assert "searched: world size 1, 2; NO_SHARD, SHARD_GRAD_OP, FULL_SHARD; fp32; offload no; checkpointing no, yes" in out
     configs = {(r[0], r[1], r[4]) for r in rows}
     assert configs == {

@@ -17,6 +17,7 @@ checkpoint.
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -44,6 +45,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> BackendRuns:
 
 def test_each_backend_really_ran(runs: BackendRuns) -> None:
     assert_each_backend_ran(runs)
+    assert runs.torch_result["num_processes"] == runs.fsdp_result["num_processes"] == 2
 
 
 def test_training_is_bit_identical_to_torch_fsdp1(runs: BackendRuns) -> None:
@@ -67,3 +69,35 @@ def test_save_state_load_state_resume_exactly(runs: BackendRuns) -> None:
         assert fsdp_result[f"digest_{kind}"] == torch_result["digest_SHARDED_STATE_DICT"], kind
     # torch's FSDP1 sharded checkpoint (model and optimizer, through DCP), loaded by fsdp.
     assert fsdp_result["resumed_from_other"] == torch_result["continued"]
+
+
+def test_documented_cpu_command_starts_the_documented_processes(tmp_path: object) -> None:
+    """The example's documented fsdp command, run as written (only ``--out`` and a shorter run
+    changed), starts ``--num_processes`` ranks: accelerate's own ``--cpu`` picks its
+    single-process launcher whatever ``--num_processes`` says, so the command must not use it."""
+    import re
+    import subprocess
+    import sys
+
+    from tests._stacks import EXAMPLES_DIR, REPO_ROOT
+
+    with open(os.path.join(EXAMPLES_DIR, SCRIPT), encoding="utf-8") as f:
+        doc = f.read()
+    command = re.search(r"^    (accelerate launch .* -m fsdp\.torch_alias .*)$", doc, flags=re.M)
+    assert command, doc[:2000]
+    words = command.group(1).split()
+    assert "--cpu" not in words[: words.index("-m")], words  # launch's --cpu: one process
+    processes = int(words[words.index("--num_processes") + 1])
+    assert processes == 2
+    out = str(tmp_path)
+    words[words.index("--out") + 1] = out
+    launcher = os.path.join(os.path.dirname(sys.executable), "accelerate")
+    cmd = [launcher if os.path.exists(launcher) else "accelerate", *words[1:]]
+    cmd += ["--steps", "1", "--state-dict-types", "SHARDED_STATE_DICT"]
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
+               PYTHONWARNINGS="ignore::FutureWarning")
+    run = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    with open(os.path.join(out, "result.json"), encoding="utf-8") as f:
+        result = json.load(f)
+    assert result["num_processes"] == processes and result["backend"] == "fsdp.fully_sharded_data_parallel", result

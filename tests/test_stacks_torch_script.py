@@ -36,11 +36,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> BackendRuns:
         tmp_path_factory,
         ["--steps", STEPS, "--no-offload-to-cpu"],
         lambda torch_out: ["--steps", STEPS, "--resume-from", torch_out],
+        out_created_by_script=True,  # the script makes its --out folder, as a user's run needs
     )
 
 
 def test_each_backend_really_ran(runs: BackendRuns) -> None:
     assert_each_backend_ran(runs)
+    # --out did not exist before the run: the script created it (and wrote result.json in it).
+    assert os.path.basename(runs.fsdp_out) == "out" and os.path.isfile(os.path.join(runs.fsdp_out, "result.json"))
 
 
 def test_losses_bit_identical_and_resumes_exact(runs: BackendRuns) -> None:

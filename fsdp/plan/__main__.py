@@ -319,9 +319,16 @@ def _check_configuration(args: argparse.Namespace, parser: argparse.ArgumentPars
             )
 
 
+def _progress(line: str) -> None:
+    """One progress line on stderr (a line per phase or per configuration, never per step):
+    a large model's trace takes minutes, and stdout keeps only the result."""
+    print(f"fsdp.plan: {line}", file=sys.stderr, flush=True)
+
+
 def _print_estimate(args: argparse.Namespace, request: _Request) -> int:
     """One configuration's estimate, from the command line's flags."""
     checkpointing = bool(args.checkpointing)
+    _progress("building the model on the meta device")
     model, inputs = request.build(checkpointing)
     world_size = args.world_size or _DEFAULTS["world_size"]
     strategy = ShardingStrategy[args.strategy or _DEFAULTS["strategy"]]
@@ -332,6 +339,7 @@ def _print_estimate(args: argparse.Namespace, request: _Request) -> int:
         kwargs["mixed_precision"] = MixedPrecision(param_dtype=torch.bfloat16)
     if args.offload:
         kwargs["cpu_offload"] = CPUOffload(offload_params=True)
+    _progress("tracing one forward and backward on fake tensors, then replaying the FSDP schedule")
     estimate = estimate_memory(
         model, inputs, world_size=world_size, loss_fn=request.loss_fn, intra_node_size=args.intra_node_size, **kwargs
     )
@@ -395,7 +403,10 @@ def _print_search(args: argparse.Namespace, request: _Request) -> int:
             f"(hybrid strategies need a world size that is a multiple of the node size, above it)"
         )
     print(_describe_space(space))
-    candidates = search_configurations(request.build, space, fsdp_kwargs=request.base_kwargs, loss_fn=request.loss_fn)
+    _progress(f"searching {space.size()} configurations (the first of each model traces it; the rest reuse the trace)")
+    candidates = search_configurations(
+        request.build, space, fsdp_kwargs=request.base_kwargs, loss_fn=request.loss_fn, progress=_progress
+    )
     fits = [c for c in candidates if c.fits(args.budget, args.host_budget)]
     limits = f"<= {format_bytes(args.budget)} {'device' if args.device == 'cuda' else 'host'} memory per rank"
     if args.host_budget is not None:

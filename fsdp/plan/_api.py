@@ -17,6 +17,7 @@ from fsdp.plan._optimizer import trace_optimizer
 from fsdp.plan._schedule import ReplayResult, ScheduleConfig, replay
 from fsdp.plan._trace import Trace, trace_forward_backward
 from fsdp.plan._units import UnitLayout, UnitSpec, plan_unit_layouts, size_unit_specs
+from fsdp.plan._workspace import step_workspace_bytes
 
 __all__ = ["PlanCache", "estimate_memory"]
 
@@ -399,6 +400,7 @@ def _schedule(
         shard_world_size=setup.shard_world_size,
         replicate_world_size=setup.replicate_world_size,
         static_bytes=static,
+        workspace_bytes=step_workspace_bytes(setup.device),
         optim_state_bytes=state_bytes,
         optim_temp_bytes=temp_bytes,
     )

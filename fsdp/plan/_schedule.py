@@ -25,6 +25,8 @@ and free in a steady-state step (the second on, when prefetching is on):
 - post-backward: the unit's unsharded parameters are freed and ``BACKWARD_POST`` gathers the
   next unit, both before the reduction is launched.
 - optimizer step: shards, sharded gradients and optimizer state plus the step's temporaries.
+- on CUDA, the cuBLAS workspaces, for the whole step ([Note: cuBLAS workspaces] in
+  ``plan/_workspace.py``).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ TEMPS = "backward temporaries"
 COMM = "communication buffers"
 LOW = "low-precision copies"
 INPUTS = "inputs"
+WORKSPACES = "cuBLAS workspaces"
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -75,6 +78,8 @@ class ScheduleConfig:
         shard_world_size: Ranks a parameter is sharded over.
         replicate_world_size: Hybrid replicas (1 otherwise).
         static_bytes: Buffers and ignored parameters (device).
+        workspace_bytes: The CUDA libraries' workspaces ([Note: cuBLAS workspaces] in
+            ``fsdp/plan/_workspace.py``), held for the whole step.
         optim_state_bytes: Optimizer state.
         optim_temp_bytes: Peak temporaries of one optimizer step.
     """
@@ -86,16 +91,31 @@ class ScheduleConfig:
     shard_world_size: int
     replicate_world_size: int
     static_bytes: int = 0
+    workspace_bytes: int = 0
     optim_state_bytes: int = 0
     optim_temp_bytes: int = 0
 
 
 @dataclass
 class ReplayResult:
+    """The replay's peak (device; the host's too where offload keeps buffers there).
+
+    Attributes:
+        peak_bytes, peak_phase, breakdown: The peak, the phase it is reached in, and what it is
+            made of, by category.
+        cpu_peak_bytes: The host's peak (offload's buffers).
+        gathered_at_hooks: After each hook of the step, in order: ``(hook, unit index,
+            bytes of gathered and prefetched unsharded parameters)``, the hooks being
+            ``"fwd_pre"``, ``"fwd_post"``, ``"bwd_pre"`` (a unit's first) and ``"bwd_post"``
+            (per handle): what the runtime holds at its hooks, checked exactly by
+            tests/test_plan_replay_gathered.py.
+    """
+
     peak_bytes: int = 0
     peak_phase: str = "forward"
     breakdown: dict[str, int] = field(default_factory=dict)
     cpu_peak_bytes: int = 0
+    gathered_at_hooks: list[tuple[str, int, int]] = field(default_factory=list)
 
 
 class _Replay:
@@ -150,6 +170,10 @@ class _Replay:
             self.result.peak_phase = self.phase
             self.result.breakdown = {k: v for k, v in merged.items() if v}
         self.result.cpu_peak_bytes = max(self.result.cpu_peak_bytes, sum(self.cpu.values()))
+
+    def log_hook(self, hook: str, u: int) -> None:
+        gathered = self.device.get(GATHERED, 0) + self.device.get(PREFETCHED, 0)
+        self.result.gathered_at_hooks.append((hook, u, gathered))
 
     def handle(self, hid: tuple[int, int]) -> HandleSpec:
         return self.units[hid[0]].handles[hid[1]]
@@ -297,6 +321,7 @@ class _Replay:
         shards = sum(h.shard_bytes() for u in self.units for h in u.handles)
         self.add(SHARDED_PARAMS, shards, cpu=cfg.offload_params)
         self.add(BUFFERS, cfg.static_bytes)
+        self.add(WORKSPACES, cfg.workspace_bytes)
         self.add(OPTIM_STATE, cfg.optim_state_bytes, cpu=cfg.offload_params)
         self.add(INPUTS, self.trace.input_bytes)
         for event in self.trace.events:
@@ -316,12 +341,15 @@ class _Replay:
                 self.unshard(u, GATHERED)
                 if self.phase == "forward" and cfg.forward_prefetch:
                     self.prefetch(u, self.forward_order, backward=False)
+                self.log_hook(kind, u)
             elif kind == "fwd_post":
                 u = event[1]
                 if self.phase == "forward" and self.units[u].reshards_after_forward and u != self.kept_unit:
                     self.reshard(u)
+                self.log_hook(kind, u)
             elif kind == "bwd_pre":
                 u = event[1]
+                first = u not in self.ran_pre_backward
                 self.ran_pre_backward.add(u)
                 self.unshard(u, GATHERED)
                 if cfg.device_is_cpu:
@@ -330,10 +358,13 @@ class _Replay:
                     self.wait_reduction()
                 if cfg.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
                     self.prefetch(u, self.backward_order, backward=True)
+                if first:
+                    self.log_hook(kind, u)
             elif kind == "grad":
                 self.on_grad((event[1], event[2]), event[3], event[4])
             elif kind == "bwd_post":
                 self.post_backward((event[1], event[2]))
+                self.log_hook(kind, event[1])
             elif kind == "phase":
                 self.phase = event[1]
         # Final callback: finish the reduction in flight, free what is still gathered.

@@ -125,6 +125,7 @@ def search_configurations(
     *,
     fsdp_kwargs: dict[str, Any],
     loss_fn: Optional[Callable[[Any], torch.Tensor]] = None,
+    progress: Optional[Callable[[str], None]] = None,
 ) -> list[Candidate]:
     """Estimates every configuration of ``space``; returns them all, cheapest first.
 
@@ -135,8 +136,11 @@ def search_configurations(
         space: What to try.
         fsdp_kwargs: Other keywords for the wrapper (``auto_wrap_policy``...).
         loss_fn: As for :func:`fsdp.estimate_memory`.
+        progress: Called with one line before each configuration is estimated
+            (``[3/24] world size 8, FULL_SHARD, bf16, no offload, checkpointing``).
     """
     candidates: list[Candidate] = []
+    total, done = space.size(), 0
     for checkpointing in space.checkpointing:
         model, inputs = build(checkpointing)
         cache = PlanCache()  # [Note: Plan cache]: one per model object
@@ -152,6 +156,13 @@ def search_configurations(
                             kwargs["mixed_precision"] = MixedPrecision(param_dtype=torch.bfloat16)
                         if offload:
                             kwargs["cpu_offload"] = CPUOffload(offload_params=True)
+                        done += 1
+                        if progress is not None:
+                            progress(
+                                f"[{done}/{total}] world size {world_size}, {strategy.name}, "
+                                f"{'bf16' if bf16 else 'fp32'}, {'offload' if offload else 'no offload'}, "
+                                f"{'checkpointing' if checkpointing else 'no checkpointing'}"
+                            )
                         estimate = estimate_memory(
                             model,
                             inputs,

@@ -5,11 +5,14 @@ as is, and on ``fsdp`` unchanged when ``fsdp.redirect_torch_fsdp()`` runs before
 through the runner ``python -m fsdp.torch_alias`` (see docs/stacks.md)::
 
     # torch's FSDP1 (2 CPU ranks)
-    accelerate launch --cpu --num_processes 2 docs/examples/stacks/accelerate_fsdp1.py --cpu --out /tmp/acc
+    accelerate launch --multi_gpu --num_processes 2 docs/examples/stacks/accelerate_fsdp1.py --cpu --out /tmp/acc
     # fsdp, the same script
-    accelerate launch --cpu --num_processes 2 -m fsdp.torch_alias docs/examples/stacks/accelerate_fsdp1.py --cpu --out /tmp/acc
+    accelerate launch --multi_gpu --num_processes 2 -m fsdp.torch_alias docs/examples/stacks/accelerate_fsdp1.py --cpu --out /tmp/acc
 
-(``torchrun --nproc_per_node 2`` works as well). What it does, with the FSDP1 plugin
+``--multi_gpu`` picks accelerate's torchrun launcher, which starts the ``--num_processes``
+processes; the script's own ``--cpu`` then runs them on CPU ranks (gloo). Not ``accelerate launch
+--cpu``: that picks accelerate's single-process launcher, whatever ``--num_processes`` says.
+``torchrun --nproc_per_node 2`` works as well. What it does, with the FSDP1 plugin
 (transformer auto-wrap policy, FULL_SHARD, activation checkpointing):
 
 1. trains ``--steps`` steps and saves the training state with ``save_state`` twice, as a
@@ -18,8 +21,8 @@ through the runner ``python -m fsdp.torch_alias`` (see docs/stacks.md)::
 3. for each checkpoint: ``load_state`` and trains the same ``--steps`` steps again, which must
    give the same losses as step 2 (a resumed run continues exactly); ``--resume-from`` does the
    same from another run's sharded checkpoint (e.g. torch's FSDP1's, loaded by fsdp);
-4. writes the losses and a digest of the full model state dict to ``--out``/result.json
-   (rank 0).
+4. writes the losses, the number of processes and a digest of the full model state dict to
+   ``--out``/result.json (rank 0).
 """
 
 from __future__ import annotations
@@ -172,7 +175,11 @@ def main() -> None:
     batches = make_batches(accelerator, 2 * args.steps)
     first, second = batches[: args.steps], batches[args.steps :]
 
-    result: Dict[str, Any] = {"backend": type(model).__module__, "losses": train(accelerator, model, optimizer, first)}
+    result: Dict[str, Any] = {
+        "backend": type(model).__module__,
+        "num_processes": accelerator.num_processes,
+        "losses": train(accelerator, model, optimizer, first),
+    }
     checkpoints = {}
     for kind in args.state_dict_types:
         use_state_dict_type(plugin, kind)

@@ -203,6 +203,7 @@ def main() -> None:
         "FSDP1 saved) and train the second part again",
     )
     args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)  # every rank: each writes into it (the sharded checkpoint)
     dist.init_process_group("gloo")  # "nccl" on GPUs; torchrun sets the rendezvous variables
     model, optimizer, scheduler = build(args)
 
