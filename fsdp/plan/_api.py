@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from fsdp.api import BackwardPrefetch, ShardingStrategy
+from fsdp.flat_param._policy import HYBRID_STRATEGIES, effective_strategy
 from fsdp.flat_param._sharding import flat_layout
 from fsdp.init._validate import validate_init_args
 from fsdp.plan._estimate import MemoryEstimate, UnitEstimate
@@ -21,7 +22,6 @@ from fsdp.plan._workspace import step_workspace_bytes
 
 __all__ = ["PlanCache", "estimate_memory"]
 
-_HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
 # Constructor arguments that need a process group or a device mesh: planning takes the world
 # size (and intra_node_size) instead.
 _NEEDS_GROUP = ("process_group", "device_mesh")
@@ -201,7 +201,7 @@ def _shard_world_sizes(
     strategy: ShardingStrategy, world_size: int, intra_node_size: Optional[int]
 ) -> tuple[int, int]:
     """``(shard world size, replicate world size)``; raises on a bad ``intra_node_size``."""
-    if strategy in _HYBRID:
+    if strategy in HYBRID_STRATEGIES:
         if intra_node_size is None:
             raise ValueError(
                 f"fsdp.estimate_memory: {strategy.name} needs intra_node_size= (ranks per node, "
@@ -305,7 +305,7 @@ def _plan_units(model: nn.Module, setup: _Setup, cache: Optional[PlanCache]) -> 
             ignored_states=kwargs.get("ignored_states"),
         ),
     )
-    return _Planned(size_unit_specs(layouts, setup.shard_world_size), ignored_params)
+    return _Planned(size_unit_specs(layouts, setup.shard_world_size, setup.replicate_world_size), ignored_params)
 
 
 def _trace(
@@ -395,10 +395,6 @@ def _schedule(
     cfg = ScheduleConfig(
         device_is_cpu=setup.device.type == "cpu",
         offload_params=_offloads(setup),
-        backward_prefetch=setup.kwargs.get("backward_prefetch"),
-        forward_prefetch=bool(setup.kwargs.get("forward_prefetch")),
-        shard_world_size=setup.shard_world_size,
-        replicate_world_size=setup.replicate_world_size,
         static_bytes=static,
         workspace_bytes=step_workspace_bytes(setup.device),
         optim_state_bytes=state_bytes,
@@ -410,7 +406,7 @@ def _schedule(
 def _report(result: ReplayResult, units: list[UnitSpec], world_size: int, setup: _Setup) -> MemoryEstimate:
     """The :class:`MemoryEstimate`: the replay's peak, the unit sizes, the configuration in words."""
     kwargs, strategy, device = setup.kwargs, setup.strategy, setup.device
-    effective = strategy if (setup.shard_world_size > 1 or strategy in _HYBRID) else ShardingStrategy.NO_SHARD
+    effective = effective_strategy(strategy, setup.shard_world_size)
     prefetch = kwargs.get("backward_prefetch")
     mixed_precision = kwargs.get("mixed_precision")
     config = {

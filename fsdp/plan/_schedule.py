@@ -17,7 +17,7 @@ and free in a steady-state step (the second on, when prefetching is on):
   they are concatenated into the padded unsharded gradient (cast to ``reduce_dtype`` if it
   differs) and reduced into a new sharded gradient (NO_SHARD: in place). The reduction stays
   in flight (its buffers alive) until the next handle's first gradient or post-backward, one
-  at a time, where ``reduction_stays_in_flight`` says so (every one on an accelerator's
+  at a time, where the unit's ``UnitPolicy.reduction_stays_in_flight`` says so (every one on an accelerator's
   post-backward stream; on CPU a lone reduce-scatter); then the sharded gradient is cast to
   full precision (offload: copied to the host buffer) and kept; on an accelerator that happens
   on the post-backward stream right after the collective (kept from the post-backward on).
@@ -37,7 +37,6 @@ from typing import Optional
 import torch
 
 from fsdp.api import BackwardPrefetch
-from fsdp.flat_param._reduction import reduction_stays_in_flight
 from fsdp.plan._trace import Trace
 from fsdp.plan._units import HandleSpec, UnitSpec
 from fsdp.runtime._prefetch import unit_kept_for_backward
@@ -73,10 +72,6 @@ class ScheduleConfig:
             offload count in the same peak).
         offload_params: ``CPUOffload(offload_params=True)`` (host buffers and their copies,
             on a CPU training device too, as in ``FlatParamHandle``).
-        backward_prefetch: As given to the wrapper.
-        forward_prefetch: As given to the wrapper.
-        shard_world_size: Ranks a parameter is sharded over.
-        replicate_world_size: Hybrid replicas (1 otherwise).
         static_bytes: Buffers and ignored parameters (device).
         workspace_bytes: The CUDA libraries' workspaces ([Note: cuBLAS workspaces] in
             ``fsdp/plan/_workspace.py``), held for the whole step.
@@ -86,10 +81,6 @@ class ScheduleConfig:
 
     device_is_cpu: bool
     offload_params: bool
-    backward_prefetch: Optional[BackwardPrefetch]
-    forward_prefetch: bool
-    shard_world_size: int
-    replicate_world_size: int
     static_bytes: int = 0
     workspace_bytes: int = 0
     optim_state_bytes: int = 0
@@ -145,7 +136,7 @@ class _Replay:
                 self.forward_order,
                 self.backward_order,
                 roots[0],
-                cfg.backward_prefetch,
+                units[roots[0]].policy.backward_prefetch,
                 {index for index, unit in enumerate(units) if any(h.uses_sharding for h in unit.handles)},
             )
             if roots
@@ -276,7 +267,7 @@ class _Replay:
         # [Note: Reshard before reducing] in runtime/_hooks.py: freed (and BACKWARD_POST's
         # gather launched) before the reduction.
         self.reshard(hid[0], only_frozen_besides=hid[1])
-        if cfg.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
+        if self.units[hid[0]].policy.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
             self.prefetch(hid[0], self.backward_order, backward=True)
         if reduce_b != param_b:
             self.add(LOW, spec.padded_unsharded_numel * reduce_b)
@@ -284,10 +275,8 @@ class _Replay:
             unsharded_kind, unsharded = LOW, spec.padded_unsharded_numel * reduce_b
         else:
             unsharded_kind = UNSHARDED_GRADS
-        # [Note: One reduction path] in flat_param/_reduction.py, the same rule.
-        in_flight = reduction_stays_in_flight(
-            not cfg.device_is_cpu, spec.uses_sharding, cfg.replicate_world_size, comm_hook=False
-        )
+        # [Note: One schedule] in flat_param/_policy.py: the rule the post-backward hook runs.
+        in_flight = self.units[hid[0]].policy.reduction_stays_in_flight(not cfg.device_is_cpu, comm_hook=False)
         reduced = sharded_reduce if spec.uses_sharding else unsharded  # NO_SHARD: in place
         if spec.uses_sharding:
             self.add(GRADS, sharded_reduce)
@@ -339,12 +328,12 @@ class _Replay:
             elif kind == "fwd_pre":
                 u = event[1]
                 self.unshard(u, GATHERED)
-                if self.phase == "forward" and cfg.forward_prefetch:
+                if self.phase == "forward" and self.units[u].policy.forward_prefetch:
                     self.prefetch(u, self.forward_order, backward=False)
                 self.log_hook(kind, u)
             elif kind == "fwd_post":
                 u = event[1]
-                if self.phase == "forward" and self.units[u].reshards_after_forward and u != self.kept_unit:
+                if self.phase == "forward" and self.units[u].frees_after_forward() and u != self.kept_unit:
                     self.reshard(u)
                 self.log_hook(kind, u)
             elif kind == "bwd_pre":
@@ -356,7 +345,7 @@ class _Replay:
                     # On CPU the pre-backward hook finishes the reduction in flight before the
                     # prefetch allocates (runtime/_hooks.py, _pre_backward_hook).
                     self.wait_reduction()
-                if cfg.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
+                if self.units[u].policy.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
                     self.prefetch(u, self.backward_order, backward=True)
                 if first:
                     self.log_hook(kind, u)

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from fsdp.api import CPUOffload, MixedPrecision, ShardingStrategy
+from fsdp.flat_param._policy import HYBRID_STRATEGIES
 from fsdp.plan._api import PlanCache, estimate_memory
 from fsdp.plan._estimate import MemoryEstimate
 
@@ -24,7 +25,6 @@ STRATEGY_COST = {
     ShardingStrategy.HYBRID_SHARD: 2,
     ShardingStrategy.FULL_SHARD: 3,
 }
-HYBRID_STRATEGIES = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
 
 
 @dataclass

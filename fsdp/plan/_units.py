@@ -16,15 +16,10 @@ from typing import Any, Callable, Iterable, Optional, Union
 import torch
 from torch import nn
 
-from fsdp.api import ShardingStrategy
+from fsdp.api import BackwardPrefetch
+from fsdp.flat_param._policy import UnitPolicy
 from fsdp.flat_param._precision import HandlePrecision
-from fsdp.flat_param._sharding import (
-    FlatLayout,
-    aligned_numel,
-    flat_layout,
-    handle_uses_sharding,
-    padded_unsharded_numel,
-)
+from fsdp.flat_param._sharding import FlatLayout, aligned_numel, flat_layout, padded_unsharded_numel
 from fsdp.init._unit_params import mark_tied_owners, split_by_requires_grad, unit_params
 from fsdp.init._validate import plan_units
 
@@ -74,22 +69,25 @@ class HandleSpec:
 
 @dataclass
 class UnitSpec:
-    """One FSDP unit: its module, name, handles and strategy.
+    """One FSDP unit: its module, name, handles and schedule policy.
 
     Attributes:
         name: The module's qualified name (``""`` for the root).
         module: The unit's module in the user's (unwrapped) model.
         handles: Its FlatParameters (two with use_orig_params and mixed requires_grad).
-        reshards_after_forward: FULL_SHARD / HYBRID_SHARD (never the root, which keeps its
-            parameters for the backward that follows).
+        policy: The record the runtime's hooks would run for it ([Note: One schedule]).
         is_root: Whether this is the root unit.
     """
 
     name: str
     module: nn.Module
     handles: list[HandleSpec]
-    reshards_after_forward: bool
+    policy: UnitPolicy
     is_root: bool
+
+    def frees_after_forward(self) -> bool:
+        """``UnitPolicy.frees_after_forward`` for this unit (as ``UnitState.frees_after_forward``)."""
+        return self.policy.frees_after_forward(self.is_root, any(h.has_unsharded_buffer for h in self.handles))
 
     @property
     def label(self) -> str:
@@ -166,29 +164,33 @@ def plan_unit_layouts(
     return layouts, plan.ignored_modules, plan.ignored_params
 
 
-def size_unit_specs(layouts: list[UnitLayout], shard_world_size: int) -> list[UnitSpec]:
+def unit_policy(kwargs: dict[str, Any], shard_world_size: int, replicate_world_size: int) -> UnitPolicy:
+    """The :class:`UnitPolicy` a unit built with ``kwargs`` resolves (as ``init/_steps.py``)."""
+    return UnitPolicy.resolve(
+        kwargs.get("sharding_strategy"),
+        shard_world_size,
+        replicate_world_size,
+        kwargs.get("cpu_offload"),
+        kwargs.get("backward_prefetch", BackwardPrefetch.BACKWARD_PRE),
+        bool(kwargs.get("forward_prefetch")),
+        kwargs.get("limit_all_gathers", True),
+    )
+
+
+def size_unit_specs(layouts: list[UnitLayout], shard_world_size: int, replicate_world_size: int = 1) -> list[UnitSpec]:
     """Sizes every FlatParameter of the planned units for one shard world size.
 
     Args:
         layouts: From :func:`plan_unit_layouts`.
         shard_world_size: Ranks a parameter is sharded over (the intra-node size for hybrid).
             With CPU offload a handle takes the sharded path even on one rank, whatever the
-            training device (``handle_uses_sharding``).
+            training device (``UnitPolicy.uses_sharding``).
+        replicate_world_size: Hybrid replicas (1 otherwise).
     """
     specs: list[UnitSpec] = []
     for layout in layouts:
-        strategy = layout.kwargs.get("sharding_strategy") or ShardingStrategy.FULL_SHARD
-        if shard_world_size == 1 and strategy not in (
-            ShardingStrategy.HYBRID_SHARD,
-            ShardingStrategy._HYBRID_SHARD_ZERO2,
-        ):
-            strategy = ShardingStrategy.NO_SHARD  # as the wrapper does at world size 1
-        cpu_offload = layout.kwargs.get("cpu_offload")
-        uses_sharding = handle_uses_sharding(
-            strategy is not ShardingStrategy.NO_SHARD,
-            shard_world_size,
-            bool(cpu_offload and cpu_offload.offload_params),
-        )
+        policy = unit_policy(layout.kwargs, shard_world_size, replicate_world_size)
+        uses_sharding = policy.uses_sharding
         use_orig_params = bool(layout.kwargs.get("use_orig_params"))
         handles: list[HandleSpec] = []
         for unique in layout.handle_params:
@@ -218,12 +220,7 @@ def size_unit_specs(layouts: list[UnitLayout], shard_world_size: int) -> list[Un
                 name=layout.name,
                 module=layout.module,
                 handles=handles,
-                # As UnitState.frees_after_forward: NO_SHARD frees a separate compute copy too.
-                reshards_after_forward=(
-                    (not layout.is_root)
-                    and strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
-                )
-                or (strategy is ShardingStrategy.NO_SHARD and any(h.has_unsharded_buffer for h in handles)),
+                policy=policy,
                 is_root=layout.is_root,
             )
         )
@@ -265,4 +262,4 @@ def plan_unit_specs(
         ignored_modules=ignored_modules,
         ignored_states=ignored_states,
     )
-    return size_unit_specs(layouts, shard_world_size), ignored, ignored_params
+    return size_unit_specs(layouts, shard_world_size, replicate_world_size), ignored, ignored_params

@@ -1,0 +1,135 @@
+"""A unit's schedule policy: resolved once, run by the runtime's hooks, replayed by the planner.
+
+[Note: One schedule]
+Every rule of when a unit's parameters are gathered, kept, freed and reduced is a function of
+one small record, :class:`UnitPolicy`, resolved once per unit from the constructor's
+arguments and the group sizes (:meth:`UnitPolicy.resolve`). The runtime's hooks
+(``runtime/_hooks.py``, ``runtime/_prefetch.py``) and the handle's gradient reduction
+(``_reduction.py``) ask the record; the memory planner (``plan/_units.py``, ``plan/_schedule.py``)
+builds the same record for the ranks it plans and replays the same functions. A strategy is a
+new record, not edits in the hooks and again in the planner: what a strategy means lives here
+alone (:data:`HYBRID_STRATEGIES`, :func:`effective_strategy`, the properties below).
+
+The rules that also depend on the step (the root, the unit kept from forward into backward,
+``no_sync``, a communication hook, whether the device has streams) take those as arguments, so
+the planner passes what it plans and the runtime what it sees.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from fsdp.api import BackwardPrefetch, CPUOffload, ShardingStrategy
+from fsdp.flat_param._sharding import handle_uses_sharding
+
+__all__ = ["HYBRID_STRATEGIES", "UnitPolicy", "effective_strategy"]
+
+#: The strategies that shard inside a group and replicate across groups ([Note: Hybrid sharding
+#: layout]); they take no communication hook.
+HYBRID_STRATEGIES = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+
+#: The strategies that free a unit's unsharded parameters between its forward and its backward.
+_RESHARD_AFTER_FORWARD = (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
+
+
+def effective_strategy(requested: Optional[ShardingStrategy], shard_world_size: int) -> ShardingStrategy:
+    """The strategy a unit runs: the one asked for (FULL_SHARD by default), or NO_SHARD when a
+    non-hybrid strategy meets a shard group of one rank (nothing to shard; torch FSDP1 switches
+    the same way, with its warning, ``init/_validate.py``)."""
+    strategy = requested or ShardingStrategy.FULL_SHARD
+    if shard_world_size == 1 and strategy not in HYBRID_STRATEGIES:
+        return ShardingStrategy.NO_SHARD
+    return strategy
+
+
+@dataclass(frozen=True)
+class UnitPolicy:
+    """What decides a unit's schedule (see [Note: One schedule]).
+
+    Attributes:
+        strategy: The strategy in effect (:func:`effective_strategy`).
+        shard_world_size: Ranks a parameter is sharded over (the node for hybrid strategies).
+        replicate_world_size: Ranks holding the same shard (hybrid strategies), else 1.
+        offload_params: ``CPUOffload(offload_params=True)``.
+        backward_prefetch: When the next unit's backward gather is launched (None: never).
+        forward_prefetch: Whether the next unit's forward gather is launched early.
+        limit_all_gathers: At most two prefetched gathers in flight.
+    """
+
+    strategy: ShardingStrategy
+    shard_world_size: int
+    replicate_world_size: int = 1
+    offload_params: bool = False
+    backward_prefetch: Optional[BackwardPrefetch] = BackwardPrefetch.BACKWARD_PRE
+    forward_prefetch: bool = False
+    limit_all_gathers: bool = True
+
+    @classmethod
+    def resolve(
+        cls,
+        requested: Optional[ShardingStrategy],
+        shard_world_size: int,
+        replicate_world_size: int = 1,
+        cpu_offload: Optional[CPUOffload] = None,
+        backward_prefetch: Optional[BackwardPrefetch] = BackwardPrefetch.BACKWARD_PRE,
+        forward_prefetch: bool = False,
+        limit_all_gathers: bool = True,
+    ) -> "UnitPolicy":
+        """The record for a unit built with these arguments over groups of these sizes."""
+        return cls(
+            strategy=effective_strategy(requested, shard_world_size),
+            shard_world_size=shard_world_size,
+            replicate_world_size=replicate_world_size,
+            offload_params=bool(cpu_offload is not None and cpu_offload.offload_params),
+            backward_prefetch=backward_prefetch,
+            forward_prefetch=bool(forward_prefetch),
+            limit_all_gathers=bool(limit_all_gathers),
+        )
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Shards inside a group and all-reduces across replicas."""
+        return self.strategy in HYBRID_STRATEGIES
+
+    @property
+    def uses_sharding(self) -> bool:
+        """Whether the unit's handles take the sharded path (``handle_uses_sharding``)."""
+        return handle_uses_sharding(
+            self.strategy is not ShardingStrategy.NO_SHARD, self.shard_world_size, self.offload_params
+        )
+
+    @property
+    def reshards_after_forward(self) -> bool:
+        """Whether the strategy frees the unsharded parameters between forward and backward."""
+        return self.strategy in _RESHARD_AFTER_FORWARD
+
+    def frees_after_forward(self, is_root: bool, has_unsharded_buffer: bool) -> bool:
+        """Whether post-forward frees the unit's unsharded copies when a backward follows.
+
+        FULL_SHARD / HYBRID_SHARD units other than the root (which would gather again at once);
+        and NO_SHARD units whose compute copy is separate from the parameter
+        (``has_unsharded_buffer``: low-precision parameters, or parameters offloaded to the
+        host), the root included: torch FSDP1 frees NO_SHARD's low-precision copy at every
+        reshard and casts it again for the backward, so a NO_SHARD model in mixed precision
+        never holds every unit's low-precision copy at once. The unit kept from forward into
+        backward ([Note: The first backward unit stays gathered]) is the caller's exception.
+        """
+        if self.reshards_after_forward:
+            return not is_root
+        return self.strategy is ShardingStrategy.NO_SHARD and has_unsharded_buffer
+
+    def reshards_after_backward(self, sync_gradients: bool) -> bool:
+        """Whether the unsharded parameters are freed once the unit's backward is done.
+
+        Inside ``no_sync`` (``sync_gradients`` False) SHARD_GRAD_OP and _HYBRID_SHARD_ZERO2
+        keep them (the next forward needs them again and the gradient stays unsharded anyway);
+        FULL_SHARD and HYBRID_SHARD always free.
+        """
+        return sync_gradients or self.reshards_after_forward
+
+    def reduction_stays_in_flight(self, has_stream: bool, comm_hook: bool) -> bool:
+        """Whether a gradient reduction stays in flight past the post-backward hook (its buffers
+        alive until it is waited for): every one on a post-backward stream (CUDA); on CPU a lone
+        default reduce-scatter (gloo's asynchronous collective), nothing else."""
+        return has_stream or (self.uses_sharding and self.replicate_world_size == 1 and not comm_hook)
