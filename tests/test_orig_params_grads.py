@@ -83,6 +83,17 @@ def _scale_visible_grads(model: nn.Module) -> None:
                 p.grad.mul_(0.5)
 
 
+def _build(lib: str, strategy: str) -> nn.Module:
+    """The toy model wrapped by ``lib`` with use_orig_params; hybrid strategies over 2 x 2
+    groups (``tests/test_hybrid_shard.py``'s)."""
+    if "HYBRID" not in strategy:
+        return _wrap(lib, make_toy(), strategy, True)
+    from tests.test_hybrid_shard import _layouts
+    from tests.test_optim_in_backward import _wrap as _wrap_with
+
+    return _wrap_with(lib, make_toy(), strategy, use_orig_params=True, **_layouts()["tuple"])
+
+
 def grads_at_every_point(strategies: list[str]) -> int:
     """Two micro-batches (inside ``no_sync`` or not) with the gradients read and scaled after
     the second forward, a synchronized backward, the optimizer step, ``zero_grad`` both ways
@@ -95,7 +106,7 @@ def grads_at_every_point(strategies: list[str]) -> int:
         for accumulate_in_no_sync in (False, True):
             log: dict[str, list[tuple[str, dict[str, Any]]]] = {}
             for lib in ("ours", "torch"):
-                model = _wrap(lib, make_toy(), strategy, True)
+                model = _build(lib, strategy)
                 opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
                 points: list[tuple[str, dict[str, Any]]] = []
                 log[lib] = points
@@ -143,3 +154,7 @@ def grads_at_every_point(strategies: list[str]) -> int:
 @pytest.mark.parametrize("dist_pool", [1, 2, 4], indirect=True)
 def test_grads_at_every_point(dist_pool: RankPool) -> None:
     assert dist_pool.run(grads_at_every_point, STRATEGIES) == [3 * 2 * 19] * dist_pool.world_size
+
+
+def test_grads_at_every_point_hybrid(pool4: RankPool) -> None:
+    assert pool4.run(grads_at_every_point, ["HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"]) == [2 * 2 * 19] * 4
