@@ -266,7 +266,8 @@ def _mixed_requires_grad_unit(policy_name: str) -> None:
     if policy is None:
         match = (
             r"fsdp: <root Deep> has both parameters with requires_grad=True and False\. FSDP does "
-            r"not support wrapping such modules when use_orig_params=False\. If possible, wrap "
+            r"not support wrapping such modules when use_orig_params=False\. Must flatten tensors "
+            r"with uniform `requires_grad` when `use_orig_params=False`\. If possible, wrap "
             r"the frozen parameters with FSDP separately \(or pass use_orig_params=True, or "
             r"freeze/unfreeze the whole unit\)\.\n"
             r"The following parameters have requires_grad=True:\n\['stem\.weight', 'stem\.bias', "

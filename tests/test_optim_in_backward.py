@@ -19,6 +19,7 @@ from torch.distributed.optim import _apply_optimizer_in_backward
 
 from tests._harness import RankPool
 from tests._models import Block, global_batch, lm_loss, local_rows, make_toy
+from tests.test_orig_params_torch_attrs import _units
 from tests.test_parity import FP64_TOL
 
 # One optimizer class per parameter; Adam carries state, so a skipped or doubled step shows.
@@ -113,12 +114,15 @@ def run_in_backward(
             # Stepped and dropped inside backward: no gradient is left on a stepped parameter;
             # the others keep theirs for the regular optimizer (where this rank holds a part).
             kept.append({name: p.grad is not None for name, p in model.named_parameters()})
-            assert not any(kept[-1][name] for name in kept[-1] if _chosen(name, only)), (step, kept[-1])
+            if i in (1, 2):  # fsdp and torch FSDP1: which units' flat gradients stay alive
+                # (memory is behaviour: a unit whose every parameter stepped keeps none)
+                kept[-1].update({f"unit {k} flat grad": u._flat_param.grad is not None for k, u in enumerate(_units(model))})
+            assert not any(kept[-1][name] for name in kept[-1] if _chosen(name, only) and "flat grad" not in name), (step, kept[-1])
             if clip:
                 norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5) if i == 0 else model.clip_grad_norm_(0.5)  # type: ignore[operator]
                 losses[i].append(norm.detach())
                 # Clipping rebuilds no gradient of a stepped parameter (torch FSDP1 keeps None).
-                assert kept[-1] == {name: p.grad is not None for name, p in model.named_parameters()}
+                assert all(kept[-1][name] == (p.grad is not None) for name, p in model.named_parameters())
             opt.step()
             opt.zero_grad()
             losses[i].append(loss.detach())
@@ -127,6 +131,8 @@ def run_in_backward(
         )
         assert kept[1] == kept[2], f"step {step}: gradients left: {kept[1]} != torch FSDP1 {kept[2]}"
         assert all(kept[0][name] for name in kept[0] if not _chosen(name, only))
+        if only == "":  # every parameter stepped in backward: no unit keeps a flat gradient
+            assert not any(v for name, v in kept[1].items() if "flat grad" in name), kept[1]
     mine, torch_full, ref_full = _full_params(ours), _full_params(theirs), dict(ref.named_parameters())
     assert list(mine) == list(torch_full)
     initial = dict(make_toy().named_parameters())

@@ -604,6 +604,45 @@ def test_writeback(dist_pool: RankPool) -> None:
     assert dist_pool.run(_check_writeback) == [len(STRATEGIES)] * dist_pool.world_size
 
 
+def _check_writeback_of_every_replaced_data() -> int:
+    """``writeback=True`` with the ``.data`` of *every* parameter replaced inside the context
+    (the first of each unit included): each new value is kept, as the plain model treated the
+    same way keeps it, with and without ``use_orig_params`` (copies only: exact)."""
+    checks = 0
+    for strategy in STRATEGIES:
+        for use_orig_params in (False, True):
+            plain = _plain()
+            ours = FSDP(
+                _plain(),
+                sharding_strategy=ShardingStrategy[strategy],
+                auto_wrap_policy=ModuleWrapPolicy({Block}),
+                use_orig_params=use_orig_params,
+            )
+
+            def replace_every_data(model: nn.Module) -> None:
+                for index, (_, p) in enumerate(model.named_parameters()):
+                    values = torch.arange(p.numel(), dtype=p.dtype).view(p.shape)
+                    p.data = values / 64 - index / 8
+
+            with FSDP.summon_full_params(ours, writeback=True):
+                replace_every_data(ours)
+            replace_every_data(plain)
+            where = f"{strategy}, use_orig_params={use_orig_params}"
+            _assert_resharded(ours, strategy, where)
+            mine, expected = _full(ours), _full(plain)
+            assert list(mine) == list(expected) == sorted(ALL_NAMES, key=list(expected).index), where
+            for name in expected:
+                assert torch.equal(mine[name], expected[name]), f"{where}: {name} lost its new .data"
+            _assert_outputs_agree({"ours": ours, "plain": plain}, f"{where}: forward after .data writeback")
+            checks += 1
+    return checks
+
+
+@WORLD_SIZES
+def test_writeback_of_every_replaced_data(dist_pool: RankPool) -> None:
+    assert dist_pool.run(_check_writeback_of_every_replaced_data) == [len(STRATEGIES) * 2] * dist_pool.world_size
+
+
 @WORLD_SIZES
 def test_rank0_only_recurse_and_nesting(dist_pool: RankPool) -> None:
     assert dist_pool.run(_check_rank0_only_and_recurse) == [len(STRATEGIES)] * dist_pool.world_size

@@ -479,6 +479,10 @@ CASES: dict[str, Case] = {
         _already_wrapped_under_auto_wrap, "ValueError",
         "FSDP auto wrapping requires modules to not already have FSDP applied but found "
         "layer1.1 in", "test_wrap.py::test_error_already_wrapped"),
+    "frozen_and_trainable_with_orig_params": Case(
+        functools.partial(_frozen_and_trainable_in_one_unit, use_orig_params=True), "UserWarning",
+        _FROZEN + "We do not recommend wrapping such modules", "test_wrap.py::test_frozen_params",
+        warns=True),
     "frozen_and_trainable_in_one_flat_unit": Case(
         functools.partial(_frozen_and_trainable_in_one_unit, use_orig_params=False), "ValueError",
         _FROZEN + "FSDP does not support wrapping such modules when use_orig_params=False.",
@@ -697,10 +701,12 @@ def _check(name: str, case: Case, pattern: str, outcome: dict[str, Outcome]) -> 
 
 
 def _frozen_with_orig_params() -> dict[str, Any]:
-    """test_wrap.py::test_frozen_params with use_orig_params=True: torch warns that a unit
-    mixing frozen and trainable parameters allocates gradient memory for all of them; fsdp
-    deliberately does not warn: it gives the frozen ones a handle of their own, with no
-    gradient (fsdp/init/_unit_params.py, split_by_requires_grad)."""
+    """test_wrap.py::test_frozen_params with use_orig_params=True: both warn for each unit
+    mixing frozen and trainable parameters, in the same order, before any other warning of the
+    construction, as UserWarnings. torch FSDP1's reason is the gradient memory its flat gradient
+    spends on the frozen ones; fsdp gives them a handle of their own, with no gradient
+    (fsdp/init/_unit_params.py, split_by_requires_grad), and says so: its reason is the second
+    all-gather such a unit costs."""
     from fsdp.runtime._state import unit_state
 
     out: dict[str, Any] = {}
@@ -709,6 +715,7 @@ def _frozen_with_orig_params() -> dict[str, Any]:
             warnings.simplefilter("always")
             model = _frozen_and_trainable_in_one_unit_model(_lib(name))
         out[name] = [str(w.message) for w in caught if "requires_grad=True and False" in str(w.message)]
+        out[f"{name}_first"] = (caught[0].category.__name__, str(caught[0].message)) if caught else None
         if name == "ours":
             handles = unit_state(model.layers[0].attn).handles
             out["our_handles"] = [h.flat_param.requires_grad for h in handles]
@@ -842,7 +849,16 @@ def test_other_torch_fsdp1_behaviours(pool2: RankPool) -> None:
         assert frozen["torch"] and any(re.search(
             _FROZEN + r"We do not recommend wrapping such modules since the gradient memory "
             r"usage will be higher than expected", m) for m in frozen["torch"]), frozen
-        assert frozen["ours"] == [], frozen  # documented difference (see the function)
+        # torch's test's pattern, for every unit torch names (the same units, in its order),
+        # with the same parameter lists; the first warning of the construction is this one.
+        pattern = _FROZEN.replace("layers.0.attn", r"layers\.\d\.attn") + "We do not recommend wrapping such modules"
+        assert len(frozen["ours"]) == len(frozen["torch"]) == 2, frozen
+        for mine, theirs in zip(frozen["ours"], frozen["torch"]):
+            assert re.match(pattern, mine) and mine.split(".", 1)[0] == theirs.split(".", 1)[0], (mine, theirs)
+            assert mine.split("\n")[1:] == theirs.split("\n")[1:], (mine, theirs)
+            assert "If possible, wrap the frozen parameters with FSDP separately." in mine
+        assert frozen["ours_first"] == ("UserWarning", frozen["ours"][0]), frozen
+        assert frozen["torch_first"] == ("UserWarning", frozen["torch"][0]), frozen
         assert frozen["our_handles"] == [True, False], frozen  # frozen ones: no gradient at all
 
         assert r["ignored_buffers"]["torch"] == [], r["ignored_buffers"]

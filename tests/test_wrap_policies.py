@@ -704,12 +704,17 @@ def test_mixed_requires_grad_in_one_unit_raises_before_changing_anything() -> No
             torch_wrap.ModuleWrapPolicy({Block}),
             {"mixed_precision": None, "use_orig_params": False},
         )
-    # use_orig_params=True: wrapping proceeds. torch warns that the unit wastes gradient memory;
-    # fsdp gives the frozen parameters a handle of their own (no gradient), so nothing is
-    # wasted and there is nothing to warn about.
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
+    # use_orig_params=True: wrapping proceeds, with torch FSDP1's UserWarning (its sentence;
+    # fsdp's reason: the frozen parameters get a handle of their own, without a gradient, so
+    # the unit gathers two flat parameters).
+    with pytest.warns(
+        UserWarning,
+        match=r"^blocks\.0 has both parameters with requires_grad=True and False\. We do not "
+        r"recommend wrapping such modules: .* all-gathers two flat parameters .*If possible, wrap "
+        r"the frozen parameters with FSDP separately\.\n",
+    ) as caught:
         got, _ = run_ours(model, ModuleWrapPolicy({Block}), {"use_orig_params": True})
+    assert len(caught) == 1
     assert [n for n, _ in got] == ["blocks.0", "blocks.1"]
     # Wrapping the frozen Linear separately makes every unit uniform.
     model = Model()

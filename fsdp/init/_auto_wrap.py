@@ -214,6 +214,7 @@ def policy_targets(
     root_kwargs: dict[str, Any],
     ignored_modules: set[nn.Module],
     ignored_params: set[nn.Parameter],
+    include_root: bool = False,
 ) -> dict[nn.Module, dict[str, Any]]:
     """The modules ``policy`` picks (root excluded) with the kwargs each unit is built with.
 
@@ -227,6 +228,8 @@ def policy_targets(
             unit gets ``auto_wrap_policy=None`` so it never auto-wraps again).
         ignored_modules: Modules never wrapped nor descended into (closed under descendants).
         ignored_params: Parameters not counted in ``nonwrapped_numel``.
+        include_root: Also return ``module`` itself (last) when a policy object picks it
+            (torch FSDP1 checks frozen parameters on every module its policy object picks).
 
     Returns:
         ``{module: kwargs}`` for every nested unit.
@@ -250,7 +253,8 @@ def policy_targets(
                 f"kwargs dicts, but returned an object of type {type(picked).__name__}."
             )
         add_full_precision_units(module, picked, full_precision_classes, ignored_modules, child_kwargs)
-        order = [m for m in module.modules() if m in picked and m is not module][::-1]
+        # (Reversed: the root, which module.modules() lists first, comes last.)
+        order = [m for m in module.modules() if m in picked and (m is not module or include_root)][::-1]
         return {m: {**picked[m], "auto_wrap_policy": None} for m in order}
     planned: dict[nn.Module, dict[str, Any]] = {}
 

@@ -35,7 +35,7 @@ from fsdp.init._unit_params import (
     unit_params,
     validate_unit_params,
 )
-from fsdp.init._validate import UnitPlan, plan_units, validate_init_args, warn_construction
+from fsdp.init._validate import UnitPlan, plan_units, validate_init_args, warn_construction, warn_container
 from fsdp.runtime._hooks import register_flat_param_hooks
 from fsdp.runtime._mixed_precision import (
     apply_mixed_precision_overrides,
@@ -131,7 +131,7 @@ def plan_unit(
     groups = resolve_process_groups(args.process_group, args.device_mesh, strategy)
     device = resolve_compute_device(module, args.device_id, group_backend(groups.shard))
     rank, world_size = group_rank(groups.shard), group_size(groups.shard)
-    warn_construction(module, strategy, args.sharding_strategy, world_size)
+    warn_container(module)
     if world_size == 1 and strategy not in HYBRID_STRATEGIES:
         strategy = ShardingStrategy.NO_SHARD  # nothing to shard (as torch FSDP1 does)
     if strategy in HYBRID_STRATEGIES:
@@ -140,6 +140,7 @@ def plan_unit(
     plan = plan_units(
         module, auto_wrap_policy, root_kwargs, ignored_modules, ignored_states, warn_stacklevel=5
     )
+    warn_construction(args.sharding_strategy or ShardingStrategy.FULL_SHARD, args.sharding_strategy, world_size)
     if auto_wrap_policy is not None and args.mixed_precision is not None:
         apply_mixed_precision_overrides(module, mixed_precision_classes(root_kwargs))
     wrapped_before = [unit_state(sub) for sub in module.modules() if is_fsdp(sub)]

@@ -173,7 +173,8 @@ def validate_unit_params(
         trainable, frozen = ([fqn_prefix + n for n in flags[flag]] for flag in (True, False))
         raise ValueError(
             f"fsdp: {unit_name} has both parameters with requires_grad=True and False. FSDP "
-            f"does not support wrapping such modules when use_orig_params=False. If possible, "
+            f"does not support wrapping such modules when use_orig_params=False. Must flatten "
+            f"tensors with uniform `requires_grad` when `use_orig_params=False`. If possible, "
             f"wrap the frozen parameters with FSDP separately (or pass use_orig_params=True, "
             f"or freeze/unfreeze the whole unit).\n"
             f"The following parameters have requires_grad=True:\n{trainable}\n"

@@ -28,6 +28,7 @@ from fsdp._common import clean_fqn
 from fsdp.api import BackwardPrefetch, CPUOffload, ShardingStrategy
 from fsdp.flat_param.flat_param import FLATTENED_ATTR, FlatParameter
 from fsdp.init._auto_wrap import policy_targets, validate_auto_wrap_policy
+from fsdp.wrap import _Policy
 from fsdp.init._materialize import check_materializable, validate_param_init_fn
 from fsdp.init._unit_params import (
     UnitParam,
@@ -74,22 +75,8 @@ def validate_init_args(
     validate_param_init_fn(param_init_fn)
 
 
-def warn_construction(
-    module: nn.Module,
-    strategy: ShardingStrategy,
-    requested: Optional[ShardingStrategy],
-    world_size: int,
-) -> None:
-    """Emits the construction warnings torch FSDP1 emits for the same arguments.
-
-    Args:
-        module: The module being wrapped.
-        strategy: The strategy asked for (FULL_SHARD when none was given).
-        requested: The ``sharding_strategy`` argument itself.
-        world_size: The size of the shard group.
-    """
-    from fsdp.init._process_group import HYBRID_STRATEGIES
-
+def warn_container(module: nn.Module) -> None:
+    """The construction warning torch FSDP1 emits first, before planning: a container root."""
     if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
         warnings.warn(
             f"fsdp: FSDP will not all-gather parameters for containers that do not implement "
@@ -98,6 +85,23 @@ def warn_construction(
             f"elements (or the module that calls them) instead.",
             stacklevel=4,  # the caller of FullyShardedDataParallel(...)
         )
+
+
+def warn_construction(
+    strategy: ShardingStrategy,
+    requested: Optional[ShardingStrategy],
+    world_size: int,
+) -> None:
+    """Emits the strategy warnings torch FSDP1 emits for the same arguments, once the units
+    are planned (after the auto-wrap warnings, in torch FSDP1's order).
+
+    Args:
+        strategy: The strategy asked for (FULL_SHARD when none was given).
+        requested: The ``sharding_strategy`` argument itself.
+        world_size: The size of the shard group.
+    """
+    from fsdp.init._process_group import HYBRID_STRATEGIES
+
     if world_size == 1 and strategy is not ShardingStrategy.NO_SHARD and strategy not in HYBRID_STRATEGIES:
         warnings.warn(
             f"FSDP is switching to use `NO_SHARD` instead of {strategy} since the world size "
@@ -302,6 +306,39 @@ def _lowest_common_unit(units: list[nn.Module], parent: dict[nn.Module, Optional
     return common[0]
 
 
+def warn_mixed_frozen_unit(unit_name: str, params: list[UnitParam], fqn_prefix: str, stacklevel: int) -> None:
+    """use_orig_params: warns about a unit mixing frozen and trainable parameters, as torch
+    FSDP1 does for each module its policy object (``ModuleWrapPolicy``, ``CustomPolicy``) picks,
+    in post-order, before wrapping anything (a callable policy or none: no warning, as torch).
+
+    torch FSDP1's reason (the flat gradient covers the frozen parameters too) does not hold
+    here: the frozen parameters go into a second flat parameter without a gradient ([Note:
+    Original parameters] in docs/flat_param_lifecycle.md). The recommendation still does, for
+    another reason, which the message gives: the unit gathers two flat parameters each time.
+    """
+    numels = {True: 0, False: 0}
+    fqns: dict[bool, list[str]] = {True: [], False: []}
+    seen: set[int] = set()
+    for module_name, _, name, param in params:
+        fqns[param.requires_grad].append(fqn_prefix + (f"{module_name}.{name}" if module_name else name))
+        if id(param) not in seen:
+            seen.add(id(param))
+            numels[param.requires_grad] += param.numel()
+    if not fqns[True] or not fqns[False]:
+        return
+    warnings.warn(
+        f"{unit_name} has both parameters with requires_grad=True and False. We do not "
+        f"recommend wrapping such modules: fsdp keeps the frozen parameters in a second flat "
+        f"parameter without a gradient (gradient memory for {numels[True]} numel, where torch "
+        f"FSDP1's would cover {numels[True] + numels[False]} numel), but the unit then "
+        f"all-gathers two flat parameters each time it is unsharded. If possible, wrap the "
+        f"frozen parameters with FSDP separately.\n"
+        f"The following parameters have requires_grad=True:\n{fqns[True]}\n"
+        f"The following parameters have requires_grad=False:\n{fqns[False]}",
+        stacklevel=stacklevel,
+    )
+
+
 def plan_units(
     module: nn.Module,
     policy: Optional[Callable],
@@ -323,7 +360,8 @@ def plan_units(
     check_materializable(
         module, root_kwargs.get("param_init_fn"), lambda m: is_fsdp(m) or m in closed
     )
-    plan.targets = policy_targets(module, policy, root_kwargs, closed, ignored_params)
+    plan.targets = policy_targets(module, policy, root_kwargs, closed, ignored_params, include_root=True)
+    picked_root = plan.targets.pop(module, None) is not None
     unit_modules = set(plan.targets)
     names = {m: name for name, m in module.named_modules()}
 
@@ -353,14 +391,13 @@ def plan_units(
 
     # In post-order, as torch FSDP1 checks them (its message names the first it finds).
     post_order = {m: i for i, m in enumerate(_post_order(module))}
+    use_orig_params = bool(root_kwargs.get("use_orig_params"))
     for unit, params in sorted(units.items(), key=lambda item: post_order.get(item[0], -1)):
         name = names.get(unit, "")
-        validate_unit_params(
-            unit_name(unit),
-            [p for p in params if owns(unit, p[3])],
-            bool(root_kwargs.get("use_orig_params")),
-            fqn_prefix=f"{name}." if name else "",
-        )
+        owned = [p for p in params if owns(unit, p[3])]
+        validate_unit_params(unit_name(unit), owned, use_orig_params, fqn_prefix=f"{name}." if name else "")
+        if use_orig_params and isinstance(policy, _Policy) and (unit is not module or picked_root):
+            warn_mixed_frozen_unit(unit_name(unit), owned, f"{name}." if name else "", warn_stacklevel)
     # Parameters already flattened by units wrapped by hand cannot move.
     handle_names: dict[object, str] = {}
     for name, sub in module.named_modules():

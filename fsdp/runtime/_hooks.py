@@ -17,6 +17,7 @@ from torch.autograd import Variable
 from torch.autograd.graph import Node
 
 from fsdp._common import apply_to_tensors, compile_boundary, eager_only, p_assert
+from fsdp.api import ShardingStrategy
 from fsdp._comm._errors import check_interrupted_backward_agreed
 from fsdp.flat_param.flat_param import FlatParameter, FlatParamHandle
 from fsdp.flat_param._recast import adopt_external_cast, check_not_recast_since_forward
@@ -284,11 +285,38 @@ def _post_forward(state: UnitState, output: _T, owner: Optional[nn.Module] = Non
         for handle in state.handles:
             handle.reshard()
         record_free_event(state)
+    if expects_backward:
+        _register_orig_params_after_forward(state)
     hook = functools.partial(_pre_backward_hook, state, owner=owner)
     for t in grad_outputs:
         t.register_hook(hook)
     transition(state, HandleTrainingState.IDLE)
     return output
+
+
+def _register_orig_params_after_forward(state: UnitState) -> None:
+    """use_orig_params: a unit kept gathered after forward shows its original Parameters.
+
+    [Note: Original parameters between forward and backward]
+    Code that runs between a forward and its backward (logging, clipping or scaling gradients
+    during accumulation, ``named_parameters()``) sees what torch FSDP1 shows, which depends on
+    the strategy, not on whether the unsharded memory is kept: FULL_SHARD and HYBRID_SHARD
+    show the original Parameters in their sharded 1-D form, and NO_SHARD in their original
+    shapes, each with the ``.grad`` it had before the forward (the sharded gradient's view,
+    or inside ``no_sync`` the accumulated unsharded gradient's); SHARD_GRAD_OP and
+    _HYBRID_SHARD_ZERO2 keep the unsharded views (plain tensors, no ``.grad``), as torch FSDP1
+    does. A unit freed after forward already shows them (its reshard registers them); this
+    registers them back on a unit that keeps its unsharded memory for the backward (the root,
+    the first backward unit, NO_SHARD): the memory stays, only the names change. The forward
+    never touched the Parameter objects' ``.data`` or ``.grad``, so nothing is re-derived;
+    the pre-backward hook points the names at views again for the backward's recomputations.
+    tests/test_orig_params_grads.py compares ``.grad`` and shapes at each point with torch's.
+    """
+    if state.sharding_strategy in (ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy._HYBRID_SHARD_ZERO2):
+        return
+    for handle in state.handles:
+        if handle.use_orig_params and handle.is_unsharded:
+            handle.views.use_sharded()
 
 
 def _queue_final_callback(ctx: RootContext) -> None:
