@@ -25,7 +25,7 @@ from fsdp.flat_param._sharding import gradient_divide_factors
 from fsdp.flat_param._storage import FlatParamStorage, on_stream, record_event
 from fsdp.flat_param._views import ParamViews, assign_grad
 
-__all__ = ["GradReduction", "reduction_stays_in_flight"]
+__all__ = ["GradReduction"]
 
 
 class _InflightReduction(NamedTuple):
@@ -39,16 +39,6 @@ class _InflightReduction(NamedTuple):
     sharded_grad: torch.Tensor
     post_divide: bool
     keep_alive: torch.Tensor
-
-
-def reduction_stays_in_flight(
-    has_stream: bool, uses_sharding: bool, replicate_world_size: int, comm_hook: bool
-) -> bool:
-    """Whether a reduction stays in flight past the post-backward hook (its buffers alive until
-    it is waited for): all of them on a post-backward stream (CUDA), else a lone default
-    reduce-scatter (gloo's asynchronous collective). The runtime and the planner both ask this.
-    """
-    return has_stream or (uses_sharding and replicate_world_size == 1 and not comm_hook)
 
 
 class GradReduction:
@@ -142,9 +132,11 @@ class GradReduction:
         comm_hook: Optional[Callable[..., object]],
         comm_hook_state: object,
         full_precision: bool,
+        in_flight: bool,
     ) -> None:
         """Launches the reduction of the unsharded gradient autograd just accumulated (see
-        the class docstring for the postcondition).
+        the class docstring for the postcondition). ``in_flight``: it stays in flight past this
+        call (the unit's ``UnitPolicy.reduction_stays_in_flight``, [Note: One schedule]).
 
         [Note: One reduction path]
         Every strategy, backend and world size takes this path: reduce-scatter (all-reduce for
@@ -166,9 +158,6 @@ class GradReduction:
             unsharded_grad = unsharded_grad.to(self.storage.precision.reduce_dtype)
         p_assert(self.inflight is None, f"unit '{self.unit_name}': two reductions in flight")
         stream = self.storage.post_backward_stream
-        in_flight = reduction_stays_in_flight(
-            stream is not None, self.layout.uses_sharding, self.replicate_world_size, comm_hook is not None
-        )
         # [Note: The reduction's input outlives its readers]
         # On CUDA the compute stream made ``unsharded_grad`` and the post-backward stream reads
         # it. The caching allocator ties a block to the stream that allocated it: once the last

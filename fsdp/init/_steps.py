@@ -22,6 +22,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from fsdp._comm._groups import ProcessGroupType, ShardingGroups
 from fsdp._common import group_backend, group_rank, group_size
 from fsdp.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from fsdp.flat_param._policy import UnitPolicy, effective_strategy
 from fsdp.flat_param.flat_param import FlatParamHandle
 from fsdp.init._auto_wrap import mixed_precision_classes
 from fsdp.init._device import move_modules_to_device, resolve_compute_device
@@ -132,8 +133,7 @@ def plan_unit(
     device = resolve_compute_device(module, args.device_id, group_backend(groups.shard))
     rank, world_size = group_rank(groups.shard), group_size(groups.shard)
     warn_container(module)
-    if world_size == 1 and strategy not in HYBRID_STRATEGIES:
-        strategy = ShardingStrategy.NO_SHARD  # nothing to shard (as torch FSDP1 does)
+    strategy = effective_strategy(strategy, world_size)  # NO_SHARD on one rank, as torch FSDP1
     if strategy in HYBRID_STRATEGIES:
         _refuse_hybrid_tensor_parallel(module, strategy)
     root_kwargs = args.wrap_kwargs()
@@ -241,12 +241,17 @@ def new_unit_state(
         replicate_group=setup.groups.replicate,
         rank=setup.rank,
         world_size=setup.world_size,
-        sharding_strategy=setup.strategy,
+        policy=UnitPolicy.resolve(
+            setup.strategy,
+            setup.world_size,
+            group_size(setup.groups.replicate) if setup.groups.replicate is not None else 1,
+            args.cpu_offload,
+            args.backward_prefetch,
+            args.forward_prefetch,
+            args.limit_all_gathers,
+        ),
         compute_device=setup.device,
         unit_name=type(module).__name__,
-        backward_prefetch=args.backward_prefetch,
-        forward_prefetch=args.forward_prefetch,
-        limit_all_gathers=args.limit_all_gathers,
         mixed_precision=mixed_precision,
         full_precision_in_eval=full_precision_in_eval_requested(),
         cast_buffers=cast_unit_buffers(

@@ -410,6 +410,7 @@ def _post_backward_hook(
         state.comm_hook,
         state.comm_hook_state,
         full_precision=state.forward_in_full_precision,
+        in_flight=state.reduction_stays_in_flight(handle.storage.post_backward_stream is not None),
     )
     if handle.grads.inflight is not None:
         ctx.inflight_reductions.append(handle)

@@ -16,15 +16,14 @@ from torch import nn
 
 from fsdp._common import clean_fqn, p_assert
 from fsdp.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from fsdp.flat_param._policy import HYBRID_STRATEGIES, UnitPolicy
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from fsdp.flat_param.flat_param import FlatParamHandle
 
-# The strategies that shard inside a group and replicate across groups ([Note: Hybrid sharding
-# layout]); they take no communication hook.
-HYBRID_STRATEGIES = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+__all__ = ["HYBRID_STRATEGIES", "UnitState", "RootContext", "HandleTrainingState", "TrainingState"]
 
 
 class HandleTrainingState(Enum):
@@ -125,7 +124,10 @@ class UnitState:
         replicate_group: Hybrid strategies: the group sharded gradients are all-reduced over.
         rank: This rank in ``process_group``.
         world_size: Size of ``process_group``.
-        sharding_strategy: The strategy in effect (FULL_SHARD becomes NO_SHARD at world size 1).
+        policy: The unit's schedule policy ([Note: One schedule] in ``flat_param/_policy.py``):
+            the strategy in effect (FULL_SHARD becomes NO_SHARD at world size 1), the group
+            sizes, offload and prefetching; ``sharding_strategy``, ``backward_prefetch``,
+            ``forward_prefetch`` and ``limit_all_gathers`` read it.
         compute_device: Where the unit computes and its parameters live.
         unit_name: Qualified name of the wrapped module in the root (set at lazy init).
         training_state: See :class:`HandleTrainingState` (a property: setting it also sets
@@ -138,10 +140,6 @@ class UnitState:
             for root-only APIs).
         comm_hook: A registered communication hook replacing the gradient reduction, and
         comm_hook_state: the state passed to it.
-        backward_prefetch: When this unit launches the next unit's backward gather
-            ([Note: Prefetch]); None: never.
-        forward_prefetch: Whether it launches the next unit's forward gather.
-        limit_all_gathers: Cap prefetched gathers in flight at two.
         mixed_precision: The unit's ``MixedPrecision`` config (None: full precision).
         full_precision_in_eval: ``FSDP_USE_FULL_PREC_IN_EVAL=1`` was set at construction.
         forward_in_full_precision: The unit's current (or last) forward runs with
@@ -162,7 +160,7 @@ class UnitState:
     replicate_group: Optional[dist.ProcessGroup]
     rank: int
     world_size: int
-    sharding_strategy: ShardingStrategy
+    policy: UnitPolicy
     compute_device: torch.device
     unit_name: str
     _training_state: HandleTrainingState = field(default=HandleTrainingState.IDLE, init=False)
@@ -173,9 +171,6 @@ class UnitState:
     has_fsdp_parent: bool = False
     comm_hook: Optional[Callable[..., object]] = None
     comm_hook_state: object = None
-    backward_prefetch: Optional[BackwardPrefetch] = BackwardPrefetch.BACKWARD_PRE
-    forward_prefetch: bool = False
-    limit_all_gathers: bool = True
     mixed_precision: Optional[MixedPrecision] = None
     full_precision_in_eval: bool = False
     forward_in_full_precision: bool = False
@@ -208,32 +203,42 @@ class UnitState:
         return self.handles[0] if self.handles else None
 
     @property
+    def sharding_strategy(self) -> ShardingStrategy:
+        """The strategy in effect (the policy's)."""
+        return self.policy.strategy
+
+    @property
+    def backward_prefetch(self) -> Optional[BackwardPrefetch]:
+        """When this unit launches the next unit's backward gather ([Note: Prefetch]); None: never."""
+        return self.policy.backward_prefetch
+
+    @property
+    def forward_prefetch(self) -> bool:
+        """Whether it launches the next unit's forward gather."""
+        return self.policy.forward_prefetch
+
+    @property
+    def limit_all_gathers(self) -> bool:
+        """Cap prefetched gathers in flight at two."""
+        return self.policy.limit_all_gathers
+
+    @property
     def reshards_after_forward(self) -> bool:
         """Whether the strategy frees the unsharded parameter between forward and backward."""
-        return self.sharding_strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
+        return self.policy.reshards_after_forward
 
     def frees_after_forward(self) -> bool:
-        """Whether post-forward frees the unit's unsharded copies when a backward follows.
-
-        FULL_SHARD / HYBRID_SHARD units other than the root (which would gather again at once);
-        and NO_SHARD units whose compute copy is separate from the parameter (low-precision
-        parameters, or parameters offloaded to the host), the root included: torch FSDP1 frees
-        NO_SHARD's low-precision copy at every reshard and casts it again for the backward, so a
-        NO_SHARD model in mixed precision never holds every unit's low-precision copy at once.
-        """
-        if self.reshards_after_forward:
-            return not self.is_root
-        return self.sharding_strategy is ShardingStrategy.NO_SHARD and any(
-            handle.has_unsharded_buffer for handle in self.handles
-        )
+        """``UnitPolicy.frees_after_forward`` for this unit as it is now (root or not, a
+        separate unsharded copy or not)."""
+        return self.policy.frees_after_forward(bool(self.is_root), any(h.has_unsharded_buffer for h in self.handles))
 
     def reshards_after_backward(self) -> bool:
-        """Whether the unsharded parameter is freed once this unit's backward is done.
+        """``UnitPolicy.reshards_after_backward`` (inside ``no_sync`` or not)."""
+        return self.policy.reshards_after_backward(self.sync_gradients)
 
-        Inside ``no_sync`` SHARD_GRAD_OP (and _HYBRID_SHARD_ZERO2) keeps it (the next forward needs it again and its
-        gradient stays unsharded anyway); FULL_SHARD always frees.
-        """
-        return self.sync_gradients or self.reshards_after_forward
+    def reduction_stays_in_flight(self, has_stream: bool) -> bool:
+        """``UnitPolicy.reduction_stays_in_flight`` with this unit's communication hook."""
+        return self.policy.reduction_stays_in_flight(has_stream, self.comm_hook is not None)
 
 
 @dataclass
