@@ -348,26 +348,6 @@ def test_sharded_dcp_interop_with_torch(dist_pool: RankPool, tmp_path: Any, writ
     dist_pool.run(dcp_interop, str(tmp_path), writer)
 
 
-def sharded_values() -> None:
-    from torch.distributed.tensor import DTensor, Shard
-
-    from fsdp import FullyShardedDataParallel as FSDP, StateDictType
-
-    model = _ours()
-    full = model.state_dict()
-    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
-        sharded = model.state_dict()
-    assert list(sharded) == list(full)
-    for key, value in sharded.items():
-        assert isinstance(value, DTensor) and value.placements == (Shard(0),), key
-        assert value.shape == full[key].shape
-        assert torch.equal(value.full_tensor(), full[key]), key
-
-
-def test_sharded_values_are_dtensors(pool2: RankPool) -> None:
-    pool2.run(sharded_values)
-
-
 def _after_training(lib: Any, orig: bool, mp: bool) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Torch's ``test_save_and_load_after_forward_state_dict`` scenario (SHARDED) through ``lib``.
 

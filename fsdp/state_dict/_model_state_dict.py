@@ -75,7 +75,7 @@ from fsdp.state_dict._values import (
     load_local_value,
     local_form,
     local_value,
-    to_dtensor,
+    ShardedForm,
 )
 
 
@@ -370,6 +370,7 @@ def _materialize_entries(
     [Note: State dict gathers]) and are kept as they are.
     """
     done: set[int] = state.ctx.state_dict_done if state.ctx is not None else set()
+    form = None if full else ShardedForm(state)  # once per unit ([Note: Sharded value forms])
     for key in list(destination.keys())[start:]:
         value = destination[key]
         if not isinstance(value, torch.Tensor) or id(value) in done:
@@ -387,8 +388,8 @@ def _materialize_entries(
                 value = value.detach().to("cpu" if offload else value.device, copy=True)
             elif offload and value.device.type != "cpu":  # as torch: moved, never copied on CPU
                 value = value.detach().to("cpu")
-        elif aliases:
-            value = to_dtensor(value.detach(), state, offload)
+        elif aliases and form is not None:
+            value = form.value(value.detach(), offload)
         destination[key] = value
         done.add(id(value))
 

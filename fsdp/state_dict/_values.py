@@ -27,8 +27,14 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+from torch.distributed.remote_device import _remote_device
+
 from fsdp._common import p_assert
 from fsdp._comm import _collectives as comm
+from fsdp.flat_param._shard_map import chunk_rows, torch_chunks
 from fsdp.flat_param.flat_param import FlatParamHandle
 from fsdp.runtime._state import UnitState
 
@@ -42,12 +48,11 @@ __all__ = [
     "tp_dtensor",
     "to_2d_dtensor",
     "tp_local",
-    "to_dtensor",
+    "ShardedForm",
     "check_sharded_value",
     "full_value",
     "is_dtensor",
     "is_sharded_tensor",
-    "shard_rows",
     "gather_chunked_rows",
     "local_value",
     "check_local_value",
@@ -181,13 +186,6 @@ def _group_ranks(group: dist.ProcessGroup) -> list[int]:
     return list(dist.get_process_group_ranks(group))
 
 
-def _chunk_rows(dim0: int, world_size: int, rank: int) -> tuple[int, int]:
-    """``(first row, number of rows)`` of ``rank``'s ``torch.chunk`` piece of ``dim0`` rows."""
-    rows_per_rank = math.ceil(dim0 / world_size) if dim0 else 0
-    first = min(rank * rows_per_rank, dim0)
-    return first, max(0, min(rows_per_rank, dim0 - first))
-
-
 def parent_mesh(state: UnitState) -> Any:
     """The 2-D (or larger) mesh the unit's 1-D ``device_mesh`` was sliced from, else None.
 
@@ -303,52 +301,127 @@ def local_form(value: Any, state: UnitState, spec: Any = None) -> Any:
     return value
 
 
-def to_dtensor(full_value: torch.Tensor, state: UnitState, offload: bool) -> Any:
-    """This rank's ``torch.chunk`` piece of ``full_value`` as a ``Shard(0)`` DTensor (owned); on
-    a 2-D parent mesh the 2-D DTensor torch FSDP1 gives ([Note: 2-D sharded values])."""
-    from torch.distributed.tensor import DTensor, Replicate
+# [Note: Sharded value forms]
+# A SHARDED value (model or optimizer state) takes the form torch FSDP1 gives for the unit:
+#
+# - built without ``device_mesh``: a ``ShardedTensor`` over the unit's shard group (with hybrid
+#   sharding, the group inside a replica), one local shard of this rank's ``torch.chunk`` rows
+#   ([Note: Row chunks] in ``fsdp/flat_param/_shard_map.py``), global metadata listing
+#   ``torch.chunk``'s pieces with placements ``rank:<global rank>/<device>``; the local shard's
+#   own metadata names the group rank, as torch FSDP1's does. ``offload_to_cpu``: the local
+#   shard is in host memory and every placement says ``cpu`` (torch's ``ShardedTensor.cpu()``);
+#   otherwise it is on the device the unit computes on.
+# - built with ``device_mesh``: a ``DTensor`` on that mesh, ``Shard(0)`` on a 1-D mesh,
+#   ``(Replicate(), Shard(0))`` on a hybrid-sharding 2-D mesh; the local tensor is the same rows.
+#   ``offload_to_cpu``: ``DTensor.cpu()`` (the mesh stays, the local tensor moves).
+# - FSDP over the dp dimension of a (dp, tp) mesh: the 2-D DTensors of [Note: 2-D sharded values].
+# - a zero-dimension value (torch FSDP1 fails to chunk one): a ``Replicate()`` DTensor.
+#
+# Everything that is the same for every value of a unit (the group's global ranks, each rank's
+# placement, the mesh) is computed once per unit per state dict in a :class:`ShardedForm`; per
+# value only the chunk is cloned and the metadata objects are made. The global-metadata
+# placements (``_remote_device`` objects) are shared by the values of one form: torch copies
+# metadata before changing it (``ShardedTensor.cpu()`` deep-copies).
 
-    root = parent_mesh(state)
-    if root is not None and full_value.dim() > 0:
-        return _to_2d_dtensor(full_value, root, offload)
-    if full_value.dim() == 0:
-        mesh = _mesh_for(state.process_group, state.compute_device)
-        value = DTensor.from_local(full_value.clone(), mesh, [Replicate()], run_check=False)
+
+class ShardedForm:
+    """How one unit's SHARDED values are made and read ([Note: Sharded value forms]).
+
+    Args:
+        state: The unit; its shard group, rank, mesh and compute device are read once.
+    """
+
+    def __init__(self, state: UnitState) -> None:
+        self.group = state.process_group
+        self.rank = state.rank
+        self.world_size = state.world_size
+        self.device_mesh = state.device_mesh
+        self.root = parent_mesh(state)
+        self.compute_device = state.compute_device
+        self._global_ranks: Optional[list[int]] = None
+        self._placements: dict[str, list[Any]] = {}
+
+    @property
+    def gives_sharded_tensors(self) -> bool:
+        """Whether values of dimension > 0 are ShardedTensors (no ``device_mesh``)."""
+        return self.device_mesh is None
+
+    def global_ranks(self) -> list[int]:
+        """The shard group's global ranks, in group-rank order."""
+        if self._global_ranks is None:
+            self._global_ranks = _group_ranks(self.group)
+        return self._global_ranks
+
+    def value(self, full: torch.Tensor, offload: bool) -> Any:
+        """The SHARDED value of the full per-parameter tensor ``full`` (owned; ``full`` may be
+        a view of anything, it is not kept)."""
+        if full.dim() == 0:
+            return self._replicated(full, offload)
+        if self.root is not None:
+            return _to_2d_dtensor(full, self.root, offload)
+        chunk = chunk_rows(full.shape[0], self.world_size, self.rank)
+        local = full.narrow(0, chunk.first_row, chunk.num_rows)
+        if self.device_mesh is None:
+            return self._sharded_tensor(full, local, offload)
+        from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+
+        placements: list[Placement] = [Replicate()] * self.device_mesh.ndim
+        placements[-1] = Shard(0)
+        value = DTensor.from_local(
+            local.clone(), self.device_mesh, placements, run_check=False, shape=full.shape, stride=full.stride()
+        )
+        # Offloaded after construction: DTensor.from_local moves a local tensor to the mesh's
+        # device type; DTensor.cpu() keeps the mesh and moves the local piece to host memory,
+        # as torch FSDP1's offload_to_cpu does.
         return value.cpu() if offload else value
-    return shard_rows(
-        full_value, state.process_group, state.rank, state.world_size, state.compute_device, offload
-    )
 
+    def _replicated(self, full: torch.Tensor, offload: bool) -> Any:
+        from torch.distributed.tensor import DTensor, Replicate
 
-def shard_rows(
-    full_value: torch.Tensor,
-    group: dist.ProcessGroup,
-    rank: int,
-    world_size: int,
-    mesh_device: torch.device,
-    offload: bool = False,
-) -> Any:
-    """Rank ``rank``'s ``torch.chunk`` piece of ``full_value`` (dim > 0) along dim 0, owned, as a
-    ``Shard(0)`` DTensor on the 1-D mesh of ``group`` for ``mesh_device``'s type (an empty piece on
-    ranks past the last chunk). ``offload``: the piece is moved to CPU (the mesh stays)."""
-    from torch.distributed.tensor import DTensor, Shard
+        mesh = self.device_mesh if self.device_mesh is not None else _mesh_for(self.group, self.compute_device)
+        value = DTensor.from_local(full.clone(), mesh, [Replicate()] * mesh.ndim, run_check=False)
+        return value.cpu() if offload else value
 
-    mesh = _mesh_for(group, mesh_device)
-    first, rows = _chunk_rows(full_value.shape[0], world_size, rank)
-    local = full_value.narrow(0, first, rows).clone()
-    value = DTensor.from_local(
-        local, mesh, [Shard(0)], run_check=False, shape=full_value.shape, stride=full_value.stride()
-    )
-    # Offloaded after construction: DTensor.from_local moves a local tensor to the mesh's device
-    # type (a CPU piece on a CUDA mesh would come back to the GPU); DTensor.cpu() keeps the mesh
-    # and puts the local piece in host memory, as torch FSDP1's offload_to_cpu does.
-    return value.cpu() if offload else value
+    def _device_placements(self, device: torch.device) -> list[Any]:
+        """Every group rank's ``_remote_device`` for values on ``device`` (torch FSDP1's strings:
+        ``rank:<global>/cpu``, ``rank:<global>/cuda:<global % devices per node>``)."""
+        key = device.type
+        placements = self._placements.get(key)
+        if placements is None:
+            if device.type == "cpu":
+                names = [f"rank:{g}/cpu" for g in self.global_ranks()]
+            else:
+                count = max(1, torch.get_device_module(device.type).device_count())
+                names = [f"rank:{g}/{device.type}:{g % count}" for g in self.global_ranks()]
+            placements = [_remote_device(name) for name in names]
+            self._placements[key] = placements
+        return placements
+
+    def _sharded_tensor(self, full: torch.Tensor, local: torch.Tensor, offload: bool) -> Any:
+        device = torch.device("cpu") if offload else local.device
+        local = local.to(device, copy=True).contiguous()
+        placements = self._device_placements(device)
+        rest = list(full.shape[1:])
+        zeros = [0] * len(rest)
+        shards_metadata = [
+            ShardMetadata([c.first_row, *zeros], [c.num_rows, *rest], placements[r])
+            for r, c in enumerate(torch_chunks(full.shape[0], self.world_size))
+        ]
+        local_shards = []
+        if self.rank < len(shards_metadata):
+            own = ShardMetadata(
+                list(shards_metadata[self.rank].shard_offsets), list(local.shape), f"rank:{self.rank}/{device}"
+            )
+            local_shards.append(Shard(local, own))
+        properties = TensorProperties(dtype=full.dtype, layout=full.layout, requires_grad=False, pin_memory=False)
+        metadata = ShardedTensorMetadata(shards_metadata, full.shape, properties)
+        return ShardedTensor._init_from_local_shards_and_global_metadata(local_shards, metadata, process_group=self.group)
 
 
 def _expected_local_shape(shape: torch.Size, state: UnitState) -> tuple[int, ...]:
     if len(shape) == 0:
         return ()
-    _, rows = _chunk_rows(shape[0], state.world_size, state.rank)
+    _, rows = chunk_rows(shape[0], state.world_size, state.rank)
     return (rows, *shape[1:])
 
 
@@ -386,6 +459,8 @@ def check_sharded_value(key: str, value: Any, shape: torch.Size, state: UnitStat
                 return None
             if placements == (Shard(0),) and local_shape == _expected_local_shape(shape, state):
                 return None
+        if _is_hybrid_row_chunk(value, state) and local_shape == _expected_local_shape(shape, state):
+            return None
         return (
             f"fsdp: cannot load '{key}' (shape {tuple(shape)}): it was saved as a DTensor over "
             f"{len(mesh_ranks)} rank(s) {mesh_ranks} with placements {list(placements)} and local "
@@ -397,7 +472,7 @@ def check_sharded_value(key: str, value: Any, shape: torch.Size, state: UnitStat
         )
         expected = []
         for rank in range(state.world_size):
-            first, rows = _chunk_rows(shape[0], state.world_size, rank) if len(shape) else (0, 0)
+            first, rows = chunk_rows(shape[0], state.world_size, rank) if len(shape) else (0, 0)
             if rows:
                 expected.append(((first, *[0] * (len(shape) - 1)), (rows, *shape[1:])))
         if len(shape) and saved == sorted(expected) and len(value.local_shards()) <= 1:
@@ -444,6 +519,8 @@ def _is_group_row_chunk(value: Any, state: UnitState) -> bool:
     1-D mesh of exactly the unit's process group."""
     from torch.distributed.tensor import Shard
 
+    if _is_hybrid_row_chunk(value, state):
+        return True
     mesh = value.device_mesh
     if mesh.ndim != 1 or tuple(value.placements) != (Shard(0),) or value.dim() == 0:
         return False
@@ -451,6 +528,21 @@ def _is_group_row_chunk(value: Any, state: UnitState) -> bool:
         return _group_ranks(mesh.get_group()) == _group_ranks(state.process_group)
     except (RuntimeError, ValueError):
         return False
+
+
+def _is_hybrid_row_chunk(value: Any, state: UnitState) -> bool:
+    """Whether DTensor ``value`` is what a hybrid-sharding unit built with a 2-D ``device_mesh``
+    gives: on that mesh, ``(Replicate(), Shard(0))`` ([Note: Sharded value forms])."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    mesh = state.device_mesh
+    return (
+        mesh is not None
+        and mesh.ndim == 2
+        and value.dim() > 0
+        and value.device_mesh == mesh
+        and tuple(value.placements) == (Replicate(), Shard(0))
+    )
 
 
 def gather_chunked_rows(

@@ -1,0 +1,200 @@
+"""SHARDED state-dict value types, against torch FSDP1 run on the same model (the oracle).
+
+Torch FSDP1 gives a ``ShardedTensor`` for every sharded model and optimizer value of a model built
+without ``device_mesh``, and a ``DTensor`` on the mesh (``Shard(0)``, hybrid ``(Replicate(),
+Shard(0))``) for one built with it ([Note: Sharded value forms] in fsdp/state_dict/_values.py).
+Each scenario runs through both libraries, the same model, data and AdamW step, and compares the
+types, what user code reads of them (metadata, local shards, local tensor, placements, mesh,
+device) and the values bit for bit; then loads them back (ours into ours, and across the two
+libraries in memory). Also: LOCAL_STATE_DICT refused on a mesh-built model with torch's error,
+and ``state_dict()`` inside ``summon_full_params`` as torch FSDP1 returns it.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Optional
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tests._harness import RankPool
+from tests._models import Block, global_batch, lm_loss, local_rows, make_toy
+from tests.test_parity import _full_params
+
+_GROUPS: dict[str, Any] = {}
+
+
+def _groups(name: str) -> Any:
+    """Process groups and meshes, made once per rank process in one fixed order (every rank
+    creates every group)."""
+    ws = dist.get_world_size()
+    if not _GROUPS.get("ws") == ws:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        _GROUPS.clear()
+        _GROUPS["ws"] = ws
+        if ws == 2:
+            intra, _ = dist.new_subgroups_by_enumeration([[0, 1]])
+            inter, _ = dist.new_subgroups_by_enumeration([[0], [1]])
+            _GROUPS["hybrid"] = (intra, inter)
+            _GROUPS["mesh1d"] = init_device_mesh("cpu", (2,))
+            _GROUPS["mesh2d"] = init_device_mesh("cpu", (1, 2))
+        else:
+            from tests.test_hybrid_shard import _layouts
+
+            layouts = _layouts()
+            _GROUPS["hybrid"] = layouts["tuple"]["process_group"]
+            _GROUPS["mesh2d"] = layouts["mesh"]["device_mesh"]
+            _GROUPS["mesh1d"] = init_device_mesh("cpu", (4,))
+    return _GROUPS[name]
+
+
+def _build(lib: Any, strategy: str, orig: bool, mesh: bool, seed: int = 0, **model_kw: Any) -> tuple[nn.Module, Any]:
+    """A wrapped ToyLM and its AdamW, through fsdp or torch FSDP1 (``lib``: the package)."""
+    hybrid = strategy in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+    kw: dict[str, Any] = {"sharding_strategy": lib.ShardingStrategy[strategy], "use_orig_params": orig}
+    if mesh:
+        kw["device_mesh"] = _groups("mesh2d" if hybrid else "mesh1d")
+    elif hybrid:
+        kw["process_group"] = _groups("hybrid")
+    if lib.__name__ != "fsdp":
+        kw["device_id"] = torch.device("cpu")
+    policy = lib.wrap.ModuleWrapPolicy({Block})
+    model = lib.FullyShardedDataParallel(make_toy(seed=seed, **model_kw), auto_wrap_policy=policy, **kw)
+    return model, torch.optim.AdamW(model.parameters(), lr=0.01)
+
+
+def _step(model: nn.Module, optim: Any) -> None:
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    tokens, targets = global_batch(0, ws)
+    lm_loss(model(local_rows(tokens, rank, ws)), local_rows(targets, rank, ws)).backward()
+    optim.step()
+    optim.zero_grad()
+
+
+def _sharded(lib: Any, model: nn.Module, optim: Any, offload: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The SHARDED model and optimizer state dicts (``offload_to_cpu`` both)."""
+    fsdp_cls = lib.FullyShardedDataParallel
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # NO_SHARD's "full_state_dict will be returned", deprecations
+        with fsdp_cls.state_dict_type(
+            model,
+            lib.StateDictType.SHARDED_STATE_DICT,
+            lib.ShardedStateDictConfig(offload_to_cpu=offload),
+            lib.ShardedOptimStateDictConfig(offload_to_cpu=offload),
+        ):
+            return model.state_dict(), fsdp_cls.optim_state_dict(model, optim)
+
+
+def _assert_same_value(ours: Any, theirs: Any, where: str) -> None:
+    """``ours`` is what ``theirs`` is to user code: type, layout, device, values bit for bit."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed.tensor import DTensor
+
+    assert type(ours) is type(theirs), (where, type(ours), type(theirs))
+    if isinstance(theirs, ShardedTensor):
+        assert ours.metadata() == theirs.metadata(), (where, ours.metadata(), theirs.metadata())
+        assert ours._process_group == theirs._process_group or dist.get_process_group_ranks(
+            ours._process_group
+        ) == dist.get_process_group_ranks(theirs._process_group), where
+        mine, other = ours.local_shards(), theirs.local_shards()
+        assert [s.metadata for s in mine] == [s.metadata for s in other], where
+        for a, b in zip(mine, other):
+            assert a.tensor.device == b.tensor.device and a.tensor.dtype == b.tensor.dtype, where
+            assert a.tensor.shape == b.tensor.shape and torch.equal(a.tensor, b.tensor), where
+        if len(other) == 1:
+            assert torch.equal(ours.local_tensor(), theirs.local_tensor()), where
+    elif isinstance(theirs, DTensor):
+        assert ours.placements == theirs.placements, (where, ours.placements, theirs.placements)
+        assert ours.device_mesh == theirs.device_mesh, (where, ours.device_mesh, theirs.device_mesh)
+        assert ours.shape == theirs.shape and ours.stride() == theirs.stride(), where
+        a, b = ours.to_local(), theirs.to_local()
+        assert a.device == b.device and a.shape == b.shape and torch.equal(a, b), where
+    elif isinstance(theirs, torch.Tensor):
+        assert ours.device == theirs.device and ours.dtype == theirs.dtype and torch.equal(ours, theirs), where
+    else:
+        assert ours == theirs, where
+
+
+def _assert_same_dicts(ours: tuple[dict[str, Any], dict[str, Any]], theirs: tuple[dict[str, Any], dict[str, Any]], where: str) -> None:
+    (sd, osd), (torch_sd, torch_osd) = ours, theirs
+    assert list(sd) == list(torch_sd), where
+    for key in torch_sd:
+        _assert_same_value(sd[key], torch_sd[key], f"{where} model {key}")
+    assert osd["param_groups"] == torch_osd["param_groups"], where
+    assert list(osd["state"]) == list(torch_osd["state"]), where
+    for fqn, states in torch_osd["state"].items():
+        assert list(osd["state"][fqn]) == list(states), (where, fqn)
+        for name, value in states.items():
+            _assert_same_value(osd["state"][fqn][name], value, f"{where} optim {fqn}.{name}")
+
+
+def _load(lib: Any, model: nn.Module, optim: Any, dicts: tuple[dict[str, Any], dict[str, Any]]) -> None:
+    fsdp_cls = lib.FullyShardedDataParallel
+    sd, osd = dicts
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with fsdp_cls.state_dict_type(model, lib.StateDictType.SHARDED_STATE_DICT):
+            model.load_state_dict(sd)
+            optim.load_state_dict(fsdp_cls.optim_state_dict_to_load(model, optim, osd))
+
+
+def sharded_types_sweep(configs: list[tuple[str, bool, bool, bool]], **model_kw: Any) -> None:
+    """Per ``(strategy, use_orig_params, offload_to_cpu, device_mesh)``: our SHARDED model and
+    optimizer state dicts are torch FSDP1's (types, layout, values); ours load back into a fresh
+    fsdp model (its next state dicts equal the saved ones) and, in memory, into torch FSDP1 (and
+    torch's into ours), which then train on identically."""
+    import torch.distributed.fsdp as torch_fsdp
+
+    import fsdp
+
+    for strategy, orig, offload, mesh in configs:
+        where = f"{strategy} orig={orig} offload={offload} mesh={mesh}"
+        ours, ours_opt = _build(fsdp, strategy, orig, mesh, **model_kw)
+        theirs, theirs_opt = _build(torch_fsdp, strategy, orig, mesh, **model_kw)
+        _step(ours, ours_opt)
+        _step(theirs, theirs_opt)
+        saved, torch_saved = _sharded(fsdp, ours, ours_opt, offload), _sharded(torch_fsdp, theirs, theirs_opt, offload)
+        _assert_same_dicts(saved, torch_saved, where)
+        # Ours into a fresh fsdp model, torch's into another, ours into a fresh torch FSDP1.
+        fresh, fresh_opt = _build(fsdp, strategy, orig, mesh, seed=1, **model_kw)
+        _load(fsdp, fresh, fresh_opt, saved)
+        _assert_same_dicts(_sharded(fsdp, fresh, fresh_opt, offload), torch_saved, f"{where} reloaded")
+        from_torch, from_torch_opt = _build(fsdp, strategy, orig, mesh, seed=1, **model_kw)
+        _load(fsdp, from_torch, from_torch_opt, torch_saved)
+        torch_fresh, torch_fresh_opt = _build(torch_fsdp, strategy, orig, mesh, seed=1, **model_kw)
+        _load(torch_fsdp, torch_fresh, torch_fresh_opt, saved)
+        for model, opt in ((fresh, fresh_opt), (from_torch, from_torch_opt), (torch_fresh, torch_fresh_opt)):
+            _step(model, opt)
+        _step(theirs, theirs_opt)
+        expected = _full_params(theirs, torch_fsdp.FullyShardedDataParallel)
+        for model, cls in ((fresh, fsdp), (from_torch, fsdp), (torch_fresh, torch_fsdp)):
+            got = _full_params(model, cls.FullyShardedDataParallel)
+            assert all(torch.equal(got[n], p) for n, p in expected.items()), (where, cls.__name__)
+
+
+_STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"]
+
+
+def test_sharded_values_are_torchs(pool2: RankPool) -> None:
+    """Every strategy, use_orig_params both ways, offload_to_cpu both ways, without and with a
+    device_mesh (1-D for FULL_SHARD/SHARD_GRAD_OP/NO_SHARD, (1, 2) for hybrid)."""
+    configs = [(s, orig, offload, False) for s in _STRATEGIES for orig in (False, True) for offload in (True, False)]
+    configs += [(s, orig, True, True) for s in _STRATEGIES for orig in (False, True)]
+    pool2.run(sharded_types_sweep, configs)
+
+
+def test_sharded_value_layout_four_ranks(pool4: RankPool) -> None:
+    """Layouts user code can see at 4 ranks: a (5, 3) weight is 3 torch.chunk pieces (rank 3 holds
+    none: no local shard), hybrid sharding's group ranks differ from global ranks (placements name
+    global ranks), and the (2, 2) mesh's (Replicate(), Shard(0)) DTensors."""
+    configs = [
+        ("FULL_SHARD", False, True, False),
+        ("HYBRID_SHARD", False, True, False),
+        ("HYBRID_SHARD", True, False, True),
+        ("_HYBRID_SHARD_ZERO2", False, True, True),
+    ]
+    pool4.run(sharded_types_sweep, configs, unused=True)
