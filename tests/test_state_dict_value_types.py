@@ -198,3 +198,105 @@ def test_sharded_value_layout_four_ranks(pool4: RankPool) -> None:
         ("_HYBRID_SHARD_ZERO2", False, True, True),
     ]
     pool4.run(sharded_types_sweep, configs, unused=True)
+
+
+def _error_of(fn: Any) -> Optional[BaseException]:
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            fn()
+    except Exception as exc:  # the error is the result compared
+        return exc
+    return None
+
+
+def _local_calls(lib: Any, model: nn.Module, optim: Any, full_sd: dict[str, Any]) -> dict[str, Optional[BaseException]]:
+    """Each LOCAL_STATE_DICT API on ``model``, and the error it raised (None: none)."""
+    fsdp_cls = lib.FullyShardedDataParallel
+    calls = {
+        "state_dict": lambda: model.state_dict(),
+        "load_state_dict": lambda: model.load_state_dict(full_sd),
+        "optim_state_dict": lambda: fsdp_cls.optim_state_dict(model, optim),
+        "optim_state_dict_to_load": lambda: fsdp_cls.optim_state_dict_to_load(model, optim, {"state": {}, "param_groups": []}),
+    }
+    errors = {}
+    for name, call in calls.items():
+        with fsdp_cls.state_dict_type(model, lib.StateDictType.LOCAL_STATE_DICT):
+            errors[name] = _error_of(call)
+    return errors
+
+
+def local_with_mesh(strategies: list[str]) -> None:
+    """LOCAL_STATE_DICT on a model built with a device_mesh: every API raises torch FSDP1's
+    exception type with its sentence (ours adds the unit and the fix) where torch raises, before
+    anything changes; a NO_SHARD model's state dicts are FULL (torch's warning), its optimizer
+    APIs raise as torch's do."""
+    import torch.distributed.fsdp as torch_fsdp
+
+    import fsdp
+    from fsdp._common import clean_fqn
+
+    for strategy in strategies:
+        ours, ours_opt = _build(fsdp, strategy, False, True)
+        theirs, theirs_opt = _build(torch_fsdp, strategy, False, True)
+        full = {clean_fqn(k): v.detach().clone() for k, v in make_toy(seed=1).state_dict().items()}
+        before = _full_params(ours, fsdp.FullyShardedDataParallel)
+        mine, torchs = _local_calls(fsdp, ours, ours_opt, full), _local_calls(torch_fsdp, theirs, theirs_opt, full)
+        for call, expected in torchs.items():
+            got = mine[call]
+            if expected is None:
+                assert got is None, (strategy, call, got)
+                continue
+            assert type(got) is type(expected), (strategy, call, got, expected)
+            assert str(expected) in str(got) and "device_mesh=" in str(got), (strategy, call, str(got))
+        after = _full_params(ours, fsdp.FullyShardedDataParallel)
+        if strategy != "NO_SHARD":  # nothing loaded, nothing changed
+            assert all(torch.equal(after[n], p) for n, p in before.items()), strategy
+        _assert_same_dicts(_sharded(fsdp, ours, ours_opt, True), _sharded(torch_fsdp, theirs, theirs_opt, True), strategy)
+
+
+def test_local_state_dict_with_device_mesh(pool2: RankPool) -> None:
+    pool2.run(local_with_mesh, ["FULL_SHARD", "HYBRID_SHARD", "NO_SHARD"])
+
+
+def _summoned_state_dict(lib: Any, model: nn.Module, kind: str) -> dict[str, Any]:
+    fsdp_cls = lib.FullyShardedDataParallel
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with fsdp_cls.state_dict_type(model, lib.StateDictType[kind]), fsdp_cls.summon_full_params(model):
+            values = model.state_dict()
+            ptrs = {p.untyped_storage().data_ptr() for p in model.parameters() if p.numel()}
+            for key, value in values.items():
+                if isinstance(value, torch.Tensor) and not hasattr(value, "local_shards") and value.numel():
+                    assert value.untyped_storage().data_ptr() not in ptrs, f"{key} views the summoned parameter"
+            return values
+
+
+def state_dict_in_summon(configs: list[tuple[str, bool, str]]) -> None:
+    """``model.state_dict()`` inside ``summon_full_params(model)``: what torch FSDP1 returns (the
+    unwrapped model's names, types, values, owned copies), FULL and SHARDED."""
+    import torch.distributed.fsdp as torch_fsdp
+
+    import fsdp
+
+    for strategy, orig, kind in configs:
+        where = f"{strategy} orig={orig} {kind}"
+        ours, ours_opt = _build(fsdp, strategy, orig, False)
+        theirs, theirs_opt = _build(torch_fsdp, strategy, orig, False)
+        _step(ours, ours_opt)
+        _step(theirs, theirs_opt)
+        mine, torchs = _summoned_state_dict(fsdp, ours, kind), _summoned_state_dict(torch_fsdp, theirs, kind)
+        assert list(mine) == list(torchs), where
+        for key, value in torchs.items():
+            _assert_same_value(mine[key], value, f"{where} {key}")
+        # The summon ended as the user opened it: training goes on identically.
+        _step(ours, ours_opt)
+        _step(theirs, theirs_opt)
+        got, expected = _full_params(ours, fsdp.FullyShardedDataParallel), _full_params(theirs, torch_fsdp.FullyShardedDataParallel)
+        assert all(torch.equal(got[n], p) for n, p in expected.items()), where
+
+
+def test_state_dict_inside_summon_full_params(pool2: RankPool) -> None:
+    configs = [(s, orig, "FULL_STATE_DICT") for s in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD") for orig in (False, True)]
+    configs += [("FULL_SHARD", orig, "SHARDED_STATE_DICT") for orig in (False, True)]
+    pool2.run(state_dict_in_summon, configs)

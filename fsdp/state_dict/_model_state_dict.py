@@ -75,6 +75,7 @@ from fsdp.state_dict._values import (
     load_local_value,
     local_form,
     local_value,
+    refuse_local_with_mesh,
     ShardedForm,
 )
 
@@ -99,10 +100,30 @@ def _effective_kind(module: nn.Module, state: UnitState, warn: bool) -> StateDic
 
 
 def _handle_storages(state: UnitState) -> set[int]:
+    """The storages the unit's unsharded parameters live in: the FlatParameter's, and that of the
+    views registered now (a user's ``summon_full_params(offload_to_cpu=True)`` registers views of
+    a host copy), so that every value viewing them is copied out."""
     ptrs = set()
     for handle in state.handles:
         ptrs.add(handle.flat_param.untyped_storage().data_ptr())
+        for info in handle.param_infos:
+            view = getattr(info.module, info.param_name, None)
+            if isinstance(view, torch.Tensor) and view.numel() > 0:
+                ptrs.add(local_tensor(view).untyped_storage().data_ptr())
     return ptrs
+
+
+def _refuse_local_with_mesh(module: nn.Module, what: str) -> None:
+    """Torch FSDP1's error for LOCAL_STATE_DICT units built with a ``device_mesh`` (a NO_SHARD
+    unit gives FULL instead, as torch's does), before anything changes."""
+    refuse_local_with_mesh(
+        [
+            (name, state)
+            for name, sub, state in named_fsdp_states(module)
+            if _effective_kind(sub, state, warn=False) is StateDictType.LOCAL_STATE_DICT
+        ],
+        what,
+    )
 
 
 def _flat_key(index: int) -> str:
@@ -190,7 +211,10 @@ def _top_level(module: nn.Module) -> Iterator[bool]:
     ctx = state.ctx
     outermost = ctx is None or not ctx.state_dict_active
     if outermost:
-        check_idle(module, "state_dict()")
+        # Inside the user's summon_full_params the units stay summoned and their values are read
+        # from the views as they are ([Note: State dict inside summon_full_params]).
+        check_idle(module, "state_dict()", allow_summon=True)
+        _refuse_local_with_mesh(module, "state_dict() was called")
         if ctx is not None:
             ctx.state_dict_active = True
             ctx.state_dict_done = set()  # ids of finished values
@@ -246,6 +270,13 @@ def save_post_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, l
         state_dict[prefix + _flat_key(index)] = local_value(handle, offload)
 
 
+# [Note: State dict inside summon_full_params]
+# ``model.state_dict()`` inside the user's ``summon_full_params(model)`` returns what it returns
+# outside, as torch FSDP1 does: the units are already unsharded, so nothing is gathered again;
+# each value is read from the registered full views and copied out (FULL: owned full tensors;
+# SHARDED: this rank's chunk in torch FSDP1's form), with the unwrapped model's names. The summon
+# stays as the user opened it. With ``recurse=False`` only the summoned units read their views;
+# the others gather as usual.
 def _save_summoned(
     module: nn.Module,
     state: UnitState,
@@ -547,6 +578,7 @@ def load_pre_hook(
     if not state.has_fsdp_parent:
         lazy_init(module)
         check_idle(module, "load_state_dict()")
+        _refuse_local_with_mesh(module, "load_state_dict() was called")
     _move_prefix(state_dict, prefix, prefix + FSDP_PREFIX)
     inner = prefix + FSDP_PREFIX
     pending = _PendingLoad(prefix=prefix, missing_start=len(missing_keys))
@@ -731,6 +763,7 @@ def load_state_dict(module: nn.Module, super_load_state_dict: Any, state_dict: d
         )
     lazy_init(module)
     check_idle(module, "load_state_dict()")
+    _refuse_local_with_mesh(module, "load_state_dict() was called")
     _check_tree(module, state_dict, strict)
     _ROOT_CHECKED[0] = True
     try:

@@ -74,11 +74,12 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp.api import StateDictType
-from fsdp.runtime._state import is_fsdp
+from fsdp.runtime._state import is_fsdp, unit_state
 from fsdp.state_dict import _settings
 from fsdp.state_dict._optim_keys import NO_FSDP, OptimInput, OptimStateAttributeError, rekey
 from fsdp.state_dict._optim_load import to_load
 from fsdp.state_dict._optim_save import save
+from fsdp.state_dict._values import refuse_local_with_mesh
 
 __all__ = [
     "optim_state_dict_api",
@@ -139,7 +140,14 @@ def _settings_of(model: nn.Module) -> Any:
     if not units:
         # torch FSDP1 fails with an AttributeError (its settings are None).
         raise OptimStateAttributeError(NO_FSDP)
-    return _settings.get_state_dict_type(units)  # what FSDP.get_state_dict_type(model) returns
+    settings = _settings.get_state_dict_type(units)  # what FSDP.get_state_dict_type(model) returns
+    if settings.state_dict_type is StateDictType.LOCAL_STATE_DICT:
+        # Torch FSDP1 raises here for every unit, NO_SHARD included (its get_state_dict_type).
+        refuse_local_with_mesh(
+            [(name, unit_state(m)) for name, m in model.named_modules() if is_fsdp(m)],
+            "an optimizer state dict API was called",
+        )
+    return settings
 
 
 def optim_state_dict_api(

@@ -58,6 +58,8 @@ __all__ = [
     "check_local_value",
     "load_local_value",
     "ValueKind",
+    "LOCAL_WITH_MESH",
+    "refuse_local_with_mesh",
 ]
 
 
@@ -587,6 +589,29 @@ def gather_chunked_rows(
 # user's code. Loading checks the ShardedTensor's metadata against this unit's layout (total
 # size, every shard's offset and size) and refuses another world size or wrapping, naming the
 # entry, before anything changes.
+
+
+#: Torch FSDP1's error for LOCAL_STATE_DICT on a model built with a ``device_mesh``.
+LOCAL_WITH_MESH = (
+    "Found state_dict_type LOCAL_STATE_DICT. DeviceMesh is not compatible with LOCAL_STATE_DICT. "
+    "Please set state_dict_type to SHARDED_STATE_DICT to get DTensor state_dict."
+)
+
+
+def refuse_local_with_mesh(named_states: list[tuple[str, UnitState]], what: str) -> None:
+    """Raises torch FSDP1's ``RuntimeError`` if a unit among ``named_states`` (its name, its
+    state; those whose state-dict type is LOCAL_STATE_DICT) was built with a ``device_mesh``:
+    its values are DTensors on the mesh, which LOCAL's flat-shard ShardedTensors cannot be.
+    Called before anything is gathered or changed."""
+    for name, state in named_states:
+        if state.device_mesh is not None:
+            raise RuntimeError(
+                f"{LOCAL_WITH_MESH} fsdp: {what} under LOCAL_STATE_DICT, but unit "
+                f"'{name or '<root>'}' was built with device_mesh={state.device_mesh}. Use "
+                f"StateDictType.SHARDED_STATE_DICT (DTensors on the mesh, loadable at other world "
+                f"sizes through torch.distributed.checkpoint), or build the model with "
+                f"process_group=... instead of device_mesh to keep LOCAL_STATE_DICT."
+            )
 
 
 @contextlib.contextmanager
