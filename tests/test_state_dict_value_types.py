@@ -15,7 +15,6 @@ from __future__ import annotations
 import warnings
 from typing import Any, Optional
 
-import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
