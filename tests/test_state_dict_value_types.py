@@ -132,13 +132,18 @@ def _assert_same_dicts(ours: tuple[dict[str, Any], dict[str, Any]], theirs: tupl
 
 
 def _load(lib: Any, model: nn.Module, optim: Any, dicts: tuple[dict[str, Any], dict[str, Any]]) -> None:
+    """Loads SHARDED model and optimizer state dicts; fsdp's loading warns nothing (it reads
+    ShardedTensors through their metadata and local shards, whose tensor methods warn)."""
     fsdp_cls = lib.FullyShardedDataParallel
     sd, osd = dicts
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         with fsdp_cls.state_dict_type(model, lib.StateDictType.SHARDED_STATE_DICT):
             model.load_state_dict(sd)
             optim.load_state_dict(fsdp_cls.optim_state_dict_to_load(model, optim, osd))
+    if lib.__name__ == "fsdp":
+        ours = [w for w in caught if "NO_SHARD" not in str(w.message)]  # torch's NO_SHARD warning
+        assert not ours, [f"{w.filename}:{w.lineno}: {w.message}" for w in ours]
 
 
 def sharded_types_sweep(configs: list[tuple[str, bool, bool, bool]], **model_kw: Any) -> None:
@@ -299,3 +304,60 @@ def test_state_dict_inside_summon_full_params(pool2: RankPool) -> None:
     configs = [(s, orig, "FULL_STATE_DICT") for s in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD") for orig in (False, True)]
     configs += [("FULL_SHARD", orig, "SHARDED_STATE_DICT") for orig in (False, True)]
     pool2.run(state_dict_in_summon, configs)
+
+
+def _full_optim(lib: Any, model: nn.Module, optim: Any) -> dict[str, Any]:
+    fsdp_cls = lib.FullyShardedDataParallel
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with fsdp_cls.state_dict_type(model, lib.StateDictType.FULL_STATE_DICT):
+            return fsdp_cls.optim_state_dict(model, optim)["state"]
+
+
+def hsdp_to_fsdp(directory: str, saver_name: str = "fsdp") -> None:
+    """A hybrid-sharded model built with a (2, 2) mesh saves its SHARDED model and optimizer
+    state dicts ((Replicate(), Shard(0)) DTensors) with DCP; they load through DCP into FULL_SHARD
+    models over the 4 ranks (fsdp without and with a 1-D mesh, torch FSDP1 without), whose full
+    parameters and optimizer states then equal the hybrid model's bit for bit."""
+    import torch.distributed.checkpoint as dcp
+    import torch.distributed.fsdp as torch_fsdp
+
+    import fsdp
+
+    saver = fsdp if saver_name == "fsdp" else torch_fsdp
+    for orig in (False, True):
+        path = f"{directory}/hsdp_{saver_name}_{orig}"
+        hybrid, hybrid_opt = _build(saver, "HYBRID_SHARD", orig, True)
+        _step(hybrid, hybrid_opt)
+        sd, osd = _sharded(saver, hybrid, hybrid_opt, True)
+        dcp.save({"model": sd, "optim": osd}, checkpoint_id=path)
+        expected, expected_optim = _full_params(hybrid, saver.FullyShardedDataParallel), _full_optim(saver, hybrid, hybrid_opt)
+        loaded: dict[Any, Any] = {}
+        for lib, mesh in ((fsdp, False), (fsdp, True), (torch_fsdp, False)):
+            where = f"orig={orig} into {lib.__name__} mesh={mesh}"
+            model, optim = _build(lib, "FULL_SHARD", orig, mesh, seed=1)
+            _step(model, optim)  # optimizer states exist to be loaded into
+            template_sd, template_osd = _sharded(lib, model, optim, True)
+            template = {"model": template_sd, "optim": template_osd}
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                dcp.load(template, checkpoint_id=path)
+            _load(lib, model, optim, (template["model"], template["optim"]))
+            got = _full_params(model, lib.FullyShardedDataParallel)
+            assert list(got) == list(expected) and all(torch.equal(got[n], p) for n, p in expected.items()), where
+            loaded[(lib, mesh)] = _sharded(lib, model, optim, True)
+            if lib is torch_fsdp:
+                # torch FSDP1's FULL optimizer state dict after this load is not the state it
+                # loaded with use_orig_params=True (its exp_avg reads exp_avg_sq's values), so
+                # its SHARDED state dict, what it loaded, is compared with ours instead.
+                _assert_same_dicts(loaded[(fsdp, False)], loaded[(lib, mesh)], where)
+                continue
+            got_optim = _full_optim(lib, model, optim)
+            assert list(got_optim) == list(expected_optim), where
+            for fqn, states in expected_optim.items():
+                for name, value in states.items():
+                    assert torch.equal(got_optim[fqn][name], value), (where, fqn, name)
+
+
+def test_hsdp_to_fsdp_through_dcp(pool4: RankPool, tmp_path: Any) -> None:
+    pool4.run(hsdp_to_fsdp, str(tmp_path))

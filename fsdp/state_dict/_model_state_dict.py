@@ -436,10 +436,12 @@ def _format_incompatible(module: nn.Module, missing: list[str], unexpected: list
 
 
 def _size_mismatch(key: str, value: torch.Tensor, shape: torch.Size) -> Optional[str]:
-    if tuple(value.shape) == tuple(shape):
+    # A ShardedTensor's shape from its metadata: its tensor methods warn (deprecated).
+    value_shape = tuple(value.metadata().size) if is_sharded_tensor(value) else tuple(value.shape)
+    if value_shape == tuple(shape):
         return None
     return (
-        f"size mismatch for {key}: copying a param with shape {tuple(value.shape)} from "
+        f"size mismatch for {key}: copying a param with shape {value_shape} from "
         f"checkpoint, the shape in current model is {tuple(shape)}."
     )
 
