@@ -435,7 +435,7 @@ def _format_incompatible(module: nn.Module, missing: list[str], unexpected: list
     return f"Error(s) in loading state_dict for {type(module).__name__}:\n\t" + "\n\t".join(parts)
 
 
-def _size_mismatch(key: str, value: torch.Tensor, shape: torch.Size) -> Optional[str]:
+def _size_mismatch(key: str, value: Any, shape: torch.Size) -> Optional[str]:
     # A ShardedTensor's shape from its metadata: its tensor methods warn (deprecated).
     value_shape = tuple(value.metadata().size) if is_sharded_tensor(value) else tuple(value.shape)
     if value_shape == tuple(shape):
