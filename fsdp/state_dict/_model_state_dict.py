@@ -9,10 +9,10 @@
   unsharded unit) and return no entry of an FSDP unit. ``offload_to_cpu``: values on CPU
   (works on CPU too). Loading needs no communication: every rank copies its own slice of each
   full value into its shard.
-- SHARDED_STATE_DICT: the same keys; each managed parameter is a DTensor ``Shard(0)`` over a
-  1-D mesh of the shard group (see [Note: Sharded state dict values] in docs/design.md: we give
-  DTensors, we also take torch FSDP1's ShardedTensors). Buffers and ignored parameters are
-  plain tensors.
+- SHARDED_STATE_DICT: the same keys; each managed parameter is this rank's ``torch.chunk`` rows
+  in torch FSDP1's form: a ShardedTensor over the shard group, or a DTensor on the unit's
+  ``device_mesh`` (see [Note: Sharded state dict values] in docs/design.md and [Note: Sharded
+  value forms] in ``_values.py``). Buffers and ignored parameters are plain tensors.
 - LOCAL_STATE_DICT: torch FSDP1's format exactly ([Note: Local state dict format]): one
   ``<unit>._flat_param`` ShardedTensor per unit, plus what ``nn.Module`` saves besides.
   A NO_SHARD unit gives (and takes) FULL entries instead, with torch's warning.

@@ -2,7 +2,7 @@
 
 Saving is ``_optim_save.py``, loading ``_optim_load.py``; the mapping between parameter names,
 optimizer keys and the model's handles is ``_optim_keys.py``, the kinds of state values and
-sharded (DTensor) values ``_values.py``.
+sharded (ShardedTensor / DTensor) values ``_values.py``.
 
 [Note: Optimizer state dict formats]
 The optimizer holds per-rank state for what it optimizes: with ``use_orig_params=False`` one
@@ -18,8 +18,9 @@ of the shard (possibly empty, or absent on a rank that holds no part of the para
   [Note: State dict gathers]); scalar states (``step``) and non-tensor states are copied.
   FULL_STATE_DICT returns full tensors (``offload_to_cpu``; ``rank0_only``: the states are
   sent to the saving rank only, point to point, and the others return ``{}``). Otherwise
-  each full value is chunked along dim 0 like ``torch.chunk`` over the handle's shard group:
-  a ``DTensor`` with ``Shard(0)`` on a 1-D mesh of that group (see [Note: No ShardedTensor]).
+  each full value is chunked along dim 0 like ``torch.chunk`` over the handle's shard group,
+  in torch FSDP1's form: a ``ShardedTensor``, or a ``DTensor`` on the unit's ``device_mesh``
+  ([Note: Sharded value forms] in ``_values.py``).
   Key and value order follow torch FSDP1.
 - Loading (``optim_state_dict_to_load``): the inverse. Sharded values are gathered back to
   full tensors, every name and shape is checked against the model before anything changes,

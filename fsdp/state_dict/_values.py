@@ -3,12 +3,14 @@
 - FULL values are full tensors the caller owns, gathered straight into the tensor returned
   ([Note: State dict gathers]); the model's and the optimizer's FULL state dicts use them.
 - SHARDED values are chunked along dim 0 over a unit's shard group like ``torch.chunk`` (rank
-  ``r`` holds rows ``[r * ceil(d0 / ws), ...)``, possibly none), which is the layout torch FSDP1
-  uses for both its ShardedTensor and its DTensor values; see [Note: Sharded state dict values]
-  in docs/design.md. We give DTensors; loading accepts a full tensor, a DTensor over a 1-D mesh
-  of exactly this group, or a ShardedTensor with exactly this chunk layout; anything else
-  (typically a state dict written with ``torch.save`` at another world size) is refused with
-  the saved and the current layout before anything changes.
+  ``r`` holds rows ``[r * ceil(d0 / ws), ...)``, possibly none: [Note: Row chunks] in
+  ``flat_param/_shard_map.py``), which is the layout torch FSDP1 uses for both its ShardedTensor
+  and its DTensor values; see [Note: Sharded state dict values] in docs/design.md. We give
+  torch FSDP1's types ([Note: Sharded value forms]); loading accepts a full tensor, a DTensor
+  over a 1-D mesh of exactly this group or on the unit's hybrid mesh, or a ShardedTensor with
+  exactly this chunk layout; anything else (typically a state dict written with ``torch.save``
+  at another world size) is refused with the saved and the current layout before anything
+  changes.
 - LOCAL values are each unit's local flat shard in torch FSDP1's exact format
   ([Note: Local state dict format]).
 - An optimizer state value is one of the :class:`ValueKind` s, asked once per value
@@ -726,14 +728,12 @@ def load_local_value(handle: FlatParamHandle, value: Any) -> None:
 
 # ----------------------------------------------------------------------------- optimizer values
 # [Note: No ShardedTensor]
-# Sharded optimizer state dicts hold DTensors (Shard(0) on a 1-D mesh of the unit's shard group),
-# as our sharded model state dicts do, never ShardedTensors: torch deprecates ShardedTensor and
-# warns (FutureWarning) at every tensor method called on one, its own checkpoint planner's
-# included, so a state dict holding them fills a user's log with warnings about our internals
-# (torch FSDP1 gives ShardedTensors unless built with a device_mesh). Values, global shapes and
-# the chunking along dim 0 are the same as torch FSDP1's; torch.distributed.checkpoint stores
-# both alike, so checkpoints load across the two. ShardedTensors given to us to load (from torch
-# FSDP1) are read through their metadata and local shards only, which do not warn.
+# Sharded optimizer state dicts hold the values of [Note: Sharded value forms], as our sharded
+# model state dicts do: torch FSDP1's types (ShardedTensors unless built with a device_mesh).
+# Torch deprecates ShardedTensor and warns (FutureWarning) at every tensor method called on one,
+# so fsdp never calls one: ShardedTensors (ours or torch FSDP1's) are read through their
+# metadata and local shards only, which do not warn. The warnings a user sees are torch's own
+# (its checkpoint planner's, say), the same ones torch FSDP1's values give.
 
 
 class ValueKind(enum.Enum):
