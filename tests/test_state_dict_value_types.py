@@ -96,6 +96,7 @@ def _assert_same_value(ours: Any, theirs: Any, where: str) -> None:
     assert type(ours) is type(theirs), (where, type(ours), type(theirs))
     if isinstance(theirs, ShardedTensor):
         assert ours.metadata() == theirs.metadata(), (where, ours.metadata(), theirs.metadata())
+        assert ours.sharding_spec() == theirs.sharding_spec(), (where, ours.sharding_spec(), theirs.sharding_spec())
         assert ours._process_group == theirs._process_group or dist.get_process_group_ranks(
             ours._process_group
         ) == dist.get_process_group_ranks(theirs._process_group), where

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+from torch.distributed._shard.sharding_spec.api import _infer_sharding_spec_from_shards_metadata
 from torch.distributed.remote_device import _remote_device
 
 from fsdp._common import p_assert
@@ -323,7 +324,8 @@ def local_form(value: Any, state: UnitState, spec: Any = None) -> Any:
 #
 # Everything that is the same for every value of a unit (the group's global ranks, each rank's
 # placement, the mesh) is computed once per unit per state dict in a :class:`ShardedForm`; per
-# value only the chunk is cloned and the metadata objects are made. The global-metadata
+# value only the chunk is cloned and the metadata objects are made (the sharding spec torch would
+# infer from them is inferred once per shape). The global-metadata
 # placements (``_remote_device`` objects) are shared by the values of one form: torch copies
 # metadata before changing it (``ShardedTensor.cpu()`` deep-copies).
 
@@ -344,6 +346,7 @@ class ShardedForm:
         self.compute_device = state.compute_device
         self._global_ranks: Optional[list[int]] = None
         self._placements: dict[str, list[Any]] = {}
+        self._specs: dict[tuple[tuple[int, ...], str], Any] = {}
 
     @property
     def gives_sharded_tensors(self) -> bool:
@@ -419,7 +422,14 @@ class ShardedForm:
             local_shards.append(Shard(local, own))
         properties = TensorProperties(dtype=full.dtype, layout=full.layout, requires_grad=False, pin_memory=False)
         metadata = ShardedTensorMetadata(shards_metadata, full.shape, properties)
-        return ShardedTensor._init_from_local_shards_and_global_metadata(local_shards, metadata, process_group=self.group)
+        key = (tuple(full.shape), device.type)
+        spec = self._specs.get(key)
+        if spec is None:  # what torch infers from the metadata, the same for every value of this shape
+            spec = _infer_sharding_spec_from_shards_metadata(shards_metadata)
+            self._specs[key] = spec
+        return ShardedTensor._init_from_local_shards_and_global_metadata(
+            local_shards, metadata, process_group=self.group, sharding_spec=spec
+        )
 
 
 def _expected_local_shape(shape: torch.Size, state: UnitState) -> tuple[int, ...]:
@@ -639,10 +649,6 @@ def _local_layout(handle: FlatParamHandle) -> list[tuple[int, int]]:
 
 def local_value(handle: FlatParamHandle, offload: bool) -> Any:
     """The unit's LOCAL_STATE_DICT value (see [Note: Local state dict format]); no copy."""
-    from torch.distributed._shard.metadata import ShardMetadata
-    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
-
     local_shard = handle._local_shard.detach()
     parts = _local_layout(handle)
     device = local_shard.device
