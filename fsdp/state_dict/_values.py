@@ -312,8 +312,9 @@ def local_form(value: Any, state: UnitState, spec: Any = None) -> Any:
 # - built without ``device_mesh``: a ``ShardedTensor`` over the unit's shard group (with hybrid
 #   sharding, the group inside a replica), one local shard of this rank's ``torch.chunk`` rows
 #   ([Note: Row chunks] in ``fsdp/flat_param/_shard_map.py``), global metadata listing
-#   ``torch.chunk``'s pieces with placements ``rank:<global rank>/<device>``; the local shard's
-#   own metadata names the group rank, as torch FSDP1's does. ``offload_to_cpu``: the local
+#   ``torch.chunk``'s pieces with placements ``rank:<global rank>/<the group's device>`` (``cpu``
+#   for gloo, even with CUDA tensors); the local shard's own metadata names the group rank and
+#   the tensor's device, as torch FSDP1's does. ``offload_to_cpu``: the local
 #   shard is in host memory and every placement says ``cpu`` (torch's ``ShardedTensor.cpu()``);
 #   otherwise it is on the device the unit computes on.
 # - built with ``device_mesh``: a ``DTensor`` on that mesh, ``Shard(0)`` on a 1-D mesh,
@@ -389,25 +390,34 @@ class ShardedForm:
         value = DTensor.from_local(full.clone(), mesh, [Replicate()] * mesh.ndim, run_check=False)
         return value.cpu() if offload else value
 
-    def _device_placements(self, device: torch.device) -> list[Any]:
-        """Every group rank's ``_remote_device`` for values on ``device`` (torch FSDP1's strings:
-        ``rank:<global>/cpu``, ``rank:<global>/cuda:<global % devices per node>``)."""
-        key = device.type
-        placements = self._placements.get(key)
+    def _group_device_type(self) -> str:
+        """The device type torch FSDP1 names in placements: the group's registered device
+        (``cpu`` for gloo, ``cuda`` for NCCL; ``cpu`` where several are registered)."""
+        types = [torch.device(d).type for d in getattr(self.group, "_device_types", [])]
+        if len(types) == 1:
+            return types[0]
+        return "cpu" if "cpu" in types or not types else types[0]
+
+    def _device_placements(self, offload: bool) -> list[Any]:
+        """Every group rank's ``_remote_device`` in the global metadata, torch FSDP1's strings:
+        ``rank:<global>/cpu``, or ``rank:<global>/cuda:<global % devices per node>`` on a
+        CUDA group; all ``cpu`` when offloaded (torch's ``ShardedTensor.cpu()``)."""
+        device_type = "cpu" if offload else self._group_device_type()
+        placements = self._placements.get(device_type)
         if placements is None:
-            if device.type == "cpu":
+            if device_type == "cpu":
                 names = [f"rank:{g}/cpu" for g in self.global_ranks()]
             else:
-                count = max(1, torch.get_device_module(device.type).device_count())
-                names = [f"rank:{g}/{device.type}:{g % count}" for g in self.global_ranks()]
+                count = max(1, torch.get_device_module(device_type).device_count())
+                names = [f"rank:{g}/{device_type}:{g % count}" for g in self.global_ranks()]
             placements = [_remote_device(name) for name in names]
-            self._placements[key] = placements
+            self._placements[device_type] = placements
         return placements
 
     def _sharded_tensor(self, full: torch.Tensor, local: torch.Tensor, offload: bool) -> Any:
         device = torch.device("cpu") if offload else local.device
         local = local.to(device, copy=True).contiguous()
-        placements = self._device_placements(device)
+        placements = self._device_placements(offload)
         rest = list(full.shape[1:])
         zeros = [0] * len(rest)
         shards_metadata = [
