@@ -150,8 +150,9 @@ def gather(
 
 # ----------------------------------------------------------------------------- SHARDED values
 # [Note: Value meshes are cached weakly]
-# SHARDED values are DTensors over the 1-D mesh of the unit's group; building that mesh costs
-# about 100 us, so one mesh serves every value of a state dict. The cache holds meshes weakly:
+# A zero-dimension SHARDED value of a model built without a mesh is a Replicate() DTensor over
+# the 1-D mesh of the unit's group ([Note: Sharded value forms]); building that mesh costs
+# about 100 us, so one mesh serves every such value. The cache holds meshes weakly:
 # a mesh holds its process group, and a strong module-level cache would keep every group (and
 # gloo's worker threads) alive after ``destroy_process_group()``, until the interpreter's own
 # teardown, where a gloo worker still releasing a finished collective's tensors needs the GIL
