@@ -16,8 +16,8 @@ A kill at any point leaves a complete checkpoint that :func:`latest_checkpoint` 
 3, ``latest`` names the previous step (or, in the window of a re-save, a folder that is missing for
 a moment, and then the loader takes the complete ``.partial`` or ``.old`` of that step, saying so).
 A folder counts as complete when DCP's ``.metadata`` file is in it: DCP writes it last, after every
-rank's shards. A half-written folder is never loaded. The checkpoint is SHARDED (DTensor shards), so
-it resumes at any world size.
+rank's shards. A half-written folder is never loaded. The checkpoint is SHARDED (ShardedTensor shards,
+torch FSDP1's type), so it resumes at any world size.
 
 Each folder also holds ``run.json`` (the ``info`` a save is given: the trainer records its step, the
 model's configuration and the flags that shape it), written into the ``.partial`` folder before
@@ -38,12 +38,13 @@ directory stay.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
 import warnings
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -88,6 +89,16 @@ def _prune(directory: str, keep: int, current: str) -> None:
     for _, path in folders[: max(0, len(folders) - keep)]:
         if path != current:
             shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _quiet_sharded_tensor_deprecation() -> Iterator[None]:
+    """Hides the one warning torch's DCP gives for every checkpoint of ShardedTensor values
+    (torch FSDP1's SHARDED type, which fsdp gives too: "Please use DTensor instead and we are
+    deprecating ShardedTensor."); a model built with ``device_mesh`` gives DTensors instead."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor", category=FutureWarning)
+        yield
 
 
 def _state(model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, Any]) -> dict[str, Any]:
@@ -136,7 +147,8 @@ def save_checkpoint(
             with open(os.path.join(partial, INFO), "w", encoding="utf-8") as f:
                 json.dump(info, f, indent=1, sort_keys=True)
     dist.barrier()
-    dcp.save(_state(model, optimizer, extra), checkpoint_id=partial)
+    with _quiet_sharded_tensor_deprecation():
+        dcp.save(_state(model, optimizer, extra), checkpoint_id=partial)
     dist.barrier()  # every rank's shards are on disk
     if dist.get_rank() == 0:
         if os.path.isdir(final):
@@ -295,7 +307,8 @@ def load_checkpoint(
     _init_optimizer_state(model, optimizer)
     state = _state(model, optimizer, dict(extra_template))
     try:
-        dcp.load(state, checkpoint_id=path)
+        with _quiet_sharded_tensor_deprecation():
+            dcp.load(state, checkpoint_id=path)
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - re-raised, naming the folder
         directory = os.path.dirname(os.path.abspath(path))
         others = [p for _, p in _step_folders(directory) if os.path.abspath(p) != os.path.abspath(path)]

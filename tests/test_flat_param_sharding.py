@@ -135,3 +135,23 @@ def test_divide_factors_agree_with_torch() -> None:
 
     for n in itertools.chain(range(1, 33), [48, 64, 96, 128, 1000]):
         assert gradient_divide_factors(n)[0] == _get_gradient_predivide_factor(n)
+
+
+def test_row_chunks_are_torch_chunk() -> None:
+    """``fsdp.flat_param._shard_map``: each rank's rows and the list of pieces are exactly what
+    ``torch.chunk`` makes along dim 0, for every row count up to 3 x the world size (empty pieces
+    past the last one, and the zero-row case included)."""
+    from fsdp.flat_param._shard_map import RowChunk, chunk_rows, torch_chunks
+
+    for world_size in (1, 2, 3, 4, 5, 8):
+        for dim0 in range(0, 3 * world_size + 2):
+            full = torch.arange(dim0 * 2).view(dim0, 2)
+            pieces = full.chunk(world_size, dim=0)
+            firsts = [int(p[0, 0]) // 2 if p.numel() else 0 for p in pieces]
+            assert torch_chunks(dim0, world_size) == [RowChunk(f, p.shape[0]) for f, p in zip(firsts, pieces)]
+            for rank in range(world_size):
+                chunk = chunk_rows(dim0, world_size, rank)
+                expected = pieces[rank] if rank < len(pieces) else full[dim0:]
+                assert torch.equal(full.narrow(0, chunk.first_row, chunk.num_rows), expected), (dim0, world_size, rank)
+    assert torch_chunks(5, 4) == [RowChunk(0, 2), RowChunk(2, 2), RowChunk(4, 1)]  # the note's example
+    assert chunk_rows(5, 4, 3) == RowChunk(5, 0)

@@ -194,9 +194,10 @@ def test_model_dropped_between_forward_and_backward_runs_its_backward(pool2: Ran
 
 
 def _group_freed_after_state_dicts() -> list[bool]:
-    """A model on its own gloo group, trained and saved (SHARDED values are DTensors over the
-    group's mesh), then dropped: destroying the group frees it at once, so gloo's worker threads
-    stop before the interpreter's shutdown ([Note: Value meshes are cached weakly])."""
+    """A model on its own gloo group, trained and saved (SHARDED values are ShardedTensors over
+    the group, as torch FSDP1's; a zero-dimension value would be a DTensor on a cached mesh of
+    it), then dropped: destroying the group frees it at once, so gloo's worker threads stop
+    before the interpreter's shutdown ([Note: Value meshes are cached weakly])."""
     from fsdp import FullyShardedDataParallel as FSDP, StateDictType
     from fsdp.wrap import ModuleWrapPolicy
 
@@ -210,11 +211,11 @@ def _group_freed_after_state_dicts() -> list[bool]:
     opt.step()
     with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
         saved = [model.state_dict(), FSDP.optim_state_dict(model, opt)]
-    dtensors = type(saved[0]["embed.weight"]).__name__ == "DTensor"
+    sharded_tensors = type(saved[0]["embed.weight"]).__name__ == "ShardedTensor"
     del model, opt, saved
     dist.destroy_process_group(group)
     del group
-    return [dtensors, group_ref() is None]
+    return [sharded_tensors, group_ref() is None]
 
 
 def test_destroyed_group_is_freed_after_state_dicts(pool2: RankPool) -> None:

@@ -348,26 +348,6 @@ def test_sharded_dcp_interop_with_torch(dist_pool: RankPool, tmp_path: Any, writ
     dist_pool.run(dcp_interop, str(tmp_path), writer)
 
 
-def sharded_values() -> None:
-    from torch.distributed.tensor import DTensor, Shard
-
-    from fsdp import FullyShardedDataParallel as FSDP, StateDictType
-
-    model = _ours()
-    full = model.state_dict()
-    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
-        sharded = model.state_dict()
-    assert list(sharded) == list(full)
-    for key, value in sharded.items():
-        assert isinstance(value, DTensor) and value.placements == (Shard(0),), key
-        assert value.shape == full[key].shape
-        assert torch.equal(value.full_tensor(), full[key]), key
-
-
-def test_sharded_values_are_dtensors(pool2: RankPool) -> None:
-    pool2.run(sharded_values)
-
-
 def _after_training(lib: Any, orig: bool, mp: bool) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Torch's ``test_save_and_load_after_forward_state_dict`` scenario (SHARDED) through ``lib``.
 
@@ -393,18 +373,16 @@ def _after_training(lib: Any, orig: bool, mp: bool) -> tuple[dict[str, torch.Ten
     trained = _full_params(model, fsdp_cls)
     with fsdp_cls.state_dict_type(model, lib.StateDictType.SHARDED_STATE_DICT):
         saved = model.state_dict()
-    pieces = {
-        key: (value.local_shards()[0].tensor if isinstance(value, ShardedTensor) else value.to_local()).clone()
-        for key, value in saved.items()
-    }
+    # Torch's test snapshots through ShardedTensor internals: both libraries give ShardedTensors.
+    assert all(isinstance(value, ShardedTensor) for value in saved.values())
+    pieces = {key: value._local_shards[0].tensor.clone() for key, value in saved.items()}
     with fsdp_cls.summon_full_params(model), torch.no_grad():
         for param in model.parameters():
             param.zero_()
     assert all(not torch.equal(p, trained[n]) for n, p in _full_params(model, fsdp_cls).items())
     for key, value in saved.items():
         assert value.dtype == torch.float32, key
-        local = value.local_shards()[0].tensor if isinstance(value, ShardedTensor) else value.to_local()
-        assert torch.equal(local, pieces[key]), f"{key}: the saved value changed with the model (a view, not a copy)"
+        assert torch.equal(value.local_shards()[0].tensor, pieces[key]), f"{key}: the saved value changed with the model (a view, not a copy)"
     with fsdp_cls.state_dict_type(model, lib.StateDictType.SHARDED_STATE_DICT):
         model.load_state_dict(saved, strict=True)
     loaded = _full_params(model, fsdp_cls)
@@ -429,9 +407,9 @@ def sharded_after_training(orig: bool, mp: bool) -> None:
 def test_sharded_state_dict_after_training(pool2: RankPool, orig: bool, mp: bool) -> None:
     """Torch's ``test_save_and_load_after_forward_state_dict`` with SHARDED state dicts: the same
     trained parameters, the same saved pieces (owned copies in both: zeroing the model after
-    saving leaves them as they were), and the load restores the trained model. Torch's test itself
-    cannot run on fsdp only because it snapshots through ``ShardedTensor._local_shards``, and our
-    values are DTensors ([Note: Sharded state dict values] in docs/design.md)."""
+    saving leaves them as they were), and the load restores the trained model. The values are
+    ShardedTensors in both, so the snapshot through ``ShardedTensor._local_shards`` that torch's
+    test takes works on ours ([Note: Sharded state dict values] in docs/design.md)."""
     pool2.run(sharded_after_training, orig, mp)
 
 

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from tests._harness import get_pool
+from tests._models import Block, make_toy
 from tests.test_state_dict_roots import _build, _load, _sd
 
 
@@ -123,21 +124,31 @@ def test_local_files_between_libraries(tmp_path: Any, world_size: int, orig: boo
 
 
 def torch_save_sharded(directory: str) -> None:
-    """Our SHARDED state dict written with plain torch.save, one file per rank.
+    """Our SHARDED state dicts written with plain torch.save, one file per rank: the model built
+    without a mesh (ShardedTensors, torch FSDP1's type) and with a 1-D mesh (DTensors)."""
+    from torch.distributed.device_mesh import init_device_mesh
 
-    (Torch FSDP1's ShardedTensors refuse to unpickle at another world size themselves.)
-    """
+    from fsdp import FullyShardedDataParallel as FSDP
+    from fsdp.wrap import ModuleWrapPolicy
+
     model = _build("ours", "fsdp_root", seed=31)
     torch.save(_sd(model, "ours", "SHARDED_STATE_DICT"), os.path.join(directory, f"ours_sharded_{dist.get_rank()}.pt"))
+    meshed = FSDP(make_toy(seed=31), auto_wrap_policy=ModuleWrapPolicy({Block}), device_mesh=init_device_mesh("cpu", (2,)))
+    path = os.path.join(directory, f"ours_sharded_mesh_{dist.get_rank()}.pt")
+    torch.save(_sd(meshed, "ours", "SHARDED_STATE_DICT"), path)
     dist.barrier()
 
 
 def wrong_world_size_load(directory: str) -> None:
-    """Loading a 2-rank SHARDED torch.save file here: our error, and nothing changed."""
+    """Loading a 2-rank SHARDED torch.save file here. ShardedTensors refuse to unpickle at another
+    world size themselves (torch's error, as for torch FSDP1's files); DTensors unpickle, and
+    loading them gives our error, and nothing changed."""
     rank, ws = dist.get_rank(), dist.get_world_size()
+    with pytest.raises(RuntimeError, match=r"Local (world size|rank) at save time was \d, but at load time was \d"):
+        torch.load(os.path.join(directory, f"ours_sharded_{rank % 2}.pt"), weights_only=False)
     model = _build("ours", "fsdp_root", seed=32)
     before = _full(model, "ours")
-    saved = torch.load(os.path.join(directory, f"ours_sharded_{rank % 2}.pt"), weights_only=False)
+    saved = torch.load(os.path.join(directory, f"ours_sharded_mesh_{rank % 2}.pt"), weights_only=False)
     all_ranks = list(range(ws))
     with pytest.raises(
         RuntimeError,

@@ -9,10 +9,10 @@
   unsharded unit) and return no entry of an FSDP unit. ``offload_to_cpu``: values on CPU
   (works on CPU too). Loading needs no communication: every rank copies its own slice of each
   full value into its shard.
-- SHARDED_STATE_DICT: the same keys; each managed parameter is a DTensor ``Shard(0)`` over a
-  1-D mesh of the shard group (see [Note: Sharded state dict values] in docs/design.md: we give
-  DTensors, we also take torch FSDP1's ShardedTensors). Buffers and ignored parameters are
-  plain tensors.
+- SHARDED_STATE_DICT: the same keys; each managed parameter is this rank's ``torch.chunk`` rows
+  in torch FSDP1's form: a ShardedTensor over the shard group, or a DTensor on the unit's
+  ``device_mesh`` (see [Note: Sharded state dict values] in docs/design.md and [Note: Sharded
+  value forms] in ``_values.py``). Buffers and ignored parameters are plain tensors.
 - LOCAL_STATE_DICT: torch FSDP1's format exactly ([Note: Local state dict format]): one
   ``<unit>._flat_param`` ShardedTensor per unit, plus what ``nn.Module`` saves besides.
   A NO_SHARD unit gives (and takes) FULL entries instead, with torch's warning.
@@ -75,7 +75,8 @@ from fsdp.state_dict._values import (
     load_local_value,
     local_form,
     local_value,
-    to_dtensor,
+    refuse_local_with_mesh,
+    ShardedForm,
 )
 
 
@@ -99,10 +100,30 @@ def _effective_kind(module: nn.Module, state: UnitState, warn: bool) -> StateDic
 
 
 def _handle_storages(state: UnitState) -> set[int]:
+    """The storages the unit's unsharded parameters live in: the FlatParameter's, and that of the
+    views registered now (a user's ``summon_full_params(offload_to_cpu=True)`` registers views of
+    a host copy), so that every value viewing them is copied out."""
     ptrs = set()
     for handle in state.handles:
         ptrs.add(handle.flat_param.untyped_storage().data_ptr())
+        for info in handle.param_infos:
+            view = getattr(info.module, info.param_name, None)
+            if isinstance(view, torch.Tensor) and view.numel() > 0:
+                ptrs.add(local_tensor(view).untyped_storage().data_ptr())
     return ptrs
+
+
+def _refuse_local_with_mesh(module: nn.Module, what: str) -> None:
+    """Torch FSDP1's error for LOCAL_STATE_DICT units built with a ``device_mesh`` (a NO_SHARD
+    unit gives FULL instead, as torch's does), before anything changes."""
+    refuse_local_with_mesh(
+        [
+            (name, state)
+            for name, sub, state in named_fsdp_states(module)
+            if _effective_kind(sub, state, warn=False) is StateDictType.LOCAL_STATE_DICT
+        ],
+        what,
+    )
 
 
 def _flat_key(index: int) -> str:
@@ -190,7 +211,10 @@ def _top_level(module: nn.Module) -> Iterator[bool]:
     ctx = state.ctx
     outermost = ctx is None or not ctx.state_dict_active
     if outermost:
-        check_idle(module, "state_dict()")
+        # Inside the user's summon_full_params the units stay summoned and their values are read
+        # from the views as they are ([Note: State dict inside summon_full_params]).
+        check_idle(module, "state_dict()", allow_summon=True)
+        _refuse_local_with_mesh(module, "state_dict() was called")
         if ctx is not None:
             ctx.state_dict_active = True
             ctx.state_dict_done = set()  # ids of finished values
@@ -246,6 +270,13 @@ def save_post_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, l
         state_dict[prefix + _flat_key(index)] = local_value(handle, offload)
 
 
+# [Note: State dict inside summon_full_params]
+# ``model.state_dict()`` inside the user's ``summon_full_params(model)`` returns what it returns
+# outside, as torch FSDP1 does: the units are already unsharded, so nothing is gathered again;
+# each value is read from the registered full views and copied out (FULL: owned full tensors;
+# SHARDED: this rank's chunk in torch FSDP1's form), with the unwrapped model's names. The summon
+# stays as the user opened it. With ``recurse=False`` only the summoned units read their views;
+# the others gather as usual.
 def _save_summoned(
     module: nn.Module,
     state: UnitState,
@@ -370,6 +401,7 @@ def _materialize_entries(
     [Note: State dict gathers]) and are kept as they are.
     """
     done: set[int] = state.ctx.state_dict_done if state.ctx is not None else set()
+    form = None if full else ShardedForm(state)  # once per unit ([Note: Sharded value forms])
     for key in list(destination.keys())[start:]:
         value = destination[key]
         if not isinstance(value, torch.Tensor) or id(value) in done:
@@ -387,8 +419,8 @@ def _materialize_entries(
                 value = value.detach().to("cpu" if offload else value.device, copy=True)
             elif offload and value.device.type != "cpu":  # as torch: moved, never copied on CPU
                 value = value.detach().to("cpu")
-        elif aliases:
-            value = to_dtensor(value.detach(), state, offload)
+        elif aliases and form is not None:
+            value = form.value(value.detach(), offload)
         destination[key] = value
         done.add(id(value))
 
@@ -403,11 +435,13 @@ def _format_incompatible(module: nn.Module, missing: list[str], unexpected: list
     return f"Error(s) in loading state_dict for {type(module).__name__}:\n\t" + "\n\t".join(parts)
 
 
-def _size_mismatch(key: str, value: torch.Tensor, shape: torch.Size) -> Optional[str]:
-    if tuple(value.shape) == tuple(shape):
+def _size_mismatch(key: str, value: Any, shape: torch.Size) -> Optional[str]:
+    # A ShardedTensor's shape from its metadata: its tensor methods warn (deprecated).
+    value_shape = tuple(value.metadata().size) if is_sharded_tensor(value) else tuple(value.shape)
+    if value_shape == tuple(shape):
         return None
     return (
-        f"size mismatch for {key}: copying a param with shape {tuple(value.shape)} from "
+        f"size mismatch for {key}: copying a param with shape {value_shape} from "
         f"checkpoint, the shape in current model is {tuple(shape)}."
     )
 
@@ -546,6 +580,7 @@ def load_pre_hook(
     if not state.has_fsdp_parent:
         lazy_init(module)
         check_idle(module, "load_state_dict()")
+        _refuse_local_with_mesh(module, "load_state_dict() was called")
     _move_prefix(state_dict, prefix, prefix + FSDP_PREFIX)
     inner = prefix + FSDP_PREFIX
     pending = _PendingLoad(prefix=prefix, missing_start=len(missing_keys))
@@ -730,6 +765,7 @@ def load_state_dict(module: nn.Module, super_load_state_dict: Any, state_dict: d
         )
     lazy_init(module)
     check_idle(module, "load_state_dict()")
+    _refuse_local_with_mesh(module, "load_state_dict() was called")
     _check_tree(module, state_dict, strict)
     _ROOT_CHECKED[0] = True
     try:

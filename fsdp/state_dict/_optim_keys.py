@@ -48,7 +48,7 @@ from fsdp._comm import _collectives as comm
 from fsdp.api import OptimStateKeyType
 from fsdp.flat_param.flat_param import FlatParamHandle
 from fsdp.runtime._state import check_idle, is_fsdp, unit_state
-from fsdp.state_dict._values import parent_mesh
+from fsdp.state_dict._values import ShardedForm, parent_mesh
 
 # torch FSDP1's legacy ``optim_input`` argument: the optimizer's param groups (torch types them
 # Dict[str, Any]) or its parameters.
@@ -130,6 +130,8 @@ class ModelView:
         self.handle_fqns: list[list[str]] = []
         # Each handle's unit's parent mesh ([Note: 2-D sharded values]), None if none.
         self.roots: list[Any] = []
+        # How each handle's unit makes SHARDED values ([Note: Sharded value forms]), once per call.
+        self.forms: list[ShardedForm] = []
         # fqn -> (handle position, index in the handle)
         self.fqn_to_slot: dict[str, tuple[int, int]] = {}
         # id(param) -> the parameter's FQNs (a FlatParameter: all of its parameters' names)
@@ -152,6 +154,7 @@ class ModelView:
                 self.handles.append(handle)
                 self.handle_fqns.append(fqns)
                 self.roots.append(parent_mesh(unit_state(unit)))
+                self.forms.append(ShardedForm(unit_state(unit)))
                 self.flat_to_handle[id(handle.flat_param)] = h
                 self.param_to_fqns[id(handle.flat_param)] = list(fqns)
                 for index, param in enumerate(handle.managed_orig_params()):

@@ -48,7 +48,7 @@ from fsdp.state_dict._values import (
     PendingGather,
     ValueKind,
     gather,
-    shard_rows,
+    ShardedForm,
     start_gather,
     to_2d_dtensor,
     tp_dtensor,
@@ -175,7 +175,7 @@ def _save_flat_states(
         handle = view.handles[h]
         dst = _receiver(handle, options.rank0_only_full, options.group)
         entries = _unflatten_flat_param_state(
-            handle, view.roots[h], entry, options.to_save, options.shard, options.offload, dst
+            handle, view.forms[h], entry, options.to_save, options.shard, options.offload, dst
         )
         if options.to_save:
             out_state.update(zip(view.handle_fqns[h], entries))
@@ -204,7 +204,7 @@ def _save_orig_states(
     # Handles in model order on every rank (the collectives' order).
     results = [
         _gather_orig_param_states(
-            handle, view.roots[h], view.handle_fqns[h], per_handle[h], options.to_save, options.shard, options.offload,
+            handle, view.forms[h], view.handle_fqns[h], per_handle[h], options.to_save, options.shard, options.offload,
             _receiver(handle, options.rank0_only_full, options.group),
         )
         for h, handle in enumerate(view.handles)
@@ -237,29 +237,29 @@ def _saved_groups(
 
 
 def _finish(
-    value: torch.Tensor, handle: FlatParamHandle, index: int, root: Any, shard: bool, offload: bool, fresh: bool
+    value: torch.Tensor, handle: FlatParamHandle, index: int, form: ShardedForm, shard: bool, offload: bool, fresh: bool
 ) -> Any:
     """A full per-parameter value (of parameter ``index`` of ``handle``) as it goes into the
     returned state dict.
 
     ``fresh``: ``value`` views a buffer made for this call (else it views the optimizer's own
-    state and is cloned). ``root``: the unit's parent mesh, None if none. A tensor-parallel
-    parameter's value is its tp-local full tensor: a tp DTensor when full, a 2-D DTensor when
-    sharded, as torch FSDP1 gives them ([Note: 2-D sharded values]).
+    state and is cloned). ``form``: how the unit's SHARDED values are made ([Note: Sharded value
+    forms]: a ShardedTensor, or a DTensor for a model built with a ``device_mesh``; only the
+    chunk is copied). A tensor-parallel parameter's value is its tp-local full tensor: a tp
+    DTensor when full, a 2-D DTensor when sharded, as torch FSDP1 gives them ([Note: 2-D sharded
+    values]).
     """
     spec = handle.param_infos[index].dtensor_spec
+    if shard and spec is None and form.root is None:
+        return form.value(value, offload)
     if not fresh:
         value = value.detach().clone()
     if offload:
         value = value.cpu()
-    if shard and root is not None:
-        return to_2d_dtensor(value, spec, root, offload)
+    if shard and form.root is not None:
+        return to_2d_dtensor(value, spec, form.root, offload)
     if spec is not None:
         return tp_dtensor(value, spec)  # NO_SHARD, sharded too: dp does not shard it
-    if shard:
-        # Chunked along dim 0 over the handle's group like ``torch.chunk``: a DTensor holding
-        # this rank's chunk (empty on ranks past the last chunk).
-        return shard_rows(value, handle.process_group, handle.rank, handle.world_size, value.device)
     return value
 
 
@@ -315,7 +315,7 @@ def _split(handle: FlatParamHandle, flat: torch.Tensor) -> list[torch.Tensor]:
 
 def _unflatten_flat_param_state(
     handle: FlatParamHandle,
-    root: Any,
+    form: ShardedForm,
     flat_state: dict[str, Any],
     to_save: bool,
     shard: bool,
@@ -325,7 +325,7 @@ def _unflatten_flat_param_state(
     """Per original parameter, the state of a FlatParameter.
 
     ``dst``: the group rank that keeps the gathered states (rank0_only), None for every rank;
-    ``root``: the unit's parent mesh, None if none.
+    ``form``: how the unit's SHARDED values are made.
     """
     kinds = {name: ValueKind.of(value) for name, value in flat_state.items()}
     gathered = _gather_flat_states(handle, flat_state, kinds, dst)
@@ -338,7 +338,7 @@ def _unflatten_flat_param_state(
     for index in range(len(handle.param_infos)):
         entry: dict[str, Any] = {}
         for name, views in tensors.items():
-            entry[name] = _finish(views[index], handle, index, root, shard, offload, fresh[name])
+            entry[name] = _finish(views[index], handle, index, form, shard, offload, fresh[name])
         for name in sorted(flat_state):
             value = flat_state[name]
             if kinds[name] is ValueKind.SCALAR:
@@ -352,7 +352,7 @@ def _unflatten_flat_param_state(
 
 def _gather_orig_param_states(
     handle: FlatParamHandle,
-    root: Any,
+    form: ShardedForm,
     fqns: list[str],
     local: dict[str, dict[str, Any]],
     to_save: bool,
@@ -363,7 +363,7 @@ def _gather_orig_param_states(
     """use_orig_params: the full state of each of a handle's parameters that has state on any rank.
 
     ``dst``: the group rank that keeps the gathered states (rank0_only), None for every rank;
-    ``root``: the unit's parent mesh, None if none.
+    ``form``: how the unit's SHARDED values are made.
     """
     if not handle.shard_layout.uses_sharding:
         # As torch FSDP1: nothing to gather, plain tensors even for a sharded state dict.
@@ -426,7 +426,7 @@ def _gather_orig_param_states(
         views = _split(handle, padded_unsharded[: handle.shard_layout.unpadded_unsharded_numel])
         for index, fqn in enumerate(fqns):
             if fqn in result:
-                result[fqn][name] = _finish(views[index], handle, index, root, shard, offload, True)
+                result[fqn][name] = _finish(views[index], handle, index, form, shard, offload, True)
     return result if to_save else {}
 
 

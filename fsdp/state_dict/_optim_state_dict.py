@@ -2,7 +2,7 @@
 
 Saving is ``_optim_save.py``, loading ``_optim_load.py``; the mapping between parameter names,
 optimizer keys and the model's handles is ``_optim_keys.py``, the kinds of state values and
-sharded (DTensor) values ``_values.py``.
+sharded (ShardedTensor / DTensor) values ``_values.py``.
 
 [Note: Optimizer state dict formats]
 The optimizer holds per-rank state for what it optimizes: with ``use_orig_params=False`` one
@@ -18,8 +18,9 @@ of the shard (possibly empty, or absent on a rank that holds no part of the para
   [Note: State dict gathers]); scalar states (``step``) and non-tensor states are copied.
   FULL_STATE_DICT returns full tensors (``offload_to_cpu``; ``rank0_only``: the states are
   sent to the saving rank only, point to point, and the others return ``{}``). Otherwise
-  each full value is chunked along dim 0 like ``torch.chunk`` over the handle's shard group:
-  a ``DTensor`` with ``Shard(0)`` on a 1-D mesh of that group (see [Note: No ShardedTensor]).
+  each full value is chunked along dim 0 like ``torch.chunk`` over the handle's shard group,
+  in torch FSDP1's form: a ``ShardedTensor``, or a ``DTensor`` on the unit's ``device_mesh``
+  ([Note: Sharded value forms] in ``_values.py``).
   Key and value order follow torch FSDP1.
 - Loading (``optim_state_dict_to_load``): the inverse. Sharded values are gathered back to
   full tensors, every name and shape is checked against the model before anything changes,
@@ -74,11 +75,12 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp.api import StateDictType
-from fsdp.runtime._state import is_fsdp
+from fsdp.runtime._state import is_fsdp, unit_state
 from fsdp.state_dict import _settings
 from fsdp.state_dict._optim_keys import NO_FSDP, OptimInput, OptimStateAttributeError, rekey
 from fsdp.state_dict._optim_load import to_load
 from fsdp.state_dict._optim_save import save
+from fsdp.state_dict._values import refuse_local_with_mesh
 
 __all__ = [
     "optim_state_dict_api",
@@ -139,7 +141,14 @@ def _settings_of(model: nn.Module) -> Any:
     if not units:
         # torch FSDP1 fails with an AttributeError (its settings are None).
         raise OptimStateAttributeError(NO_FSDP)
-    return _settings.get_state_dict_type(units)  # what FSDP.get_state_dict_type(model) returns
+    settings = _settings.get_state_dict_type(units)  # what FSDP.get_state_dict_type(model) returns
+    if settings.state_dict_type is StateDictType.LOCAL_STATE_DICT:
+        # Torch FSDP1 raises here for every unit, NO_SHARD included (its get_state_dict_type).
+        refuse_local_with_mesh(
+            [(name, unit_state(m)) for name, m in model.named_modules() if is_fsdp(m)],
+            "an optimizer state dict API was called",
+        )
+    return settings
 
 
 def optim_state_dict_api(

@@ -3,12 +3,14 @@
 - FULL values are full tensors the caller owns, gathered straight into the tensor returned
   ([Note: State dict gathers]); the model's and the optimizer's FULL state dicts use them.
 - SHARDED values are chunked along dim 0 over a unit's shard group like ``torch.chunk`` (rank
-  ``r`` holds rows ``[r * ceil(d0 / ws), ...)``, possibly none), which is the layout torch FSDP1
-  uses for both its ShardedTensor and its DTensor values; see [Note: Sharded state dict values]
-  in docs/design.md. We give DTensors; loading accepts a full tensor, a DTensor over a 1-D mesh
-  of exactly this group, or a ShardedTensor with exactly this chunk layout; anything else
-  (typically a state dict written with ``torch.save`` at another world size) is refused with
-  the saved and the current layout before anything changes.
+  ``r`` holds rows ``[r * ceil(d0 / ws), ...)``, possibly none: [Note: Row chunks] in
+  ``flat_param/_shard_map.py``), which is the layout torch FSDP1 uses for both its ShardedTensor
+  and its DTensor values; see [Note: Sharded state dict values] in docs/design.md. We give
+  torch FSDP1's types ([Note: Sharded value forms]); loading accepts a full tensor, a DTensor
+  over a 1-D mesh of exactly this group or on the unit's hybrid mesh, or a ShardedTensor with
+  exactly this chunk layout; anything else (typically a state dict written with ``torch.save``
+  at another world size) is refused with the saved and the current layout before anything
+  changes.
 - LOCAL values are each unit's local flat shard in torch FSDP1's exact format
   ([Note: Local state dict format]).
 - An optimizer state value is one of the :class:`ValueKind` s, asked once per value
@@ -27,8 +29,15 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+from torch.distributed._shard.sharding_spec.api import _infer_sharding_spec_from_shards_metadata
+from torch.distributed.remote_device import _remote_device
+
 from fsdp._common import p_assert
 from fsdp._comm import _collectives as comm
+from fsdp.flat_param._shard_map import chunk_rows, torch_chunks
 from fsdp.flat_param.flat_param import FlatParamHandle
 from fsdp.runtime._state import UnitState
 
@@ -42,17 +51,18 @@ __all__ = [
     "tp_dtensor",
     "to_2d_dtensor",
     "tp_local",
-    "to_dtensor",
+    "ShardedForm",
     "check_sharded_value",
     "full_value",
     "is_dtensor",
     "is_sharded_tensor",
-    "shard_rows",
     "gather_chunked_rows",
     "local_value",
     "check_local_value",
     "load_local_value",
     "ValueKind",
+    "LOCAL_WITH_MESH",
+    "refuse_local_with_mesh",
 ]
 
 
@@ -140,8 +150,9 @@ def gather(
 
 # ----------------------------------------------------------------------------- SHARDED values
 # [Note: Value meshes are cached weakly]
-# SHARDED values are DTensors over the 1-D mesh of the unit's group; building that mesh costs
-# about 100 us, so one mesh serves every value of a state dict. The cache holds meshes weakly:
+# A zero-dimension SHARDED value of a model built without a mesh is a Replicate() DTensor over
+# the 1-D mesh of the unit's group ([Note: Sharded value forms]); building that mesh costs
+# about 100 us, so one mesh serves every such value. The cache holds meshes weakly:
 # a mesh holds its process group, and a strong module-level cache would keep every group (and
 # gloo's worker threads) alive after ``destroy_process_group()``, until the interpreter's own
 # teardown, where a gloo worker still releasing a finished collective's tensors needs the GIL
@@ -179,13 +190,6 @@ def is_sharded_tensor(value: Any) -> bool:
 
 def _group_ranks(group: dist.ProcessGroup) -> list[int]:
     return list(dist.get_process_group_ranks(group))
-
-
-def _chunk_rows(dim0: int, world_size: int, rank: int) -> tuple[int, int]:
-    """``(first row, number of rows)`` of ``rank``'s ``torch.chunk`` piece of ``dim0`` rows."""
-    rows_per_rank = math.ceil(dim0 / world_size) if dim0 else 0
-    first = min(rank * rows_per_rank, dim0)
-    return first, max(0, min(rows_per_rank, dim0 - first))
 
 
 def parent_mesh(state: UnitState) -> Any:
@@ -303,52 +307,146 @@ def local_form(value: Any, state: UnitState, spec: Any = None) -> Any:
     return value
 
 
-def to_dtensor(full_value: torch.Tensor, state: UnitState, offload: bool) -> Any:
-    """This rank's ``torch.chunk`` piece of ``full_value`` as a ``Shard(0)`` DTensor (owned); on
-    a 2-D parent mesh the 2-D DTensor torch FSDP1 gives ([Note: 2-D sharded values])."""
-    from torch.distributed.tensor import DTensor, Replicate
+# [Note: Sharded value forms]
+# A SHARDED value (model or optimizer state) takes the form torch FSDP1 gives for the unit:
+#
+# - built without ``device_mesh``: a ``ShardedTensor`` over the unit's shard group (with hybrid
+#   sharding, the group inside a replica), one local shard of this rank's ``torch.chunk`` rows
+#   ([Note: Row chunks] in ``fsdp/flat_param/_shard_map.py``), global metadata listing
+#   ``torch.chunk``'s pieces with placements ``rank:<global rank>/<the group's device>`` (``cpu``
+#   for gloo, even with CUDA tensors); the local shard's own metadata names the group rank and
+#   the tensor's device, as torch FSDP1's does. ``offload_to_cpu``: the local
+#   shard is in host memory and every placement says ``cpu`` (torch's ``ShardedTensor.cpu()``);
+#   otherwise it is on the device the unit computes on.
+# - built with ``device_mesh``: a ``DTensor`` on that mesh, ``Shard(0)`` on a 1-D mesh,
+#   ``(Replicate(), Shard(0))`` on a hybrid-sharding 2-D mesh; the local tensor is the same rows.
+#   ``offload_to_cpu``: ``DTensor.cpu()`` (the mesh stays, the local tensor moves).
+# - FSDP over the dp dimension of a (dp, tp) mesh: the 2-D DTensors of [Note: 2-D sharded values].
+# - a zero-dimension value (torch FSDP1 fails to chunk one): a ``Replicate()`` DTensor.
+#
+# Everything that is the same for every value of a unit (the group's global ranks, each rank's
+# placement, the mesh) is computed once per unit per state dict in a :class:`ShardedForm`; per
+# value only the chunk is cloned and the metadata objects are made (the sharding spec torch would
+# infer from them is inferred once per shape). The global-metadata
+# placements (``_remote_device`` objects) are shared by the values of one form: torch copies
+# metadata before changing it (``ShardedTensor.cpu()`` deep-copies).
 
-    root = parent_mesh(state)
-    if root is not None and full_value.dim() > 0:
-        return _to_2d_dtensor(full_value, root, offload)
-    if full_value.dim() == 0:
-        mesh = _mesh_for(state.process_group, state.compute_device)
-        value = DTensor.from_local(full_value.clone(), mesh, [Replicate()], run_check=False)
+
+class ShardedForm:
+    """How one unit's SHARDED values are made and read ([Note: Sharded value forms]).
+
+    Args:
+        state: The unit; its shard group, rank, mesh and compute device are read once.
+    """
+
+    def __init__(self, state: UnitState) -> None:
+        self.group = state.process_group
+        self.rank = state.rank
+        self.world_size = state.world_size
+        self.device_mesh = state.device_mesh
+        self.root = parent_mesh(state)
+        self.compute_device = state.compute_device
+        self._global_ranks: Optional[list[int]] = None
+        self._placements: dict[str, list[Any]] = {}
+        self._specs: dict[tuple[tuple[int, ...], str], Any] = {}
+
+    @property
+    def gives_sharded_tensors(self) -> bool:
+        """Whether values of dimension > 0 are ShardedTensors (no ``device_mesh``)."""
+        return self.device_mesh is None
+
+    def global_ranks(self) -> list[int]:
+        """The shard group's global ranks, in group-rank order."""
+        if self._global_ranks is None:
+            self._global_ranks = _group_ranks(self.group)
+        return self._global_ranks
+
+    def value(self, full: torch.Tensor, offload: bool) -> Any:
+        """The SHARDED value of the full per-parameter tensor ``full`` (owned; ``full`` may be
+        a view of anything, it is not kept)."""
+        if full.dim() == 0:
+            return self._replicated(full, offload)
+        if self.root is not None:
+            return _to_2d_dtensor(full, self.root, offload)
+        chunk = chunk_rows(full.shape[0], self.world_size, self.rank)
+        local = full.narrow(0, chunk.first_row, chunk.num_rows)
+        if self.device_mesh is None:
+            return self._sharded_tensor(full, local, offload)
+        from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+
+        placements: list[Placement] = [Replicate()] * self.device_mesh.ndim
+        placements[-1] = Shard(0)
+        value = DTensor.from_local(
+            local.clone(), self.device_mesh, placements, run_check=False, shape=full.shape, stride=full.stride()
+        )
+        # Offloaded after construction: DTensor.from_local moves a local tensor to the mesh's
+        # device type; DTensor.cpu() keeps the mesh and moves the local piece to host memory,
+        # as torch FSDP1's offload_to_cpu does.
         return value.cpu() if offload else value
-    return shard_rows(
-        full_value, state.process_group, state.rank, state.world_size, state.compute_device, offload
-    )
 
+    def _replicated(self, full: torch.Tensor, offload: bool) -> Any:
+        from torch.distributed.tensor import DTensor, Replicate
 
-def shard_rows(
-    full_value: torch.Tensor,
-    group: dist.ProcessGroup,
-    rank: int,
-    world_size: int,
-    mesh_device: torch.device,
-    offload: bool = False,
-) -> Any:
-    """Rank ``rank``'s ``torch.chunk`` piece of ``full_value`` (dim > 0) along dim 0, owned, as a
-    ``Shard(0)`` DTensor on the 1-D mesh of ``group`` for ``mesh_device``'s type (an empty piece on
-    ranks past the last chunk). ``offload``: the piece is moved to CPU (the mesh stays)."""
-    from torch.distributed.tensor import DTensor, Shard
+        mesh = self.device_mesh if self.device_mesh is not None else _mesh_for(self.group, self.compute_device)
+        value = DTensor.from_local(full.clone(), mesh, [Replicate()] * mesh.ndim, run_check=False)
+        return value.cpu() if offload else value
 
-    mesh = _mesh_for(group, mesh_device)
-    first, rows = _chunk_rows(full_value.shape[0], world_size, rank)
-    local = full_value.narrow(0, first, rows).clone()
-    value = DTensor.from_local(
-        local, mesh, [Shard(0)], run_check=False, shape=full_value.shape, stride=full_value.stride()
-    )
-    # Offloaded after construction: DTensor.from_local moves a local tensor to the mesh's device
-    # type (a CPU piece on a CUDA mesh would come back to the GPU); DTensor.cpu() keeps the mesh
-    # and puts the local piece in host memory, as torch FSDP1's offload_to_cpu does.
-    return value.cpu() if offload else value
+    def _group_device_type(self) -> str:
+        """The device type torch FSDP1 names in placements: the group's registered device
+        (``cpu`` for gloo, ``cuda`` for NCCL; ``cpu`` where several are registered)."""
+        types = [torch.device(d).type for d in getattr(self.group, "_device_types", [])]
+        if len(types) == 1:
+            return types[0]
+        return "cpu" if "cpu" in types or not types else types[0]
+
+    def _device_placements(self, offload: bool) -> list[Any]:
+        """Every group rank's ``_remote_device`` in the global metadata, torch FSDP1's strings:
+        ``rank:<global>/cpu``, or ``rank:<global>/cuda:<global % devices per node>`` on a
+        CUDA group; all ``cpu`` when offloaded (torch's ``ShardedTensor.cpu()``)."""
+        device_type = "cpu" if offload else self._group_device_type()
+        placements = self._placements.get(device_type)
+        if placements is None:
+            if device_type == "cpu":
+                names = [f"rank:{g}/cpu" for g in self.global_ranks()]
+            else:
+                count = max(1, torch.get_device_module(device_type).device_count())
+                names = [f"rank:{g}/{device_type}:{g % count}" for g in self.global_ranks()]
+            placements = [_remote_device(name) for name in names]
+            self._placements[device_type] = placements
+        return placements
+
+    def _sharded_tensor(self, full: torch.Tensor, local: torch.Tensor, offload: bool) -> Any:
+        device = torch.device("cpu") if offload else local.device
+        local = local.to(device, copy=True).contiguous()
+        placements = self._device_placements(offload)
+        rest = list(full.shape[1:])
+        zeros = [0] * len(rest)
+        shards_metadata = [
+            ShardMetadata([c.first_row, *zeros], [c.num_rows, *rest], placements[r])
+            for r, c in enumerate(torch_chunks(full.shape[0], self.world_size))
+        ]
+        local_shards = []
+        if self.rank < len(shards_metadata):
+            own = ShardMetadata(
+                list(shards_metadata[self.rank].shard_offsets), list(local.shape), f"rank:{self.rank}/{device}"
+            )
+            local_shards.append(Shard(local, own))
+        properties = TensorProperties(dtype=full.dtype, layout=full.layout, requires_grad=False, pin_memory=False)
+        metadata = ShardedTensorMetadata(shards_metadata, full.shape, properties)
+        key = (tuple(full.shape), device.type)
+        spec = self._specs.get(key)
+        if spec is None:  # what torch infers from the metadata, the same for every value of this shape
+            spec = _infer_sharding_spec_from_shards_metadata(shards_metadata)
+            self._specs[key] = spec
+        return ShardedTensor._init_from_local_shards_and_global_metadata(
+            local_shards, metadata, process_group=self.group, sharding_spec=spec
+        )
 
 
 def _expected_local_shape(shape: torch.Size, state: UnitState) -> tuple[int, ...]:
     if len(shape) == 0:
         return ()
-    _, rows = _chunk_rows(shape[0], state.world_size, state.rank)
+    _, rows = chunk_rows(shape[0], state.world_size, state.rank)
     return (rows, *shape[1:])
 
 
@@ -386,6 +484,8 @@ def check_sharded_value(key: str, value: Any, shape: torch.Size, state: UnitStat
                 return None
             if placements == (Shard(0),) and local_shape == _expected_local_shape(shape, state):
                 return None
+        if _is_hybrid_row_chunk(value, state) and local_shape == _expected_local_shape(shape, state):
+            return None
         return (
             f"fsdp: cannot load '{key}' (shape {tuple(shape)}): it was saved as a DTensor over "
             f"{len(mesh_ranks)} rank(s) {mesh_ranks} with placements {list(placements)} and local "
@@ -397,7 +497,7 @@ def check_sharded_value(key: str, value: Any, shape: torch.Size, state: UnitStat
         )
         expected = []
         for rank in range(state.world_size):
-            first, rows = _chunk_rows(shape[0], state.world_size, rank) if len(shape) else (0, 0)
+            first, rows = chunk_rows(shape[0], state.world_size, rank) if len(shape) else (0, 0)
             if rows:
                 expected.append(((first, *[0] * (len(shape) - 1)), (rows, *shape[1:])))
         if len(shape) and saved == sorted(expected) and len(value.local_shards()) <= 1:
@@ -444,6 +544,8 @@ def _is_group_row_chunk(value: Any, state: UnitState) -> bool:
     1-D mesh of exactly the unit's process group."""
     from torch.distributed.tensor import Shard
 
+    if _is_hybrid_row_chunk(value, state):
+        return True
     mesh = value.device_mesh
     if mesh.ndim != 1 or tuple(value.placements) != (Shard(0),) or value.dim() == 0:
         return False
@@ -451,6 +553,21 @@ def _is_group_row_chunk(value: Any, state: UnitState) -> bool:
         return _group_ranks(mesh.get_group()) == _group_ranks(state.process_group)
     except (RuntimeError, ValueError):
         return False
+
+
+def _is_hybrid_row_chunk(value: Any, state: UnitState) -> bool:
+    """Whether DTensor ``value`` is what a hybrid-sharding unit built with a 2-D ``device_mesh``
+    gives: on that mesh, ``(Replicate(), Shard(0))`` ([Note: Sharded value forms])."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    mesh = state.device_mesh
+    return (
+        mesh is not None
+        and mesh.ndim == 2
+        and value.dim() > 0
+        and value.device_mesh == mesh
+        and tuple(value.placements) == (Replicate(), Shard(0))
+    )
 
 
 def gather_chunked_rows(
@@ -497,6 +614,29 @@ def gather_chunked_rows(
 # entry, before anything changes.
 
 
+#: Torch FSDP1's error for LOCAL_STATE_DICT on a model built with a ``device_mesh``.
+LOCAL_WITH_MESH = (
+    "Found state_dict_type LOCAL_STATE_DICT. DeviceMesh is not compatible with LOCAL_STATE_DICT. "
+    "Please set state_dict_type to SHARDED_STATE_DICT to get DTensor state_dict."
+)
+
+
+def refuse_local_with_mesh(named_states: list[tuple[str, UnitState]], what: str) -> None:
+    """Raises torch FSDP1's ``RuntimeError`` if a unit among ``named_states`` (its name, its
+    state; those whose state-dict type is LOCAL_STATE_DICT) was built with a ``device_mesh``:
+    its values are DTensors on the mesh, which LOCAL's flat-shard ShardedTensors cannot be.
+    Called before anything is gathered or changed."""
+    for name, state in named_states:
+        if state.device_mesh is not None:
+            raise RuntimeError(
+                f"{LOCAL_WITH_MESH} fsdp: {what} under LOCAL_STATE_DICT, but unit "
+                f"'{name or '<root>'}' was built with device_mesh={state.device_mesh}. Use "
+                f"StateDictType.SHARDED_STATE_DICT (DTensors on the mesh, loadable at other world "
+                f"sizes through torch.distributed.checkpoint), or build the model with "
+                f"process_group=... instead of device_mesh to keep LOCAL_STATE_DICT."
+            )
+
+
 @contextlib.contextmanager
 def _quiet_sharded_tensor() -> Iterator[None]:
     """Hides torch's ShardedTensor deprecation warnings raised by our own construction."""
@@ -520,10 +660,6 @@ def _local_layout(handle: FlatParamHandle) -> list[tuple[int, int]]:
 
 def local_value(handle: FlatParamHandle, offload: bool) -> Any:
     """The unit's LOCAL_STATE_DICT value (see [Note: Local state dict format]); no copy."""
-    from torch.distributed._shard.metadata import ShardMetadata
-    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
-
     local_shard = handle._local_shard.detach()
     parts = _local_layout(handle)
     device = local_shard.device
@@ -609,14 +745,12 @@ def load_local_value(handle: FlatParamHandle, value: Any) -> None:
 
 # ----------------------------------------------------------------------------- optimizer values
 # [Note: No ShardedTensor]
-# Sharded optimizer state dicts hold DTensors (Shard(0) on a 1-D mesh of the unit's shard group),
-# as our sharded model state dicts do, never ShardedTensors: torch deprecates ShardedTensor and
-# warns (FutureWarning) at every tensor method called on one, its own checkpoint planner's
-# included, so a state dict holding them fills a user's log with warnings about our internals
-# (torch FSDP1 gives ShardedTensors unless built with a device_mesh). Values, global shapes and
-# the chunking along dim 0 are the same as torch FSDP1's; torch.distributed.checkpoint stores
-# both alike, so checkpoints load across the two. ShardedTensors given to us to load (from torch
-# FSDP1) are read through their metadata and local shards only, which do not warn.
+# Sharded optimizer state dicts hold the values of [Note: Sharded value forms], as our sharded
+# model state dicts do: torch FSDP1's types (ShardedTensors unless built with a device_mesh).
+# Torch deprecates ShardedTensor and warns (FutureWarning) at every tensor method called on one,
+# so fsdp never calls one: ShardedTensors (ours or torch FSDP1's) are read through their
+# metadata and local shards only, which do not warn. The warnings a user sees are torch's own
+# (its checkpoint planner's, say), the same ones torch FSDP1's values give.
 
 
 class ValueKind(enum.Enum):
