@@ -155,3 +155,27 @@ def test_row_chunks_are_torch_chunk() -> None:
                 assert torch.equal(full.narrow(0, chunk.first_row, chunk.num_rows), expected), (dim0, world_size, rank)
     assert torch_chunks(5, 4) == [RowChunk(0, 2), RowChunk(2, 2), RowChunk(4, 1)]  # the note's example
     assert chunk_rows(5, 4, 3) == RowChunk(5, 0)
+
+
+def test_flat_range_boxes_cover_the_range_exactly() -> None:
+    """[Note: A flat range is a few boxes]: every range of every small shape is covered by its
+    boxes in row-major order, each box contiguous, at most 2 * (ndim - 1) + 1 of them."""
+    from fsdp.flat_param._shard_map import Box, flat_range_boxes
+
+    assert flat_range_boxes((3, 4), 2, 11) == [Box((0, 2), (1, 2)), Box((1, 0), (1, 4)), Box((2, 0), (1, 3))]
+    assert flat_range_boxes((), 0, 1) == [Box((), ())] and flat_range_boxes((5,), 3, 3) == []
+    for shape in [(7,), (3, 4), (2, 3, 4), (2, 1, 3, 2)]:
+        total = 1
+        for size in shape:
+            total *= size
+        full = torch.arange(total).view(shape)
+        for start, end in itertools.combinations(range(total + 1), 2):
+            boxes = flat_range_boxes(shape, start, end)
+            assert len(boxes) <= 2 * (len(shape) - 1) + 1
+            pieces = []
+            for box in boxes:
+                index = tuple(slice(o, o + n) for o, n in zip(box.offsets, box.sizes))
+                piece = full[index].reshape(-1)
+                assert box.numel == piece.numel() and bool((piece.diff() == 1).all())  # contiguous
+                pieces.append(piece)
+            assert torch.equal(torch.cat(pieces), torch.arange(start, end)), (shape, start, end)

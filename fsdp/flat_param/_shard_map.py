@@ -1,4 +1,5 @@
-"""Which rows of a parameter each rank holds in a SHARDED state dict: pure arithmetic.
+"""Which part of each parameter a rank holds: the rows of a SHARDED state-dict value, and the
+boxes a flat shard covers. Pure arithmetic.
 
 [Note: Row chunks]
 A SHARDED state-dict value (model or optimizer, ``ShardedTensor`` or ``DTensor``) holds on each
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["RowChunk", "chunk_rows", "torch_chunks"]
+__all__ = ["RowChunk", "chunk_rows", "torch_chunks", "Box", "flat_range_boxes"]
 
 
 class RowChunk(NamedTuple):
@@ -49,3 +50,60 @@ def torch_chunks(dim0: int, world_size: int) -> list[RowChunk]:
         return [RowChunk(0, 0)] * world_size
     rows_per_rank = _rows_per_rank(dim0, world_size)
     return [RowChunk(first, min(rows_per_rank, dim0 - first)) for first in range(0, dim0, rows_per_rank)]
+
+
+# [Note: A flat range is a few boxes]
+# A rank's flat shard holds, of each parameter, one contiguous range of its row-major elements
+# (``ShardParamInfo``: ``intra_param_start_idx`` to ``intra_param_end_idx``). Such a range is a
+# union of at most 2 * (ndim - 1) + 1 boxes of the parameter's shape, each contiguous in the shard
+# and in row-major order of the range: for a matrix a partial first row, whole rows, a partial last
+# row. Worked example, shape (3, 4), elements [2, 11): the box at (0, 2) of size (1, 2) (elements
+# 2-3), the box at (1, 0) of size (1, 4) (4-7), the box at (2, 0) of size (1, 3) (8-10). A box's
+# values are ``shard[offset_in_shard + k : ... + numel].view(sizes)`` for the box's place ``k`` in
+# the range: no copy, no communication. Checkpoints write them as DCP chunks where they lie, and
+# export consumers pull exactly the boxes they need.
+
+
+class Box(NamedTuple):
+    """A box of a tensor: ``offsets`` and ``sizes`` per dimension (DCP's chunk metadata)."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for size in self.sizes:
+            n *= size
+        return n
+
+
+def flat_range_boxes(shape: tuple[int, ...], start: int, end: int) -> list[Box]:
+    """The boxes of ``shape`` that its row-major elements ``[start, end)`` make up, in that order
+    (see [Note: A flat range is a few boxes]); none for an empty range, one for a 0-d tensor."""
+    if start >= end:
+        return []
+    if not shape:
+        return [Box((), ())]
+    if len(shape) == 1:
+        return [Box((start,), (end - start,))]
+    inner = 1
+    for size in shape[1:]:
+        inner *= size
+    first_row, first_offset = divmod(start, inner)
+    last_row, last_offset = divmod(end, inner)  # the row the (exclusive) end falls in
+
+    def in_row(row: int, lo: int, hi: int) -> list[Box]:
+        return [Box((row, *b.offsets), (1, *b.sizes)) for b in flat_range_boxes(shape[1:], lo, hi)]
+
+    if first_row == last_row:
+        return in_row(first_row, first_offset, last_offset)
+    boxes: list[Box] = []
+    if first_offset:
+        boxes += in_row(first_row, first_offset, inner)
+        first_row += 1
+    if last_row > first_row:
+        boxes.append(Box((first_row, *([0] * (len(shape) - 1))), (last_row - first_row, *shape[1:])))
+    if last_offset:
+        boxes += in_row(last_row, 0, last_offset)
+    return boxes
