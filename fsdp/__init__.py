@@ -28,8 +28,7 @@ from fsdp.flat_param.flat_param import FlatParameter
 from fsdp.fully_sharded_data_parallel import FullyShardedDataParallel
 # Beyond torch's names (so outside __all__, which lists exactly torch.distributed.fsdp's):
 # the redirect for stacks that import torch's FSDP1 (docs/stacks.md) and the memory planner
-# (docs/memory.md).
-from fsdp.plan import MemoryEstimate, estimate_memory  # noqa: F401
+# (docs/memory.md), imported when first used (see __getattr__).
 from fsdp.torch_alias import redirect_torch_fsdp  # noqa: F401
 
 __version__ = "0.1.0"
@@ -53,3 +52,12 @@ __all__ = [
     "OptimStateKeyType",
     "FlatParameter",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """The memory planner's names, imported on first use (``fsdp.estimate_memory``)."""
+    if name in ("estimate_memory", "MemoryEstimate"):
+        import fsdp.plan
+
+        return getattr(fsdp.plan, name)
+    raise AttributeError(f"module 'fsdp' has no attribute {name!r}")

@@ -141,7 +141,7 @@ def _mark(fn: _F, recursive: bool) -> _F:
     if _DYNAMO in sys.modules:  # already imported: mark at once
         return torch.compiler.disable(fn, recursive=recursive)
     if not _MARKED:
-        call_after_import(_DYNAMO, _apply_marks)
+        on_first_wrap(lambda: call_after_import(_DYNAMO, _apply_marks))
     _MARKED.append((fn, recursive))
     return fn
 
@@ -156,6 +156,35 @@ def _apply_marks(dynamo: types.ModuleType) -> None:
             owner = getattr(owner, part)
         p_assert(vars(owner).get(name) is fn, f"{fn.__qualname__} is not defined under its name")
         setattr(owner, name, torch.compiler.disable(fn, recursive=recursive))
+
+
+# [Note: What fsdp changes in torch]
+# ``import fsdp`` changes nothing in torch. The first ``FullyShardedDataParallel`` built in a
+# process runs the callbacks registered with :func:`on_first_wrap`, and only those touch torch;
+# each is listed, with why and the torch versions it was checked on, in docs/stacks.md ("What
+# fsdp changes in torch"). A process that never wraps a model (one that only plans memory, say)
+# pays for none of them.
+
+_ON_FIRST_WRAP: list[Callable[[], None]] = []
+_WRAPPED = False
+
+
+def on_first_wrap(callback: Callable[[], None]) -> None:
+    """Runs ``callback`` when the process builds its first FSDP unit (now, if it has)."""
+    if _WRAPPED:
+        callback()
+    else:
+        _ON_FIRST_WRAP.append(callback)
+
+
+def run_first_wrap_callbacks() -> None:
+    """Called by every FSDP construction; runs the :func:`on_first_wrap` callbacks once."""
+    global _WRAPPED
+    if _WRAPPED:
+        return
+    _WRAPPED = True
+    while _ON_FIRST_WRAP:
+        _ON_FIRST_WRAP.pop(0)()
 
 
 # [Note: After-import callbacks]
@@ -219,6 +248,8 @@ class _CallbacksAfterExec(importlib.abc.Loader):
         self._inner.exec_module(module)
         for callback in _AFTER_IMPORT.pop(module.__name__, []):
             callback(module)
+        if not _AFTER_IMPORT:  # nothing left to wait for: the finder leaves sys.meta_path
+            sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _AfterImportFinder)]
 
     def __getattr__(self, name: str) -> object:
         return getattr(self._inner, name)

@@ -200,6 +200,11 @@ from fsdp import FullyShardedDataParallel as FSDP
 from fsdp.runtime import _hooks
 assert ("torch._dynamo" in sys.modules) == {dynamo_first}, "import fsdp must not import Dynamo"
 import torch._dynamo
+# The first wrap installs what fsdp changes in torch ([Note: What fsdp changes in torch]).
+import os, torch.distributed as dist
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{port}")
+dist.init_process_group("gloo", rank=0, world_size=1)
+FSDP(torch.nn.Linear(2, 2), device_id=torch.device("cpu"))
 assert getattr(FSDP.forward, "_torchdynamo_disable_recursive", None) is False
 assert getattr(_hooks.unit_forward, "_torchdynamo_disable_recursive", None) is False
 assert getattr(_hooks._unit_pre_forward, "_torchdynamo_disable", None) is True
@@ -211,9 +216,11 @@ assert type(torch._dynamo.__loader__).__name__ == "SourceFileLoader", torch._dyn
 
 @pytest.mark.parametrize("dynamo_first", [False, True], ids=["fsdp_first", "dynamo_first"])
 def test_compile_markers_either_import_order(dynamo_first: bool) -> None:
-    """The markers of [Note: torch.compile] are applied whether Dynamo is imported before fsdp
-    or after it (by ``torch.compile``); ``import fsdp`` alone does not import Dynamo."""
-    code = _MARKS_CHECK.format(first="import torch._dynamo" if dynamo_first else "", dynamo_first=dynamo_first)
+    """The markers of [Note: torch.compile] are applied by the first wrap whether Dynamo is
+    imported before fsdp or after it (by ``torch.compile``); ``import fsdp`` alone does not
+    import Dynamo."""
+    port = 29100 + os.getpid() % 500 + (500 if dynamo_first else 0)
+    code = _MARKS_CHECK.format(first="import torch._dynamo" if dynamo_first else "", dynamo_first=dynamo_first, port=port)
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

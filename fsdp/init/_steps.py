@@ -20,7 +20,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fsdp._comm._groups import ProcessGroupType, ShardingGroups
-from fsdp._common import group_backend, group_rank, group_size
+from fsdp._common import group_backend, group_rank, group_size, run_first_wrap_callbacks
 from fsdp.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from fsdp.flat_param._policy import UnitPolicy, effective_strategy
 from fsdp.flat_param.flat_param import FlatParamHandle
@@ -271,6 +271,7 @@ def finish_unit(new_state: UnitState, module: nn.Module, setup: UnitSetup) -> No
     Also sets the ignored states the wrappers report ([Note: Reported ignored states]) and
     the attributes through which Dynamo recognizes FSDP-managed modules ([Note: torch.compile]).
     """
+    run_first_wrap_callbacks()  # [Note: What fsdp changes in torch]
     annotate_for_dynamo(module, setup.plan.ignored_modules, new_state.use_orig_params)
     for sub in module.modules():
         if is_fsdp(sub):

@@ -40,6 +40,7 @@ import types
 import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from fsdp._common import on_first_wrap
 from fsdp.torch_alias import _dcp_bridge
 from fsdp.torch_alias._wrap_compat import build_wrap_alias
 
@@ -66,8 +67,9 @@ _INIT_ORDER: Tuple[str, ...] = ("_flat_param", _FSDP2_SUBPACKAGE)
 _active: Optional["TorchFSDPRedirect"] = None
 
 # torch.distributed.checkpoint.state_dict sees fsdp's units as FSDP1 units, with or without the
-# redirect, from the moment fsdp is imported ([Note: DCP state-dict bridge] in docs/stacks.md).
-_dcp_bridge.install()
+# redirect, from the first wrap on ([Note: DCP state-dict bridge] and "What fsdp changes in
+# torch" in docs/stacks.md).
+on_first_wrap(_dcp_bridge.install)
 
 
 class _PrivateOrder(importlib.abc.MetaPathFinder):
