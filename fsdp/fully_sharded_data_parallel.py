@@ -450,7 +450,12 @@ class FullyShardedDataParallel(nn.Module):
         state_dict_config: Optional[StateDictConfig] = None,
         optim_state_dict_config: Optional[OptimStateDictConfig] = None,
     ) -> StateDictSettings:
-        """Sets the state-dict type of every FSDP unit in ``module``; returns the previous settings."""
+        """Sets the state-dict type of every FSDP unit in ``module``; returns the previous settings.
+
+        Warns (``FutureWarning``, as torch FSDP1): the setter is deprecated in favour of
+        ``torch.distributed.checkpoint.state_dict.get_state_dict`` / ``set_state_dict``.
+        """
+        _settings.warn_setter_deprecated(stacklevel=2)
         return _settings.set_state_dict_type(
             fsdp_modules(module), state_dict_type, state_dict_config, optim_state_dict_config
         )
