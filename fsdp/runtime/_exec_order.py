@@ -71,9 +71,8 @@ def check_execution_order(state: UnitState, phase: str) -> None:
     ctx = state.ctx
     if ctx is None:
         return
-    watched = phase == "forward" and bool(state.handles) and state.handles[0].param_infos[0].module.training
     if ctx.order_checked:
-        if watched and not ctx.forward_watch.warned:
+        if not ctx.forward_watch.warned and phase == "forward" and _training_forward(state):
             _watch_forward(ctx, state)
         return
     if not ctx.exec_order:
@@ -88,8 +87,13 @@ def check_execution_order(state: UnitState, phase: str) -> None:
             ctx.raised_in_step = True  # every rank raises here, after the same collectives
             raise RuntimeError(_order_differs(ctx, state, phase, group, codes))
     ctx.exec_order.append(code)
-    if watched:
+    if phase == "forward" and _training_forward(state):
         ctx.forward_watch.first_iteration.append(index)
+
+
+def _training_forward(state: UnitState) -> bool:
+    """A forward torch FSDP1 would check: the unit has parameters and its modules train."""
+    return bool(state.handles) and state.handles[0].param_infos[0].module.training
 
 
 def _param_names(ctx: RootContext, index: int) -> list[list[str]]:
