@@ -115,6 +115,43 @@ def test_different_state_dicts_on_ranks_raise_on_every_rank(pool2: RankPool) -> 
         ), message
 
 
+def mismatched_collectives() -> list[tuple[float, str]]:
+    """Rank 0 all-reduces while rank 1 broadcasts, on a group with an 8 s timeout: both wait
+    until it. Returns what this rank's watcher said meanwhile, with when (seconds after the
+    collective began)."""
+    from fsdp._comm import _collectives as comm
+    from fsdp._comm import _watch
+
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=8))
+    said_before = len(_watch.DIAGNOSES)
+    dist.barrier()
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="Timed out"):
+        if dist.get_rank() == 0:
+            comm.all_reduce_sum(torch.ones(4), group)
+        else:
+            comm.broadcast_from_rank0(torch.ones(4), group)
+    dist.barrier()  # the default group still works; the scenario's group is abandoned
+    return [(when - start, message) for when, message in _watch.DIAGNOSES[said_before:]]
+
+
+def test_mismatched_collectives_are_said_within_seconds(pool2: RankPool) -> None:
+    """No thread can interrupt a gloo collective, so the ranks still fail at the group's
+    timeout; but each rank's watcher says, within a second or two, which collective each rank
+    waits in ([Note: Blocked collectives])."""
+    for rank, said in enumerate(pool2.run(mismatched_collectives, _timeout=120)):
+        assert len(said) == 1, said
+        when, message = said[0]
+        assert when < 5.0, said  # well before the group's 8 s timeout
+        mine, theirs = ("all-reduce", "broadcast") if rank == 0 else ("broadcast", "all-reduce")
+        assert message.startswith(
+            f"fsdp: rank {rank} waits in {mine} (FSDP collective #1 on the process group of global "
+            f"ranks [0, 1]) while rank {1 - rank} waits in {theirs} (its #1 there): the ranks "
+            f"issued different collectives at the same point and will wait for each other until "
+            f"the group's timeout (0:00:08), then fail."
+        ), message
+
+
 @pytest.mark.parametrize(
     "words",
     ["Connection closed by peer [127.0.0.1]:41234", "Connection reset by peer", "Broken pipe"],

@@ -34,6 +34,13 @@ them apart is a *positive* report: the peer says it is blocked in a collective t
   this rank runs its own next forward (the group is intact: the agreement ran no collective), or
   fails when this rank's process exits, with this rank's phase in its message.
 
+* Any other mismatch is at least *said* within seconds: a watcher whose rank is blocked reads
+  the reports of its group's other ranks, and where one is blocked in its collective of the same
+  number on the same group but a different one (an all-reduce against a broadcast, a gather
+  against an all-gather), it prints both ranks' collectives and phases to stderr at once; the
+  collectives themselves still fail at the group's timeout, with each rank's phase
+  ([Note: Phases exchanged on failure]).
+
 Gloo's and NCCL's collectives cannot be interrupted from another thread (gloo has no working
 abort), so only code that has not yet entered a collective can fail fast: that is why the
 agreement runs before a state dict's collectives rather than a general check inside every
@@ -68,6 +75,7 @@ _ISSUED: dict[Any, int] = {}
 _ACTIVE: dict[int, tuple[Any, int, str]] = {}
 _WATCHER: list[threading.Thread] = []
 _ROUNDS: dict[str, int] = {}  # group name -> agreement rounds this process entered
+DIAGNOSES: list[tuple[float, str]] = []  # (time.monotonic(), what the watcher said about mismatched collectives)
 _DEPTH = threading.local()
 
 
@@ -109,6 +117,7 @@ def _watch() -> None:
     idle while no default group exists (one destroyed and made again is watched again)."""
     previous: dict[int, tuple[Any, int, str]] = {}
     published: Optional[str] = None
+    diagnosed: Optional[tuple[Any, int, str]] = None
     while True:
         time.sleep(_POLL_S)
         try:
@@ -121,16 +130,17 @@ def _watch() -> None:
             blocked = [(ident, rec) for ident, rec in current.items() if previous.get(ident) is rec]
             previous = current
             if blocked:
-                ident, (group, number, collective) = blocked[0]
+                ident, record = blocked[0]
+                group, number, collective = record
                 frame = sys._current_frames().get(ident)
                 ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-                report = "|".join([
-                    _key_name(group), ",".join(map(str, ranks)),
-                    str(number), f"{collective}{describe_blocked_frame(frame)}",
-                ])
+                where = describe_blocked_frame(frame)
+                report = "|".join([_key_name(group), ",".join(map(str, ranks)), str(number), collective, where])
                 if report != published:
                     store.set(key, report)
                     published = report
+                if diagnosed is not record and _diagnose(store, record, ranks, where):
+                    diagnosed = record
             elif published is not None:
                 store.delete_key(key)
                 published = None
@@ -138,13 +148,41 @@ def _watch() -> None:
             previous, published = {}, None
 
 
-def _blocked_report(store: dist.Store, rank: int) -> Optional[tuple[str, list[int], int, str]]:
-    """What ``rank`` published as its blocked collective: (group name, its ranks, number, what)."""
+def _diagnose(store: dist.Store, record: tuple[Any, int, str], ranks: list[int], where: str) -> bool:
+    """Says at once (stderr, and ``DIAGNOSES``) where another rank of the group is blocked in
+    *its* collective of the same number on the same group, a different one: the ranks issued
+    different collectives and wait for each other until the group's timeout, which no thread
+    can interrupt ([Note: Blocked collectives]). Returns whether it said so."""
+    group, number, collective = record
+    me, name = dist.get_rank(), _key_name(group)
+    for rank in ranks:
+        report = _blocked_report(store, rank) if rank != me else None
+        if report is None or report[0] != name or report[2] != number or report[3] == collective:
+            continue
+        timeout = group_timeout(group) or timedelta(minutes=30)
+        message = (
+            f"fsdp: rank {me} waits in {collective}{where} (FSDP collective #{number} on the "
+            f"process group of global ranks {ranks}) while rank {rank} waits in "
+            f"{report[3]}{report[4]} (its #{number} there): the ranks issued different "
+            f"collectives at the same point and will wait for each other until the group's "
+            f"timeout ({timeout}), then fail. Every rank must run the same FSDP calls in the same "
+            f"order (not a state dict, summon_full_params or clip_grad_norm_ on some ranks only, "
+            f"nor a forward or backward skipped on some)."
+        )
+        DIAGNOSES.append((time.monotonic(), message))
+        print(message, file=sys.stderr, flush=True)
+        return True
+    return False
+
+
+def _blocked_report(store: dist.Store, rank: int) -> Optional[tuple[str, list[int], int, str, str]]:
+    """What ``rank`` published as its blocked collective: (group name, its ranks, number,
+    collective, " during <phase> of FSDP unit '<unit>'")."""
     key = _BLOCKED_KEY.format(rank)
     if not store.check([key]):
         return None
-    name, ranks, number, what = store.get(key).decode().split("|", 3)
-    return name, [int(r) for r in ranks.split(",")], int(number), what
+    name, ranks, number, collective, where = store.get(key).decode().split("|", 4)
+    return name, [int(r) for r in ranks.split(",")], int(number), collective, where
 
 
 def _key_name(group: Optional[dist.ProcessGroup]) -> str:
@@ -229,10 +267,10 @@ def _stuck_on_me(store: dist.Store, missing: list[int], me: int) -> dict[int, st
             continue
         if report is None:
             continue
-        name, group_ranks, number, blocked_in = report
+        name, group_ranks, number, collective, where = report
         if me in group_ranks and issued.get(name, 0) < number:
             stuck[rank] = (
-                f"blocked in {blocked_in} (its FSDP collective #{number} on the process group of "
+                f"blocked in {collective}{where} (its FSDP collective #{number} on the process group of "
                 f"global ranks {group_ranks}; rank {me} has issued {issued.get(name, 0)} there)"
             )
     return stuck
