@@ -53,6 +53,7 @@ import contextlib
 import sys
 import threading
 import time
+import weakref
 from datetime import timedelta
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -69,8 +70,10 @@ _LOOK_S = 0.25
 _BLOCKED_KEY = "fsdp/blocked/rank{}"
 _ENTRY_KEY = "fsdp/entry/{}/{}/rank{}"  # group name, round, global rank
 
-# Group -> FSDP collectives this process issued on it (None is resolved to the default group).
-_ISSUED: dict[Any, int] = {}
+# Group -> FSDP collectives this process issued on it (None: the default group, passed as None).
+# Weak keys: a destroyed group is freed at once (its gloo threads stop), not kept for counting.
+_ISSUED: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
+_ISSUED_DEFAULT = [0]  # collectives given None (the default group)
 # Thread ident -> (group, number on that group, collective): the collective it is inside.
 _ACTIVE: dict[int, tuple[Any, int, str]] = {}
 _WATCHER: list[threading.Thread] = []
@@ -83,7 +86,10 @@ def issue(group: Optional[dist.ProcessGroup]) -> int:
     """Counts one FSDP collective issued on ``group``; returns its number there (from 1)."""
     if not _WATCHER:
         _start_watcher()
-    number = _ISSUED.get(group, 0) + 1  # None (the default group) is resolved when read
+    if group is None:
+        _ISSUED_DEFAULT[0] += 1
+        return _ISSUED_DEFAULT[0]
+    number = _ISSUED.get(group, 0) + 1
     _ISSUED[group] = number
     return number
 
@@ -114,38 +120,53 @@ def _start_watcher() -> None:
 
 def _watch() -> None:
     """The watcher's loop ([Note: Blocked collectives]): for the life of the process (a daemon),
-    idle while no default group exists (one destroyed and made again is watched again)."""
-    previous: dict[int, tuple[Any, int, str]] = {}
-    published: Optional[str] = None
-    diagnosed: Optional[tuple[Any, int, str]] = None
+    idle while no default group exists (one destroyed and made again is watched again).
+
+    It keeps no reference to a group between wake-ups (records are remembered by ``id``), so a
+    destroyed group is freed at once."""
+    seen = _Seen()
     while True:
         time.sleep(_POLL_S)
         try:
             if not dist.is_initialized():
-                previous, published = {}, None
+                seen = _Seen()
                 continue
-            store = dist.distributed_c10d._get_default_store()
-            key = _BLOCKED_KEY.format(dist.get_rank())
-            current = dict(_ACTIVE)
-            blocked = [(ident, rec) for ident, rec in current.items() if previous.get(ident) is rec]
-            previous = current
-            if blocked:
-                ident, record = blocked[0]
-                group, number, collective = record
-                frame = sys._current_frames().get(ident)
-                ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-                where = describe_blocked_frame(frame)
-                report = "|".join([_key_name(group), ",".join(map(str, ranks)), str(number), collective, where])
-                if report != published:
-                    store.set(key, report)
-                    published = report
-                if diagnosed is not record and _diagnose(store, record, ranks, where):
-                    diagnosed = record
-            elif published is not None:
-                store.delete_key(key)
-                published = None
+            _look(seen)
         except Exception:  # a store or group going away (shutdown, a destroyed group): look again later
-            previous, published = {}, None
+            seen = _Seen()
+
+
+class _Seen:
+    """What the watcher saw at its last wake-up."""
+
+    def __init__(self) -> None:
+        self.active: dict[int, int] = {}  # thread ident -> id of the record it was inside
+        self.published: Optional[str] = None  # this rank's report in the store
+        self.diagnosed = 0  # id of the record last said to be mismatched
+
+
+def _look(seen: _Seen) -> None:
+    """One wake-up: publish (or withdraw) this rank's blocked collective, say a mismatch."""
+    store = dist.distributed_c10d._get_default_store()
+    key = _BLOCKED_KEY.format(dist.get_rank())
+    current = dict(_ACTIVE)
+    blocked = [(ident, rec) for ident, rec in current.items() if seen.active.get(ident) == id(rec)]
+    seen.active = {ident: id(rec) for ident, rec in current.items()}
+    if not blocked:
+        if seen.published is not None:
+            store.delete_key(key)
+            seen.published = None
+        return
+    ident, record = blocked[0]
+    group, number, collective = record
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    where = describe_blocked_frame(sys._current_frames().get(ident))
+    report = "|".join([_key_name(group), ",".join(map(str, ranks)), str(number), collective, where])
+    if report != seen.published:
+        store.set(key, report)
+        seen.published = report
+    if seen.diagnosed != id(record) and _diagnose(store, record, ranks, where):
+        seen.diagnosed = id(record)
 
 
 def _diagnose(store: dist.Store, record: tuple[Any, int, str], ranks: list[int], where: str) -> bool:
@@ -192,7 +213,9 @@ def _key_name(group: Optional[dist.ProcessGroup]) -> str:
 
 
 def _issued_by_name() -> dict[str, int]:
-    return {_key_name(group): count for group, count in list(_ISSUED.items())}
+    counts = {_key_name(group): count for group, count in list(_ISSUED.items())}
+    counts[_key_name(None)] = _ISSUED_DEFAULT[0]
+    return counts
 
 
 @contextlib.contextmanager
