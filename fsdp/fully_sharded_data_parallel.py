@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.modules.module import _IncompatibleKeys
 
 from fsdp._comm._groups import ProcessGroupType
+from fsdp._comm._watch import entry_agreed
 from fsdp._common import FLAT_PARAM, FSDP_PREFIX, FSDP_WRAPPED_MODULE, compile_boundary
 from fsdp.api import (  # the config names are re-exported here too, as torch's module does
     BackwardPrefetch,
@@ -450,7 +451,12 @@ class FullyShardedDataParallel(nn.Module):
         state_dict_config: Optional[StateDictConfig] = None,
         optim_state_dict_config: Optional[OptimStateDictConfig] = None,
     ) -> StateDictSettings:
-        """Sets the state-dict type of every FSDP unit in ``module``; returns the previous settings."""
+        """Sets the state-dict type of every FSDP unit in ``module``; returns the previous settings.
+
+        Warns (``FutureWarning``, as torch FSDP1): the setter is deprecated in favour of
+        ``torch.distributed.checkpoint.state_dict.get_state_dict`` / ``set_state_dict``.
+        """
+        _settings.warn_setter_deprecated(stacklevel=2)
         return _settings.set_state_dict_type(
             fsdp_modules(module), state_dict_type, state_dict_config, optim_state_dict_config
         )
@@ -486,7 +492,8 @@ class FullyShardedDataParallel(nn.Module):
             destination = args[0]
             prefix = args[1] if len(args) > 1 else prefix
             keep_vars = args[2] if len(args) > 2 else keep_vars
-        return _model_state_dict.save_state_dict(self, super().state_dict, destination, prefix, keep_vars)
+        with entry_agreed("state_dict", lambda: _groups_of(self, model_save=True)):  # [Note: Blocked collectives]
+            return _model_state_dict.save_state_dict(self, super().state_dict, destination, prefix, keep_vars)
 
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
@@ -531,14 +538,16 @@ class FullyShardedDataParallel(nn.Module):
         group: Optional[dist.ProcessGroup] = None,
     ) -> dict[str, Any]:
         """Full optimizer state keyed by parameter names (legacy API; see :meth:`optim_state_dict`)."""
-        return _osd.full_optim_state_dict(model, optim, optim_input, rank0_only, group)
+        with entry_agreed("full_optim_state_dict", lambda: _groups_of(model)):
+            return _osd.full_optim_state_dict(model, optim, optim_input, rank0_only, group)
 
     @staticmethod
     def sharded_optim_state_dict(
         model: nn.Module, optim: torch.optim.Optimizer, group: Optional[dist.ProcessGroup] = None
     ) -> dict[str, Any]:
         """Optimizer state keyed by parameter names, each state chunked across ranks (legacy API)."""
-        return _osd.sharded_optim_state_dict(model, optim, group)
+        with entry_agreed("sharded_optim_state_dict", lambda: _groups_of(model)):
+            return _osd.sharded_optim_state_dict(model, optim, group)
 
     @staticmethod
     def shard_full_optim_state_dict(
@@ -566,7 +575,8 @@ class FullyShardedDataParallel(nn.Module):
         group: Optional[dist.ProcessGroup] = None,
     ) -> dict[str, Any]:
         """Like :meth:`shard_full_optim_state_dict`, but only rank 0 passes the state dict (legacy API)."""
-        return _osd.scatter_full_optim_state_dict(full_optim_state_dict, model, optim_input, optim, group)
+        with entry_agreed("scatter_full_optim_state_dict", lambda: _groups_of(model)):
+            return _osd.scatter_full_optim_state_dict(full_optim_state_dict, model, optim_input, optim, group)
 
     @staticmethod
     def rekey_optim_state_dict(
@@ -587,7 +597,8 @@ class FullyShardedDataParallel(nn.Module):
         group: Optional[dist.ProcessGroup] = None,
     ) -> dict[str, Any]:
         """The optimizer state keyed by parameter names, full or sharded per ``state_dict_type``."""
-        return _osd.optim_state_dict_api(model, optim, optim_state_dict, group)
+        with entry_agreed("optim_state_dict", lambda: _groups_of(model)):
+            return _osd.optim_state_dict_api(model, optim, optim_state_dict, group)
 
     @staticmethod
     def optim_state_dict_to_load(
@@ -606,9 +617,35 @@ class FullyShardedDataParallel(nn.Module):
         ``_fsdp_wrapped_module._flat_param``, or with ``use_orig_params=True`` an original
         parameter's). ``load_directly=True`` also calls ``optim.load_state_dict(result)``.
         """
-        return _osd.optim_state_dict_to_load_api(
-            model, optim, optim_state_dict, is_named_optimizer, load_directly, group
-        )
+        with entry_agreed("optim_state_dict_to_load", lambda: _groups_of(model)):
+            return _osd.optim_state_dict_to_load_api(
+                model, optim, optim_state_dict, is_named_optimizer, load_directly, group
+            )
+
+
+def _groups_of(model: nn.Module, model_save: bool = False) -> list[dist.ProcessGroup]:
+    """The shard groups of more than one rank that a state-dict call of ``model`` communicates
+    over, for its entry agreement ([Note: Blocked collectives] in ``fsdp/_comm/_watch.py``).
+
+    Optimizer state dicts communicate over every such unit's group. A model state dict
+    communicates only where FULL_STATE_DICT gathers a sharded unit: SHARDED and LOCAL are
+    built from the local shards, NO_SHARD units hold full values and units inside
+    ``summon_full_params`` are gathered already, so a rank may save those alone, and no
+    agreement is asked of the others.
+    """
+    groups: list[dist.ProcessGroup] = []
+    for module in fsdp_modules(model):
+        state = unit_state(module)
+        if state.world_size < 2 or any(g is state.process_group for g in groups):
+            continue
+        if model_save and (
+            state.training_state is not HandleTrainingState.IDLE  # inside summon_full_params: gathered
+            or state.sharding_strategy is ShardingStrategy.NO_SHARD
+            or _settings.get_state_dict_type([module]).state_dict_type is not StateDictType.FULL_STATE_DICT
+        ):
+            continue
+        groups.append(state.process_group)
+    return groups
 
 
 # Casting a wrapped tree after wrapping (the wrapper's ``nn.Module._apply``): ``to``, ``half``,

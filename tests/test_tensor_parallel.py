@@ -805,3 +805,83 @@ def test_tp_no_shard(pool4: RankPool) -> None:
     # torch FSDP1 (2.13) fails where fsdp trains ("Expects torch.Size([42]) but got
     # torch.Size([84])" for the first unit)
     assert all("Cannot writeback when the parameter shape changes" in e for e in errors), errors
+
+
+def _perturbed_tp_model(seed: int) -> nn.Module:
+    """:func:`_tp_model` with every parameter and buffer drawn from ``seed`` (a DTensor: this
+    rank's piece of a drawn global tensor): a plain buffer on the root, a tp-replicated DTensor
+    buffer in the first block. The two tp ranks of a dp position pass the same seed (a
+    consistent tensor-parallel model), the dp positions different ones."""
+    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+    model = _tp_model()
+    model.register_buffer("scale", torch.ones(3))
+    model.blocks[0].fc1.register_buffer("tp_scale", distribute_tensor(torch.ones(4), _mesh()["tp"], [Replicate()]))
+    generator = torch.Generator().manual_seed(100 + seed)
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            drawn = torch.randn(tensor.shape, generator=generator)
+            if isinstance(tensor, DTensor):  # this rank's piece, sliced locally
+                local = distribute_tensor(drawn, tensor.device_mesh, tensor.placements, src_data_rank=None)
+                tensor.to_local().copy_(local.to_local())
+            else:
+                tensor.copy_(drawn)
+    return model
+
+
+def run_tp_sync_module_states(configs: list[tuple[str, bool, bool]]) -> None:
+    """``sync_module_states=True`` with tensor-parallel parameters and buffers: each rank ends
+    with the state of the rank at dp position 0 of its tp column (the local tp pieces broadcast
+    over the dp group; a DTensor buffer used to raise ``NotImplementedError: Operator
+    c10d.broadcast_.default does not have a sharding strategy registered``), and trains bit for
+    bit as that state wrapped without syncing, in ours and in torch FSDP1. (Torch FSDP1 itself
+    refuses ``sync_module_states`` on CPU, "requires them to be on GPU", so its run starts from
+    the synced state directly.)"""
+    from fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
+    from fsdp.wrap import ModuleWrapPolicy
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+    from torch.distributed.tensor import DTensor
+
+    def local(x: torch.Tensor) -> torch.Tensor:
+        return x.to_local() if isinstance(x, DTensor) else x
+
+    mesh = _mesh()
+    dp_position, source = mesh.get_local_rank("dp"), 0  # the state of dp position 0 wins
+    for strategy, nested, use_orig_params in configs:
+        what = (strategy, nested, use_orig_params)
+        synced = FSDP(
+            _perturbed_tp_model(seed=dp_position), device_mesh=mesh["dp"],
+            sharding_strategy=ShardingStrategy[strategy], auto_wrap_policy=ModuleWrapPolicy({Block}) if nested else None,
+            use_orig_params=use_orig_params, sync_module_states=True,
+        )
+        expected = _wrap("ours", _perturbed_tp_model(seed=source), strategy, nested, use_orig_params)
+        theirs = _wrap("torch", _perturbed_tp_model(seed=source), strategy, nested, use_orig_params)
+        # This rank's shards (what the sync wrote): rank 0's of the dp group kept, the others' replaced.
+        unsynced = _wrap("ours", _perturbed_tp_model(seed=dp_position), strategy, nested, use_orig_params)
+        shards = [(n, p, q) for (n, p), (_, q) in zip(synced.named_parameters(), unsynced.named_parameters()) if p.numel()]
+        changed = [n for n, p, q in shards if not torch.equal(p, q)]
+        assert shards and changed == ([] if dp_position == source else [n for n, _, _ in shards]), (what, changed)
+        buffers = dict(synced.named_buffers())
+        assert list(buffers) == [n for n, _ in expected.named_buffers()], what
+        for name, buf in expected.named_buffers():
+            assert type(buffers[name]) is type(buf) and torch.equal(local(buffers[name]), local(buf)), (what, name)
+        full, full_expected = _full(synced, FSDP), _full(expected, FSDP)
+        assert list(full) == list(full_expected), what
+        for name, value in full_expected.items():
+            assert torch.equal(full[name], value), (what, name)
+        models = (synced, expected, theirs)
+        opts = [_make_optim("adamw", m.parameters()) for m in models]
+        for step in range(2):
+            for model, opt in zip(models, opts):
+                _step(model, step)
+                opt.step()
+                opt.zero_grad()
+        with FSDP.summon_full_params(synced), FSDP.summon_full_params(expected), TorchFSDP.summon_full_params(theirs):
+            for (name, p), (_, q), (_, t) in zip(
+                synced.named_parameters(), expected.named_parameters(), theirs.named_parameters()
+            ):
+                assert torch.equal(local(p), local(q)) and torch.equal(local(p), local(t)), (what, name)
+
+
+def test_tp_sync_module_states(pool4: RankPool) -> None:
+    pool4.run(run_tp_sync_module_states, [("FULL_SHARD", True, True), ("SHARD_GRAD_OP", False, False)])

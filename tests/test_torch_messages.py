@@ -391,6 +391,29 @@ def _wrong_state_dict_config(lib: Lib) -> None:
         pass
 
 
+def _set_state_dict_type(lib: Lib) -> None:
+    api = lib["api"]
+    lib["F"].set_state_dict_type(_wrapped(lib), api.StateDictType.SHARDED_STATE_DICT)
+
+
+def _state_dict_type_context(lib: Lib) -> None:
+    api = lib["api"]
+    root = _wrapped(lib)
+    with lib["F"].state_dict_type(root, api.StateDictType.SHARDED_STATE_DICT):
+        pass
+
+
+def _summon_offload_on_every_rank(lib: Lib) -> None:
+    try:
+        with lib["F"].summon_full_params(_wrapped(lib), offload_to_cpu=True, rank0_only=False):
+            pass
+    except RuntimeError as exc:
+        # Torch FSDP1 warns, then fails to offload on a CPU device ("setStorage: ... out of
+        # bounds for storage of size 0"); ours offloads. The warning is the case.
+        if lib["name"] != "torch" or "setStorage" not in str(exc):
+            raise
+
+
 def _optim_states_missing_on_some_ranks(lib: Lib) -> None:
     root = _wrapped(lib)
     params = list(root.parameters())
@@ -616,6 +639,23 @@ CASES: dict[str, Case] = {
     "wrong_state_dict_config": Case(
         _wrong_state_dict_config, "RuntimeError", "Expected state_dict_config of type",
         "test_fsdp_state_dict.py::test_wrong_state_dict_config"),
+    # torch FSDP1's deprecation of its state-dict setters (no torch test matches it)
+    "set_state_dict_type_deprecated": Case(
+        _set_state_dict_type, "FutureWarning",
+        r"FSDP.state_dict_type\(\) and FSDP.set_state_dict_type\(\) are being deprecated. Please "
+        r"use APIs, get_state_dict\(\) and set_state_dict\(\)", "torch's set_state_dict_type",
+        warns=True),
+    "state_dict_type_context_deprecated": Case(
+        _state_dict_type_context, "FutureWarning",
+        r"FSDP.state_dict_type\(\) and FSDP.set_state_dict_type\(\) are being deprecated.",
+        "torch's state_dict_type", warns=True),
+    # torch's summon_full_params (its sentence has no space between "the" and "unsharded")
+    "summon_offload_to_cpu_on_every_rank": Case(
+        _summon_offload_on_every_rank, "UserWarning",
+        "offload_to_cpu=True and rank0_only=False may result in theunsharded parameters being "
+        "redundantly copied to CPU memory for GPUs sharing the same CPU memory, which risks CPU "
+        "OOM. We recommend using offload_to_cpu=True with rank0_only=True.",
+        "torch's _unshard_param_utils.py (no torch test)", warns=True),
     # test_fsdp_optim_state.py
     "optim_states_missing_on_some_ranks": Case(
         _optim_states_missing_on_some_ranks, "RuntimeError",
@@ -832,8 +872,35 @@ def _unmanaged_param_outside_units() -> dict[str, Any]:
     return out
 
 
+def _warning_counts() -> dict[str, Any]:
+    """How often torch FSDP1 warns where a warning repeats: the deprecated ``state_dict_type``
+    context sets the type twice (entry and exit: two ``FutureWarning``s); a one-rank group
+    with two units shows its ``NO_SHARD`` switch once under Python's default filter (one
+    location: the wrapper's constructor), with torch's exact words."""
+    groups = [dist.new_group([r]) for r in range(dist.get_world_size())]
+    out: dict[str, Any] = {}
+    for name in ("torch", "ours"):
+        lib = _lib(name)
+        root = _wrapped(lib)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with lib["F"].state_dict_type(root, lib["api"].StateDictType.FULL_STATE_DICT):
+                pass
+        deprecations = [w for w in caught if issubclass(w.category, FutureWarning)]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("default")
+            one_rank = _wrapped(lib, process_group=groups[dist.get_rank()])
+        out[name] = {
+            "deprecations": len(deprecations),
+            "one_rank": [(w.category.__name__, str(w.message)) for w in caught],
+            "strategies": [str(m.sharding_strategy) for m in lib["F"].fsdp_modules(one_rank)],
+        }
+    return out
+
+
 def _behaviours() -> dict[str, Any]:
     results = {
+        "counts": _warning_counts(),
         "frozen": _frozen_with_orig_params(),
         "ignored_buffers": _ignored_buffers_keep_storage(),
         "comm_hook": _comm_hook_set_on_a_unit(),
@@ -869,6 +936,15 @@ def test_other_torch_fsdp1_behaviours(pool2: RankPool) -> None:
         assert o_calls == t_calls and len(t_calls) == 1, (t_calls, o_calls)
         for t, o in zip(t_grads, o_grads):
             torch.testing.assert_close(o, t, rtol=0, atol=0)
+
+        counts = r["counts"]
+        assert counts["torch"]["deprecations"] == 2, counts
+        assert counts["torch"]["one_rank"] == [(
+            "UserWarning",
+            "FSDP is switching to use `NO_SHARD` instead of ShardingStrategy.FULL_SHARD since the world size is 1.",
+        )], counts
+        assert counts["torch"]["strategies"] == ["ShardingStrategy.NO_SHARD"] * 2, counts
+        assert counts["ours"] == counts["torch"], counts
 
         (t_missing, t_state), (o_missing, o_state) = r["unmanaged"]["torch"], r["unmanaged"]["ours"]
         assert o_missing == t_missing and len(t_missing) == 1, (t_missing, o_missing)

@@ -8,7 +8,9 @@ so tests that patch ``torch.distributed.<collective>`` see every call.
 
 A collective that fails or times out, here or in the ``wait()`` of the work it returned, raises
 the same exception type again with the unit, the phase, the collective and the group's ranks
-([Note: Collective errors] in ``_errors.py``); that costs a ``try`` on the hot path.
+([Note: Collective errors] in ``_errors.py``); that costs a ``try`` on the hot path. Each one is
+also counted per group and marked while a thread is inside it, for the watcher that reports
+blocked collectives ([Note: Blocked collectives] in ``_watch.py``): a dict update and a pop.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp._common import group_rank, group_size, p_assert
+from fsdp._comm import _watch
 from fsdp._comm._errors import raise_collective_error
 
 T = TypeVar("T")
@@ -38,11 +41,15 @@ def all_gather_flat(
     With ``async_op`` it returns the work handle to wait on before ``output`` is read.
     """
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    number = _watch.issue(group)
+    mark = _watch.begin(group, number, "all-gather")
     try:
         work = fn(output, input, group=group, async_op=async_op)
     except RuntimeError as err:
         raise_collective_error(err, "all-gather", group)
-    return _checked(work, "all-gather", group)
+    finally:
+        _watch.end(mark)
+    return _checked(work, "all-gather", group, number)
 
 
 def reduce_scatter_flat(
@@ -58,15 +65,19 @@ def reduce_scatter_flat(
     work handle to wait on (gloo runs it on its own thread, overlapping compute).
     """
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    number = _watch.issue(group)
+    mark = _watch.begin(group, number, "reduce-scatter")
     try:
         work = fn(output, input, group=group, async_op=async_op)
     except RuntimeError as err:
         raise_collective_error(err, "reduce-scatter", group)
+    finally:
+        _watch.end(mark)
     if work is None:
         if input.device.type == "cpu":
             _let_collective_thread_finish()
         return None
-    return CheckedWork(work, "reduce-scatter", group, pause_after_wait=True)
+    return CheckedWork(work, "reduce-scatter", group, number, pause_after_wait=True)
 
 
 def gather_flat_to(
@@ -89,11 +100,15 @@ def gather_flat_to(
     received = output if rank == dst and output is not None else input.new_empty(0)
     output_splits = [numel if rank == dst else 0] * world_size
     input_splits = [numel if peer == dst else 0 for peer in range(world_size)]
+    number = _watch.issue(group)
+    mark = _watch.begin(group, number, "gather")
     try:
         work = dist.all_to_all_single(received, input, output_splits, input_splits, group=group, async_op=async_op)
     except RuntimeError as err:
         raise_collective_error(err, "gather", group)
-    return _checked(work, "gather", group)
+    finally:
+        _watch.end(mark)
+    return _checked(work, "gather", group, number)
 
 
 # [Note: Gather to one rank]
@@ -120,26 +135,31 @@ class CheckedWork:
     runs]).
     """
 
-    __slots__ = ("_work", "_collective", "_group", "_pause_after_wait")
+    __slots__ = ("_work", "_collective", "_group", "_number", "_pause_after_wait")
 
     def __init__(
         self,
         work: dist.Work,
         collective: str,
         group: Optional[dist.ProcessGroup],
+        number: int,
         pause_after_wait: bool = False,
     ) -> None:
         self._work = work
         self._collective = collective
         self._group = group
+        self._number = number  # its number among the FSDP collectives issued on the group
         self._pause_after_wait = pause_after_wait
 
     def wait(self, timeout: Optional[timedelta] = None) -> bool:
         """``dist.Work.wait``: blocks until the collective is done (or ``timeout``)."""
+        mark = _watch.begin(self._group, self._number, self._collective)
         try:
             done = self._work.wait() if timeout is None else self._work.wait(timeout)
         except RuntimeError as err:
             raise_collective_error(err, self._collective, self._group)
+        finally:
+            _watch.end(mark)
         if self._pause_after_wait:
             _let_collective_thread_finish()
         return done
@@ -176,42 +196,56 @@ def _let_collective_thread_finish() -> None:
     time.sleep(_COLLECTIVE_THREAD_PAUSE_S)
 
 
-def _checked(work: Optional[dist.Work], collective: str, group: Optional[dist.ProcessGroup]) -> Optional[CheckedWork]:
+def _checked(
+    work: Optional[dist.Work], collective: str, group: Optional[dist.ProcessGroup], number: int
+) -> Optional[CheckedWork]:
     """``work`` (None for a completed synchronous call) with a checked ``wait()``."""
-    return None if work is None else CheckedWork(work, collective, group)
+    return None if work is None else CheckedWork(work, collective, group, number)
 
 
 def all_reduce_sum(tensor: torch.Tensor, group: Optional[dist.ProcessGroup]) -> None:
     """Sum-reduces ``tensor`` in place across ranks."""
+    mark = _watch.begin(group, _watch.issue(group), "all-reduce")
     try:
         dist.all_reduce(tensor, group=group)
     except RuntimeError as err:
         raise_collective_error(err, "all-reduce", group)
+    finally:
+        _watch.end(mark)
 
 
 def all_reduce_max(tensor: torch.Tensor, group: Optional[dist.ProcessGroup]) -> None:
     """Max-reduces ``tensor`` in place across ranks."""
+    mark = _watch.begin(group, _watch.issue(group), "all-reduce (max)")
     try:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
     except RuntimeError as err:
         raise_collective_error(err, "all-reduce (max)", group)
+    finally:
+        _watch.end(mark)
 
 
 def broadcast_from_rank0(tensor: torch.Tensor, group: Optional[dist.ProcessGroup]) -> None:
     """Overwrites ``tensor`` with the value of group-rank 0."""
+    mark = _watch.begin(group, _watch.issue(group), "broadcast")
     try:
         dist.broadcast(tensor, group=group, group_src=0)
     except RuntimeError as err:
         raise_collective_error(err, "broadcast", group)
+    finally:
+        _watch.end(mark)
 
 
 def all_gather_tensors(tensor: torch.Tensor, group: Optional[dist.ProcessGroup]) -> list[torch.Tensor]:
     """Every rank's ``tensor`` (same shape and dtype everywhere), in rank order."""
     out = [torch.empty_like(tensor) for _ in range(group_size(group))]
+    mark = _watch.begin(group, _watch.issue(group), "all-gather")
     try:
         dist.all_gather(out, tensor, group=group)
     except RuntimeError as err:
         raise_collective_error(err, "all-gather", group)
+    finally:
+        _watch.end(mark)
     return out
 
 
@@ -219,22 +253,28 @@ def all_gather_object(obj: T, group: Optional[dist.ProcessGroup], device: torch.
     """Every rank's picklable ``obj``, in rank order, staged on the unit's compute ``device``
     where the group stages objects on CUDA ([Note: Object collectives' device])."""
     out = [obj] * group_size(group)  # placeholders, every entry overwritten
+    mark = _watch.begin(group, _watch.issue(group), "all-gather (objects)")
     try:
         with _object_device(device):
             dist.all_gather_object(out, obj, group=group)
     except RuntimeError as err:
         raise_collective_error(err, "all-gather (objects)", group)
+    finally:
+        _watch.end(mark)
     return out
 
 
 def broadcast_object_from_rank0(obj: T, group: Optional[dist.ProcessGroup], device: torch.device) -> T:
     """Group-rank 0's picklable ``obj`` on every rank (staged as :func:`all_gather_object`)."""
     box = [obj]
+    mark = _watch.begin(group, _watch.issue(group), "broadcast (objects)")
     try:
         with _object_device(device):
             dist.broadcast_object_list(box, group=group, group_src=0)
     except RuntimeError as err:
         raise_collective_error(err, "broadcast (objects)", group)
+    finally:
+        _watch.end(mark)
     return box[0]
 
 

@@ -22,7 +22,9 @@ Code that catches torch's exception types keeps working; ``__cause__`` holds the
 A rank that waits alone cannot tell a stalled peer from one that is somewhere else in the
 program. The classic case: only rank 0 calls ``model.state_dict()`` while the others train on;
 rank 0 waits in the state dict's gather, the others in their next forward's all-gather, and
-both sides time out blaming "a slow data loader". So a rank whose collective times out or
+both sides time out blaming "a slow data loader". (State dicts now agree on entry before any
+collective and fail fast there, [Note: Blocked collectives] in ``_watch.py``; the exchange
+below serves every other mismatch, and a peer still blocked when a state dict raised.) So a rank whose collective times out or
 loses a peer first writes what it was doing into the default group's store (one key per
 group and global rank: a group that failed is abandoned, so a key never outlives its failure)
 and reads what the group's other ranks wrote, waiting a moment
@@ -85,7 +87,13 @@ from typing import Callable, NoReturn, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-__all__ = ["check_interrupted_backward_agreed", "raise_collective_error"]
+__all__ = [
+    "check_interrupted_backward_agreed",
+    "describe_blocked_frame",
+    "group_timeout",
+    "publish_phase",
+    "raise_collective_error",
+]
 
 # (module, function) -> the phase it is; the innermost match names the phase, outer ones add
 # "within ...". Names are matched as strings so this file imports nothing above it.
@@ -357,6 +365,31 @@ def check_interrupted_backward_agreed(groups: Sequence[dist.ProcessGroup], progr
             f"no collective. Fix the exception the backward raised on this rank (printed where "
             f"it was raised), restart every rank, and resume from a checkpoint."
         )
+
+
+def describe_blocked_frame(frame: Optional[FrameType]) -> str:
+    """" during <phase> of FSDP unit '<unit>'" for a thread blocked at ``frame`` (its innermost
+    frame), as collective errors say it; "" where no phase is known."""
+    phase, unit = _phase_and_unit(frame)
+    where = f" during {phase}" if phase else ""
+    return where + (f" of FSDP unit '{unit}'" if unit is not None else "")
+
+
+def publish_phase(group: Optional[dist.ProcessGroup], phase: str) -> None:
+    """Publishes ``phase`` as this rank's report for ``group``'s collective errors ([Note: Phases
+    exchanged on failure]), for a rank that raised without entering the collective the others
+    wait in; a store that cannot be reached leaves it out."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        name = _resolved(group).group_name  # type: ignore[union-attr]
+        store.set(_REPORT_KEY.format(name, dist.get_rank()), phase)
+    except Exception:  # describing must never hide the error being raised
+        return
+
+
+def group_timeout(group: Optional[dist.ProcessGroup]) -> Optional[timedelta]:
+    """The timeout the group's backend waits for (None where it cannot be read)."""
+    return _group_timeout(group)
 
 
 def _phase_and_unit(frame: Optional[FrameType]) -> tuple[Optional[str], Optional[str]]:

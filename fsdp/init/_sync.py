@@ -4,6 +4,9 @@ Parameters are broadcast as each unit's flat tensor, before sharding (one collec
 no extra memory; see FlatParamHandle). Buffers are broadcast here. For hybrid layouts the
 broadcast goes over the shard group, then the replicate group, so every replica receives the
 values of the rank at mesh position (0, 0). Unlike torch FSDP1 this works on CPU.
+Tensor-parallel (DTensor) parameters and buffers are broadcast through their local tensors
+(``broadcast_from_group_rank0``): FSDP's groups span the data-parallel dimension, so every rank
+receives the piece its tp coordinate holds at dp position 0.
 """
 
 from __future__ import annotations

@@ -103,10 +103,12 @@ def warn_construction(
     from fsdp.init._process_group import HYBRID_STRATEGIES
 
     if world_size == 1 and strategy is not ShardingStrategy.NO_SHARD and strategy not in HYBRID_STRATEGIES:
+        # Torch FSDP1's words exactly, attributed (as torch attributes it) to the wrapper's
+        # constructor rather than its caller: one location, so Python's default filter shows it
+        # once per process however many units are built, as torch's shows.
         warnings.warn(
-            f"FSDP is switching to use `NO_SHARD` instead of {strategy} since the world size "
-            f"is 1. (fsdp: the process group has one rank, so there is nothing to shard.)",
-            stacklevel=4,
+            f"FSDP is switching to use `NO_SHARD` instead of {strategy} since the world size is 1.",
+            stacklevel=3,  # FullyShardedDataParallel.__init__ -> build step -> here
         )
     elif world_size > 1 and requested is ShardingStrategy.NO_SHARD:
         warnings.warn(

@@ -242,6 +242,25 @@ class UnitState:
 
 
 @dataclass
+class ForwardOrderWatch:
+    """The local check of later iterations' forward order ([Note: Forward order after the
+    first iteration] in ``_exec_order.py``).
+
+    Attributes:
+        first_iteration: Unit indices of the first iteration's training forwards of units with
+            parameters, in order, repeats kept.
+        position: How many such forwards this iteration has run.
+        deviated: This iteration's order differed from ``first_iteration`` (it warns on).
+        warned: An earlier iteration differed: no more warnings.
+    """
+
+    first_iteration: list[int] = field(default_factory=list)
+    position: int = 0
+    deviated: bool = False
+    warned: bool = False
+
+
+@dataclass
 class RootContext:
     """State the root owns and shares with every unit in its tree (handed down, never copied).
 
@@ -270,6 +289,7 @@ class RootContext:
             taken it.
         buffers_in_full_precision: Cast buffers are in full precision (eval, see
             ``full_precision_in_eval``).
+        forward_watch: Later iterations' forward order against the first one's.
     """
 
     root: UnitState
@@ -291,6 +311,7 @@ class RootContext:
     unit_kept_for_backward: Optional[UnitState] = None
     kept_unit_pending: Optional[UnitState] = None
     buffers_in_full_precision: bool = False
+    forward_watch: ForwardOrderWatch = field(default_factory=ForwardOrderWatch)
 
 
 def set_reported_ignored(

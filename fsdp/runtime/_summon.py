@@ -48,10 +48,14 @@ def _validate_args(writeback: bool, rank0_only: bool, offload_to_cpu: bool, with
             "pass offload_to_cpu=False to see gradients, or with_grads=False to offload."
         )
     if offload_to_cpu and not rank0_only:
-        warnings.warn(  # as torch FSDP1 warns
-            "fsdp: summon_full_params(offload_to_cpu=True, rank0_only=False) copies the full "
+        warnings.warn(  # torch FSDP1's sentence (its missing space included), then ours
+            "offload_to_cpu=True and rank0_only=False may result in the"
+            "unsharded parameters being redundantly copied to CPU memory for "
+            "GPUs sharing the same CPU memory, which risks CPU OOM. We "
+            "recommend using offload_to_cpu=True with rank0_only=True. (fsdp: "
+            "summon_full_params(offload_to_cpu=True, rank0_only=False) copies the full "
             "parameters to CPU memory on every rank; ranks sharing a host may run out of CPU "
-            "memory. rank0_only=True keeps only rank 0's copy.",
+            "memory. rank0_only=True keeps only rank 0's copy.)",
             stacklevel=2,
         )
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Iterator, Optional, Sequence, cast
 
 from torch import nn
@@ -26,6 +27,27 @@ _CONFIG_TYPES: dict[StateDictType, tuple[type, type]] = {
     StateDictType.SHARDED_STATE_DICT: (ShardedStateDictConfig, ShardedOptimStateDictConfig),
     StateDictType.LOCAL_STATE_DICT: (LocalStateDictConfig, LocalOptimStateDictConfig),
 }
+
+
+# Torch FSDP1's deprecation of its state-dict setters (FSDP.set_state_dict_type and the
+# FSDP.state_dict_type context, which sets twice: on entry and on exit), word for word.
+_SETTER_DEPRECATION = (
+    "FSDP.state_dict_type() and FSDP.set_state_dict_type() are being "
+    "deprecated. Please use APIs, get_state_dict() and set_state_dict(), "
+    "which can support different parallelisms, FSDP1, FSDP2, DDP. "
+    "API doc: https://pytorch.org/docs/stable/distributed.checkpoint.html"
+    "#torch.distributed.checkpoint.state_dict.get_state_dict ."
+    "Tutorial: https://pytorch.org/tutorials/recipes/distributed_checkpoint_recipe.html ."
+)
+
+
+def warn_setter_deprecated(stacklevel: int) -> None:
+    """Torch FSDP1's ``FutureWarning`` for each setting of the state-dict type.
+
+    ``stacklevel`` counts from the caller of this function (1: that caller's line).
+    ``torch.distributed.checkpoint.state_dict`` silences it, as it does torch's.
+    """
+    warnings.warn(_SETTER_DEPRECATION, FutureWarning, stacklevel=stacklevel + 1)
 
 
 def default_settings() -> StateDictSettings:
@@ -95,14 +117,17 @@ def state_dict_type_context(
 ) -> Iterator[None]:
     """``FullyShardedDataParallel.state_dict_type``: the settings of ``module``'s units inside.
 
-    On exit the previous settings are set again on the units ``module`` contains then.
+    On exit the previous settings are set again on the units ``module`` contains then. Each
+    of the two settings warns that the setters are deprecated, as torch FSDP1's do.
     """
+    warn_setter_deprecated(stacklevel=1)
     previous = set_state_dict_type(
         fsdp_modules(module), state_dict_type, state_dict_config, optim_state_dict_config
     )
     try:
         yield
     finally:
+        warn_setter_deprecated(stacklevel=1)
         set_state_dict_type(
             fsdp_modules(module),
             previous.state_dict_type,
