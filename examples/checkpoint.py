@@ -50,10 +50,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch import nn
 
-from fsdp import FullyShardedDataParallel as FSDP
-from fsdp import StateDictType
 
 LATEST = "latest"
 #: The file in each checkpoint folder that holds the save's ``info`` (JSON).
@@ -102,12 +101,10 @@ def _quiet_sharded_tensor_deprecation() -> Iterator[None]:
 
 
 def _state(model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict[str, Any]) -> dict[str, Any]:
-    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
-        return {
-            "model": model.state_dict(),
-            "optim": FSDP.optim_state_dict(model, optimizer),
-            "extra": extra,
-        }
+    """The sharded model and optimizer state dicts through DCP's state-dict API (torch's
+    recommended form; ``FSDP.state_dict_type`` is deprecated in torch FSDP1, and warns so)."""
+    model_state, optim_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optim": optim_state, "extra": extra}
 
 
 def save_checkpoint(
@@ -322,7 +319,5 @@ def load_checkpoint(
             f"corrupt or from another model; resume from an earlier step_* folder by pointing "
             f"{LATEST} at it{earlier}, or start without --resume."
         ) from exc
-    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(FSDP.optim_state_dict_to_load(model, optimizer, state["optim"]))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     return state["extra"]
