@@ -354,11 +354,6 @@ def _pre_backward_hook(state: UnitState, grad: torch.Tensor, owner: Optional[nn.
         # took them ([Note: Backward reads forward's views] in flat_param/_views.py).
         if not handle.views.use_recorded_views():
             handle.use_unsharded_views()
-    # [Note: Overlapped gradient reduction]: on CPU the reduction launched by the unit before
-    # this one completes before this unit's prefetch allocates its buffer, so that buffer and
-    # the previous unit's gradients are never alive together (that was the step's peak).
-    if any(pending.device.type == "cpu" for pending in state.ctx.inflight_reductions):
-        finish_inflight_reductions(state.ctx)
     prefetch_after(state, "backward_pre")
     return grad
 
@@ -410,7 +405,7 @@ def _post_backward_hook(
         state.comm_hook,
         state.comm_hook_state,
         full_precision=state.forward_in_full_precision,
-        in_flight=state.reduction_stays_in_flight(handle.storage.post_backward_stream is not None),
+        in_flight=state.policy.reduction_stays_in_flight(handle.storage.post_backward_stream is not None),
     )
     if handle.grads.inflight is not None:
         ctx.inflight_reductions.append(handle)
