@@ -104,6 +104,14 @@ class UnitPolicy:
         """Whether the strategy frees the unsharded parameters between forward and backward."""
         return self.strategy in _RESHARD_AFTER_FORWARD
 
+    @property
+    def keeps_unsharded_for_backward(self) -> bool:
+        """A sharding strategy that keeps every unit's unsharded parameters from its forward into
+        its backward (SHARD_GRAD_OP, _HYBRID_SHARD_ZERO2): the names keep the unsharded views
+        in between, as torch FSDP1's do ([Note: Original parameters between forward and
+        backward] in ``runtime/_hooks.py``)."""
+        return not self.reshards_after_forward and self.strategy is not ShardingStrategy.NO_SHARD
+
     def frees_after_forward(self, is_root: bool, has_unsharded_buffer: bool) -> bool:
         """Whether post-forward frees the unit's unsharded copies when a backward follows.
 

@@ -17,7 +17,6 @@ from torch.autograd import Variable
 from torch.autograd.graph import Node
 
 from fsdp._common import apply_to_tensors, compile_boundary, eager_only, p_assert
-from fsdp.api import ShardingStrategy
 from fsdp._comm._errors import check_interrupted_backward_agreed
 from fsdp.flat_param.flat_param import FlatParameter, FlatParamHandle
 from fsdp.flat_param._recast import adopt_external_cast, check_not_recast_since_forward
@@ -312,7 +311,7 @@ def _register_orig_params_after_forward(state: UnitState) -> None:
     the pre-backward hook points the names at views again for the backward's recomputations.
     tests/test_orig_params_grads.py compares ``.grad`` and shapes at each point with torch's.
     """
-    if state.sharding_strategy in (ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy._HYBRID_SHARD_ZERO2):
+    if state.policy.keeps_unsharded_for_backward:
         return
     for handle in state.handles:
         if handle.use_orig_params and handle.is_unsharded:
