@@ -94,7 +94,7 @@ def test_cpu_offload_moves_model_states_to_cpu() -> None:
     # On a CPU training device the host buffers are the same memory; what offload adds there is
     # the device copy of each shard being gathered (FlatParamHandle copies on CPU too), alive
     # only during its gather: on CPU every gather completes where it is launched, a prefetch too
-    # ([Note: A CPU gather completes where it is launched]), so none is alive at this peak.
+    # ([Note: On CPU a collective completes where it is launched]), so none is alive at this peak.
     on_cpu = estimate_memory(
         model, _inputs(), world_size=4, auto_wrap_policy=policy, cpu_offload=CPUOffload(offload_params=True),
         device_id=torch.device("cpu"),

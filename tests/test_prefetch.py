@@ -147,7 +147,7 @@ def test_prefetch_parity_ws1_ws4(dist_pool: RankPool) -> None:
 
 def prefetch_completes_at_launch() -> None:
     """On CPU a prefetched all-gather is launched at the moment its setting names and completes
-    there ([Note: A CPU gather completes where it is launched]): nothing is ever left in flight
+    there ([Note: On CPU a collective completes where it is launched]): nothing is ever left in flight
     for the unit to wait on, and the gathered parameters are the full ones at once."""
     from fsdp import FullyShardedDataParallel as FSDP
     from fsdp.flat_param._storage import FlatParamStorage

@@ -246,28 +246,35 @@ def test_diverging_ranks_raise_instead_of_hanging(pool2: RankPool) -> None:
     pool2.run(diverging_ranks, _timeout=60)
 
 
-def reductions_finished_before_gradient_assembly() -> list[tuple[str, list[str]]]:
-    """[Note: Overlapped gradient reduction]: a reduction still in flight when a unit's
-    unsharded gradient is assembled is finished first, so its buffers are not alive with the
-    new gradient. The root's gradient is assembled last, after blocks.0's reduce-scatter was
-    launched (on CPU the pre-backward hooks finish the others earlier)."""
+def reductions_complete_where_launched() -> list[tuple[str, list[str], bool]]:
+    """[Note: On CPU a collective completes where it is launched]: each unit's gradient
+    reduction is complete when its post-backward hook returns (nothing in flight, the reduced
+    sharded gradient pending for the end of backward), and no reduction is in flight when any
+    unit's unsharded gradient is assembled."""
     from fsdp import FullyShardedDataParallel as FSDP
     from fsdp.wrap import ModuleWrapPolicy
     from tests._models import make_toy
 
     rank, ws = dist.get_rank(), dist.get_world_size()
     model = FSDP(make_toy(), auto_wrap_policy=ModuleWrapPolicy({Block}))
-    seen: list[tuple[str, list[str]]] = []
+    seen: list[tuple[str, list[str], bool]] = []
+    handles = [h for unit in FSDP.fsdp_modules(model) for h in unit._fsdp_state.handles]
 
-    def record(name: str, grad: torch.Tensor) -> None:
+    def assembled(name: str, grad: torch.Tensor) -> None:
         # Runs when the FlatParameter's gradient has just been assembled, before accumulation.
-        seen.append((name, [h.unit_name for h in model._fsdp_state.ctx.inflight_reductions]))
+        seen.append((name, [h.unit_name for h in model._fsdp_state.ctx.inflight_reductions], False))
+
+    def reduced(handle: Any, param: torch.Tensor) -> None:
+        # Registered after fsdp's post-accumulate hook: runs once it has launched the reduction.
+        done = handle.grads.inflight is None and handle.grads.pending_sharded_grad is not None
+        seen.append((handle.unit_name, [h.unit_name for h in model._fsdp_state.ctx.inflight_reductions], done))
 
     for step in range(2):
         removable = []
         if step == 1:
-            handles = [h for unit in FSDP.fsdp_modules(model) for h in unit._fsdp_state.handles]
-            removable = [h.flat_param.register_hook(lambda g, n=h.unit_name: record(n, g)) for h in handles]
+            for h in handles:
+                removable.append(h.flat_param.register_hook(lambda g, n=h.unit_name: assembled(n, g)))
+                removable.append(h.flat_param.register_post_accumulate_grad_hook(lambda p, h=h: reduced(h, p)))
         tokens, targets = global_batch(step, ws)
         lm_loss(model(local_rows(tokens, rank, ws)), local_rows(targets, rank, ws)).backward()
         for r in removable:
@@ -275,7 +282,8 @@ def reductions_finished_before_gradient_assembly() -> list[tuple[str, list[str]]
     return seen
 
 
-def test_reductions_finished_before_gradient_assembly(pool2: RankPool) -> None:
-    for seen in pool2.run(reductions_finished_before_gradient_assembly):
-        assert [name for name, _ in seen] == ["blocks.2", "blocks.1", "blocks.0", "<root>"], seen
-        assert all(inflight == [] for _, inflight in seen), seen
+def test_reductions_complete_where_launched_on_cpu(pool2: RankPool) -> None:
+    for seen in pool2.run(reductions_complete_where_launched):
+        order = ["blocks.2", "blocks.1", "blocks.0", "<root>"]
+        assert [(name, done) for name, _, done in seen] == [(n, d) for n in order for d in (False, True)], seen
+        assert all(inflight == [] for _, inflight, _ in seen), seen

@@ -16,7 +16,6 @@ blocked collectives ([Note: Blocked collectives] in ``_watch.py``): a dict updat
 from __future__ import annotations
 
 import contextlib
-import time
 from datetime import timedelta
 from typing import Any, Optional, TypeVar
 
@@ -62,7 +61,7 @@ def reduce_scatter_flat(
 
     Example with world size 2: rank 0 passes ``[1, 2, 3, 4]`` and rank 1 ``[5, 6, 7, 8]``;
     rank 0 receives ``[6, 8]`` and rank 1 ``[10, 12]``. With ``async_op`` it returns the
-    work handle to wait on (gloo runs it on its own thread, overlapping compute).
+    work handle to wait on.
     """
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     number = _watch.issue(group)
@@ -73,11 +72,7 @@ def reduce_scatter_flat(
         raise_collective_error(err, "reduce-scatter", group)
     finally:
         _watch.end(mark)
-    if work is None:
-        if input.device.type == "cpu":
-            _let_collective_thread_finish()
-        return None
-    return CheckedWork(work, "reduce-scatter", group, number, pause_after_wait=True)
+    return _checked(work, "reduce-scatter", group, number)
 
 
 def gather_flat_to(
@@ -130,12 +125,10 @@ def gather_flat_to(
 class CheckedWork:
     """A ``torch.distributed`` work whose ``wait()`` failure carries FSDP's context.
 
-    Only asynchronous collectives return one. ``pause_after_wait``: a host collective whose
-    thread releases buffers after it reports completion ([Note: A finished collective's thread
-    runs]).
+    Only asynchronous collectives return one.
     """
 
-    __slots__ = ("_work", "_collective", "_group", "_number", "_pause_after_wait")
+    __slots__ = ("_work", "_collective", "_group", "_number")
 
     def __init__(
         self,
@@ -143,13 +136,11 @@ class CheckedWork:
         collective: str,
         group: Optional[dist.ProcessGroup],
         number: int,
-        pause_after_wait: bool = False,
     ) -> None:
         self._work = work
         self._collective = collective
         self._group = group
         self._number = number  # its number among the FSDP collectives issued on the group
-        self._pause_after_wait = pause_after_wait
 
     def wait(self, timeout: Optional[timedelta] = None) -> bool:
         """``dist.Work.wait``: blocks until the collective is done (or ``timeout``)."""
@@ -160,40 +151,11 @@ class CheckedWork:
             raise_collective_error(err, self._collective, self._group)
         finally:
             _watch.end(mark)
-        if self._pause_after_wait:
-            _let_collective_thread_finish()
         return done
 
     # Any: forwards whatever else dist.Work has (is_completed, get_future, ...), typed by torch.
     def __getattr__(self, name: str) -> Any:
         return getattr(self._work, name)
-
-
-# How long the rank's thread steps aside after a host reduce-scatter ([Note: A finished
-# collective's thread runs]): long enough for the finished thread's last lines (tens of
-# microseconds), short next to a unit's backward.
-_COLLECTIVE_THREAD_PAUSE_S = 1e-4
-
-
-def _let_collective_thread_finish() -> None:
-    """[Note: A finished collective's thread runs]
-    A collective on the host runs on the backend's thread, which reports completion and only
-    then drops its hold on the work, and with it the work's buffers: gloo's reduce-scatter
-    all-reduces a full-size copy of its input, freed when the last of the waiter and that thread
-    lets go of it. The report wakes the rank's thread, and where there are more runnable threads
-    than cores (ranks sharing a host's cores) the woken thread keeps the core for a scheduler
-    slice, several milliseconds, in which it allocates what comes next (the next unit's
-    all-gather buffer and gloo's staging copy) while the finished copy, a unit's unsharded
-    gradient in size, is still alive; torch FSDP1's synchronous reduce-scatter meets the same
-    race. On the CPU benchmark (world size 2 on 2 cores) that decided the step's peak in about
-    half of fsdp's runs and most of torch FSDP1's (195.4 MiB instead of 189.4). So after a host
-    reduce-scatter the thread sleeps briefly, which gives the scheduler an idle core to run the
-    finished thread on. Giving up the core without idling it (``sched_yield``) is not enough: the
-    finished thread may be queued on the other core (2 of 16 ranks' peaks still met the copy
-    with three yields, none of 16 with the pause). A CUDA reduce-scatter is ordered by streams,
-    with no host thread to wait for.
-    """
-    time.sleep(_COLLECTIVE_THREAD_PAUSE_S)
 
 
 def _checked(

@@ -104,6 +104,14 @@ class UnitPolicy:
         """Whether the strategy frees the unsharded parameters between forward and backward."""
         return self.strategy in _RESHARD_AFTER_FORWARD
 
+    @property
+    def keeps_unsharded_for_backward(self) -> bool:
+        """A sharding strategy that keeps every unit's unsharded parameters from its forward into
+        its backward (SHARD_GRAD_OP, _HYBRID_SHARD_ZERO2): the names keep the unsharded views
+        in between, as torch FSDP1's do ([Note: Original parameters between forward and
+        backward] in ``runtime/_hooks.py``)."""
+        return not self.reshards_after_forward and self.strategy is not ShardingStrategy.NO_SHARD
+
     def frees_after_forward(self, is_root: bool, has_unsharded_buffer: bool) -> bool:
         """Whether post-forward frees the unit's unsharded copies when a backward follows.
 
@@ -128,8 +136,20 @@ class UnitPolicy:
         """
         return sync_gradients or self.reshards_after_forward
 
-    def reduction_stays_in_flight(self, has_stream: bool, comm_hook: bool) -> bool:
+    def reduction_stays_in_flight(self, has_stream: bool) -> bool:
         """Whether a gradient reduction stays in flight past the post-backward hook (its buffers
-        alive until it is waited for): every one on a post-backward stream (CUDA); on CPU a lone
-        default reduce-scatter (gloo's asynchronous collective), nothing else."""
-        return has_stream or (self.uses_sharding and self.replicate_world_size == 1 and not comm_hook)
+        alive until the compute stream waits for it): on a post-backward stream (CUDA), every
+        one; without a stream, none ([Note: On CPU a collective completes where it is launched])."""
+        return has_stream
+
+
+# [Note: On CPU a collective completes where it is launched]
+# A CPU rank has no stream to queue a collective behind. The only way to overlap one with the
+# rank's computation is an asynchronous collective on the backend's host thread, whose staging
+# buffers (gloo gathers into an unsharded-size buffer, and reduce-scatters a full-size copy of
+# its input) then stay alive for as long as that thread takes to run and to let go of them: a
+# matter of thread scheduling, which on a host whose ranks share cores decides the step's peak.
+# So on CPU every all-gather (prefetches too) and every gradient reduction completes where it is
+# launched, as torch FSDP1's do on CPU: a prefetch moves a gather earlier, to the moment its
+# setting names, and completes it there. Which collectives run, and their order, are the same on
+# every device; only the waiting differs, and it follows from the stream, not from the backend.

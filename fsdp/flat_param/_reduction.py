@@ -29,15 +29,13 @@ __all__ = ["GradReduction"]
 
 
 class _InflightReduction(NamedTuple):
-    """A launched reduction: its work (CPU) or completion event (CUDA), the sharded output it
-    writes, whether that still needs the post-divide, and what must stay alive until the
-    collective has read it: the reduction's input as the compute stream made it ([Note: The
-    reduction's input outlives its readers])."""
+    """A reduction launched on the post-backward stream: its completion event, the sharded
+    gradient it makes (in its kept form), and what must stay alive until the collective has
+    read it: the reduction's input as the compute stream made it ([Note: The reduction's input
+    outlives its readers])."""
 
-    work: Optional[comm.CheckedWork]
-    event: Optional[torch.cuda.Event]
+    event: torch.cuda.Event
     sharded_grad: torch.Tensor
-    post_divide: bool
     keep_alive: torch.Tensor
 
 
@@ -146,8 +144,8 @@ class GradReduction:
         the compute stream's work so far, and the compute stream waits on an event only in
         :meth:`wait` (torch FSDP1's post-backward stream); tests/test_cuda_lane.py's
         training parity runs it (NO_SHARD and HYBRID_SHARD on the two-rank pool, offload on the
-        one-rank NCCL pool). On CPU there is no stream: a lone reduce-scatter is an asynchronous
-        collective (gloo's thread), anything else completes before this returns.
+        one-rank NCCL pool). On CPU there is no stream: the reduction completes before this
+        returns ([Note: On CPU a collective completes where it is launched] in ``_policy.py``).
         """
         unsharded_grad = self._take_unsharded_grad()
         if not sync:
@@ -176,17 +174,15 @@ class GradReduction:
         with on_stream(stream, self.storage.device):
             if comm_hook is not None:
                 sharded_grad = self._reduce_with_hook(unsharded_grad, comm_hook, comm_hook_state)
-                work, post_divide = None, False
             else:
-                sharded_grad, work, post_divide = self._reduce_default(unsharded_grad, in_flight and stream is None)
-            if stream is not None:
-                # [Note: A reduction finishes on its stream]
-                sharded_grad = self._kept_form(sharded_grad)
+                sharded_grad = self._reduce_default(unsharded_grad)
+            # [Note: A reduction finishes on its stream]
+            sharded_grad = self._kept_form(sharded_grad)
             event = record_event(stream) if stream is not None else None
-        if not in_flight:  # complete already (CPU)
-            self._accumulate_reduced(self._kept_form(sharded_grad))
+        if not in_flight or event is None:  # complete already (no stream)
+            self._accumulate_reduced(sharded_grad)
             return
-        self.inflight = _InflightReduction(work, event, sharded_grad, post_divide, reduction_input)
+        self.inflight = _InflightReduction(event, sharded_grad, reduction_input)
 
     def _take_unsharded_grad(self) -> torch.Tensor:
         """Takes the FlatParameter's unsharded gradient (``.grad`` becomes None), with any prior
@@ -216,18 +212,11 @@ class GradReduction:
             return
         self.inflight = None
         sharded_grad = inflight.sharded_grad
-        if inflight.work is not None:
-            inflight.work.wait()
-        if inflight.event is not None:
-            current = torch.cuda.current_stream(self.storage.device)
-            current.wait_event(inflight.event)
-            if sharded_grad.device.type == "cuda":  # (with offload it is already on the host)
-                # Made on the post-backward stream, used on this one: keep it from being reused early.
-                sharded_grad.record_stream(current)
-        if inflight.post_divide and self.post_divide > 1:
-            sharded_grad.div_(self.post_divide)
-        if inflight.event is None:
-            sharded_grad = self._kept_form(sharded_grad)
+        current = torch.cuda.current_stream(self.storage.device)
+        current.wait_event(inflight.event)
+        if sharded_grad.device.type == "cuda":  # (with offload it is already on the host)
+            # Made on the post-backward stream, used on this one: keep it from being reused early.
+            sharded_grad.record_stream(current)
         self._accumulate_reduced(sharded_grad)
 
     def _kept_form(self, sharded_grad: torch.Tensor) -> torch.Tensor:
@@ -281,15 +270,9 @@ class GradReduction:
         comm_hook(comm_hook_state, unsharded_grad, output)
         return output
 
-    def _reduce_default(
-        self, unsharded_grad: torch.Tensor, async_op: bool
-    ) -> tuple[torch.Tensor, Optional[comm.CheckedWork], bool]:
-        """Pre-divide, reduce-scatter (all-reduce for NO_SHARD), all-reduce across replicas.
-
-        Returns ``(sharded gradient, work, post-divide pending)``: with ``async_op`` a lone
-        reduce-scatter only launches (its work is returned and the post-divide waits for it);
-        otherwise the reduction is issued in full and post-divided here.
-        """
+    def _reduce_default(self, unsharded_grad: torch.Tensor) -> torch.Tensor:
+        """Pre-divide, reduce-scatter (all-reduce for NO_SHARD), all-reduce across replicas,
+        post-divide; returns the sharded gradient (issued in full on the current stream)."""
         if self.pre_divide > 1:
             unsharded_grad.div_(self.pre_divide)
         sharded_grad = unsharded_grad
@@ -297,17 +280,14 @@ class GradReduction:
             sharded_grad = torch.empty(
                 self.layout.sharded_numel, dtype=unsharded_grad.dtype, device=unsharded_grad.device
             )
-            lone = async_op and self.replicate_world_size == 1
-            work = comm.reduce_scatter_flat(sharded_grad, unsharded_grad, self.process_group, async_op=lone)
-            if lone:
-                return sharded_grad, work, True
+            comm.reduce_scatter_flat(sharded_grad, unsharded_grad, self.process_group)
         elif self.layout.world_size > 1:
             comm.all_reduce_sum(unsharded_grad, self.process_group)
         if self.replicate_world_size > 1:
             comm.all_reduce_sum(sharded_grad, self.replicate_group)
         if self.post_divide > 1:
             sharded_grad.div_(self.post_divide)
-        return sharded_grad, None, False
+        return sharded_grad
 
     def finalize(self) -> None:
         """At the end of backward (or once its reduction is complete, for optimizers in

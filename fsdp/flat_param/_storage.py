@@ -292,8 +292,8 @@ class FlatParamStorage:
         runs ahead and the gather overlaps the previous unit's compute); tests/test_cuda_lane.py
         runs it (every config on the two-rank pool, offload on the one-rank NCCL pool). A
         prefetch (``async_op``) is waited for by :meth:`wait_unshard`, any other gather at once.
-        On CPU every gather completes here, a prefetch too ([Note: A CPU gather completes where
-        it is launched] in ``runtime/_prefetch.py``).
+        On CPU every gather completes here, a prefetch too ([Note: On CPU a collective completes
+        where it is launched] in ``_policy.py``).
 
         Precondition: SHARDED, no gather pending. Postcondition: the state is ``target``; the
         values are valid unless ``async_op`` on CUDA.

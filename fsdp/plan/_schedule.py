@@ -17,11 +17,10 @@ and free in a steady-state step (the second on, when prefetching is on):
   they are concatenated into the padded unsharded gradient (cast to ``reduce_dtype`` if it
   differs) and reduced into a new sharded gradient (NO_SHARD: in place). The reduction stays
   in flight (its buffers alive) until the next handle's first gradient or post-backward, one
-  at a time, where the unit's ``UnitPolicy.reduction_stays_in_flight`` says so (every one on an accelerator's
-  post-backward stream; on CPU a lone reduce-scatter); then the sharded gradient is cast to
+  at a time, where the unit's ``UnitPolicy.reduction_stays_in_flight`` says so (every one on
+  an accelerator's post-backward stream; none on CPU); then the sharded gradient is cast to
   full precision (offload: copied to the host buffer) and kept; on an accelerator that happens
   on the post-backward stream right after the collective (kept from the post-backward on).
-- pre-backward on CPU: the reduction in flight completes before the ``BACKWARD_PRE`` prefetch.
 - post-backward: the unit's unsharded parameters are freed and ``BACKWARD_POST`` gathers the
   next unit, both before the reduction is launched.
 - optimizer step: shards, sharded gradients and optimizer state plus the step's temporaries.
@@ -193,8 +192,8 @@ class _Replay:
                 self.add(COMM, comm)
                 if kind == PREFETCHED and not self.cfg.device_is_cpu:
                     self.pending_comm[hid] = comm  # held by the pending gather until used
-                else:  # complete here (on CPU a prefetch too: [Note: A CPU gather completes
-                    self.add(COMM, -comm)  # where it is launched] in runtime/_prefetch.py)
+                else:  # complete here (on CPU a prefetch too: [Note: On CPU a collective
+                    self.add(COMM, -comm)  # completes where it is launched] in flat_param/_policy.py)
 
     def reshard(self, u: int, only_frozen_besides: Optional[int] = None) -> None:
         for h, spec in enumerate(self.units[u].handles):
@@ -276,14 +275,14 @@ class _Replay:
         else:
             unsharded_kind = UNSHARDED_GRADS
         # [Note: One schedule] in flat_param/_policy.py: the rule the post-backward hook runs.
-        in_flight = self.units[hid[0]].policy.reduction_stays_in_flight(not cfg.device_is_cpu, comm_hook=False)
+        in_flight = self.units[hid[0]].policy.reduction_stays_in_flight(not cfg.device_is_cpu)
         reduced = sharded_reduce if spec.uses_sharding else unsharded  # NO_SHARD: in place
         if spec.uses_sharding:
             self.add(GRADS, sharded_reduce)
         else:
             self.add(GRADS, unsharded)
             self.add(unsharded_kind, -unsharded)
-        if in_flight and not cfg.device_is_cpu:
+        if in_flight:
             # [Note: A reduction finishes on its stream] in flat_param/_reduction.py: the kept
             # form (cast, offload copy) is made right after the collective; the reduction's
             # input stays alive until the wait (NO_SHARD: the gradient reduced in place).
@@ -297,8 +296,6 @@ class _Replay:
                     self.inflight = (hid, [(GRADS, reduced)], None)
                 else:
                     self.inflight = (hid, [], None)  # the reduced gradient itself is kept
-        elif in_flight:
-            self.inflight = (hid, [(unsharded_kind, unsharded)] if spec.uses_sharding else [], reduced)
         else:
             if spec.uses_sharding:
                 self.add(unsharded_kind, -unsharded)
@@ -341,10 +338,6 @@ class _Replay:
                 first = u not in self.ran_pre_backward
                 self.ran_pre_backward.add(u)
                 self.unshard(u, GATHERED)
-                if cfg.device_is_cpu:
-                    # On CPU the pre-backward hook finishes the reduction in flight before the
-                    # prefetch allocates (runtime/_hooks.py, _pre_backward_hook).
-                    self.wait_reduction()
                 if self.units[u].policy.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
                     self.prefetch(u, self.backward_order, backward=True)
                 if first:

@@ -17,7 +17,6 @@ from torch.autograd import Variable
 from torch.autograd.graph import Node
 
 from fsdp._common import apply_to_tensors, compile_boundary, eager_only, p_assert
-from fsdp.api import ShardingStrategy
 from fsdp._comm._errors import check_interrupted_backward_agreed
 from fsdp.flat_param.flat_param import FlatParameter, FlatParamHandle
 from fsdp.flat_param._recast import adopt_external_cast, check_not_recast_since_forward
@@ -312,7 +311,7 @@ def _register_orig_params_after_forward(state: UnitState) -> None:
     the pre-backward hook points the names at views again for the backward's recomputations.
     tests/test_orig_params_grads.py compares ``.grad`` and shapes at each point with torch's.
     """
-    if state.sharding_strategy in (ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy._HYBRID_SHARD_ZERO2):
+    if state.policy.keeps_unsharded_for_backward:
         return
     for handle in state.handles:
         if handle.use_orig_params and handle.is_unsharded:
@@ -354,11 +353,6 @@ def _pre_backward_hook(state: UnitState, grad: torch.Tensor, owner: Optional[nn.
         # took them ([Note: Backward reads forward's views] in flat_param/_views.py).
         if not handle.views.use_recorded_views():
             handle.use_unsharded_views()
-    # [Note: Overlapped gradient reduction]: on CPU the reduction launched by the unit before
-    # this one completes before this unit's prefetch allocates its buffer, so that buffer and
-    # the previous unit's gradients are never alive together (that was the step's peak).
-    if any(pending.device.type == "cpu" for pending in state.ctx.inflight_reductions):
-        finish_inflight_reductions(state.ctx)
     prefetch_after(state, "backward_pre")
     return grad
 
@@ -410,7 +404,7 @@ def _post_backward_hook(
         state.comm_hook,
         state.comm_hook_state,
         full_precision=state.forward_in_full_precision,
-        in_flight=state.reduction_stays_in_flight(handle.storage.post_backward_stream is not None),
+        in_flight=state.policy.reduction_stays_in_flight(handle.storage.post_backward_stream is not None),
     )
     if handle.grads.inflight is not None:
         ctx.inflight_reductions.append(handle)

@@ -17,22 +17,8 @@ On CUDA every gather runs on the unshard stream ([Note: One gather path] in
 ``flat_param/_storage.py``), and the compute stream waits on an event only when the prefetched
 unit starts (torch FSDP1's design); the prefetched unit's ``unshard()`` waits for it, and
 resharding never frees memory a collective is still writing. On CPU a prefetch completes where
-it is launched ([Note: A CPU gather completes where it is launched]).
-
-[Note: A CPU gather completes where it is launched]
-A CPU rank has no stream to queue a gather behind: the only way to overlap a prefetched gather
-with this unit's compute is an asynchronous collective on the backend's thread. gloo gathers
-into a staging buffer of the unsharded size and copies it out at the end, so for as long as such
-a gather is in flight (until the slowest rank has launched it and, where ranks share cores,
-until its thread gets one) a third unit-sized buffer is alive besides the two unsharded units
-of ``BACKWARD_PRE``, through this unit's backward computation, where the backward peaks.
-Measured on the CPU benchmark (world size 2 on 2 cores, six 12 MiB units, 8 runs each): with
-the gather on gloo's thread the step peak was 191.4-191.9 MiB at best and 196.9-201.4 MiB when
-the gather outlived the unit's backward, against torch FSDP1's 189.4-195.4; completed where it is
-launched, it is 189.4 MiB in every run (torch FSDP1's best) for 2-3% of step time. Torch FSDP1
-gathers synchronously on CPU too. So on CPU a prefetch moves the gather earlier, to the moment
-the setting names, and completes it there; which collectives run, and their order, are the
-same on every device.
+it is launched ([Note: On CPU a collective completes where it is launched] in
+``flat_param/_policy.py``).
 
 ``limit_all_gathers=True`` (CUDA): the CPU thread runs ahead of the GPU, and a buffer that a
 prefetched (side-stream) gather filled can only be reused once the compute stream is past its

@@ -236,9 +236,6 @@ class UnitState:
         """``UnitPolicy.reshards_after_backward`` (inside ``no_sync`` or not)."""
         return self.policy.reshards_after_backward(self.sync_gradients)
 
-    def reduction_stays_in_flight(self, has_stream: bool) -> bool:
-        """``UnitPolicy.reduction_stays_in_flight`` with this unit's communication hook."""
-        return self.policy.reduction_stays_in_flight(has_stream, self.comm_hook is not None)
 
 
 @dataclass
