@@ -65,7 +65,7 @@ class FlatShardChunks:
         at = offset
         for box in flat_range_boxes(tuple(self.shape), start, start + numel):
             offsets = torch.Size(box.offsets)
-            self.views[offsets] = source[at : at + box.numel].view(box.sizes)
+            self.views[offsets] = _own_storage_view(source, at, box.sizes)
             self.sizes[offsets] = torch.Size(box.sizes)
             at += box.numel
 
@@ -86,6 +86,28 @@ class FlatShardChunks:
                 )
             )
         return items
+
+
+# [Note: Box views with their own storage]
+# DCP's file writer clones every tensor whose storage is larger than the tensor itself (a
+# ``torch.save`` of a view would write the whole storage), and keeps each clone until its file is
+# closed: written as plain views, a save would copy the whole local state. A box is instead a
+# tensor on a slice of the shard's storage (``UntypedStorage`` slicing shares the memory), so its
+# storage is exactly its bytes: DCP writes it as it lies, without a copy.
+def _own_storage_view(source: torch.Tensor, at: int, sizes: tuple[int, ...]) -> torch.Tensor:
+    """The ``sizes``-shaped box at element ``at`` of the contiguous 1-D ``source``, as a tensor
+    on a slice of ``source``'s storage ([Note: Box views with their own storage])."""
+    strides: list[int] = []
+    numel = 1
+    for size in reversed(sizes):
+        strides.insert(0, numel)
+        numel *= size
+    if not source.is_contiguous():
+        return source[at : at + numel].view(sizes)
+    itemsize = source.element_size()
+    begin = (source.storage_offset() + at) * itemsize
+    storage: torch.UntypedStorage = source.untyped_storage()[begin : begin + numel * itemsize]
+    return torch.empty(0, dtype=source.dtype, device=source.device).set_(storage, 0, sizes, strides)
 
 
 class FlatShardSavePlanner(DefaultSavePlanner):
