@@ -19,7 +19,7 @@ from torch import nn
 
 from fsdp.api import StateDictType
 from fsdp.fully_sharded_data_parallel import FullyShardedDataParallel
-from fsdp.state_dict._flat_checkpoint import FlatShardSavePlanner, flat_shard_state_dict
+from fsdp.state_dict._flat_checkpoint import FlatShardSavePlanner, flat_shard_state_dict, missing_from_checkpoint
 
 __all__ = ["save_sharded", "load_sharded"]
 
@@ -31,6 +31,7 @@ def save_sharded(
     checkpoint_id: Union[str, os.PathLike[str]],
     storage_writer: Optional[Any] = None,
     overwrite: bool = True,
+    ignore_frozen_params: bool = False,
 ) -> Any:
     """Saves ``model`` (and ``optim``) as a sharded DCP checkpoint, each rank writing its flat
     shards where they lie: no gather, no copy, no collective beyond DCP's planning.
@@ -43,6 +44,8 @@ def save_sharded(
             overwrite=overwrite)``.
         overwrite: Whether a save into an existing checkpoint folder replaces its files (passed
             to DCP's writer explicitly, so the result does not depend on DCP's default).
+        ignore_frozen_params: Leave out parameters with ``requires_grad=False`` (a frozen base)
+            and their optimizer state ([Note: Trainable-only checkpoints]).
 
     Returns:
         DCP's ``Metadata`` of the checkpoint.
@@ -54,7 +57,7 @@ def save_sharded(
 
     if storage_writer is None:
         storage_writer = dcp.FileSystemWriter(checkpoint_id, overwrite=overwrite)
-    state = flat_shard_state_dict(model, optim)
+    state = flat_shard_state_dict(model, optim, ignore_frozen_params)
     return dcp.save(state, checkpoint_id=checkpoint_id, storage_writer=storage_writer, planner=FlatShardSavePlanner())
 
 
@@ -64,6 +67,7 @@ def load_sharded(
     *,
     checkpoint_id: Union[str, os.PathLike[str]],
     storage_reader: Optional[Any] = None,
+    ignore_frozen_params: bool = False,
 ) -> None:
     """Loads a sharded DCP checkpoint (from :func:`save_sharded` or a SHARDED state dict with
     the same keys) into ``model`` (and ``optim``), resharding as DCP reads.
@@ -74,15 +78,49 @@ def load_sharded(
             load of an optimizer state dict), or None to load the model only.
         checkpoint_id: The checkpoint folder.
         storage_reader: A DCP ``StorageReader``; default ``FileSystemReader(checkpoint_id)``.
+        ignore_frozen_params: Frozen parameters (``requires_grad=False``) the checkpoint lacks
+            (saved with ``ignore_frozen_params=True``) keep their current values: the base was
+            loaded from elsewhere ([Note: Trainable-only checkpoints]).
+
+    Raises:
+        RuntimeError: The checkpoint lacks some of the model's entries (before anything is
+            read or changed), naming them and the remedy.
     """
     import torch.distributed.checkpoint as dcp
 
+    if storage_reader is None:
+        storage_reader = dcp.FileSystemReader(checkpoint_id)
+    saved_keys = set(storage_reader.read_metadata().state_dict_metadata)
     FSDP = FullyShardedDataParallel
     with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
         state: dict[str, Any] = {"model": model.state_dict()}
+        frozen, others = missing_from_checkpoint(model, state["model"], saved_keys)
+        _check_missing(checkpoint_id, frozen, others, ignore_frozen_params)
+        for key in frozen:
+            del state["model"][key]
         if optim is not None:
             state["optim"] = FSDP.optim_state_dict(model, optim)
+            for key in frozen:
+                state["optim"]["state"].pop(key, None)
         dcp.load(state, checkpoint_id=checkpoint_id, storage_reader=storage_reader)
-        model.load_state_dict(state["model"])
+        model.load_state_dict(state["model"], strict=not frozen)
         if optim is not None:
             optim.load_state_dict(FSDP.optim_state_dict_to_load(model, optim, state["optim"]))
+
+
+def _check_missing(checkpoint_id: Any, frozen: list[str], others: list[str], ignore_frozen_params: bool) -> None:
+    def shown(keys: list[str]) -> str:
+        return ", ".join(repr(k) for k in keys[:8]) + (f", ... ({len(keys)} in all)" if len(keys) > 8 else "")
+
+    if others:
+        raise RuntimeError(
+            f"fsdp: the checkpoint {str(checkpoint_id)!r} holds no values for {shown(others)}; it was saved "
+            "from another model (or without these entries). Load it into the model it was saved from."
+        )
+    if frozen and not ignore_frozen_params:
+        raise RuntimeError(
+            f"fsdp: the checkpoint {str(checkpoint_id)!r} holds no values for the frozen parameters "
+            f"{shown(frozen)} (it was saved with ignore_frozen_params=True, a trainable-only checkpoint). "
+            "Load the base model's weights first (e.g. from the pretrained checkpoint) and pass "
+            "ignore_frozen_params=True to load_sharded, which then keeps their current values."
+        )

@@ -357,3 +357,79 @@ def _train_more(model: nn.Module, optim: torch.optim.Optimizer) -> None:
 
 def test_resave_into_existing_folder(tmp_path: Any) -> None:
     get_pool(2).run(resave, str(tmp_path), _timeout=300)
+
+
+def _frozen_base(orig: bool, seed: int, policy: set[type] | None = None) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A toy whose embedding and first two blocks are a frozen base (whole units without
+    use_orig_params, which needs uniform requires_grad per unit), trained 2 steps."""
+    from fsdp import FullyShardedDataParallel as FSDP
+    from fsdp.wrap import ModuleWrapPolicy
+
+    toy = make_toy(seed=seed)
+    frozen = [toy.blocks[0], toy.blocks[1]] + ([toy.embed] if orig else [])
+    for module in frozen:
+        module.requires_grad_(False)
+    model = FSDP(toy, auto_wrap_policy=ModuleWrapPolicy(policy or {Block}), use_orig_params=orig)
+    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    for step in range(2):
+        tokens, targets = global_batch(step, ws)
+        logits = model(tokens[rank * 4 : (rank + 1) * 4])
+        nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets[rank * 4 : (rank + 1) * 4].reshape(-1)).backward()
+        optim.step()
+        optim.zero_grad()
+    return model, optim
+
+
+_FROZEN = {True: ["embed.weight"], False: []}
+
+
+def trainable_only_save(directory: str) -> None:
+    """ignore_frozen_params=True: the frozen base's parameters are not in the checkpoint."""
+    import torch.distributed.checkpoint as dcp
+
+    from fsdp.checkpoint import save_sharded
+
+    for orig in (True, False):
+        model, optim = _frozen_base(orig, seed=5)
+        path = os.path.join(directory, f"adapter_{orig}")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            save_sharded(model, optim, checkpoint_id=path, ignore_frozen_params=True)
+        keys = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+        frozen = [f"blocks.{i}.{p}" for i in (0, 1) for p in ("norm.weight", "norm.bias", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")]
+        frozen += _FROZEN[orig]
+        assert not {f"model.{k}" for k in frozen} & keys, sorted(keys)
+        assert "model.blocks.2.fc1.weight" in keys and "optim.state.blocks.2.fc1.weight.exp_avg" in keys
+        model_sd, optim_sd = _full(model, optim)
+        if dist.get_rank() == 0:
+            torch.save({"model": model_sd, "optim": optim_sd}, path + ".pt")
+        dist.barrier()
+
+
+def trainable_only_load(directory: str) -> None:
+    """Into a model whose base came from elsewhere (the same seed: the same frozen values), at
+    another world size and wrap policy: bit for bit with ignore_frozen_params=True; without it,
+    the error names the missing frozen parameters, and nothing changed."""
+    from fsdp.checkpoint import load_sharded
+
+    for orig in (True, False):
+        path = os.path.join(directory, f"adapter_{orig}")
+        expected = torch.load(path + ".pt", weights_only=False)
+        model, optim = _frozen_base(orig, seed=5)  # the base "from elsewhere"; trained on 2 steps
+        before = _full(model, optim)[0]
+        with pytest.raises(RuntimeError, match=r"holds no values for the frozen parameters ('embed\.weight', )?'blocks\.0\.norm\.weight'.*ignore_frozen_params=True"):
+            load_sharded(model, optim, checkpoint_id=path)
+        assert all(torch.equal(v, before[k]) for k, v in _full(model, optim)[0].items()), "nothing changed"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _train(model, 1, lr=0.5)  # move the trainable part away from the saved state
+            load_sharded(model, optim, checkpoint_id=path, ignore_frozen_params=True)
+        model_sd, optim_sd = _full(model, optim)
+        _assert_equal(model_sd, expected["model"], f"trainable-only orig={orig}")
+        _assert_equal(optim_sd, expected["optim"], f"trainable-only optim orig={orig}")
+
+
+def test_trainable_only_checkpoint(tmp_path: Any) -> None:
+    get_pool(2).run(trainable_only_save, str(tmp_path), _timeout=300)
+    get_pool(4).run(trainable_only_load, str(tmp_path), _timeout=300)

@@ -220,10 +220,14 @@ def _state_values(
     return values
 
 
-def flat_shard_state_dict(model: nn.Module, optim: Optional[torch.optim.Optimizer] = None) -> dict[str, Any]:
+def flat_shard_state_dict(
+    model: nn.Module, optim: Optional[torch.optim.Optimizer] = None, ignore_frozen_params: bool = False
+) -> dict[str, Any]:
     """What :func:`fsdp.checkpoint.save_sharded` hands DCP: ``{"model": ..., "optim": ...}``
     with every managed parameter and shard-shaped optimizer state as :class:`FlatShardChunks`
-    (views of this rank's flat shards, [Note: Flat-shard checkpoints]); no collective."""
+    (views of this rank's flat shards, [Note: Flat-shard checkpoints]); no collective.
+    ``ignore_frozen_params``: parameters with ``requires_grad=False`` (and any optimizer state
+    of theirs) are left out ([Note: Trainable-only checkpoints])."""
     view = ModelView(model)
     _refuse_tensor_parallel(view)
     writes: dict[int, bool] = {}
@@ -234,4 +238,31 @@ def flat_shard_state_dict(model: nn.Module, optim: Optional[torch.optim.Optimize
     result: dict[str, Any] = {"model": _model_entries(model, view, writes)}
     if optim is not None:
         result["optim"] = _optim_entries(optim, view, writes)
+    if ignore_frozen_params:
+        for fqn in frozen_fqns(view):
+            result["model"].pop(fqn, None)
+            if optim is not None:
+                result["optim"]["state"].pop(fqn, None)
     return result
+
+
+# [Note: Trainable-only checkpoints]
+# A fine-tuning run (LoRA / PEFT) trains a small adapter on a large frozen base; writing the base
+# into every checkpoint costs time and disk for bytes that never change. With
+# ``ignore_frozen_params=True`` (the name of DCP's ``StateDictOptions`` field) the save leaves out
+# every parameter with ``requires_grad=False`` and its optimizer state, if any; buffers and the
+# optimizer's param groups stay. Such a checkpoint loads only where the base comes from
+# elsewhere (the pretrained weights loaded before): ``load_sharded`` compares the model's keys
+# with the checkpoint's metadata before reading anything, and a missing key raises naming the
+# missing parameters, unless every missing one is frozen and the caller says so with
+# ``ignore_frozen_params=True`` (then those keep their current values).
+def frozen_fqns(view: ModelView) -> list[str]:
+    """The FQNs of the model's parameters with ``requires_grad=False``."""
+    return [fqn for fqn, param in view.fqn_to_param.items() if not param.requires_grad]
+
+
+def missing_from_checkpoint(model: nn.Module, template: dict[str, Any], saved_keys: set[str]) -> tuple[list[str], list[str]]:
+    """The model's state-dict keys the checkpoint lacks, as (frozen parameters, the others)."""
+    frozen = set(frozen_fqns(ModelView(model)))
+    missing = [key for key in template if f"model.{key}" not in saved_keys]
+    return [k for k in missing if k in frozen], [k for k in missing if k not in frozen]
