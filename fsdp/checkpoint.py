@@ -74,8 +74,9 @@ def load_sharded(
 
     Args:
         model: The root FSDP module, at any world size and wrap plan.
-        optim: Its optimizer, whose state must exist (take one step first, as for any DCP
-            load of an optimizer state dict), or None to load the model only.
+        optim: Its optimizer, or None to load the model only. An optimizer without state yet
+            gets it first from one step with zero gradients and learning rate 0 (as DCP's
+            ``set_state_dict`` does), which leaves the parameters bit for bit as they are.
         checkpoint_id: The checkpoint folder.
         storage_reader: A DCP ``StorageReader``; default ``FileSystemReader(checkpoint_id)``.
         ignore_frozen_params: Frozen parameters (``requires_grad=False``) the checkpoint lacks
@@ -99,6 +100,8 @@ def load_sharded(
         for key in frozen:
             del state["model"][key]
         if optim is not None:
+            if not optim.state:
+                _init_optim_state(optim)
             state["optim"] = FSDP.optim_state_dict(model, optim)
             for key in frozen:
                 state["optim"]["state"].pop(key, None)
@@ -124,3 +127,23 @@ def _check_missing(checkpoint_id: Any, frozen: list[str], others: list[str], ign
             "Load the base model's weights first (e.g. from the pretrained checkpoint) and pass "
             "ignore_frozen_params=True to load_sharded, which then keeps their current values."
         )
+
+
+def _init_optim_state(optim: torch.optim.Optimizer) -> None:
+    """Gives ``optim`` state to load into: one step with zero gradients at learning rate 0 (a
+    parameter ``p`` becomes ``p * 1 - 0 * ...``, the same bits), then no gradients again."""
+    lrs = [group["lr"] for group in optim.param_groups]
+    for group in optim.param_groups:
+        for param in group["params"]:
+            if param.requires_grad and param.grad is None:
+                param.grad = torch.zeros_like(param)
+        if torch.is_tensor(group["lr"]):
+            group["lr"] = group["lr"].clone().fill_(0.0)
+        else:
+            group["lr"] = 0.0
+    try:
+        optim.step()
+    finally:
+        for group, lr in zip(optim.param_groups, lrs):
+            group["lr"] = lr
+        optim.zero_grad(set_to_none=True)

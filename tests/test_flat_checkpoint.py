@@ -191,7 +191,10 @@ def load_all(directory: str, configs: dict[str, tuple[bool, str, bool, bool, boo
         flat_config = (config[0], "FULL_SHARD", False, False, False)
         for policy in ({Block}, {nn.Embedding}):
             model = _ours(flat_config, seed=9, policy=policy)
-            optim = _train(model, 1, lr=0.5)  # optimizer state to load into
+            if policy == {Block}:
+                optim = _train(model, 1, lr=0.5)  # optimizer state to load into
+            else:  # a fresh optimizer: load_sharded gives it state first
+                optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 load_sharded(model, optim, checkpoint_id=path)
