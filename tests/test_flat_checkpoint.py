@@ -4,12 +4,17 @@
   or broadcast of tensors from fsdp or torch.distributed during the save; DCP's planning (object
   collectives of metadata) is counted and bounded.
 - The checkpoint loads bit for bit (model and AdamW state, compared through FULL state dicts)
-  at another world size and another wrap policy into fsdp, into torch FSDP1 (its SHARDED state
-  dict as DCP's target) and into a plain model (full tensors as DCP's target).
+  at another world size and another wrap policy into fsdp (into existing optimizer state, and
+  into a fresh optimizer), into torch FSDP1 (its SHARDED state dict as DCP's target), into torch
+  FSDP2 (DCP's get_state_dict / set_state_dict) and into a plain model (full tensors).
+- Only the ranks that should write do: every rank of a sharding unit, rank 0 for NO_SHARD, the
+  first replica under HYBRID_SHARD (read from the checkpoint's metadata).
 - Configurations: use_orig_params both ways, FULL_SHARD, SHARD_GRAD_OP with CPU offload,
   NO_SHARD, mixed precision, HYBRID_SHARD on a (2, 2) mesh (only the first replica writes).
 - A re-save into the same folder replaces the checkpoint whatever DCP's writer default is
   (``overwrite=True`` passed explicitly); ``overwrite=False`` refuses as DCP does.
+- Trainable-only (``ignore_frozen_params=True``): the frozen base is not written; loading needs
+  the flag (the base from elsewhere), and without it the error names the missing parameters.
 
 Save and load run in pools of different sizes that share the directory, each its own job.
 """

@@ -116,8 +116,8 @@ class FlatShardSavePlanner(DefaultSavePlanner):
     def lookup_object(self, index: MetadataIndex) -> Any:
         obj = self.state_dict.get(index.fqn)
         if isinstance(obj, FlatShardChunks):
-            p_offsets = index.offset if index.offset is not None else torch.Size([0] * len(obj.shape))
-            return obj.views[torch.Size(p_offsets)]
+            offsets = index.offset if index.offset is not None else torch.Size([0] * len(obj.shape))
+            return obj.views[torch.Size(offsets)]
         return super().lookup_object(index)
 
 
