@@ -441,3 +441,29 @@ def trainable_only_load(directory: str) -> None:
 def test_trainable_only_checkpoint(tmp_path: Any) -> None:
     get_pool(2).run(trainable_only_save, str(tmp_path), _timeout=300)
     get_pool(4).run(trainable_only_load, str(tmp_path), _timeout=300)
+
+
+def buffers_as_state_dict() -> None:
+    """Buffers (BatchNorm's, cast by mixed precision) go in under the SHARDED state dict's keys
+    with its full-precision values."""
+    from fsdp import FullyShardedDataParallel as FSDP, MixedPrecision, StateDictType
+    from fsdp.state_dict._flat_checkpoint import flat_shard_state_dict
+    from fsdp.wrap import ModuleWrapPolicy
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)))
+    mp = MixedPrecision(param_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16)
+    model = FSDP(net, auto_wrap_policy=ModuleWrapPolicy({nn.Sequential}), mixed_precision=mp)
+    model(torch.randn(3, 4)).sum().backward()
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        reference = model.state_dict()
+    ours = flat_shard_state_dict(model)["model"]
+    assert sorted(ours) == sorted(reference)
+    buffers = [k for k in reference if "running" in k or "num_batches" in k]
+    assert len(buffers) == 6
+    for key in buffers:
+        assert ours[key].dtype == reference[key].dtype and torch.equal(ours[key], reference[key]), key
+
+
+def test_buffers_as_state_dict() -> None:
+    get_pool(2).run(buffers_as_state_dict, _timeout=120)
