@@ -34,7 +34,7 @@ LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
     # The wrapper and the public modules that mirror torch's (comm hooks, grad scaler).
     (
         "wrapper",
-        ("fsdp.fully_sharded_data_parallel", "fsdp.comm_hooks", "fsdp.sharded_grad_scaler"),
+        ("fsdp.fully_sharded_data_parallel", "fsdp.comm_hooks", "fsdp.sharded_grad_scaler", "fsdp.checkpoint"),
     ),
     # Built on the wrapper and re-exported by the package: the memory planner, the torch alias.
     ("tools", ("fsdp.plan", "fsdp.torch_alias")),

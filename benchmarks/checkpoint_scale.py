@@ -1,0 +1,225 @@
+"""Sharded checkpoint saves at several world sizes: fsdp's flat-shard save beside torch FSDP1's.
+
+``python -m benchmarks.checkpoint_scale --world-sizes 2 4 8 --out docs/results/ckpt.json``
+runs, for each world size, ``world_size`` local CPU ranks (gloo) that each build the same model
+of 32 units (one ``nn.Linear(dim, dim)`` each plus a head), take one AdamW step and then save:
+
+- ``fsdp``: ``fsdp.checkpoint.save_sharded(model, optim, checkpoint_id=...)`` (each rank writes
+  its flat shards where they lie, [Note: Flat-shard checkpoints]);
+- ``torch_fsdp1``: torch FSDP1's ``SHARDED_STATE_DICT`` model and optimizer state dicts written
+  with ``torch.distributed.checkpoint.save`` (the documented way).
+
+Per implementation and world size: seconds per save on the slowest rank (median of the
+repetitions; every rank times its own call, the slowest is the max over ranks), the tensor
+collectives during one save and their bytes per rank (``benchmarks/comm.py``: all-gathers,
+reduce-scatters, all-reduces, broadcasts), DCP's object collectives (its planning), and the
+peak live CPU bytes during a save over the peak of the training step before it
+(``benchmarks/memory.py``; a separate, profiled build, so the profiler does not slow the timed
+saves). The JSON has ``date``, the rows and ``targets`` (issue 33's, each ``met`` or ``NOT met``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+import warnings
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from benchmarks.comm import count_collectives
+from benchmarks.local_ranks import run_local_ranks, write_rank_result
+from benchmarks.memory import MemoryTrace
+
+UNITS = 32
+_OBJECT_FUNCS = ("gather_object", "scatter_object_list", "all_gather_object", "broadcast_object_list")
+
+
+class Unit(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.fc(x))
+
+
+def make_model(dim: int) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[Unit(dim) for _ in range(UNITS)])
+
+
+def _wrap(impl: str, dim: int) -> nn.Module:
+    if impl == "fsdp":
+        from fsdp import FullyShardedDataParallel as FSDP
+        from fsdp.wrap import ModuleWrapPolicy
+    else:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP  # type: ignore[assignment]
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy  # type: ignore[assignment]
+    kwargs: dict[str, Any] = {} if impl == "fsdp" else {"device_id": torch.device("cpu")}
+    return FSDP(make_model(dim), auto_wrap_policy=ModuleWrapPolicy({Unit}), **kwargs)
+
+
+def _train_step(model: nn.Module, optim: torch.optim.Optimizer, dim: int) -> None:
+    x = torch.randn(8, dim, generator=torch.Generator().manual_seed(dist.get_rank()))
+    model(x).square().mean().backward()
+    optim.step()
+    optim.zero_grad()
+
+
+def _saver(impl: str, model: nn.Module, optim: torch.optim.Optimizer) -> Callable[[str], None]:
+    import torch.distributed.checkpoint as dcp
+
+    if impl == "fsdp":
+        from fsdp.checkpoint import save_sharded
+
+        return lambda path: save_sharded(model, optim, checkpoint_id=path)
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType
+
+    def save(path: str) -> None:
+        with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+            state = {"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, optim)}
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(path, overwrite=True))
+
+    return save
+
+
+def _count_objects(counts: dict[str, int]) -> dict[str, Any]:
+    originals = {name: getattr(dist, name) for name in _OBJECT_FUNCS}
+
+    def counting(name: str) -> Any:
+        def patched(*args: Any, **kwargs: Any) -> Any:
+            counts[name] = counts.get(name, 0) + 1
+            return originals[name](*args, **kwargs)
+
+        return patched
+
+    for name in _OBJECT_FUNCS:
+        setattr(dist, name, counting(name))
+    return originals
+
+
+def _measure(impl: str, payload: dict[str, Any], workdir: str) -> dict[str, Any]:
+    dim, reps = payload["dim"], payload["reps"]
+    # Memory: a profiled build, saved once.
+    with MemoryTrace() as trace:
+        model = _wrap(impl, dim)
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        with trace.window("train"):
+            _train_step(model, optim, dim)
+        save = _saver(impl, model, optim)
+        dist.barrier()
+        with trace.window("save"):
+            save(os.path.join(workdir, f"{impl}_mem"))
+        del model, optim, save
+    # Time and communication: an unprofiled build.
+    model = _wrap(impl, dim)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    _train_step(model, optim, dim)
+    save = _saver(impl, model, optim)
+    objects: dict[str, int] = {}
+    originals = _count_objects(objects)
+    try:
+        with count_collectives() as counts:
+            save(os.path.join(workdir, f"{impl}_count"))
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+    times = []
+    for rep in range(reps):
+        dist.barrier()
+        start = time.perf_counter()
+        save(os.path.join(workdir, f"{impl}_{rep}"))
+        times.append(time.perf_counter() - start)
+    return {
+        "save_s": statistics.median(times),
+        "collectives": {k: int(v) for k, v in counts.calls.items() if v},
+        "bytes_sent": int(counts.total_bytes()),
+        "object_collectives": {k: v for k, v in objects.items() if v},
+        "train_peak_bytes": trace.peaks.get("train", 0),
+        "save_peak_bytes": trace.peaks.get("save", 0),
+    }
+
+
+def _rank(rank: int, payload: dict[str, Any], workdir: str) -> None:
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{workdir}/rendezvous", rank=rank, world_size=payload["world_size"])
+    try:
+        result = {impl: _measure(impl, payload, workdir) for impl in ("fsdp", "torch_fsdp1")}
+    finally:
+        dist.destroy_process_group()
+    write_rank_result(workdir, rank, result)
+
+
+def _summary(per_rank: list[dict[str, Any]], dim: int) -> dict[str, Any]:
+    rows: dict[str, Any] = {}
+    for impl in ("fsdp", "torch_fsdp1"):
+        ranks = [r[impl] for r in per_rank]
+        rows[impl] = {
+            "save_s_slowest_rank": max(r["save_s"] for r in ranks),
+            "collectives_per_save": ranks[0]["collectives"],
+            "bytes_sent_per_rank_max": max(r["bytes_sent"] for r in ranks),
+            "object_collectives_per_save": ranks[0]["object_collectives"],
+            "save_peak_over_train_peak_bytes_max": max(r["save_peak_bytes"] - r["train_peak_bytes"] for r in ranks),
+        }
+    rows["unit_shard_bytes"] = (dim * dim + dim) * 4 // len(per_rank)
+    return rows
+
+
+def _targets(rows: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
+    sizes = sorted(rows)
+    low, high = sizes[0], sizes[-1]
+    ours_bytes = max(rows[ws]["fsdp"]["bytes_sent_per_rank_max"] for ws in sizes)
+    growth = rows[high]["fsdp"]["save_s_slowest_rank"] / rows[low]["fsdp"]["save_s_slowest_rank"]
+    speedup = rows[high]["torch_fsdp1"]["save_s_slowest_rank"] / rows[high]["fsdp"]["save_s_slowest_rank"]
+    memory = max(rows[ws]["fsdp"]["save_peak_over_train_peak_bytes_max"] - rows[ws]["unit_shard_bytes"] for ws in sizes)
+
+    def row(target: str, key: str, value: float, met: bool) -> dict[str, Any]:
+        return {"target": target, key: round(value, 3), "status": "met" if met else "NOT met"}
+
+    return [
+        row("sharded save: parameter/optimizer bytes sent between ranks = 0", "value", ours_bytes, ours_bytes == 0),
+        row(f"sharded save time per rank at {high} ranks <= 1.2x at {low}", "ratio", growth, growth <= 1.2),
+        row(f"sharded save >= 3x faster than torch FSDP1 SHARDED at {high} ranks", "ratio", speedup, speedup >= 3),
+        row("peak during save - training peak - one unit's shard <= 0 bytes", "value", memory, memory <= 0),
+    ]
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="benchmarks.checkpoint_scale")
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--timeout", type=float, default=900.0)
+    a = parser.parse_args(argv)
+    rows: dict[int, dict[str, Any]] = {}
+    for ws in a.world_sizes:
+        payload = {"world_size": ws, "dim": a.dim, "reps": a.reps}
+        per_rank = run_local_ranks(_rank, payload, ws, a.timeout, prog="benchmarks.checkpoint_scale")
+        rows[ws] = _summary(per_rank, a.dim)
+        print(f"world size {ws}: {json.dumps(rows[ws])}", flush=True)
+    result = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "config": {"units": UNITS, "dim": a.dim, "reps": a.reps, "optimizer": "AdamW", "backend": "gloo (CPU)"},
+        "rows": {str(ws): row for ws, row in rows.items()},
+        "targets": _targets(rows),
+    }
+    text = json.dumps(result, indent=2)
+    print(text)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,268 @@
+"""Sharded checkpoints written where the shards lie: no gather, no re-cut, no copy.
+
+[Note: Flat-shard checkpoints]
+A SHARDED state dict ([Note: Sharded state dict values]) re-cuts each parameter by rows
+(``torch.chunk`` along dim 0), so every unit is gathered first. This module writes each rank's
+flat shard as it is: of each original parameter the shard holds one contiguous range of
+row-major elements, which is a few boxes of the parameter's shape ([Note: A flat range is a few
+boxes] in ``fsdp/flat_param/_shard_map.py``), each a view of the shard. Every box becomes one
+DCP chunk (a ``WriteItem`` of type SHARD with the box's offsets and sizes and the parameter's
+global shape), the same for each optimizer state shaped like the shard (Adam's ``exp_avg``...).
+A rank plans only its own boxes: no collective, no other rank's metadata, so the work per rank
+does not grow with the world size. DCP's own planning (one gather of the plans' metadata to the
+coordinator, one scatter back, one reduction of the write results) is the only communication.
+
+Who writes: a sharding unit, every rank of its shard group, and under hybrid strategies only the
+first replica (replicate-group rank 0); a unit that does not shard (NO_SHARD, one rank) holds
+whole parameters everywhere, and only its group's rank 0 (of the first replica) writes them.
+Buffers, unmanaged (ignored) parameters and scalar optimizer states (``step``) are plain tensors
+on every rank, which DCP writes once (it deduplicates replicated entries).
+
+The files hold the keys a SHARDED state dict has (``model.<fqn>``, ``optim.state.<fqn>.<name>``,
+``optim.param_groups``), full shapes and dtypes; DCP reshards on read, so the checkpoint loads at
+any world size and wrap plan, into torch FSDP1 / FSDP2 and into a plain model. Loading into fsdp
+goes through the SHARDED state dict as DCP's target (:func:`load`).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+from fsdp._common import clean_fqn
+from fsdp.flat_param._shard_map import flat_range_boxes
+from fsdp.flat_param.flat_param import FlatParamHandle
+from fsdp.runtime._state import is_fsdp, unit_state
+from fsdp.state_dict._optim_keys import ModelView
+
+__all__ = ["FlatShardChunks", "FlatShardSavePlanner", "flat_shard_state_dict"]
+
+
+class FlatShardChunks:
+    """One tensor's boxes held by this rank, as views of a flat shard (a state-dict leaf that
+    only :class:`FlatShardSavePlanner` writes).
+
+    Args:
+        shape: The whole tensor's shape.
+        source: This rank's flat tensor (a local shard, or a state shaped like it).
+        offset: Where the tensor's range starts in ``source``.
+        start: The range's first element in the tensor's row-major order.
+        numel: The range's length (0: nothing to write).
+    """
+
+    def __init__(self, shape: torch.Size, source: torch.Tensor, offset: int, start: int, numel: int) -> None:
+        self.shape = torch.Size(shape)
+        self.dtype = source.dtype
+        self.views: dict[torch.Size, torch.Tensor] = {}
+        self.sizes: dict[torch.Size, torch.Size] = {}
+        at = offset
+        for box in flat_range_boxes(tuple(self.shape), start, start + numel):
+            offsets = torch.Size(box.offsets)
+            self.views[offsets] = _own_storage_view(source, at, box.sizes)
+            self.sizes[offsets] = torch.Size(box.sizes)
+            at += box.numel
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
+        """DCP's hook: one SHARD write item per box."""
+        items = []
+        for offsets, sizes in self.sizes.items():
+            view = self.views[offsets]
+            items.append(
+                WriteItem(
+                    index=MetadataIndex(fqn, offsets),
+                    type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(
+                        chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
+                        properties=TensorProperties.create_from_tensor(view),
+                        size=self.shape,
+                    ),
+                )
+            )
+        return items
+
+
+# [Note: Box views with their own storage]
+# DCP's file writer clones every tensor whose storage is larger than the tensor itself (a
+# ``torch.save`` of a view would write the whole storage), and keeps each clone until its file is
+# closed: written as plain views, a save would copy the whole local state. A box is instead a
+# tensor on a slice of the shard's storage (``UntypedStorage`` slicing shares the memory), so its
+# storage is exactly its bytes: DCP writes it as it lies, without a copy.
+def _own_storage_view(source: torch.Tensor, at: int, sizes: tuple[int, ...]) -> torch.Tensor:
+    """The ``sizes``-shaped box at element ``at`` of the contiguous 1-D ``source``, as a tensor
+    on a slice of ``source``'s storage ([Note: Box views with their own storage])."""
+    strides: list[int] = []
+    numel = 1
+    for size in reversed(sizes):
+        strides.insert(0, numel)
+        numel *= size
+    if not source.is_contiguous():
+        return source[at : at + numel].view(sizes)
+    itemsize = source.element_size()
+    begin = (source.storage_offset() + at) * itemsize
+    storage: torch.UntypedStorage = source.untyped_storage()[begin : begin + numel * itemsize]
+    return torch.empty(0, dtype=source.dtype, device=source.device).set_(storage, 0, sizes, strides)
+
+
+class FlatShardSavePlanner(DefaultSavePlanner):
+    """DCP's default save planner, that also finds the box views of :class:`FlatShardChunks`."""
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        obj = self.state_dict.get(index.fqn)
+        if isinstance(obj, FlatShardChunks):
+            offsets = index.offset if index.offset is not None else torch.Size([0] * len(obj.shape))
+            return obj.views[torch.Size(offsets)]
+        return super().lookup_object(index)
+
+
+def _writes(handle: FlatParamHandle, state: Any) -> bool:
+    """Whether this rank writes ``handle``'s parameters ([Note: Flat-shard checkpoints])."""
+    replicate = state.replicate_group
+    if replicate is not None and dist.get_rank(replicate) != 0:
+        return False
+    return bool(handle.shard_layout.uses_sharding) or state.rank == 0
+
+
+def _chunks(handle: FlatParamHandle, index: int, source: torch.Tensor, orig_value: bool, writes: bool) -> FlatShardChunks:
+    """Parameter ``index``'s boxes in ``source``: the handle's flat shard (or a state shaped
+    like it), or with ``orig_value`` a use_orig_params parameter's own (1-D or whole) part."""
+    layout = handle.shard_layout
+    shape = handle.param_infos[index].shape
+    piece = layout.shard_slices[index]
+    if piece is None or not writes:
+        return FlatShardChunks(shape, source, 0, 0, 0)
+    offset = 0 if orig_value else piece.offset_in_shard
+    return FlatShardChunks(shape, source.reshape(-1), offset, piece.offset_in_param, piece.numel)
+
+
+def _refuse_tensor_parallel(view: ModelView) -> None:
+    for handle, fqns in zip(view.handles, view.handle_fqns):
+        if handle.shard_layout.has_dtensors:
+            raise NotImplementedError(
+                f"fsdp: flat-shard checkpoints do not support tensor-parallel (DTensor) parameters yet "
+                f"(unit with {fqns[0]!r}); save with StateDictType.SHARDED_STATE_DICT and "
+                "torch.distributed.checkpoint instead."
+            )
+
+
+def _model_entries(model: nn.Module, view: ModelView, writes: dict[int, bool]) -> dict[str, Any]:
+    """The model's entries: managed parameters as box views, the rest as plain tensors."""
+    entries: dict[str, Any] = {}
+    for handle, fqns in zip(view.handles, view.handle_fqns):
+        shard = handle.flat_param.detach()
+        for index, fqn in enumerate(fqns):
+            entries[fqn] = _chunks(handle, index, shard, False, writes[id(handle)])
+    for fqn, param in view.unmanaged.items():
+        entries[fqn] = param.detach()
+    cast = {}
+    for module in model.modules():
+        if is_fsdp(module):
+            for buffer in unit_state(module).cast_buffers:
+                cast[(id(buffer.module), buffer.name)] = buffer
+    for name, module in model.named_modules():
+        for buf_name, buf in module._buffers.items():
+            if buf is None or buf_name in module._non_persistent_buffers_set:
+                continue
+            fqn = clean_fqn(f"{name}.{buf_name}" if name else buf_name)
+            kept = cast.get((id(module), buf_name))
+            entries.setdefault(fqn, kept.state_dict_value() if kept is not None else buf.detach())
+    return entries
+
+
+def _optim_entries(optim: torch.optim.Optimizer, view: ModelView, writes: dict[int, bool]) -> dict[str, Any]:
+    """The optimizer's entries, keyed as a SHARDED optimizer state dict: ``state`` by FQN and
+    state name, ``param_groups`` listing FQNs."""
+    states: dict[str, dict[str, Any]] = {}
+    for param, entry in optim.state.items():
+        if id(param) in view.flat_to_handle:
+            h = view.flat_to_handle[id(param)]
+            handle = view.handles[h]
+            for index, fqn in enumerate(view.handle_fqns[h]):
+                states[fqn] = _state_values(entry, param, handle, index, False, writes[id(handle)])
+        elif id(param) in view.orig_to_slot:
+            h, index = view.orig_to_slot[id(param)]
+            handle = view.handles[h]
+            states[view.handle_fqns[h][index]] = _state_values(entry, param, handle, index, True, writes[id(handle)])
+        else:
+            fqn = view.param_to_fqns[id(param)][0]
+            states[fqn] = {k: v.detach() if torch.is_tensor(v) else v for k, v in entry.items()}
+    params = [p for group in optim.param_groups for p in group["params"]]
+    groups = []
+    position = 0
+    for group in optim.param_groups:
+        new = {k: copy.deepcopy(v) for k, v in group.items() if k != "params"}
+        names: list[str] = []
+        for param in params[position : position + len(group["params"])]:
+            names.extend(view.param_to_fqns[id(param)])
+        position += len(group["params"])
+        new["params"] = names
+        groups.append(new)
+    return {"state": states, "param_groups": groups}
+
+
+def _state_values(
+    entry: dict[str, Any], param: torch.Tensor, handle: FlatParamHandle, index: int, orig: bool, writes: bool
+) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for name, value in entry.items():
+        if torch.is_tensor(value) and value.dim() > 0 and value.shape == param.shape:
+            values[name] = _chunks(handle, index, value.detach(), orig, writes)
+        elif torch.is_tensor(value):
+            values[name] = value.detach()
+        else:
+            values[name] = value
+    return values
+
+
+def flat_shard_state_dict(
+    model: nn.Module, optim: Optional[torch.optim.Optimizer] = None, ignore_frozen_params: bool = False
+) -> dict[str, Any]:
+    """What :func:`fsdp.checkpoint.save_sharded` hands DCP: ``{"model": ..., "optim": ...}``
+    with every managed parameter and shard-shaped optimizer state as :class:`FlatShardChunks`
+    (views of this rank's flat shards, [Note: Flat-shard checkpoints]); no collective.
+    ``ignore_frozen_params``: parameters with ``requires_grad=False`` (and any optimizer state
+    of theirs) are left out ([Note: Trainable-only checkpoints])."""
+    view = ModelView(model)
+    _refuse_tensor_parallel(view)
+    writes: dict[int, bool] = {}
+    for module in model.modules():
+        if is_fsdp(module):
+            for handle in unit_state(module).handles:
+                writes.setdefault(id(handle), _writes(handle, unit_state(module)))
+    result: dict[str, Any] = {"model": _model_entries(model, view, writes)}
+    if optim is not None:
+        result["optim"] = _optim_entries(optim, view, writes)
+    if ignore_frozen_params:
+        for fqn in frozen_fqns(view):
+            result["model"].pop(fqn, None)
+            if optim is not None:
+                result["optim"]["state"].pop(fqn, None)
+    return result
+
+
+# [Note: Trainable-only checkpoints]
+# A fine-tuning run (LoRA / PEFT) trains a small adapter on a large frozen base; writing the base
+# into every checkpoint costs time and disk for bytes that never change. With
+# ``ignore_frozen_params=True`` (the name of DCP's ``StateDictOptions`` field) the save leaves out
+# every parameter with ``requires_grad=False`` and its optimizer state, if any; buffers and the
+# optimizer's param groups stay. Such a checkpoint loads only where the base comes from
+# elsewhere (the pretrained weights loaded before): ``load_sharded`` compares the model's keys
+# with the checkpoint's metadata before reading anything, and a missing key raises naming the
+# missing parameters, unless every missing one is frozen and the caller says so with
+# ``ignore_frozen_params=True`` (then those keep their current values).
+def frozen_fqns(view: ModelView) -> list[str]:
+    """The FQNs of the model's parameters with ``requires_grad=False``."""
+    return [fqn for fqn, param in view.fqn_to_param.items() if not param.requires_grad]
+
+
+def missing_from_checkpoint(model: nn.Module, template: dict[str, Any], saved_keys: set[str]) -> tuple[list[str], list[str]]:
+    """The model's state-dict keys the checkpoint lacks, as (frozen parameters, the others)."""
+    frozen = set(frozen_fqns(ModelView(model)))
+    missing = [key for key in template if f"model.{key}" not in saved_keys]
+    return [k for k in missing if k in frozen], [k for k in missing if k not in frozen]

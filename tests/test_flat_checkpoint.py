@@ -1,0 +1,469 @@
+"""Flat-shard checkpoints (fsdp.checkpoint.save_sharded / load_sharded, issue 33 item 1).
+
+- Saving moves no parameter or optimizer-state bytes: no all-gather, reduce-scatter, all-reduce
+  or broadcast of tensors from fsdp or torch.distributed during the save; DCP's planning (object
+  collectives of metadata) is counted and bounded.
+- The checkpoint loads bit for bit (model and AdamW state, compared through FULL state dicts)
+  at another world size and another wrap policy into fsdp (into existing optimizer state, and
+  into a fresh optimizer), into torch FSDP1 (its SHARDED state dict as DCP's target), into torch
+  FSDP2 (DCP's get_state_dict / set_state_dict) and into a plain model (full tensors).
+- Only the ranks that should write do: every rank of a sharding unit, rank 0 for NO_SHARD, the
+  first replica under HYBRID_SHARD (read from the checkpoint's metadata).
+- Configurations: use_orig_params both ways, FULL_SHARD, SHARD_GRAD_OP with CPU offload,
+  NO_SHARD, mixed precision, HYBRID_SHARD on a (2, 2) mesh (only the first replica writes).
+- A re-save into the same folder replaces the checkpoint whatever DCP's writer default is
+  (``overwrite=True`` passed explicitly); ``overwrite=False`` refuses as DCP does.
+- Trainable-only (``ignore_frozen_params=True``): the frozen base is not written; loading needs
+  the flag (the base from elsewhere), and without it the error names the missing parameters.
+
+Save and load run in pools of different sizes that share the directory, each its own job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from typing import Any, Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tests._harness import get_pool
+from tests._models import Block, global_batch, make_toy
+
+# name -> (use_orig_params, strategy, mixed precision, cpu offload, hybrid mesh)
+CONFIGS_2 = {
+    "flat": (False, "FULL_SHARD", False, False, False),
+    "orig_mp": (True, "FULL_SHARD", True, False, False),
+    "zero2_offload": (False, "SHARD_GRAD_OP", False, True, False),
+    "orig_no_shard": (True, "NO_SHARD", False, False, False),
+}
+CONFIGS_4 = {
+    "hybrid_orig": (True, "HYBRID_SHARD", False, False, True),
+    "flat4": (False, "FULL_SHARD", True, False, False),
+}
+
+
+def _ours(config: tuple[bool, str, bool, bool, bool], seed: int, policy: set[type] | None = None) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp import CPUOffload, FullyShardedDataParallel as FSDP, MixedPrecision, ShardingStrategy
+    from fsdp.wrap import ModuleWrapPolicy
+
+    orig, strategy, mp, offload, hybrid = config
+    kw: dict[str, Any] = {"use_orig_params": orig, "sharding_strategy": ShardingStrategy[strategy]}
+    if mp:
+        kw["mixed_precision"] = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if offload:
+        kw["cpu_offload"] = CPUOffload(offload_params=True)
+    if hybrid:
+        kw["device_mesh"] = init_device_mesh("cpu", (2, dist.get_world_size() // 2))
+    return FSDP(make_toy(seed=seed), auto_wrap_policy=ModuleWrapPolicy(policy or {Block}), **kw)
+
+
+def _train(model: nn.Module, steps: int, lr: float = 1e-2) -> torch.optim.Optimizer:
+    optim = torch.optim.AdamW(model.parameters(), lr=lr)
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    for step in range(steps):
+        tokens, targets = global_batch(step, ws)
+        rows = slice(rank * 4, (rank + 1) * 4)
+        logits = model(tokens[rows])
+        nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets[rows].reshape(-1)).backward()
+        optim.step()
+        optim.zero_grad()
+    return optim
+
+
+def _full(model: nn.Module, optim: torch.optim.Optimizer, lib: str = "ours") -> tuple[dict[str, Any], dict[str, Any]]:
+    """FULL model and optimizer state dicts (on every rank)."""
+    if lib == "ours":
+        from fsdp import FullOptimStateDictConfig, FullStateDictConfig, FullyShardedDataParallel as FSDP, StateDictType
+    else:
+        from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig  # type: ignore[assignment]
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP  # type: ignore[assignment]
+        from torch.distributed.fsdp import StateDictType  # type: ignore[assignment]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with FSDP.state_dict_type(
+            model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=False), FullOptimStateDictConfig(rank0_only=False)
+        ):
+            return model.state_dict(), FSDP.optim_state_dict(model, optim)
+
+
+def _assert_equal(loaded: dict[str, Any], expected: dict[str, Any], what: str) -> None:
+    """Same keys (another wrap policy orders them otherwise) and values bit for bit."""
+    if "state" not in expected:
+        assert sorted(loaded) == sorted(expected), what
+        for key, value in expected.items():
+            assert torch.equal(loaded[key], value), (what, key)
+        return
+    assert sorted(loaded["state"]) == sorted(expected["state"]), what
+    for fqn, entry in expected["state"].items():
+        assert sorted(loaded["state"][fqn]) == sorted(entry), (what, fqn)
+        for name, value in entry.items():
+            assert torch.equal(loaded["state"][fqn][name], value), (what, fqn, name)
+    loaded_names = [sorted(g["params"]) for g in loaded["param_groups"]]
+    assert loaded_names == [sorted(g["params"]) for g in expected["param_groups"]], what
+
+
+_DATA_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+_OBJECT_FUNCS = ("gather_object", "scatter_object_list", "all_gather_object", "broadcast_object_list")
+
+
+@contextlib.contextmanager
+def _count_objects() -> Iterator[dict[str, int]]:
+    """Counts DCP's object collectives (its planning) by patching ``torch.distributed``."""
+    counts = {name: 0 for name in _OBJECT_FUNCS}
+    originals = {name: getattr(dist, name) for name in _OBJECT_FUNCS}
+
+    def counting(name: str) -> Any:
+        def patched(*args: Any, **kwargs: Any) -> Any:
+            counts[name] += 1
+            return originals[name](*args, **kwargs)
+
+        return patched
+
+    for name in _OBJECT_FUNCS:
+        setattr(dist, name, counting(name))
+    try:
+        yield counts
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+
+
+def save_all(directory: str, configs: dict[str, tuple[bool, str, bool, bool, bool]]) -> dict[str, Any]:
+    """Each config: train 2 steps, save_sharded (counted), keep the FULL states to compare."""
+    from fsdp.checkpoint import save_sharded
+    from tests._comm_count import count_collectives
+
+    report = {}
+    for name, config in configs.items():
+        model = _ours(config, seed=5)
+        optim = _train(model, 2)
+        path = os.path.join(directory, name)
+        with count_collectives() as counts, _count_objects() as objects, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            save_sharded(model, optim, checkpoint_id=path)
+        data = {kind: counts.calls[kind] for kind in _DATA_KINDS if counts.calls[kind]}
+        # No tensor collective at all; DCP's planning is object collectives of metadata: the
+        # plans gathered to the coordinator and the global plan scattered back, the write
+        # results gathered, the metadata's commit broadcast.
+        assert data == {} and counts.total_bytes() == 0, (name, dict(counts.calls), dict(counts.bytes))
+        assert objects == {"gather_object": 2, "scatter_object_list": 1, "all_gather_object": 0, "broadcast_object_list": 1}
+        report[name] = {"data": data, "objects": dict(objects)}
+        _check_writers(path, config)
+        model_sd, optim_sd = _full(model, optim)
+        if dist.get_rank() == 0:
+            torch.save({"model": model_sd, "optim": optim_sd}, os.path.join(directory, f"{name}.pt"))
+        dist.barrier()
+    return report
+
+
+def _check_writers(path: str, config: tuple[bool, str, bool, bool, bool]) -> None:
+    """Parameter and optimizer-state chunks come only from the ranks that write them: a hybrid
+    model's first replica (global ranks 0 and 1 of the (2, 2) mesh), NO_SHARD's rank 0."""
+    import torch.distributed.checkpoint as dcp
+
+    if dist.get_rank() != 0:
+        return
+    ws = dist.get_world_size()
+    writers = {0, 1} if config[4] else {0} if config[1] == "NO_SHARD" else set(range(ws))
+    params = {n for n, _ in make_toy().named_parameters()}
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    seen: set[int] = set()
+    for index, info in metadata.storage_data.items():
+        name = index.fqn.removeprefix("model.").removeprefix("optim.state.")
+        for suffix in (".exp_avg", ".exp_avg_sq"):
+            name = name.removesuffix(suffix)
+        if name in params:
+            writer = int(info.relative_path.split("_")[2])  # __<rank>_<n>.distcp
+            seen.add(writer)
+    assert seen == writers, (config, seen, writers)
+
+
+def load_all(directory: str, configs: dict[str, tuple[bool, str, bool, bool, bool]]) -> None:
+    """Each saved config loads here (another world size) bit for bit: into fsdp with another
+    wrap policy (one root unit), into torch FSDP1 through DCP, into a plain model through DCP."""
+    from fsdp.checkpoint import load_sharded
+
+    for name, config in configs.items():
+        path = os.path.join(directory, name)
+        expected = torch.load(os.path.join(directory, f"{name}.pt"), weights_only=False)
+        flat_config = (config[0], "FULL_SHARD", False, False, False)
+        for policy in ({Block}, {nn.Embedding}):
+            model = _ours(flat_config, seed=9, policy=policy)
+            if policy == {Block}:
+                optim = _train(model, 1, lr=0.5)  # optimizer state to load into
+            else:  # a fresh optimizer: load_sharded gives it state first
+                optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                load_sharded(model, optim, checkpoint_id=path)
+            model_sd, optim_sd = _full(model, optim)
+            _assert_equal(model_sd, expected["model"], f"{name} model into fsdp {policy}")
+            _assert_equal(optim_sd, expected["optim"], f"{name} optim into fsdp {policy}")
+        _load_into_torch_fsdp1(path, expected, config[0], name)
+        _load_into_fsdp2(path, expected, name)
+        _load_into_plain(path, expected, name)
+
+
+def _load_into_fsdp2(path: str, expected: dict[str, Any], name: str) -> None:
+    """Into torch FSDP2 (``fully_shard`` per block and the root) through DCP's state-dict helpers."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    model = make_toy(seed=9)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    optim = _train(model, 1, lr=0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model_sd, optim_sd = get_state_dict(model, optim)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        full_model, full_optim = get_state_dict(model, optim, options=StateDictOptions(full_state_dict=True))
+    _assert_equal(full_model, expected["model"], f"{name} model into torch FSDP2")
+    _assert_equal(full_optim, expected["optim"], f"{name} optim into torch FSDP2")
+
+
+def _load_into_torch_fsdp1(path: str, expected: dict[str, Any], orig: bool, name: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP, StateDictType
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    model = TorchFSDP(make_toy(seed=9), auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=orig, device_id=torch.device("cpu"))
+    optim = _train(model, 1, lr=0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with TorchFSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+            state = {"model": model.state_dict(), "optim": TorchFSDP.optim_state_dict(model, optim)}
+            dcp.load(state, checkpoint_id=path)
+            model.load_state_dict(state["model"])
+            optim.load_state_dict(TorchFSDP.optim_state_dict_to_load(model, optim, state["optim"]))
+    model_sd, optim_sd = _full(model, optim, "torch")
+    _assert_equal(model_sd, expected["model"], f"{name} model into torch FSDP1")
+    if not orig:
+        _assert_equal(optim_sd, expected["optim"], f"{name} optim into torch FSDP1")
+        return
+    # torch FSDP1's FULL optim_state_dict with use_orig_params gives exp_avg_sq's values for
+    # exp_avg too (its own model, no checkpoint involved, torch 2.13 on gloo): read the
+    # optimizer's own per-parameter state, each the part its shard holds.
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+
+    checked = 0
+    for unit in TorchFSDP.fsdp_modules(model):
+        flat = getattr(unit, "_flat_param", None)
+        if flat is None:
+            continue
+        for param, fqn, info in zip(flat._params, flat._fqns, flat._shard_param_infos):
+            if not info.in_shard:
+                continue
+            full_fqn = _torch_unit_fqn(model, unit, fqn)
+            for state_name, value in expected["optim"]["state"][full_fqn].items():
+                want = value if value.dim() == 0 else value.flatten()[info.intra_param_start_idx : info.intra_param_end_idx + 1]
+                assert torch.equal(optim.state[param][state_name], want), (name, full_fqn, state_name)
+                checked += 1
+    assert checked > 0
+
+
+def _torch_unit_fqn(model: nn.Module, unit: nn.Module, fqn: str) -> str:
+    """A torch FSDP1 unit's parameter name ``fqn`` as the unwrapped model names it."""
+    for name, module in model.named_modules():
+        if module is unit:
+            full = f"{name}.{fqn}" if name else fqn
+            return ".".join(part for part in full.split(".") if part != "_fsdp_wrapped_module")
+    raise AssertionError(fqn)
+
+
+def _load_into_plain(path: str, expected: dict[str, Any], name: str) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    plain = make_toy(seed=9)
+    state: dict[str, Any] = {"model": plain.state_dict()}
+    state["optim"] = {"state": {fqn: {"exp_avg": torch.zeros_like(v)} for fqn, v in plain.named_parameters()}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(state, checkpoint_id=path)
+    plain.load_state_dict(state["model"])
+    _assert_equal(plain.state_dict(), expected["model"], f"{name} into a plain model")
+    for fqn, entry in state["optim"]["state"].items():
+        assert torch.equal(entry["exp_avg"], expected["optim"]["state"][fqn]["exp_avg"]), (name, fqn)
+
+
+def test_flat_checkpoint_2_to_4(tmp_path: Any) -> None:
+    reports = get_pool(2).run(save_all, str(tmp_path), CONFIGS_2, _timeout=300)
+    for report in reports:
+        for name, counts in report.items():
+            assert set(counts["data"]) <= {"all_reduce", "broadcast"}, (name, counts)
+    print("collectives during save_sharded (rank 0):", reports[0])
+    get_pool(4).run(load_all, str(tmp_path), CONFIGS_2, _timeout=300)
+
+
+def test_flat_checkpoint_hybrid_4_to_2(tmp_path: Any) -> None:
+    get_pool(4).run(save_all, str(tmp_path), CONFIGS_4, _timeout=300)
+    get_pool(2).run(load_all, str(tmp_path), CONFIGS_4, _timeout=300)
+
+
+def resave(directory: str) -> None:
+    """A re-save into the same folder replaces the checkpoint under either default of DCP's
+    ``FileSystemWriter(overwrite=...)`` (torch PR #191478 flips it to False): save_sharded
+    passes ``overwrite=True`` itself. ``overwrite=False`` refuses with DCP's error."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from fsdp.checkpoint import load_sharded, save_sharded
+
+    path = os.path.join(directory, "resaved")
+    original = dcp.FileSystemWriter
+
+    class NoOverwriteByDefault(original):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, overwrite: bool = False, **kwargs: Any) -> None:
+            super().__init__(*args, overwrite=overwrite, **kwargs)
+
+    config = CONFIGS_2["orig_mp"]
+    model = _ours(config, seed=5)
+    optim = _train(model, 1)
+    for default in (original, NoOverwriteByDefault):
+        dcp.FileSystemWriter = default  # type: ignore[misc]
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                save_sharded(model, optim, checkpoint_id=path)
+                _train_more(model, optim)  # new parameters and optimizer state to re-save
+                save_sharded(model, optim, checkpoint_id=path)  # the re-save
+                # DCP's refusal, on every rank (after its planning, so no rank is left waiting).
+                with pytest.raises(CheckpointException, match="Checkpoint already exists and self.overwrite=False"):
+                    save_sharded(model, optim, checkpoint_id=path, overwrite=False)
+        finally:
+            dcp.FileSystemWriter = original  # type: ignore[misc]
+        expected = _full(model, optim)
+        target = _ours(config, seed=9)
+        target_optim = _train(target, 1, lr=0.5)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            load_sharded(target, target_optim, checkpoint_id=path)
+        loaded = _full(target, target_optim)
+        _assert_equal(loaded[0], expected[0], f"re-saved model, {default.__name__}")
+        _assert_equal(loaded[1], expected[1], f"re-saved optimizer, {default.__name__}")
+
+
+def _train_more(model: nn.Module, optim: torch.optim.Optimizer) -> None:
+    tokens, targets = global_batch(7, dist.get_world_size())
+    rows = slice(dist.get_rank() * 4, (dist.get_rank() + 1) * 4)
+    logits = model(tokens[rows])
+    nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets[rows].reshape(-1)).backward()
+    optim.step()
+    optim.zero_grad()
+
+
+def test_resave_into_existing_folder(tmp_path: Any) -> None:
+    get_pool(2).run(resave, str(tmp_path), _timeout=300)
+
+
+def _frozen_base(orig: bool, seed: int, policy: set[type] | None = None) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A toy whose embedding and first two blocks are a frozen base (whole units without
+    use_orig_params, which needs uniform requires_grad per unit), trained 2 steps."""
+    from fsdp import FullyShardedDataParallel as FSDP
+    from fsdp.wrap import ModuleWrapPolicy
+
+    toy = make_toy(seed=seed)
+    frozen = [toy.blocks[0], toy.blocks[1]] + ([toy.embed] if orig else [])
+    for module in frozen:
+        module.requires_grad_(False)
+    model = FSDP(toy, auto_wrap_policy=ModuleWrapPolicy(policy or {Block}), use_orig_params=orig)
+    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    for step in range(2):
+        tokens, targets = global_batch(step, ws)
+        logits = model(tokens[rank * 4 : (rank + 1) * 4])
+        nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets[rank * 4 : (rank + 1) * 4].reshape(-1)).backward()
+        optim.step()
+        optim.zero_grad()
+    return model, optim
+
+
+_FROZEN = {True: ["embed.weight"], False: []}
+
+
+def trainable_only_save(directory: str) -> None:
+    """ignore_frozen_params=True: the frozen base's parameters are not in the checkpoint."""
+    import torch.distributed.checkpoint as dcp
+
+    from fsdp.checkpoint import save_sharded
+
+    for orig in (True, False):
+        model, optim = _frozen_base(orig, seed=5)
+        path = os.path.join(directory, f"adapter_{orig}")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            save_sharded(model, optim, checkpoint_id=path, ignore_frozen_params=True)
+        keys = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+        frozen = [f"blocks.{i}.{p}" for i in (0, 1) for p in ("norm.weight", "norm.bias", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")]
+        frozen += _FROZEN[orig]
+        assert not {f"model.{k}" for k in frozen} & keys, sorted(keys)
+        assert "model.blocks.2.fc1.weight" in keys and "optim.state.blocks.2.fc1.weight.exp_avg" in keys
+        model_sd, optim_sd = _full(model, optim)
+        if dist.get_rank() == 0:
+            torch.save({"model": model_sd, "optim": optim_sd}, path + ".pt")
+        dist.barrier()
+
+
+def trainable_only_load(directory: str) -> None:
+    """Into a model whose base came from elsewhere (the same seed: the same frozen values), at
+    another world size and wrap policy: bit for bit with ignore_frozen_params=True; without it,
+    the error names the missing frozen parameters, and nothing changed."""
+    from fsdp.checkpoint import load_sharded
+
+    for orig in (True, False):
+        path = os.path.join(directory, f"adapter_{orig}")
+        expected = torch.load(path + ".pt", weights_only=False)
+        model, optim = _frozen_base(orig, seed=5)  # the base "from elsewhere"; trained on 2 steps
+        before = _full(model, optim)[0]
+        with pytest.raises(RuntimeError, match=r"holds no values for the frozen parameters ('embed\.weight', )?'blocks\.0\.norm\.weight'.*ignore_frozen_params=True"):
+            load_sharded(model, optim, checkpoint_id=path)
+        assert all(torch.equal(v, before[k]) for k, v in _full(model, optim)[0].items()), "nothing changed"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _train(model, 1, lr=0.5)  # move the trainable part away from the saved state
+            load_sharded(model, optim, checkpoint_id=path, ignore_frozen_params=True)
+        model_sd, optim_sd = _full(model, optim)
+        _assert_equal(model_sd, expected["model"], f"trainable-only orig={orig}")
+        _assert_equal(optim_sd, expected["optim"], f"trainable-only optim orig={orig}")
+
+
+def test_trainable_only_checkpoint(tmp_path: Any) -> None:
+    get_pool(2).run(trainable_only_save, str(tmp_path), _timeout=300)
+    get_pool(4).run(trainable_only_load, str(tmp_path), _timeout=300)
+
+
+def buffers_as_state_dict() -> None:
+    """Buffers (BatchNorm's, cast by mixed precision) go in under the SHARDED state dict's keys
+    with its full-precision values."""
+    from fsdp import FullyShardedDataParallel as FSDP, MixedPrecision, StateDictType
+    from fsdp.state_dict._flat_checkpoint import flat_shard_state_dict
+    from fsdp.wrap import ModuleWrapPolicy
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)))
+    mp = MixedPrecision(param_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16)
+    model = FSDP(net, auto_wrap_policy=ModuleWrapPolicy({nn.Sequential}), mixed_precision=mp)
+    model(torch.randn(3, 4)).sum().backward()
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        reference = model.state_dict()
+    ours = flat_shard_state_dict(model)["model"]
+    assert sorted(ours) == sorted(reference)
+    buffers = [k for k in reference if "running" in k or "num_batches" in k]
+    assert len(buffers) == 6
+    for key in buffers:
+        assert ours[key].dtype == reference[key].dtype and torch.equal(ours[key], reference[key]), key
+
+
+def test_buffers_as_state_dict() -> None:
+    get_pool(2).run(buffers_as_state_dict, _timeout=120)
