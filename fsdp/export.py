@@ -1,0 +1,366 @@
+"""Weight export for inference engines: full parameters streamed unit by unit, and the shard map.
+
+Reinforcement-learning stacks push the trainer's weights to an inference engine after every
+step. This module gives them two ways to read an FSDP model without changing it:
+
+- :func:`full_params_stream`, push: an iterator of buckets of ``(name, tensor)`` with the
+  unwrapped model's names (those of a plain model's ``state_dict()``), in a dtype the caller
+  picks, gathered one unit at a time with one collective per unit
+  ([Note: Export streams one unit at a time]).
+- :func:`shard_map` and :func:`local_shard_views`, pull: which range of which parameter this
+  rank's flat shard holds (and the boxes of the parameter it covers, [Note: A flat range is a few
+  boxes] in ``flat_param/_shard_map.py``), computed without communication, and zero-copy views
+  of those ranges; a consumer with its own parallel layout takes exactly the slices it needs
+  from the ranks that hold them.
+
+See docs/export.md for the guide and the measurements.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, NamedTuple, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp._common import FLAT_PARAM, clean_fqn
+from fsdp.flat_param._layout import FLATTENED_ATTR
+from fsdp.flat_param._recast import adopt_external_cast
+from fsdp.flat_param._shard_map import Box, flat_range_boxes
+from fsdp.flat_param.flat_param import FlatParamHandle
+from fsdp.runtime._state import HandleTrainingState, named_fsdp_states
+from fsdp.state_dict._values import NOBODY, gather
+
+__all__ = [
+    "Bucket",
+    "full_params_stream",
+    "ShardMapEntry",
+    "LocalRange",
+    "shard_map",
+    "local_shard_views",
+]
+
+#: A bucket of the stream: ``(name, tensor)`` pairs whose bytes add up to at most the bucket size
+#: (or one tensor larger than it).
+Bucket = list[tuple[str, torch.Tensor]]
+
+_ALIGN_BYTES = 16  # where a tensor starts in the reused staging buffer
+
+
+def _join(prefix: str, name: str) -> str:
+    return clean_fqn(f"{prefix}.{name}" if prefix else name)
+
+
+def _global_rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+class _UnitHandle(NamedTuple):
+    """One handle to export and its parameters' unwrapped names (in flat order)."""
+
+    handle: FlatParamHandle
+    names: list[str]
+
+
+def _prepare(module: nn.Module, what: str) -> list[_UnitHandle]:
+    """Every handle under ``module`` in pre-order, its user edits adopted, and its names.
+
+    Raises:
+        RuntimeError: A unit is in forward, backward or ``summon_full_params``.
+    """
+    result: list[_UnitHandle] = []
+    for prefix, _, state in named_fsdp_states(module):
+        if state.training_state is not HandleTrainingState.IDLE:
+            raise RuntimeError(
+                f"fsdp: {what}() needs every unit idle, but the unit at '{prefix or '<root>'}' is in "
+                f"{state.training_state.name}. Call it between steps, outside forward, backward and "
+                "summon_full_params."
+            )
+        for handle in state.handles:
+            adopt_external_cast(handle)  # [Note: Casting after wrapping]
+            handle.writeback_orig_params()  # use_orig_params: the values the user set
+            result.append(_UnitHandle(handle, [_join(prefix, info.fqn) for info in handle.param_infos]))
+    return result
+
+
+def _loose_tensors(module: nn.Module, handles: list[_UnitHandle], buffers: bool) -> list[tuple[str, torch.Tensor]]:
+    """Parameters no unit manages (ignored modules) and, with ``buffers``, persistent buffers,
+    each once, under their unwrapped names."""
+    seen = {id(p) for unit in handles for p in unit.handle.managed_orig_params()}
+    out: list[tuple[str, torch.Tensor]] = []
+    for mod_name, mod in module.named_modules():
+        for name, param in mod._parameters.items():
+            if param is None or name == FLAT_PARAM or id(param) in seen:
+                continue
+            seen.add(id(param))
+            if getattr(param, FLATTENED_ATTR, None) is None:
+                out.append((_join(mod_name, name), param.detach()))
+        if not buffers:
+            continue
+        for name, buf in mod._buffers.items():
+            if buf is None or name in mod._non_persistent_buffers_set or id(buf) in seen:
+                continue
+            seen.add(id(buf))
+            out.append((_join(mod_name, name), buf.detach()))
+    return out
+
+
+def _dst(handle: FlatParamHandle, rank0_only: bool) -> Optional[int]:
+    """Who receives the handle's gather: None (every rank), global rank 0's group rank, or
+    :data:`NOBODY` for a group without global rank 0 (another replica of HYBRID_SHARD)."""
+    if not rank0_only:
+        return None
+    ranks = list(dist.get_process_group_ranks(handle.process_group))
+    return ranks.index(0) if 0 in ranks else NOBODY
+
+
+def _gathered(handle: FlatParamHandle, rank0_only: bool, receives: bool) -> Optional[torch.Tensor]:
+    """The handle's padded unsharded flat parameter in full precision, gathered with one
+    collective (none where the handle does not shard); None on ranks that keep nothing."""
+    shard = handle._local_shard.detach()
+    if not handle.shard_layout.uses_sharding:
+        return shard if receives else None
+    if shard.device != handle.device:  # CPU offload of parameters: communicate on the device
+        shard = shard.to(handle.device)
+    return gather(shard, handle.process_group, handle.rank, handle.world_size, _dst(handle, rank0_only))
+
+
+# [Note: Export streams one unit at a time]
+# The stream walks the units in pre-order. For each it gathers the flat shard once (one
+# all-gather, or one gather to rank 0 with ``rank0_only``: the other ranks send their shards and
+# never hold the unit; a NO_SHARD unit is already whole), straight into a fresh padded tensor
+# ([Note: State dict gathers]), and copies each parameter's view of it into the bucket being
+# filled, casting on the way: one pass over the bytes, and the gathered unit is dropped before
+# the next one is gathered. The handle itself is never unsharded and its state never changes, so
+# a training step after an export is the step without it, bit for bit.
+#
+# Memory: at any moment the stream holds at most one gathered unit plus the bucket it is filling.
+# With ``reuse_buffer=True`` every bucket is a view of one staging buffer of
+# ``max(bucket_bytes, largest tensor)`` bytes, allocated once: the strict bound whatever the
+# consumer does, but a bucket's tensors are only valid until the next bucket is asked for. With
+# ``reuse_buffer=False`` (the default) each tensor is a fresh copy the consumer owns; the bound
+# then holds as long as the consumer lets go of a bucket before it asks for the next
+# (``for bucket in stream: send(bucket); del bucket``).
+class _Stager:
+    """Fills buckets of at most ``bucket_bytes`` (a larger tensor gets a bucket of its own)."""
+
+    def __init__(self, bucket_bytes: int, capacity: int, reuse: bool, device: Optional[torch.device]) -> None:
+        self.bucket_bytes = bucket_bytes
+        self.capacity = capacity
+        self.reuse = reuse
+        self.device = device
+        self.buffer: Optional[torch.Tensor] = None  # the reused staging buffer, bytes
+        self.bucket: Bucket = []
+        self.used = 0
+
+    def _size(self, nbytes: int) -> int:
+        return -(-nbytes // _ALIGN_BYTES) * _ALIGN_BYTES if self.reuse else nbytes
+
+    def add(self, name: str, source: torch.Tensor, dtype: torch.dtype) -> Iterator[Bucket]:
+        """Copies ``source`` (cast to ``dtype``) into the bucket; yields the bucket first when
+        ``source`` does not fit in it."""
+        nbytes = source.numel() * torch.empty((), dtype=dtype).element_size()
+        if self.bucket and self.used + self._size(nbytes) > self.bucket_bytes:
+            yield self.flush()
+        device = self.device if self.device is not None else source.device
+        if not self.reuse:
+            target = torch.empty(source.shape, dtype=dtype, device=device)
+        else:
+            if self.buffer is None:
+                self.buffer = torch.empty(self.capacity, dtype=torch.uint8, device=device)
+            target = self.buffer[self.used : self.used + nbytes].view(dtype).view(source.shape)
+        target.copy_(source)
+        self.bucket.append((name, target))
+        self.used += self._size(nbytes)
+
+    def flush(self) -> Bucket:
+        bucket, self.bucket, self.used = self.bucket, [], 0
+        return bucket
+
+
+def _export_dtype(tensor: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.dtype:
+    # As ``nn.Module.to(dtype)``: only floating-point tensors are cast.
+    return dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+
+
+def _check_args(bucket_bytes: int, handles: list[_UnitHandle]) -> None:
+    if bucket_bytes <= 0:
+        raise ValueError(f"fsdp: full_params_stream(bucket_bytes={bucket_bytes}) needs a positive bucket size.")
+    for unit in handles:
+        if unit.handle.shard_layout.has_dtensors:
+            raise NotImplementedError(
+                f"fsdp: full_params_stream() does not export tensor-parallel (DTensor) parameters yet "
+                f"({unit.names[0]} and others of its unit). Use shard_map()/local_shard_views() to pull "
+                "each rank's tp-local ranges, or summon_full_params()."
+            )
+
+
+def _largest_bytes(handles: list[_UnitHandle], loose: list[tuple[str, torch.Tensor]], dtype: Optional[torch.dtype]) -> int:
+    largest = 0
+    for unit in handles:
+        shard = unit.handle._local_shard
+        size = torch.empty((), dtype=_export_dtype(shard, dtype)).element_size()
+        largest = max([largest] + [size * info.numel for info in unit.handle.param_infos])
+    for _, tensor in loose:
+        largest = max(largest, tensor.numel() * torch.empty((), dtype=_export_dtype(tensor, dtype)).element_size())
+    return largest
+
+
+def full_params_stream(
+    module: nn.Module,
+    dtype: Optional[torch.dtype] = None,
+    bucket_bytes: int = 256 << 20,
+    rank0_only: bool = False,
+    buffers: bool = True,
+    reuse_buffer: bool = False,
+    device: Optional[Union[torch.device, str]] = None,
+) -> Iterator[Bucket]:
+    """Streams the model's full parameters in buckets, one unit gathered at a time.
+
+    Every rank must run the stream to its end (it issues the units' collectives in the same
+    order on every rank), between steps: not inside forward, backward or
+    ``summon_full_params``, and no step may run while it is open. Nothing about the model
+    changes: no unit is unsharded, no state moves. See [Note: Export streams one unit at a time].
+
+    Args:
+        module: An FSDP model (the root, or any module holding FSDP units).
+        dtype: Cast floating-point values to this dtype (``torch.bfloat16`` for inference);
+            None keeps each tensor's own (the parameters' full precision, not ``param_dtype``).
+        bucket_bytes: The most bytes a bucket holds; a tensor larger than this comes alone.
+        rank0_only: Only global rank 0 receives; the other ranks send their shards, never hold
+            a gathered unit, and get no bucket.
+        buffers: Include persistent buffers (as ``state_dict()`` does).
+        reuse_buffer: Stage every bucket in one buffer allocated once (the tensors are valid
+            until the next bucket is requested: copy what you keep); False gives owned tensors.
+        device: Where the bucket tensors live; None: where the unit was gathered.
+
+    Yields:
+        Buckets: lists of ``(name, tensor)``, names as in the unwrapped model's ``state_dict()``,
+        units in pre-order, each parameter once (a tied parameter under its first name), then
+        the parameters of ignored modules and the buffers.
+
+    Raises:
+        RuntimeError: A unit is in forward, backward or ``summon_full_params``.
+        NotImplementedError: Tensor-parallel (DTensor) parameters.
+    """
+    handles = _prepare(module, "full_params_stream")
+    _check_args(bucket_bytes, handles)
+    loose = _loose_tensors(module, handles, buffers)
+    receives = not rank0_only or _global_rank() == 0
+    capacity = max(bucket_bytes, _largest_bytes(handles, loose, dtype) + _ALIGN_BYTES)
+    stager = _Stager(bucket_bytes, capacity, reuse_buffer, torch.device(device) if device is not None else None)
+    for unit in handles:
+        padded_unsharded = _gathered(unit.handle, rank0_only, receives)
+        if padded_unsharded is None:
+            continue
+        views = unit.handle.shard_layout.unsharded_views(padded_unsharded)
+        for name, view in zip(unit.names, views):
+            yield from stager.add(name, view, _export_dtype(view, dtype))
+        del padded_unsharded, views
+    if receives:
+        for name, tensor in loose:
+            yield from stager.add(name, tensor, _export_dtype(tensor, dtype))
+    if stager.bucket:
+        yield stager.flush()
+
+
+# ----------------------------------------------------------------------------- the shard map
+class ShardMapEntry(NamedTuple):
+    """Which part of one parameter this rank's local flat shard holds.
+
+    Attributes:
+        name: The parameter's name in the unwrapped model.
+        unit: The name of the unit's module ('' for the root).
+        handle_index: Which handle of the unit (0 but for units with several).
+        param_index: The parameter's place in its FlatParameter.
+        offset: The first element held, in the flattened (row-major) parameter.
+        length: Elements held (at least 1: parameters this rank holds none of have no entry).
+        offset_in_shard: Where they start in the local flat shard.
+        dtype: The shard's dtype (the parameters' full precision).
+        shape: The parameter's full shape (tp-local for a DTensor parameter).
+        boxes: The boxes of ``shape`` the range covers, in order ([Note: A flat range is a few
+            boxes]).
+    """
+
+    name: str
+    unit: str
+    handle_index: int
+    param_index: int
+    offset: int
+    length: int
+    offset_in_shard: int
+    dtype: torch.dtype
+    shape: torch.Size
+    boxes: tuple[Box, ...]
+
+
+def shard_map(module: nn.Module) -> list[ShardMapEntry]:
+    """This rank's shard map: one entry per parameter range its local flat shards hold.
+
+    Pure metadata fixed at wrap time: no collective, no copy, nothing changes. Every parameter a
+    unit manages is covered exactly once by the union of all ranks' entries of one shard group
+    (NO_SHARD: every rank holds everything). Parameters of ignored modules are not in it (every
+    rank holds them whole).
+    """
+    entries: list[ShardMapEntry] = []
+    for prefix, _, state in named_fsdp_states(module):
+        for handle_index, handle in enumerate(state.handles):
+            layout = handle.shard_layout
+            dtype = handle.dtype
+            for index, (info, piece) in enumerate(zip(handle.param_infos, layout.shard_slices)):
+                if piece is None or piece.numel == 0:
+                    continue
+                start = piece.offset_in_param
+                shape = tuple(layout.param_shapes[index])
+                entries.append(
+                    ShardMapEntry(
+                        _join(prefix, info.fqn),
+                        prefix,
+                        handle_index,
+                        index,
+                        start,
+                        piece.numel,
+                        piece.offset_in_shard,
+                        dtype,
+                        torch.Size(shape),
+                        tuple(flat_range_boxes(shape, start, start + piece.numel)),
+                    )
+                )
+    return entries
+
+
+class LocalRange(NamedTuple):
+    """A :class:`ShardMapEntry` and zero-copy views of the local shard it describes.
+
+    Attributes:
+        entry: What the range is.
+        flat: The range, 1-D (``entry.length`` elements).
+        boxes: One view per ``entry.boxes``, shaped like the box.
+    """
+
+    entry: ShardMapEntry
+    flat: torch.Tensor
+    boxes: list[torch.Tensor]
+
+
+def local_shard_views(module: nn.Module) -> list[LocalRange]:
+    """:func:`shard_map` with views of the local flat shards (no collective, no copy).
+
+    The views alias the live shards (on the host with CPU offload): they show the values of the
+    last optimizer step and change with the next. Read them between steps.
+    """
+    _prepare(module, "local_shard_views")  # adopt what the user set (use_orig_params)
+    handles = {(prefix, i): h for prefix, _, state in named_fsdp_states(module) for i, h in enumerate(state.handles)}
+    result: list[LocalRange] = []
+    for entry in shard_map(module):
+        handle = handles[(entry.unit, entry.handle_index)]
+        shard = handle._local_shard.detach()
+        flat = shard[entry.offset_in_shard : entry.offset_in_shard + entry.length]
+        views: list[torch.Tensor] = []
+        at = 0
+        for box in entry.boxes:
+            views.append(flat[at : at + box.numel].view(box.sizes))
+            at += box.numel
+        result.append(LocalRange(entry, flat, views))
+    return result
