@@ -7,6 +7,9 @@ step. This module gives them two ways to read an FSDP model without changing it:
   unwrapped model's names (those of a plain model's ``state_dict()``), in a dtype the caller
   picks, gathered one unit at a time with one collective per unit
   ([Note: Export streams one unit at a time]).
+- :func:`full_params_delta`, push of what changed: only the elements that differ from a host
+  snapshot the caller owns (sparse or dense, whichever is smaller), with a checksum per
+  parameter that :func:`apply_delta` verifies ([Note: Export deltas]).
 - :func:`shard_map` and :func:`local_shard_views`, pull: which range of which parameter this
   rank's flat shard holds (and the boxes of the parameter it covers, [Note: A flat range is a few
   boxes] in ``flat_param/_shard_map.py``), computed without communication, and zero-copy views
@@ -18,7 +21,8 @@ See docs/export.md for the guide and the measurements.
 
 from __future__ import annotations
 
-from typing import Iterator, NamedTuple, Optional, Union
+import zlib
+from typing import Iterator, MutableMapping, NamedTuple, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -39,6 +43,10 @@ __all__ = [
     "LocalRange",
     "shard_map",
     "local_shard_views",
+    "ParamDelta",
+    "checksum",
+    "full_params_delta",
+    "apply_delta",
 ]
 
 #: A bucket of the stream: ``(name, tensor)`` pairs whose bytes add up to at most the bucket size
@@ -364,3 +372,124 @@ def local_shard_views(module: nn.Module) -> list[LocalRange]:
             at += box.numel
         result.append(LocalRange(entry, flat, views))
     return result
+
+
+# ----------------------------------------------------------------------------- deltas
+# [Note: Export deltas]
+# An RL trainer changes a small part of the weights per step (0.02-2.6% of the bytes in public
+# measurements), so the engine needs only those elements. ``full_params_delta`` runs the stream
+# and compares each full tensor with the caller's host snapshot of the previous export bit for
+# bit (as integers of the element's width: exact, and a NaN that stays NaN is no change), then
+# updates the snapshot in place. A parameter comes as a sparse delta (flat int64 indices and
+# their new values) when that is smaller than the dense tensor (``changed * (8 + itemsize) <
+# numel * itemsize``), else dense (the whole new tensor); a name the snapshot lacks comes dense
+# and is added to it. Each delta carries :func:`checksum` of the whole new tensor, so the
+# consumer checks what it holds after applying it (:func:`apply_delta` does).
+class ParamDelta(NamedTuple):
+    """What changed in one tensor since the snapshot.
+
+    Attributes:
+        name: The name in the unwrapped model.
+        shape: The full shape.
+        indices: Sparse form: the changed elements' flat (row-major) indices, int64, 1-D;
+            None for the dense form.
+        values: Sparse form: their new values (1-D); dense: the whole new tensor.
+        checksum: :func:`checksum` of the whole new tensor.
+    """
+
+    name: str
+    shape: torch.Size
+    indices: Optional[torch.Tensor]
+    values: torch.Tensor
+    checksum: int
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the delta carries."""
+        n = self.values.numel() * self.values.element_size()
+        return n + (self.indices.numel() * 8 if self.indices is not None else 0)
+
+
+def checksum(tensor: torch.Tensor) -> int:
+    """CRC-32 of the tensor's bytes in row-major order (``zlib.crc32``, reproducible anywhere)."""
+    flat = tensor.detach().reshape(-1).contiguous().cpu()
+    return zlib.crc32(flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b"")
+
+
+_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.dtype == torch.bool or tensor.element_size() not in _INT_OF_WIDTH:
+        return tensor
+    return tensor.view(_INT_OF_WIDTH[tensor.element_size()])
+
+
+def _delta(name: str, new: torch.Tensor, snapshot: MutableMapping[str, torch.Tensor]) -> ParamDelta:
+    """The delta of ``new`` (a host tensor) against ``snapshot[name]``, which it then updates."""
+    old = snapshot.get(name)
+    crc = checksum(new)
+    if old is None or old.shape != new.shape or old.dtype != new.dtype:
+        snapshot[name] = new.clone()
+        return ParamDelta(name, new.shape, None, new.clone(), crc)
+    changed = (_bits(new).reshape(-1) != _bits(old).reshape(-1)).nonzero().reshape(-1)
+    itemsize = new.element_size()
+    if changed.numel() * (8 + itemsize) < new.numel() * itemsize:
+        delta = ParamDelta(name, new.shape, changed, new.reshape(-1)[changed], crc)
+        old.reshape(-1)[changed] = delta.values
+        return delta
+    old.copy_(new)
+    return ParamDelta(name, new.shape, None, new.clone(), crc)
+
+
+def full_params_delta(
+    module: nn.Module,
+    snapshot: MutableMapping[str, torch.Tensor],
+    dtype: Optional[torch.dtype] = None,
+    bucket_bytes: int = 256 << 20,
+    rank0_only: bool = False,
+    buffers: bool = True,
+) -> Iterator[list[ParamDelta]]:
+    """Streams, bucket by bucket, what changed since the caller's host ``snapshot``.
+
+    Runs :func:`full_params_stream` (same collectives, same order, same arguments), compares
+    each tensor with ``snapshot`` exactly and updates ``snapshot`` in place to the exported
+    values ([Note: Export deltas]). Start with an empty dict: the first export is dense and fills
+    it. Keep one snapshot per consumer and per ``dtype``.
+
+    Args:
+        module: As for :func:`full_params_stream`.
+        snapshot: The host tensors of the previous export, by name (the caller owns it; on
+            ranks that receive nothing it is left alone).
+        dtype, bucket_bytes, rank0_only, buffers: As for :func:`full_params_stream`.
+
+    Yields:
+        Lists of :class:`ParamDelta`, one per tensor of a stream bucket (unchanged tensors too:
+        an empty sparse delta, whose checksum still lets the consumer verify its copy).
+    """
+    for bucket in full_params_stream(
+        module, dtype=dtype, bucket_bytes=bucket_bytes, rank0_only=rank0_only, buffers=buffers, reuse_buffer=True
+    ):
+        yield [_delta(name, tensor.to("cpu"), snapshot) for name, tensor in bucket]
+
+
+def apply_delta(target: torch.Tensor, delta: ParamDelta, verify: bool = True) -> None:
+    """Applies ``delta`` to the consumer's copy ``target`` in place, then checks its checksum.
+
+    Raises:
+        ValueError: ``target`` has another shape, or (``verify``) its checksum after applying is
+            not the delta's: the copy was not the snapshot the delta was computed against.
+    """
+    if target.shape != delta.shape:
+        raise ValueError(f"fsdp: apply_delta: {delta.name} has shape {tuple(delta.shape)}, the target {tuple(target.shape)}.")
+    with torch.no_grad():
+        if delta.indices is None:
+            target.copy_(delta.values.reshape(delta.shape))
+        else:
+            target.view(-1)[delta.indices.to(target.device)] = delta.values.to(target.device, target.dtype)
+    if verify and checksum(target) != delta.checksum:
+        raise ValueError(
+            f"fsdp: apply_delta: {delta.name} does not match the exported values after applying the delta "
+            f"(checksum {checksum(target):#010x}, expected {delta.checksum:#010x}); the target did not hold "
+            "the previous export. Apply every delta in order, or start again from an empty snapshot."
+        )

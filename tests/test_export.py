@@ -319,3 +319,55 @@ def tp_consumer(strategy: str, orig: bool, offload: bool) -> None:
 def test_shard_map_tp_consumer(dist_pool: RankPool) -> None:
     for strategy, orig, offload in [("FULL_SHARD", False, False), ("SHARD_GRAD_OP", True, True), ("NO_SHARD", False, False)]:
         dist_pool.run(tp_consumer, strategy, orig, offload)
+
+
+# ----------------------------------------------------------------------------- deltas
+def deltas(strategy: str, orig: bool) -> None:
+    """A consumer that applies every delta holds exactly the exported weights (checksums)."""
+    from fsdp.export import apply_delta, full_params_delta
+    from fsdp import FullyShardedDataParallel as FSDP
+
+    model = _model(strategy, orig)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    snapshot: dict[str, torch.Tensor] = {}
+    consumer: dict[str, torch.Tensor] = {}
+    rank0 = dist.get_rank() == 0
+    for round_ in range(4):
+        if round_ == 1:
+            _steps(model, range(1), opt)  # SGD: every Linear weight changes
+        if round_ == 3:  # one element set by hand, between steps
+            with FSDP.summon_full_params(model, writeback=True):
+                with torch.no_grad():
+                    model.module.blocks[1].fc1.weight[3, 2] += 1.0
+        sent = [d for bucket in full_params_delta(model, snapshot, dtype=torch.bfloat16, bucket_bytes=300, rank0_only=True) for d in bucket]
+        expected = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in _expected(model, False).items()}
+        if not rank0:
+            assert sent == [] and snapshot == {}
+            continue
+        for d in sent:
+            if d.name not in consumer:
+                consumer[d.name] = torch.zeros(d.shape, dtype=d.values.dtype)
+            apply_delta(consumer[d.name], d)
+        assert set(consumer) == set(expected) and all(torch.equal(consumer[k], expected[k]) for k in expected), round_
+        forms = {d.name: (d.indices is None, 0 if d.indices is None else d.indices.numel()) for d in sent}
+        if round_ == 0:
+            assert all(dense for dense, _ in forms.values())
+        elif round_ == 1:
+            assert forms["blocks.0.fc1.weight"][0], forms  # every element changed: dense
+        elif round_ == 2:
+            assert all(not dense and n == 0 for dense, n in forms.values()), forms  # nothing changed
+            assert sum(d.nbytes for d in sent) == 0
+        else:
+            assert {k: v for k, v in forms.items() if v != (False, 0)} == {"blocks.1.fc1.weight": (False, 1)}, forms
+    if rank0:  # a consumer that missed a delta is told so
+        from fsdp.export import ParamDelta, checksum
+
+        stale = torch.zeros(2, 2)
+        with pytest.raises(ValueError, match="did not hold the previous export"):
+            apply_delta(stale, ParamDelta("w", torch.Size([2, 2]), torch.tensor([0]), torch.tensor([1.0]), checksum(torch.ones(2, 2))))
+
+
+@pytest.mark.parametrize("dist_pool", [2, 4], indirect=True)
+def test_deltas(dist_pool: RankPool) -> None:
+    for strategy, orig in [("FULL_SHARD", False), ("SHARD_GRAD_OP", True), ("NO_SHARD", False)]:
+        dist_pool.run(deltas, strategy, orig)
