@@ -21,7 +21,7 @@ See docs/export.md for the guide and the measurements.
 
 from __future__ import annotations
 
-import zlib
+import hashlib
 from typing import Iterator, MutableMapping, NamedTuple, Optional, Union
 
 import torch
@@ -123,23 +123,30 @@ def _dst(handle: FlatParamHandle, rank0_only: bool) -> Optional[int]:
     return ranks.index(0) if 0 in ranks else NOBODY
 
 
-def _gathered(handle: FlatParamHandle, rank0_only: bool, receives: bool) -> Optional[torch.Tensor]:
-    """The handle's padded unsharded flat parameter in full precision, gathered with one
-    collective (none where the handle does not shard); None on ranks that keep nothing."""
+def _gathered(
+    handle: FlatParamHandle, dtype: Optional[torch.dtype], rank0_only: bool, receives: bool
+) -> Optional[torch.Tensor]:
+    """The handle's padded unsharded flat parameter in the export dtype, gathered with one
+    collective (none where the handle does not shard); None on ranks that keep nothing.
+
+    The local shard is cast before the gather ([Note: Export streams one unit at a time])."""
     shard = handle._local_shard.detach()
+    target = _export_dtype(shard, dtype)
     if not handle.shard_layout.uses_sharding:
-        return shard if receives else None
-    if shard.device != handle.device:  # CPU offload of parameters: communicate on the device
-        shard = shard.to(handle.device)
+        return shard.to(target) if receives else None
+    # CPU offload of parameters: communicate on the device.
+    shard = shard.to(handle.device, target)
     return gather(shard, handle.process_group, handle.rank, handle.world_size, _dst(handle, rank0_only))
 
 
 # [Note: Export streams one unit at a time]
-# The stream walks the units in pre-order. For each it gathers the flat shard once (one
-# all-gather, or one gather to rank 0 with ``rank0_only``: the other ranks send their shards and
-# never hold the unit; a NO_SHARD unit is already whole), straight into a fresh padded tensor
-# ([Note: State dict gathers]), and copies each parameter's view of it into the bucket being
-# filled, casting on the way: one pass over the bytes, and the gathered unit is dropped before
+# The stream walks the units in pre-order. For each it casts the local flat shard to the export
+# dtype (a cast is elementwise, so casting each shard and gathering the results is bit for bit
+# the gathered tensor cast; each rank casts 1/world_size of the unit, and a bf16 export moves half
+# the bytes of the fp32 parameters), gathers it once (one all-gather, or one gather to rank 0
+# with ``rank0_only``: the other ranks send their shards and never hold the unit; a NO_SHARD unit
+# is already whole) straight into a fresh padded tensor ([Note: State dict gathers]), and copies
+# each parameter's view of it into the bucket being filled; the gathered unit is dropped before
 # the next one is gathered. The handle itself is never unsharded and its state never changes, so
 # a training step after an export is the step without it, bit for bit.
 #
@@ -204,15 +211,18 @@ def _check_args(bucket_bytes: int, handles: list[_UnitHandle]) -> None:
             )
 
 
-def _largest_bytes(handles: list[_UnitHandle], loose: list[tuple[str, torch.Tensor]], dtype: Optional[torch.dtype]) -> int:
-    largest = 0
+def _staging_bytes(
+    handles: list[_UnitHandle], loose: list[tuple[str, torch.Tensor]], dtype: Optional[torch.dtype], bucket_bytes: int
+) -> int:
+    """The reused staging buffer's size: a bucket, or the largest tensor if larger, and never
+    more than everything exported (each tensor rounded up to the alignment)."""
+    sizes: list[int] = []
     for unit in handles:
-        shard = unit.handle._local_shard
-        size = torch.empty((), dtype=_export_dtype(shard, dtype)).element_size()
-        largest = max([largest] + [size * info.numel for info in unit.handle.param_infos])
-    for _, tensor in loose:
-        largest = max(largest, tensor.numel() * torch.empty((), dtype=_export_dtype(tensor, dtype)).element_size())
-    return largest
+        itemsize = torch.empty((), dtype=_export_dtype(unit.handle._local_shard, dtype)).element_size()
+        sizes += [itemsize * info.numel for info in unit.handle.param_infos]
+    sizes += [t.numel() * torch.empty((), dtype=_export_dtype(t, dtype)).element_size() for _, t in loose]
+    aligned = [-(-n // _ALIGN_BYTES) * _ALIGN_BYTES for n in sizes]
+    return max(min(bucket_bytes, sum(aligned)), max(aligned, default=0))
 
 
 def full_params_stream(
@@ -256,15 +266,15 @@ def full_params_stream(
     _check_args(bucket_bytes, handles)
     loose = _loose_tensors(module, handles, buffers)
     receives = not rank0_only or _global_rank() == 0
-    capacity = max(bucket_bytes, _largest_bytes(handles, loose, dtype) + _ALIGN_BYTES)
+    capacity = _staging_bytes(handles, loose, dtype, bucket_bytes)
     stager = _Stager(bucket_bytes, capacity, reuse_buffer, torch.device(device) if device is not None else None)
     for unit in handles:
-        padded_unsharded = _gathered(unit.handle, rank0_only, receives)
+        padded_unsharded = _gathered(unit.handle, dtype, rank0_only, receives)
         if padded_unsharded is None:
             continue
         views = unit.handle.shard_layout.unsharded_views(padded_unsharded)
         for name, view in zip(unit.names, views):
-            yield from stager.add(name, view, _export_dtype(view, dtype))
+            yield from stager.add(name, view, view.dtype)
         del padded_unsharded, views
     if receives:
         for name, tensor in loose:
@@ -401,7 +411,7 @@ class ParamDelta(NamedTuple):
     shape: torch.Size
     indices: Optional[torch.Tensor]
     values: torch.Tensor
-    checksum: int
+    checksum: str
 
     @property
     def nbytes(self) -> int:
@@ -410,10 +420,14 @@ class ParamDelta(NamedTuple):
         return n + (self.indices.numel() * 8 if self.indices is not None else 0)
 
 
-def checksum(tensor: torch.Tensor) -> int:
-    """CRC-32 of the tensor's bytes in row-major order (``zlib.crc32``, reproducible anywhere)."""
+def checksum(tensor: torch.Tensor) -> str:
+    """SHA-1 (hex) of the tensor's bytes in row-major order: ``hashlib.sha1(bytes).hexdigest()``,
+    reproducible anywhere (and hardware-accelerated on current CPUs)."""
     flat = tensor.detach().reshape(-1).contiguous().cpu()
-    return zlib.crc32(flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b"")
+    digest = hashlib.sha1()
+    if flat.numel():
+        digest.update(flat.view(torch.uint8).numpy().data)  # the array's buffer, no copy
+    return digest.hexdigest()
 
 
 _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -428,18 +442,19 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
 def _delta(name: str, new: torch.Tensor, snapshot: MutableMapping[str, torch.Tensor]) -> ParamDelta:
     """The delta of ``new`` (a host tensor) against ``snapshot[name]``, which it then updates."""
     old = snapshot.get(name)
-    crc = checksum(new)
+    digest = checksum(new)
     if old is None or old.shape != new.shape or old.dtype != new.dtype:
         snapshot[name] = new.clone()
-        return ParamDelta(name, new.shape, None, new.clone(), crc)
-    changed = (_bits(new).reshape(-1) != _bits(old).reshape(-1)).nonzero().reshape(-1)
+        return ParamDelta(name, new.shape, None, new.clone(), digest)
+    differs = _bits(new).reshape(-1) != _bits(old).reshape(-1)
     itemsize = new.element_size()
-    if changed.numel() * (8 + itemsize) < new.numel() * itemsize:
-        delta = ParamDelta(name, new.shape, changed, new.reshape(-1)[changed], crc)
+    if int(torch.count_nonzero(differs)) * (8 + itemsize) < new.numel() * itemsize:
+        changed = differs.nonzero().reshape(-1)
+        delta = ParamDelta(name, new.shape, changed, new.reshape(-1)[changed], digest)
         old.reshape(-1)[changed] = delta.values
         return delta
     old.copy_(new)
-    return ParamDelta(name, new.shape, None, new.clone(), crc)
+    return ParamDelta(name, new.shape, None, new.clone(), digest)
 
 
 def full_params_delta(
@@ -490,6 +505,6 @@ def apply_delta(target: torch.Tensor, delta: ParamDelta, verify: bool = True) ->
     if verify and checksum(target) != delta.checksum:
         raise ValueError(
             f"fsdp: apply_delta: {delta.name} does not match the exported values after applying the delta "
-            f"(checksum {checksum(target):#010x}, expected {delta.checksum:#010x}); the target did not hold "
+            f"(checksum {checksum(target)}, expected {delta.checksum}); the target did not hold "
             "the previous export. Apply every delta in order, or start again from an empty snapshot."
         )
