@@ -403,7 +403,8 @@ class ParamDelta(NamedTuple):
         shape: The full shape.
         indices: Sparse form: the changed elements' flat (row-major) indices, int64, 1-D;
             None for the dense form.
-        values: Sparse form: their new values (1-D); dense: the whole new tensor.
+        values: Sparse form: their new values (1-D); dense: the whole new tensor (the
+            snapshot's own tensor, no copy: read it, do not change it).
         checksum: :func:`checksum` of the whole new tensor.
     """
 
@@ -445,7 +446,7 @@ def _delta(name: str, new: torch.Tensor, snapshot: MutableMapping[str, torch.Ten
     digest = checksum(new)
     if old is None or old.shape != new.shape or old.dtype != new.dtype:
         snapshot[name] = new.clone()
-        return ParamDelta(name, new.shape, None, new.clone(), digest)
+        return ParamDelta(name, new.shape, None, snapshot[name], digest)
     differs = _bits(new).reshape(-1) != _bits(old).reshape(-1)
     itemsize = new.element_size()
     if int(torch.count_nonzero(differs)) * (8 + itemsize) < new.numel() * itemsize:
@@ -454,7 +455,7 @@ def _delta(name: str, new: torch.Tensor, snapshot: MutableMapping[str, torch.Ten
         old.reshape(-1)[changed] = delta.values
         return delta
     old.copy_(new)
-    return ParamDelta(name, new.shape, None, new.clone(), digest)
+    return ParamDelta(name, new.shape, None, old, digest)
 
 
 def full_params_delta(
