@@ -9,7 +9,7 @@ measuring its peak extra live bytes per rank (torch's CPU profiler, ``benchmarks
 - ``floor``: the same units' all-gathers alone, as the stream issues them (each fsdp unit's flat
   shard, already cast to bf16, into a fresh tensor); ``floor_fp32``: the same of the fp32 shards
   (what a stream that casts after gathering, like the others here, moves);
-- ``fsdp_stream``: ``fsdp.export.full_params_stream(dtype=bf16, reuse_buffer=True)``, every rank;
+- ``fsdp_stream``: ``fsdp.export.full_params_stream(dtype=bf16, transient=True)``, every rank;
 - ``fsdp_stream_rank0``: the same with ``rank0_only=True``;
 - ``fsdp1_summon_walk``: torch FSDP1's ``summon_full_params(unit, recurse=False)`` over every unit
   (the walk TRL uses), casting each parameter;
@@ -103,7 +103,7 @@ def _stream(model: nn.Module, rank0_only: bool, bucket_bytes: int) -> Callable[[
     from fsdp.export import full_params_stream
 
     def run() -> None:
-        for bucket in full_params_stream(model, dtype=DTYPE, bucket_bytes=bucket_bytes, rank0_only=rank0_only, reuse_buffer=True):
+        for bucket in full_params_stream(model, dtype=DTYPE, bucket_bytes=bucket_bytes, rank0_only=rank0_only, transient=True):
             for _, tensor in bucket:
                 _sink(tensor)
             del bucket

@@ -151,12 +151,15 @@ def _gathered(
 # a training step after an export is the step without it, bit for bit.
 #
 # Memory: at any moment the stream holds at most one gathered unit plus the bucket it is filling.
-# With ``reuse_buffer=True`` every bucket is a view of one staging buffer of
-# ``max(bucket_bytes, largest tensor)`` bytes, allocated once: the strict bound whatever the
-# consumer does, but a bucket's tensors are only valid until the next bucket is asked for. With
-# ``reuse_buffer=False`` (the default) each tensor is a fresh copy the consumer owns; the bound
-# then holds as long as the consumer lets go of a bucket before it asks for the next
-# (``for bucket in stream: send(bucket); del bucket``).
+# With ``transient=True`` nothing is copied where nothing has to be: a bucket's parameters are
+# views of the gathered unit itself (the unit's parameters lie back to back in it, so a bucket
+# never spans two units), and only tensors that must move (to ``device``, or the buffers and
+# ignored parameters, cast) are staged in one buffer allocated once. That is the strict bound
+# whatever the consumer does, at no copy, but a bucket's tensors are only valid until the next
+# bucket is asked for, and are read-only (a NO_SHARD unit's views are its live parameters). With
+# ``transient=False`` (the default) each tensor is a fresh copy the consumer owns, and buckets
+# are packed across units; the bound then holds as long as the consumer lets go of a bucket
+# before it asks for the next (``for bucket in stream: send(bucket); del bucket``).
 class _Stager:
     """Fills buckets of at most ``bucket_bytes`` (a larger tensor gets a bucket of its own)."""
 
@@ -188,6 +191,15 @@ class _Stager:
         target.copy_(source)
         self.bucket.append((name, target))
         self.used += self._size(nbytes)
+
+    def add_view(self, name: str, view: torch.Tensor) -> Iterator[Bucket]:
+        """Puts ``view`` itself into the bucket (transient, zero-copy); yields the bucket first
+        when ``view`` does not fit in it."""
+        nbytes = view.numel() * view.element_size()
+        if self.bucket and self.used + nbytes > self.bucket_bytes:
+            yield self.flush()
+        self.bucket.append((name, view))
+        self.used += nbytes
 
     def flush(self) -> Bucket:
         bucket, self.bucket, self.used = self.bucket, [], 0
@@ -231,7 +243,7 @@ def full_params_stream(
     bucket_bytes: int = 256 << 20,
     rank0_only: bool = False,
     buffers: bool = True,
-    reuse_buffer: bool = False,
+    transient: bool = False,
     device: Optional[Union[torch.device, str]] = None,
 ) -> Iterator[Bucket]:
     """Streams the model's full parameters in buckets, one unit gathered at a time.
@@ -249,8 +261,9 @@ def full_params_stream(
         rank0_only: Only global rank 0 receives; the other ranks send their shards, never hold
             a gathered unit, and get no bucket.
         buffers: Include persistent buffers (as ``state_dict()`` does).
-        reuse_buffer: Stage every bucket in one buffer allocated once (the tensors are valid
-            until the next bucket is requested: copy what you keep); False gives owned tensors.
+        transient: Give read-only tensors valid only until the next bucket is requested
+            (views of the gathered unit, no copy; a bucket then never spans two units; copy
+            what you keep); False gives owned copies.
         device: Where the bucket tensors live; None: where the unit was gathered.
 
     Yields:
@@ -266,15 +279,19 @@ def full_params_stream(
     _check_args(bucket_bytes, handles)
     loose = _loose_tensors(module, handles, buffers)
     receives = not rank0_only or _global_rank() == 0
-    capacity = _staging_bytes(handles, loose, dtype, bucket_bytes)
-    stager = _Stager(bucket_bytes, capacity, reuse_buffer, torch.device(device) if device is not None else None)
+    target = torch.device(device) if device is not None else None
+    capacity = _staging_bytes([] if transient and target is None else handles, loose, dtype, bucket_bytes)
+    stager = _Stager(bucket_bytes, capacity, transient, target)
     for unit in handles:
         padded_unsharded = _gathered(unit.handle, dtype, rank0_only, receives)
         if padded_unsharded is None:
             continue
+        zero_copy = transient and target in (None, padded_unsharded.device)
         views = unit.handle.shard_layout.unsharded_views(padded_unsharded)
         for name, view in zip(unit.names, views):
-            yield from stager.add(name, view, view.dtype)
+            yield from (stager.add_view(name, view) if zero_copy else stager.add(name, view, view.dtype))
+        if zero_copy and stager.bucket:  # its views must not outlive the unit
+            yield stager.flush()
         del padded_unsharded, views
     if receives:
         for name, tensor in loose:
@@ -484,7 +501,7 @@ def full_params_delta(
         an empty sparse delta, whose checksum still lets the consumer verify its copy).
     """
     for bucket in full_params_stream(
-        module, dtype=dtype, bucket_bytes=bucket_bytes, rank0_only=rank0_only, buffers=buffers, reuse_buffer=True
+        module, dtype=dtype, bucket_bytes=bucket_bytes, rank0_only=rank0_only, buffers=buffers, transient=True
     ):
         yield [_delta(name, tensor.to("cpu"), snapshot) for name, tensor in bucket]
 

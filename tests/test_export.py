@@ -117,7 +117,7 @@ def _check_one(strategy: str, orig: bool, mp: bool, offload: bool, tie: bool) ->
     what = f"{strategy} orig={orig} mp={mp} offload={offload} tie={tie}"
     for dtype, rank0_only, bucket_bytes in [(None, False, 1 << 20), (torch.bfloat16, True, 200), (torch.float64, False, 1)]:
         with count_collectives() as counts, _count_gathers_to_one() as to_one:
-            buckets = _exported(model, dtype=dtype, rank0_only=rank0_only, bucket_bytes=bucket_bytes, reuse_buffer=rank0_only)
+            buckets = _exported(model, dtype=dtype, rank0_only=rank0_only, bucket_bytes=bucket_bytes, transient=rank0_only)
         if rank0_only and dist.get_rank() != 0:
             assert buckets == [], what
         else:
@@ -219,7 +219,7 @@ def stream_memory() -> dict[str, Any]:
         for reuse in (True, False):
             seen = 0
             with MemoryTrace() as trace, trace.window("export"):
-                for bucket in full_params_stream(model, dtype=torch.bfloat16, bucket_bytes=6000, reuse_buffer=reuse):
+                for bucket in full_params_stream(model, dtype=torch.bfloat16, bucket_bytes=6000, transient=reuse):
                     most_alive[0] = max(most_alive[0], sum(r() is not None for r in alive))
                     seen += len(bucket)
                     del bucket
