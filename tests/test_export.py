@@ -222,6 +222,14 @@ def stream_memory() -> dict[str, Any]:
                 for bucket in full_params_stream(model, dtype=torch.bfloat16, bucket_bytes=6000, transient=reuse):
                     most_alive[0] = max(most_alive[0], sum(r() is not None for r in alive))
                     seen += len(bucket)
+                    storages = {t.untyped_storage().data_ptr() for _, t in bucket}
+                    if reuse:  # views of the unit gathered last: no copy, never two units
+                        newest = alive[-1]()
+                        assert newest is not None and storages == {newest.untyped_storage().data_ptr()}
+                        del newest
+                    else:  # owned copies
+                        assert len(storages) == len(bucket) and all(r() is None or r().untyped_storage().data_ptr() not in storages for r in alive)
+                    del storages
                     del bucket
             result[f"extra_{reuse}"] = trace.peaks["export"] - trace.starts["export"]
             result[f"seen_{reuse}"] = seen
