@@ -163,17 +163,17 @@ def _gathered(
 class _Stager:
     """Fills buckets of at most ``bucket_bytes`` (a larger tensor gets a bucket of its own)."""
 
-    def __init__(self, bucket_bytes: int, capacity: int, reuse: bool, device: Optional[torch.device]) -> None:
+    def __init__(self, bucket_bytes: int, capacity: int, transient: bool, device: Optional[torch.device]) -> None:
         self.bucket_bytes = bucket_bytes
         self.capacity = capacity
-        self.reuse = reuse
+        self.transient = transient
         self.device = device
         self.buffer: Optional[torch.Tensor] = None  # the reused staging buffer, bytes
         self.bucket: Bucket = []
         self.used = 0
 
     def _size(self, nbytes: int) -> int:
-        return -(-nbytes // _ALIGN_BYTES) * _ALIGN_BYTES if self.reuse else nbytes
+        return -(-nbytes // _ALIGN_BYTES) * _ALIGN_BYTES if self.transient else nbytes
 
     def add(self, name: str, source: torch.Tensor, dtype: torch.dtype) -> Iterator[Bucket]:
         """Copies ``source`` (cast to ``dtype``) into the bucket; yields the bucket first when
@@ -182,7 +182,7 @@ class _Stager:
         if self.bucket and self.used + self._size(nbytes) > self.bucket_bytes:
             yield self.flush()
         device = self.device if self.device is not None else source.device
-        if not self.reuse:
+        if not self.transient:
             target = torch.empty(source.shape, dtype=dtype, device=device)
         else:
             if self.buffer is None:
