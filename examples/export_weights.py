@@ -14,6 +14,7 @@ It ends by checking that the engine holds exactly the trainer's weights in bf16.
 
 from __future__ import annotations
 
+import gc
 import os
 import tempfile
 
@@ -77,9 +78,16 @@ def _worker(rank: int, init_file: str) -> None:
         ok = export_demo()
         if rank == 0:
             print("engine matches the trainer bit for bit (bf16):", ok)
+        # Leave together: tearing gloo down while a peer still finishes its last collective
+        # can abort the process at exit.
+        dist.barrier()
         if not ok:
             raise SystemExit(1)
     finally:
+        # The model is gone, but reference cycles from torch's lazy imports can still hold the
+        # process group: collect them so destroy_process_group() stops gloo's threads before
+        # the interpreter shuts down (as examples/train.py does).
+        gc.collect()
         dist.destroy_process_group()
 
 
