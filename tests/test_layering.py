@@ -31,10 +31,17 @@ LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
     ("runtime", ("fsdp.runtime",)),
     # Constructor steps (planning included) and state dicts: siblings, both above runtime.
     ("init/state_dict", ("fsdp.init", "fsdp.state_dict")),
-    # The wrapper and the public modules that mirror torch's (comm hooks, grad scaler).
+    # The wrapper and the public modules that mirror torch's (comm hooks, grad scaler), and
+    # the weight export (built on the runtime and the state-dict gathers).
     (
         "wrapper",
-        ("fsdp.fully_sharded_data_parallel", "fsdp.comm_hooks", "fsdp.sharded_grad_scaler", "fsdp.checkpoint"),
+        (
+            "fsdp.fully_sharded_data_parallel",
+            "fsdp.comm_hooks",
+            "fsdp.sharded_grad_scaler",
+            "fsdp.checkpoint",
+            "fsdp.export",
+        ),
     ),
     # Built on the wrapper and re-exported by the package: the memory planner, the torch alias.
     ("tools", ("fsdp.plan", "fsdp.torch_alias")),

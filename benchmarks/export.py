@@ -1,0 +1,312 @@
+"""``python -m benchmarks.export``: weight export, fsdp's stream beside torch's ways, CPU/gloo.
+
+For each world size (local ranks, gloo), one process per rank builds the same model (``--layers``
+units of ``Linear(d, d)``, about 100M parameters by default) under fsdp, torch FSDP1 and torch
+FSDP2 (FULL_SHARD, one unit per Linear), and exports every parameter in bf16 to a sink (the
+consumer: it drops what it gets), timing each way (median of ``--reps``, after one warm-up) and
+measuring its peak extra live bytes per rank (torch's CPU profiler, ``benchmarks.memory``):
+
+- ``floor``: the same units' all-gathers alone, as the stream issues them (each fsdp unit's flat
+  shard, already cast to bf16, into a fresh tensor); ``floor_fp32``: the same of the fp32 shards
+  (what a stream that casts after gathering, like the others here, moves);
+- ``fsdp_stream``: ``fsdp.export.full_params_stream(dtype=bf16, transient=True)``, every rank;
+- ``fsdp_stream_rank0``: the same with ``rank0_only=True``;
+- ``fsdp1_summon_walk``: torch FSDP1's ``summon_full_params(unit, recurse=False)`` over every unit
+  (the walk TRL uses), casting each parameter;
+- ``fsdp1_full_state_dict``: torch FSDP1's FULL_STATE_DICT with ``rank0_only=True``, cast on rank 0;
+- ``fsdp2_full_tensor``: torch FSDP2's ``param.full_tensor()`` per parameter, cast;
+- ``fsdp_delta``: ``fsdp.export.full_params_delta`` after one AdamW step (every element changes).
+
+The report (``--json``) has ``date``, the figures per world size, and ``targets`` per the issue
+(at the largest world size): the stream at most 1.2x the floor, no slower than the summon walk, at
+most 0.5x FSDP2's loop; its extra memory at most one unit plus one bucket beside the gathers'
+own (gloo's all-gather stages through a buffer of the output's size).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import statistics
+import time
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from benchmarks.local_ranks import run_local_ranks, write_rank_result
+from benchmarks.memory import MemoryTrace
+
+__all__ = ["main"]
+
+DTYPE = torch.bfloat16
+
+
+def _model(layers: int, d: int) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(d, d) for _ in range(layers)])
+
+
+def _sink(tensor: torch.Tensor) -> None:
+    del tensor
+
+
+def _ours(layers: int, d: int) -> nn.Module:
+    from fsdp import FullyShardedDataParallel as FSDP
+    from fsdp.wrap import ModuleWrapPolicy
+
+    return FSDP(_model(layers, d), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
+
+
+def _fsdp1(layers: int, d: int) -> nn.Module:
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    return TorchFSDP(_model(layers, d), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), device_id=torch.device("cpu"))
+
+
+def _fsdp2(layers: int, d: int) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = _model(layers, d)
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _floor(model: nn.Module, dtype: Optional[torch.dtype]) -> Callable[[], None]:
+    """The units' all-gathers alone (fsdp's one gather path, into fresh tensors), of the shards
+    as they are (fp32) or already cast to ``dtype`` (the gathers a ``dtype`` stream issues)."""
+    from fsdp import FullyShardedDataParallel as FSDP
+    from fsdp._comm._collectives import all_gather_flat
+
+    handles = [h for m in FSDP.fsdp_modules(model) for h in m._fsdp_state.handles]
+    shards = [h._local_shard.detach().to(dtype) if dtype is not None else h._local_shard.detach() for h in handles]
+
+    def run() -> None:
+        for h, shard in zip(handles, shards):
+            out = shard.new_empty(shard.numel() * h.world_size)
+            all_gather_flat(out, shard, h.process_group)
+            del out
+
+    return run
+
+
+def _stream(model: nn.Module, rank0_only: bool, bucket_bytes: int) -> Callable[[], None]:
+    from fsdp.export import full_params_stream
+
+    def run() -> None:
+        for bucket in full_params_stream(model, dtype=DTYPE, bucket_bytes=bucket_bytes, rank0_only=rank0_only, transient=True):
+            for _, tensor in bucket:
+                _sink(tensor)
+            del bucket
+
+    return run
+
+
+def _summon_walk(model: nn.Module) -> Callable[[], None]:
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+
+    def run() -> None:
+        for unit in TorchFSDP.fsdp_modules(model):
+            with TorchFSDP.summon_full_params(unit, recurse=False, writeback=False):
+                for name, param in unit.named_parameters():
+                    if "_flat_param" not in name:
+                        _sink(param.detach().to(DTYPE))
+
+    return run
+
+
+def _full_state_dict(model: nn.Module) -> Callable[[], None]:
+    from torch.distributed.fsdp import FullStateDictConfig, FullyShardedDataParallel as TorchFSDP, StateDictType
+
+    def run() -> None:
+        with TorchFSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=True)):
+            sd = model.state_dict()
+        for value in sd.values():
+            _sink(value.to(DTYPE))
+        del sd
+
+    return run
+
+
+def _full_tensor_loop(model: nn.Module) -> Callable[[], None]:
+    def run() -> None:
+        for _, param in model.named_parameters():
+            _sink(param.full_tensor().to(DTYPE))  # type: ignore[operator]
+
+    return run
+
+
+def _delta(model: nn.Module, d: int, bucket_bytes: int) -> tuple[Callable[[], None], Callable[[], None], dict[str, Any]]:
+    from fsdp.export import full_params_delta
+
+    snapshot: dict[str, torch.Tensor] = {}
+    info: dict[str, Any] = {}
+    for _ in full_params_delta(model, snapshot, dtype=DTYPE, bucket_bytes=bucket_bytes):
+        pass  # the first export fills the snapshot
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def run() -> None:
+        sent = 0
+        for bucket in full_params_delta(model, snapshot, dtype=DTYPE, bucket_bytes=bucket_bytes):
+            sent += sum(d.nbytes for d in bucket)
+        info["delta_bytes"] = sent
+
+    def step() -> None:
+        model(torch.randn(8, d)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    return step, run, info
+
+
+def _time(fn: Callable[[], None], reps: int) -> float:
+    fn()  # warm-up
+    samples = []
+    for _ in range(reps):
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        dist.barrier()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def _peak(fn: Callable[[], None]) -> int:
+    dist.barrier()
+    with MemoryTrace() as trace, trace.window("w"):
+        fn()
+    dist.barrier()
+    return trace.peaks["w"] - trace.starts["w"]
+
+
+@contextlib.contextmanager
+def _group(rank: int, world_size: int, workdir: str) -> Iterator[None]:
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(workdir, 'rendezvous')}", rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+def _rank(rank: int, payload: dict[str, Any], workdir: str) -> None:
+    torch.set_num_threads(1)
+    layers, d, reps, bucket = payload["layers"], payload["d"], payload["reps"], payload["bucket_bytes"]
+    with _group(rank, payload["world_size"], workdir):
+        result: dict[str, Any] = {"rank": rank, "seconds": {}, "peak_extra_bytes": {}}
+        ours = _ours(layers, d)
+        ways: list[tuple[str, Callable[[], None]]] = [
+            ("floor_fp32", _floor(ours, None)),
+            ("floor", _floor(ours, DTYPE)),
+            ("fsdp_stream", _stream(ours, False, bucket)),
+            ("fsdp_stream_rank0", _stream(ours, True, bucket)),
+        ]
+        fsdp1 = _fsdp1(layers, d)
+        ways += [("fsdp1_summon_walk", _summon_walk(fsdp1)), ("fsdp1_full_state_dict", _full_state_dict(fsdp1))]
+        fsdp2 = _fsdp2(layers, d)
+        ways.append(("fsdp2_full_tensor", _full_tensor_loop(fsdp2)))
+        for name, fn in ways:
+            result["seconds"][name] = _time(fn, reps)
+            result["peak_extra_bytes"][name] = _peak(fn)
+        step, delta, info = _delta(ours, d, bucket)
+        step()
+        dist.barrier()
+        start = time.perf_counter()
+        delta()  # once: a second run would find nothing changed
+        dist.barrier()
+        result["seconds"]["fsdp_delta_after_step"] = time.perf_counter() - start
+        result["delta_bytes"] = info["delta_bytes"]
+        result["unit_bytes"] = max(h.shard_layout.padded_unsharded_numel * 4 for m in type(ours).fsdp_modules(ours) for h in m._fsdp_state.handles)
+        result["export_bytes"] = sum(p.numel() for p in _model(1, d).parameters()) * layers * 2
+        write_rank_result(workdir, rank, result)
+        dist.barrier()
+
+
+def _targets(ws: int, r: dict[str, Any], bucket_bytes: int) -> list[dict[str, Any]]:
+    s = r["seconds_slowest"]
+    mem = r["peak_extra_bytes_max"]
+    stream = s["fsdp_stream"]
+
+    def t(target: str, value: float, bound: float) -> dict[str, Any]:
+        return {"target": f"{target} ({ws} ranks)", "ratio": round(value, 3), "bound": bound, "status": "met" if value <= bound else "NOT met"}
+
+    bound = r["unit_bytes"] // 2 + bucket_bytes  # one gathered unit in bf16 plus one bucket
+    return [
+        t("stream time / floor (the same units' all-gathers alone)", stream / s["floor"], 1.2),
+        t("stream time / torch FSDP1 summon_full_params(recurse=False) walk", stream / s["fsdp1_summon_walk"], 1.0),
+        t("stream time / torch FSDP2 full_tensor() loop", stream / s["fsdp2_full_tensor"], 0.5),
+        t("stream peak extra memory / (one bf16 unit + one bucket)", mem["fsdp_stream"] / bound, 1.0),
+        t("stream peak extra memory beside the bare gathers' own / (one bf16 unit + one bucket)", (mem["fsdp_stream"] - mem["floor"]) / bound, 1.0),
+    ]
+
+
+def _summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    names = ranks[0]["seconds"].keys()
+    slowest = {n: max(x["seconds"][n] for x in ranks) for n in names}
+    return {
+        "seconds_slowest": slowest,
+        "seconds_per_gb": {n: v / (ranks[0]["export_bytes"] / 1e9) for n, v in slowest.items()},
+        "peak_extra_bytes_max": {n: max(x["peak_extra_bytes"][n] for x in ranks) for n in ranks[0]["peak_extra_bytes"]},
+        "peak_extra_bytes_rank0": ranks[0]["peak_extra_bytes"],
+        "unit_bytes": ranks[0]["unit_bytes"],
+        "export_bytes": ranks[0]["export_bytes"],
+        "delta_bytes": ranks[0]["delta_bytes"],
+    }
+
+
+def _print(ws: int, r: dict[str, Any]) -> None:
+    gb = r["export_bytes"] / 1e9
+    print(f"== {ws} ranks: {gb:.3f} GB exported (bf16), unit {r['unit_bytes'] / 2**20:.1f} MiB (fp32)")
+    for name, sec in r["seconds_slowest"].items():
+        mem = r["peak_extra_bytes_max"].get(name)
+        mem_s = f"{mem / 2**20:9.1f} MiB (rank 0 {r['peak_extra_bytes_rank0'][name] / 2**20:.1f})" if mem is not None else ""
+        print(f"  {name:<24} {sec:8.3f} s  {sec / gb:8.3f} s/GB  peak extra {mem_s}")
+    print(f"  delta after one AdamW step: {r['delta_bytes'] / 1e9:.3f} GB sent")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.export", description=__doc__.split("\n")[0])
+    p.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--d", type=int, default=2048)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--bucket-mib", type=int, default=64)
+    p.add_argument("--timeout", type=float, default=1200.0)
+    p.add_argument("--json", dest="json_out", default=None)
+    a = p.parse_args(argv)
+    bucket = a.bucket_mib << 20
+    out: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "model": {"layers": a.layers, "d": a.d, "params": a.layers * (a.d * a.d + a.d)},
+        "bucket_bytes": bucket,
+        "cpu_count": os.cpu_count(),
+        "results": {},
+        "targets": [],
+    }
+    for ws in a.world_sizes:
+        payload = {"layers": a.layers, "d": a.d, "reps": a.reps, "bucket_bytes": bucket, "world_size": ws}
+        ranks = run_local_ranks(_rank, payload, ws, a.timeout, prog="benchmarks.export")
+        summary = _summarize(ranks)
+        out["results"][str(ws)] = summary
+        _print(ws, summary)
+        out["targets"] += _targets(ws, summary, bucket)
+    for t in out["targets"]:
+        print(f"  {t['target']}: {t['ratio']}x (<= {t['bound']}) {t['status']}")
+    if a.json_out:
+        with open(a.json_out, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,528 @@
+"""Weight export for inference engines: full parameters streamed unit by unit, and the shard map.
+
+Reinforcement-learning stacks push the trainer's weights to an inference engine after every
+step. This module gives them two ways to read an FSDP model without changing it:
+
+- :func:`full_params_stream`, push: an iterator of buckets of ``(name, tensor)`` with the
+  unwrapped model's names (those of a plain model's ``state_dict()``), in a dtype the caller
+  picks, gathered one unit at a time with one collective per unit
+  ([Note: Export streams one unit at a time]).
+- :func:`full_params_delta`, push of what changed: only the elements that differ from a host
+  snapshot the caller owns (sparse or dense, whichever is smaller), with a checksum per
+  parameter that :func:`apply_delta` verifies ([Note: Export deltas]).
+- :func:`shard_map` and :func:`local_shard_views`, pull: which range of which parameter this
+  rank's flat shard holds (and the boxes of the parameter it covers, [Note: A flat range is a few
+  boxes] in ``flat_param/_shard_map.py``), computed without communication, and zero-copy views
+  of those ranges; a consumer with its own parallel layout takes exactly the slices it needs
+  from the ranks that hold them.
+
+See docs/export.md for the guide and the measurements.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Iterator, MutableMapping, NamedTuple, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp._common import FLAT_PARAM, clean_fqn
+from fsdp.flat_param._layout import FLATTENED_ATTR
+from fsdp.flat_param._recast import adopt_external_cast
+from fsdp.flat_param._shard_map import Box, flat_range_boxes
+from fsdp.flat_param.flat_param import FlatParamHandle
+from fsdp.runtime._state import HandleTrainingState, named_fsdp_states
+from fsdp.state_dict._values import NOBODY, gather
+
+__all__ = [
+    "Bucket",
+    "full_params_stream",
+    "ShardMapEntry",
+    "LocalRange",
+    "shard_map",
+    "local_shard_views",
+    "ParamDelta",
+    "checksum",
+    "full_params_delta",
+    "apply_delta",
+]
+
+#: A bucket of the stream: ``(name, tensor)`` pairs whose bytes add up to at most the bucket size
+#: (or one tensor larger than it).
+Bucket = list[tuple[str, torch.Tensor]]
+
+_ALIGN_BYTES = 16  # where a tensor starts in the reused staging buffer
+
+
+def _join(prefix: str, name: str) -> str:
+    return clean_fqn(f"{prefix}.{name}" if prefix else name)
+
+
+def _global_rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+class _UnitHandle(NamedTuple):
+    """One handle to export and its parameters' unwrapped names (in flat order)."""
+
+    handle: FlatParamHandle
+    names: list[str]
+
+
+def _prepare(module: nn.Module, what: str) -> list[_UnitHandle]:
+    """Every handle under ``module`` in pre-order, its user edits adopted, and its names.
+
+    Raises:
+        RuntimeError: A unit is in forward, backward or ``summon_full_params``.
+    """
+    result: list[_UnitHandle] = []
+    for prefix, _, state in named_fsdp_states(module):
+        if state.training_state is not HandleTrainingState.IDLE:
+            raise RuntimeError(
+                f"fsdp: {what}() needs every unit idle, but the unit at '{prefix or '<root>'}' is in "
+                f"{state.training_state.name}. Call it between steps, outside forward, backward and "
+                "summon_full_params."
+            )
+        for handle in state.handles:
+            adopt_external_cast(handle)  # [Note: Casting after wrapping]
+            handle.writeback_orig_params()  # use_orig_params: the values the user set
+            result.append(_UnitHandle(handle, [_join(prefix, info.fqn) for info in handle.param_infos]))
+    return result
+
+
+def _loose_tensors(module: nn.Module, handles: list[_UnitHandle], buffers: bool) -> list[tuple[str, torch.Tensor]]:
+    """Parameters no unit manages (ignored modules) and, with ``buffers``, persistent buffers,
+    each once, under their unwrapped names."""
+    seen = {id(p) for unit in handles for p in unit.handle.managed_orig_params()}
+    out: list[tuple[str, torch.Tensor]] = []
+    for mod_name, mod in module.named_modules():
+        for name, param in mod._parameters.items():
+            if param is None or name == FLAT_PARAM or id(param) in seen:
+                continue
+            seen.add(id(param))
+            if getattr(param, FLATTENED_ATTR, None) is None:
+                out.append((_join(mod_name, name), param.detach()))
+        if not buffers:
+            continue
+        for name, buf in mod._buffers.items():
+            if buf is None or name in mod._non_persistent_buffers_set or id(buf) in seen:
+                continue
+            seen.add(id(buf))
+            out.append((_join(mod_name, name), buf.detach()))
+    return out
+
+
+def _dst(handle: FlatParamHandle, rank0_only: bool) -> Optional[int]:
+    """Who receives the handle's gather: None (every rank), global rank 0's group rank, or
+    :data:`NOBODY` for a group without global rank 0 (another replica of HYBRID_SHARD)."""
+    if not rank0_only:
+        return None
+    ranks = list(dist.get_process_group_ranks(handle.process_group))
+    return ranks.index(0) if 0 in ranks else NOBODY
+
+
+def _gathered(
+    handle: FlatParamHandle, dtype: Optional[torch.dtype], rank0_only: bool, receives: bool
+) -> Optional[torch.Tensor]:
+    """The handle's padded unsharded flat parameter in the export dtype, gathered with one
+    collective (none where the handle does not shard); None on ranks that keep nothing.
+
+    The local shard is cast before the gather ([Note: Export streams one unit at a time])."""
+    shard = handle._local_shard.detach()
+    target = _export_dtype(shard, dtype)
+    if not handle.shard_layout.uses_sharding:
+        return shard.to(target) if receives else None
+    # CPU offload of parameters: communicate on the device.
+    shard = shard.to(handle.device, target)
+    return gather(shard, handle.process_group, handle.rank, handle.world_size, _dst(handle, rank0_only))
+
+
+# [Note: Export streams one unit at a time]
+# The stream walks the units in pre-order. For each it casts the local flat shard to the export
+# dtype (a cast is elementwise, so casting each shard and gathering the results is bit for bit
+# the gathered tensor cast; each rank casts 1/world_size of the unit, and a bf16 export moves half
+# the bytes of the fp32 parameters), gathers it once (one all-gather, or one gather to rank 0
+# with ``rank0_only``: the other ranks send their shards and never hold the unit; a NO_SHARD unit
+# is already whole) straight into a fresh padded tensor ([Note: State dict gathers]), and copies
+# each parameter's view of it into the bucket being filled; the gathered unit is dropped before
+# the next one is gathered. The handle itself is never unsharded and its state never changes, so
+# a training step after an export is the step without it, bit for bit.
+#
+# Memory: at any moment the stream holds at most one gathered unit plus the bucket it is filling.
+# With ``transient=True`` nothing is copied where nothing has to be: a bucket's parameters are
+# views of the gathered unit itself (the unit's parameters lie back to back in it, so a bucket
+# never spans two units), and only tensors that must move (to ``device``, or the buffers and
+# ignored parameters, cast) are staged in one buffer allocated once. That is the strict bound
+# whatever the consumer does, at no copy, but a bucket's tensors are only valid until the next
+# bucket is asked for, and are read-only (a NO_SHARD unit's views are its live parameters). With
+# ``transient=False`` (the default) each tensor is a fresh copy the consumer owns, and buckets
+# are packed across units; the bound then holds as long as the consumer lets go of a bucket
+# before it asks for the next (``for bucket in stream: send(bucket); del bucket``).
+class _Stager:
+    """Fills buckets of at most ``bucket_bytes`` (a larger tensor gets a bucket of its own)."""
+
+    def __init__(self, bucket_bytes: int, capacity: int, transient: bool, device: Optional[torch.device]) -> None:
+        self.bucket_bytes = bucket_bytes
+        self.capacity = capacity
+        self.transient = transient
+        self.device = device
+        self.buffer: Optional[torch.Tensor] = None  # the reused staging buffer, bytes
+        self.bucket: Bucket = []
+        self.used = 0
+
+    def _size(self, nbytes: int) -> int:
+        return -(-nbytes // _ALIGN_BYTES) * _ALIGN_BYTES if self.transient else nbytes
+
+    def add(self, name: str, source: torch.Tensor, dtype: torch.dtype) -> Iterator[Bucket]:
+        """Copies ``source`` (cast to ``dtype``) into the bucket; yields the bucket first when
+        ``source`` does not fit in it."""
+        nbytes = source.numel() * torch.empty((), dtype=dtype).element_size()
+        if self.bucket and self.used + self._size(nbytes) > self.bucket_bytes:
+            yield self.flush()
+        device = self.device if self.device is not None else source.device
+        if not self.transient:
+            target = torch.empty(source.shape, dtype=dtype, device=device)
+        else:
+            if self.buffer is None:
+                self.buffer = torch.empty(self.capacity, dtype=torch.uint8, device=device)
+            target = self.buffer[self.used : self.used + nbytes].view(dtype).view(source.shape)
+        target.copy_(source)
+        self.bucket.append((name, target))
+        self.used += self._size(nbytes)
+
+    def add_view(self, name: str, view: torch.Tensor) -> Iterator[Bucket]:
+        """Puts ``view`` itself into the bucket (transient, zero-copy); yields the bucket first
+        when ``view`` does not fit in it."""
+        nbytes = view.numel() * view.element_size()
+        if self.bucket and self.used + nbytes > self.bucket_bytes:
+            yield self.flush()
+        self.bucket.append((name, view))
+        self.used += nbytes
+
+    def flush(self) -> Bucket:
+        bucket, self.bucket, self.used = self.bucket, [], 0
+        return bucket
+
+
+def _export_dtype(tensor: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.dtype:
+    # As ``nn.Module.to(dtype)``: only floating-point tensors are cast.
+    return dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+
+
+def _check_args(bucket_bytes: int, handles: list[_UnitHandle]) -> None:
+    if bucket_bytes <= 0:
+        raise ValueError(f"fsdp: full_params_stream(bucket_bytes={bucket_bytes}) needs a positive bucket size.")
+    for unit in handles:
+        if unit.handle.shard_layout.has_dtensors:
+            raise NotImplementedError(
+                f"fsdp: full_params_stream() does not export tensor-parallel (DTensor) parameters yet "
+                f"({unit.names[0]} and others of its unit). Use shard_map()/local_shard_views() to pull "
+                "each rank's tp-local ranges, or summon_full_params()."
+            )
+
+
+def _staging_bytes(
+    handles: list[_UnitHandle], loose: list[tuple[str, torch.Tensor]], dtype: Optional[torch.dtype], bucket_bytes: int
+) -> int:
+    """The reused staging buffer's size: a bucket, or the largest tensor if larger, and never
+    more than everything exported (each tensor rounded up to the alignment)."""
+    sizes: list[int] = []
+    for unit in handles:
+        itemsize = torch.empty((), dtype=_export_dtype(unit.handle._local_shard, dtype)).element_size()
+        sizes += [itemsize * info.numel for info in unit.handle.param_infos]
+    sizes += [t.numel() * torch.empty((), dtype=_export_dtype(t, dtype)).element_size() for _, t in loose]
+    aligned = [-(-n // _ALIGN_BYTES) * _ALIGN_BYTES for n in sizes]
+    return max(min(bucket_bytes, sum(aligned)), max(aligned, default=0))
+
+
+def full_params_stream(
+    module: nn.Module,
+    dtype: Optional[torch.dtype] = None,
+    bucket_bytes: int = 256 << 20,
+    rank0_only: bool = False,
+    buffers: bool = True,
+    transient: bool = False,
+    device: Optional[Union[torch.device, str]] = None,
+) -> Iterator[Bucket]:
+    """Streams the model's full parameters in buckets, one unit gathered at a time.
+
+    Every rank must run the stream to its end (it issues the units' collectives in the same
+    order on every rank), between steps: not inside forward, backward or
+    ``summon_full_params``, and no step may run while it is open. Nothing about the model
+    changes: no unit is unsharded, no state moves. See [Note: Export streams one unit at a time].
+
+    Args:
+        module: An FSDP model (the root, or any module holding FSDP units).
+        dtype: Cast floating-point values to this dtype (``torch.bfloat16`` for inference);
+            None keeps each tensor's own (the parameters' full precision, not ``param_dtype``).
+        bucket_bytes: The most bytes a bucket holds; a tensor larger than this comes alone.
+        rank0_only: Only global rank 0 receives; the other ranks send their shards, never hold
+            a gathered unit, and get no bucket.
+        buffers: Include persistent buffers (as ``state_dict()`` does).
+        transient: Give read-only tensors valid only until the next bucket is requested
+            (views of the gathered unit, no copy; a bucket then never spans two units; copy
+            what you keep); False gives owned copies.
+        device: Where the bucket tensors live; None: where the unit was gathered.
+
+    Yields:
+        Buckets: lists of ``(name, tensor)``, names as in the unwrapped model's ``state_dict()``,
+        units in pre-order, each parameter once (a tied parameter under its first name), then
+        the parameters of ignored modules and the buffers.
+
+    Raises:
+        RuntimeError: A unit is in forward, backward or ``summon_full_params``.
+        NotImplementedError: Tensor-parallel (DTensor) parameters.
+    """
+    handles = _prepare(module, "full_params_stream")
+    _check_args(bucket_bytes, handles)
+    loose = _loose_tensors(module, handles, buffers)
+    receives = not rank0_only or _global_rank() == 0
+    target = torch.device(device) if device is not None else None
+    capacity = _staging_bytes([] if transient and target is None else handles, loose, dtype, bucket_bytes)
+    stager = _Stager(bucket_bytes, capacity, transient, target)
+    for unit in handles:
+        padded_unsharded = _gathered(unit.handle, dtype, rank0_only, receives)
+        if padded_unsharded is None:
+            continue
+        zero_copy = transient and target in (None, padded_unsharded.device)
+        views = unit.handle.shard_layout.unsharded_views(padded_unsharded)
+        for name, view in zip(unit.names, views):
+            yield from (stager.add_view(name, view) if zero_copy else stager.add(name, view, view.dtype))
+        if zero_copy and stager.bucket:  # its views must not outlive the unit
+            yield stager.flush()
+        del padded_unsharded, views
+    if receives:
+        for name, tensor in loose:
+            yield from stager.add(name, tensor, _export_dtype(tensor, dtype))
+    if stager.bucket:
+        yield stager.flush()
+
+
+# ----------------------------------------------------------------------------- the shard map
+class ShardMapEntry(NamedTuple):
+    """Which part of one parameter this rank's local flat shard holds.
+
+    Attributes:
+        name: The parameter's name in the unwrapped model.
+        unit: The name of the unit's module ('' for the root).
+        handle_index: Which handle of the unit (0 but for units with several).
+        param_index: The parameter's place in its FlatParameter.
+        offset: The first element held, in the flattened (row-major) parameter.
+        length: Elements held (at least 1: parameters this rank holds none of have no entry).
+        offset_in_shard: Where they start in the local flat shard.
+        dtype: The shard's dtype (the parameters' full precision).
+        shape: The parameter's full shape (tp-local for a DTensor parameter).
+        boxes: The boxes of ``shape`` the range covers, in order ([Note: A flat range is a few
+            boxes]).
+    """
+
+    name: str
+    unit: str
+    handle_index: int
+    param_index: int
+    offset: int
+    length: int
+    offset_in_shard: int
+    dtype: torch.dtype
+    shape: torch.Size
+    boxes: tuple[Box, ...]
+
+
+def shard_map(module: nn.Module) -> list[ShardMapEntry]:
+    """This rank's shard map: one entry per parameter range its local flat shards hold.
+
+    Pure metadata fixed at wrap time: no collective, no copy, nothing changes. Every parameter a
+    unit manages is covered exactly once by the union of all ranks' entries of one shard group
+    (NO_SHARD: every rank holds everything). Parameters of ignored modules are not in it (every
+    rank holds them whole).
+    """
+    entries: list[ShardMapEntry] = []
+    for prefix, _, state in named_fsdp_states(module):
+        for handle_index, handle in enumerate(state.handles):
+            layout = handle.shard_layout
+            dtype = handle.dtype
+            for index, (info, piece) in enumerate(zip(handle.param_infos, layout.shard_slices)):
+                if piece is None or piece.numel == 0:
+                    continue
+                start = piece.offset_in_param
+                shape = tuple(layout.param_shapes[index])
+                entries.append(
+                    ShardMapEntry(
+                        _join(prefix, info.fqn),
+                        prefix,
+                        handle_index,
+                        index,
+                        start,
+                        piece.numel,
+                        piece.offset_in_shard,
+                        dtype,
+                        torch.Size(shape),
+                        tuple(flat_range_boxes(shape, start, start + piece.numel)),
+                    )
+                )
+    return entries
+
+
+class LocalRange(NamedTuple):
+    """A :class:`ShardMapEntry` and zero-copy views of the local shard it describes.
+
+    Attributes:
+        entry: What the range is.
+        flat: The range, 1-D (``entry.length`` elements).
+        boxes: One view per ``entry.boxes``, shaped like the box.
+    """
+
+    entry: ShardMapEntry
+    flat: torch.Tensor
+    boxes: list[torch.Tensor]
+
+
+def local_shard_views(module: nn.Module) -> list[LocalRange]:
+    """:func:`shard_map` with views of the local flat shards (no collective, no copy).
+
+    The views alias the live shards (on the host with CPU offload): they show the values of the
+    last optimizer step and change with the next. Read them between steps.
+    """
+    _prepare(module, "local_shard_views")  # adopt what the user set (use_orig_params)
+    handles = {(prefix, i): h for prefix, _, state in named_fsdp_states(module) for i, h in enumerate(state.handles)}
+    result: list[LocalRange] = []
+    for entry in shard_map(module):
+        handle = handles[(entry.unit, entry.handle_index)]
+        shard = handle._local_shard.detach()
+        flat = shard[entry.offset_in_shard : entry.offset_in_shard + entry.length]
+        views: list[torch.Tensor] = []
+        at = 0
+        for box in entry.boxes:
+            views.append(flat[at : at + box.numel].view(box.sizes))
+            at += box.numel
+        result.append(LocalRange(entry, flat, views))
+    return result
+
+
+# ----------------------------------------------------------------------------- deltas
+# [Note: Export deltas]
+# An RL trainer changes a small part of the weights per step (0.02-2.6% of the bytes in public
+# measurements), so the engine needs only those elements. ``full_params_delta`` runs the stream
+# and compares each full tensor with the caller's host snapshot of the previous export bit for
+# bit (as integers of the element's width: exact, and a NaN that stays NaN is no change), then
+# updates the snapshot in place. A parameter comes as a sparse delta (flat int64 indices and
+# their new values) when that is smaller than the dense tensor (``changed * (8 + itemsize) <
+# numel * itemsize``), else dense (the whole new tensor); a name the snapshot lacks comes dense
+# and is added to it. Each delta carries :func:`checksum` of the whole new tensor, so the
+# consumer checks what it holds after applying it (:func:`apply_delta` does).
+class ParamDelta(NamedTuple):
+    """What changed in one tensor since the snapshot.
+
+    Attributes:
+        name: The name in the unwrapped model.
+        shape: The full shape.
+        indices: Sparse form: the changed elements' flat (row-major) indices, int64, 1-D;
+            None for the dense form.
+        values: Sparse form: their new values (1-D); dense: the whole new tensor (the
+            snapshot's own tensor, no copy: read it, do not change it).
+        checksum: :func:`checksum` of the whole new tensor.
+    """
+
+    name: str
+    shape: torch.Size
+    indices: Optional[torch.Tensor]
+    values: torch.Tensor
+    checksum: str
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the delta carries."""
+        n = self.values.numel() * self.values.element_size()
+        return n + (self.indices.numel() * 8 if self.indices is not None else 0)
+
+
+def checksum(tensor: torch.Tensor) -> str:
+    """SHA-1 (hex) of the tensor's bytes in row-major order: ``hashlib.sha1(bytes).hexdigest()``,
+    reproducible anywhere (and hardware-accelerated on current CPUs)."""
+    flat = tensor.detach().reshape(-1).contiguous().cpu()
+    digest = hashlib.sha1()
+    if flat.numel():
+        digest.update(flat.view(torch.uint8).numpy().data)  # the array's buffer, no copy
+    return digest.hexdigest()
+
+
+_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.dtype == torch.bool or tensor.element_size() not in _INT_OF_WIDTH:
+        return tensor
+    return tensor.view(_INT_OF_WIDTH[tensor.element_size()])
+
+
+def _delta(name: str, new: torch.Tensor, snapshot: MutableMapping[str, torch.Tensor]) -> ParamDelta:
+    """The delta of ``new`` (a host tensor) against ``snapshot[name]``, which it then updates."""
+    old = snapshot.get(name)
+    digest = checksum(new)
+    if old is None or old.shape != new.shape or old.dtype != new.dtype:
+        snapshot[name] = new.clone()
+        return ParamDelta(name, new.shape, None, snapshot[name], digest)
+    differs = _bits(new).reshape(-1) != _bits(old).reshape(-1)
+    itemsize = new.element_size()
+    if int(torch.count_nonzero(differs)) * (8 + itemsize) < new.numel() * itemsize:
+        changed = differs.nonzero().reshape(-1)
+        delta = ParamDelta(name, new.shape, changed, new.reshape(-1)[changed], digest)
+        old.reshape(-1)[changed] = delta.values
+        return delta
+    old.copy_(new)
+    return ParamDelta(name, new.shape, None, old, digest)
+
+
+def full_params_delta(
+    module: nn.Module,
+    snapshot: MutableMapping[str, torch.Tensor],
+    dtype: Optional[torch.dtype] = None,
+    bucket_bytes: int = 256 << 20,
+    rank0_only: bool = False,
+    buffers: bool = True,
+) -> Iterator[list[ParamDelta]]:
+    """Streams, bucket by bucket, what changed since the caller's host ``snapshot``.
+
+    Runs :func:`full_params_stream` (same collectives, same order, same arguments), compares
+    each tensor with ``snapshot`` exactly and updates ``snapshot`` in place to the exported
+    values ([Note: Export deltas]). Start with an empty dict: the first export is dense and fills
+    it. Keep one snapshot per consumer and per ``dtype``.
+
+    Args:
+        module: As for :func:`full_params_stream`.
+        snapshot: The host tensors of the previous export, by name (the caller owns it; on
+            ranks that receive nothing it is left alone).
+        dtype, bucket_bytes, rank0_only, buffers: As for :func:`full_params_stream`.
+
+    Yields:
+        Lists of :class:`ParamDelta`, one per tensor of a stream bucket (unchanged tensors too:
+        an empty sparse delta, whose checksum still lets the consumer verify its copy).
+    """
+    for bucket in full_params_stream(
+        module, dtype=dtype, bucket_bytes=bucket_bytes, rank0_only=rank0_only, buffers=buffers, transient=True
+    ):
+        yield [_delta(name, tensor.to("cpu"), snapshot) for name, tensor in bucket]
+
+
+def apply_delta(target: torch.Tensor, delta: ParamDelta, verify: bool = True) -> None:
+    """Applies ``delta`` to the consumer's copy ``target`` in place, then checks its checksum.
+
+    Raises:
+        ValueError: ``target`` has another shape, or (``verify``) its checksum after applying is
+            not the delta's: the copy was not the snapshot the delta was computed against.
+    """
+    if target.shape != delta.shape:
+        raise ValueError(f"fsdp: apply_delta: {delta.name} has shape {tuple(delta.shape)}, the target {tuple(target.shape)}.")
+    with torch.no_grad():
+        if delta.indices is None:
+            target.copy_(delta.values.reshape(delta.shape))
+        else:
+            target.view(-1)[delta.indices.to(target.device)] = delta.values.to(target.device, target.dtype)
+    if verify and checksum(target) != delta.checksum:
+        raise ValueError(
+            f"fsdp: apply_delta: {delta.name} does not match the exported values after applying the delta "
+            f"(checksum {checksum(target)}, expected {delta.checksum}); the target did not hold "
+            "the previous export. Apply every delta in order, or start again from an empty snapshot."
+        )
