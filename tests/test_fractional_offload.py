@@ -307,3 +307,77 @@ def test_offload_step_benchmark_reports(tmp_path: Any) -> None:
     assert set(doc["kernels"]) == {"default", "foreach", "fused"}
     assert doc["params"] == 2 * 20 * 20
     assert doc["bit_identical"]["foreach_vs_default"] is True
+
+
+def pipelined_host_step() -> None:
+    """PipelinedHostStep: bit-identical to one AdamW stepped in place (all offloaded, a mix),
+    clip_grad_norm_ before it; the next forward of a unit starts only after its step ended,
+    while later units still step ([Note: Pipelined host step])."""
+    import threading
+    import time
+
+    from fsdp import CPUOffload, FullyShardedDataParallel as FSDP
+    from fsdp.runtime._host_step import PipelinedHostStep
+    from fsdp.wrap import ModuleWrapPolicy
+
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    for config in (CPUOffload(offload_params=True), CPUOffload(offload_params=True, fraction=0.5)):
+        plain = FSDP(make_toy(), auto_wrap_policy=ModuleWrapPolicy({Block}), cpu_offload=config)
+        piped = FSDP(make_toy(), auto_wrap_policy=ModuleWrapPolicy({Block}), cpu_offload=config)
+        opt = torch.optim.AdamW(plain.parameters(), lr=0.01)
+        pipeline = PipelinedHostStep(piped, lambda ps: torch.optim.AdamW(ps, lr=0.01))
+        # Pre-order (root, blocks 0-2); only offloaded units step on the worker.
+        expected = [True] * 4 if config.fraction is None else [False, False, True, True]
+        assert [pipelined for _, _, pipelined in pipeline.units] == expected
+        for step in range(3):
+            tokens, targets = global_batch(step, ws)
+            x, y = local_rows(tokens, rank, ws), local_rows(targets, rank, ws)
+            losses = []
+            for model in (plain, piped):
+                loss = lm_loss(model(x), y)
+                loss.backward()
+                losses.append(loss.detach())
+                model.clip_grad_norm_(0.05)
+            assert torch.equal(losses[0], losses[1]), step
+            opt.step()
+            opt.zero_grad()
+            pipeline.step()
+        # summon_full_params waits (it gathers).
+        mine, reference = _full_params(piped, FSDP), _full_params(plain, FSDP)
+        for name in reference:
+            assert torch.equal(mine[name], reference[name]), (config, name)
+        pipeline.close()
+    # The waits: every unit's step sleeps; the next forward enters each unit after its step
+    # ended, and the first unit before the last unit's step ended (the overlap).
+    model = FSDP(make_toy(), auto_wrap_policy=ModuleWrapPolicy({Block}), cpu_offload=CPUOffload(offload_params=True))
+    ended: dict[int, float] = {}
+    entered: dict[int, float] = {}
+    lock = threading.Lock()
+
+    class SlowAdamW(torch.optim.AdamW):
+        def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+            out = super().step(closure)
+            time.sleep(0.15)
+            with lock:
+                ended[id(self)] = time.perf_counter()
+            return out
+
+    pipeline = PipelinedHostStep(model, lambda ps: SlowAdamW(ps, lr=0.01))
+    units = FSDP.fsdp_modules(model)
+    assert all(pipelined for _, _, pipelined in pipeline.units) and len(pipeline.units) == len(units)
+    for unit, opt in zip(units, pipeline.optimizers):
+        unit.module.register_forward_pre_hook(lambda m, a, key=id(opt): entered.__setitem__(key, time.perf_counter()))
+    tokens, targets = global_batch(0, ws)
+    x, y = local_rows(tokens, rank, ws), local_rows(targets, rank, ws)
+    lm_loss(model(x), y).backward()
+    pipeline.step()
+    lm_loss(model(x), y).backward()
+    pipeline.close()
+    keys = [id(opt) for opt in pipeline.optimizers]
+    for key in keys:
+        assert entered[key] > ended[key]
+    assert entered[keys[0]] < ended[keys[-1]]
+
+
+def test_pipelined_host_step(pool2: RankPool) -> None:
+    pool2.run(pipelined_host_step)
