@@ -66,7 +66,10 @@ def effective_strategy(requested: Optional[ShardingStrategy], shard_world_size: 
 # leave the host step the most time to overlap (issue 35's pipeline); the first units, needed at
 # once by the next forward, stay on the device. Ties cannot arise: the order is the modules'.
 # Units with different fractions (a CustomPolicy overriding ``cpu_offload``) resolve each over
-# the units that carry it.
+# the units that carry it. A constructor called by hand on a submodule resolves a fraction over
+# its own units only (it cannot see the rest of the model), so with wrapping by hand choose the
+# units with ``offload_module`` (or per-unit ``CPUOffload(offload_params=...)``), which needs no
+# view of the whole model.
 #
 # ``offload_module``: a predicate on each unit's wrapped module (the user's module), the way an
 # auto-wrap policy is one.
