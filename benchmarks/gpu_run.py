@@ -26,7 +26,10 @@ beside it):
    runs of fsdp, torch FSDP1 and the unwrapped model;
 7. ``offload``: CPU offload, fsdp against torch FSDP1, walking 1B, 2B, 4B (one size compared,
    and the largest each trains);
-8. ``cpu_suite``: whatever time is left, the CPU suite on the GPU machine's torch.
+8. ``offload_walk``: fsdp's fractional offload at 0/25/50/75/100% of a 1B GPT (step time, max
+   allocated, each point against its floor), the copy and host AdamW rates beside
+   (``benchmarks/offload_walk.py``);
+9. ``cpu_suite``: whatever time is left, the CPU suite on the GPU machine's torch.
 
 A step starts only while at least its minimum time is left; its limit is the smaller of its cap
 and the time left, and a step over its limit is killed with its whole process group. After each
@@ -156,6 +159,12 @@ def steps(out: str) -> list[Step]:
         Step("offload", 120, 60, _bench(out, "offload", "--offload", "--offload-sizes", "1,2,4"),
              _bench(out, "offload", "--cpu-dry-run", *TINY, "--offload-sizes", "3e-5,1e-5"),
              ("benchmarks.__main__", "benchmarks.cuda")),
+        Step("offload_walk", 150, 60,
+             lambda limit: [PY, "-m", "benchmarks.offload_walk", "--device", "cuda",
+                            "--json", os.path.join(out, "offload_walk.json")],
+             lambda limit: [PY, "-m", "benchmarks.offload_walk", "--cpu-dry-run", *TINY, "--warmup-steps", "0",
+                            "--steps", "1", "--json", os.path.join(out, "offload_walk.json")],
+             ("benchmarks.offload_walk",)),
         Step("cpu_suite", 10_000, 60, _pytest(out, "cpu_suite", "tests"),
              _pytest(out, "cpu_suite", "--collect-only", "tests"), ("tests",)),
     ]
