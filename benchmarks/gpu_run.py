@@ -14,7 +14,8 @@ repository root on ``PYTHONPATH``, so a failed install does not stop the run. St
 each a subprocess with its own time limit (its log in ``$OUT/NN_<step>.log``, JSON or JUnit XML
 beside it):
 
-1. ``cuda_lane``: ``FSDP_TEST_DEVICE=cuda python -m pytest tests/test_cuda_lane.py``;
+1. ``cuda_lane``: ``FSDP_TEST_DEVICE=cuda python -m pytest tests/test_cuda_lane.py
+   tests/test_cuda_lane_offload.py``;
 2. ``lane_sanitizer``: the lane's training parity under ``TORCH_CUDA_SANITIZER=1`` (about 90 s on
    an H100: the sanitizer traces every kernel launch);
 3. ``scale``: rank 0 of N = 8 and 64 on torch's fake process group with emulated NVLink and
@@ -26,7 +27,10 @@ beside it):
    runs of fsdp, torch FSDP1 and the unwrapped model;
 7. ``offload``: CPU offload, fsdp against torch FSDP1, walking 1B, 2B, 4B (one size compared,
    and the largest each trains);
-8. ``cpu_suite``: whatever time is left, the CPU suite on the GPU machine's torch.
+8. ``offload_walk``: fsdp's fractional offload at 0/25/50/75/100% of a 1B GPT (step time, max
+   allocated, each point against its floor), the copy and host AdamW rates beside
+   (``benchmarks/offload_walk.py``);
+9. ``cpu_suite``: whatever time is left, the CPU suite on the GPU machine's torch.
 
 A step starts only while at least its minimum time is left; its limit is the smaller of its cap
 and the time left, and a step over its limit is killed with its whole process group. After each
@@ -109,7 +113,7 @@ def _pytest(out: str, name: str, *args: str) -> Command:
 
 def steps(out: str) -> list[Step]:
     """Every step, in run order (see the module docstring)."""
-    lane = "tests/test_cuda_lane.py"
+    lane, lane_offload = "tests/test_cuda_lane.py", "tests/test_cuda_lane_offload.py"
     return [
         Step("install", 90, 10,
              lambda limit: [PY, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "-e", "."],
@@ -119,7 +123,7 @@ def steps(out: str) -> list[Step]:
                             "torch.cuda.get_device_name(0), torch.cuda.mem_get_info(0))"],
              lambda limit: [PY, "-c", "import torch, fsdp; print(torch.__version__, torch.cuda.is_available())"],
              ("torch", "fsdp")),
-        Step("cuda_lane", 150, 60, _pytest(out, "cuda_lane", lane), _pytest(out, "cuda_lane", lane),
+        Step("cuda_lane", 150, 60, _pytest(out, "cuda_lane", lane, lane_offload), _pytest(out, "cuda_lane", lane, lane_offload),
              ("pytest", "tests.conftest", "tests._models", "tests._object_device"), (("FSDP_TEST_DEVICE", "cuda"),), (0, 5)),
         Step("lane_sanitizer", 120, 60, _pytest(out, "lane_sanitizer", lane, "-k", "test_training_parity"),
              _pytest(out, "lane_sanitizer", lane, "-k", "test_training_parity"),
@@ -156,6 +160,12 @@ def steps(out: str) -> list[Step]:
         Step("offload", 120, 60, _bench(out, "offload", "--offload", "--offload-sizes", "1,2,4"),
              _bench(out, "offload", "--cpu-dry-run", *TINY, "--offload-sizes", "3e-5,1e-5"),
              ("benchmarks.__main__", "benchmarks.cuda")),
+        Step("offload_walk", 150, 60,
+             lambda limit: [PY, "-m", "benchmarks.offload_walk", "--device", "cuda",
+                            "--json", os.path.join(out, "offload_walk.json")],
+             lambda limit: [PY, "-m", "benchmarks.offload_walk", "--cpu-dry-run", *TINY, "--warmup-steps", "0",
+                            "--steps", "1", "--json", os.path.join(out, "offload_walk.json")],
+             ("benchmarks.offload_walk",)),
         Step("cpu_suite", 10_000, 60, _pytest(out, "cpu_suite", "tests"),
              _pytest(out, "cpu_suite", "--collect-only", "tests"), ("tests",)),
     ]

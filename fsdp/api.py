@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum, auto
-from typing import Optional, Sequence, Type
+from typing import Callable, Optional, Sequence, Type
 
 import torch
 from torch import nn
@@ -73,9 +73,54 @@ class MixedPrecision:
 
 @dataclass
 class CPUOffload:
-    """Whether sharded parameters (and their gradients) live on CPU between uses."""
+    """Whether sharded parameters (and their gradients) live on CPU between uses.
+
+    ``CPUOffload(offload_params=True)`` offloads every unit, as torch FSDP1. Two optional fields
+    (fsdp's, default None: torch's behaviour) offload only some units; the others keep their
+    shard, gradient and optimizer state on the device (see [Note: Fractional offload] in
+    ``fsdp/flat_param/_policy.py``):
+
+    - ``fraction``: offload about this fraction (0 to 1) of the parameters: the units the
+      backward reaches first (the last in the model's module order), up to the first that
+      reaches the fraction.
+    - ``offload_module``: offload the units whose wrapped module it returns True for.
+
+    Both are resolved once, when the root is built, over the units that constructor plans;
+    ``fsdp.estimate_memory`` resolves the same.
+    """
 
     offload_params: bool = False
+    fraction: Optional[float] = None
+    offload_module: Optional[Callable[[nn.Module], bool]] = None
+
+    def __post_init__(self) -> None:
+        if self.fraction is None and self.offload_module is None:
+            return
+        if not self.offload_params:
+            raise ValueError(
+                f"fsdp: CPUOffload(fraction=..., offload_module=...) chooses which units offload "
+                f"their parameters, but offload_params is False (got {self!r}). Pass "
+                f"CPUOffload(offload_params=True, ...)."
+            )
+        if self.fraction is not None and self.offload_module is not None:
+            raise ValueError(
+                "fsdp: CPUOffload takes fraction= or offload_module=, not both: pick the units "
+                "by the share of parameters or by a predicate on the unit's module."
+            )
+        if self.fraction is not None and (
+            isinstance(self.fraction, bool) or not isinstance(self.fraction, (int, float)) or not 0.0 <= self.fraction <= 1.0
+        ):
+            raise ValueError(f"fsdp: CPUOffload fraction must be a number from 0 to 1, got {self.fraction!r}")
+        if self.offload_module is not None and not callable(self.offload_module):
+            raise TypeError(
+                f"fsdp: CPUOffload offload_module must be a callable taking the unit's module and "
+                f"returning a bool, got {self.offload_module!r}"
+            )
+
+    @property
+    def selects_units(self) -> bool:
+        """Whether only some units offload (``fraction`` or ``offload_module`` given)."""
+        return self.offload_params and (self.fraction is not None or self.offload_module is not None)
 
 
 class StateDictType(Enum):

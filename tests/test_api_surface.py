@@ -102,6 +102,10 @@ def test_enum_members_match_torch(name: str) -> None:
     ]
 
 
+# Optional fields fsdp adds to torch's dataclasses, after torch's (see each class's docstring).
+FSDP_EXTENSION_FIELDS = {"CPUOffload": ["fraction", "offload_module"]}
+
+
 @pytest.mark.parametrize("name", DATACLASSES)
 def test_dataclass_fields_and_defaults_match_torch(name: str) -> None:
     ours, ref = getattr(fsdp, name), getattr(torch_fsdp, name)
@@ -120,7 +124,14 @@ def test_dataclass_fields_and_defaults_match_torch(name: str) -> None:
             for f in dataclasses.fields(cls)
         ]
 
-    assert describe(ours) == describe(ref)
+    # fsdp's own fields come after torch's, default None (torch's behaviour), so torch code
+    # (positional arguments included) runs unchanged; nothing else may differ.
+    extensions = FSDP_EXTENSION_FIELDS.get(name, [])
+    described = describe(ours)
+    torch_part, ours_part = described[: len(described) - len(extensions)], described[len(described) - len(extensions) :]
+    assert [d[0] for d in ours_part] == extensions
+    assert all(d[1] is None for d in ours_part)
+    assert torch_part == describe(ref)
     # Same base-class structure (e.g. FullStateDictConfig derives from StateDictConfig).
     assert [b.__name__ for b in ours.__mro__[1:] if b is not object] == [
         b.__name__ for b in ref.__mro__[1:] if b is not object
@@ -129,7 +140,9 @@ def test_dataclass_fields_and_defaults_match_torch(name: str) -> None:
     ref_params = ref.__dataclass_params__  # type: ignore[attr-defined]
     for flag in ("init", "repr", "eq", "order", "unsafe_hash", "frozen"):
         assert getattr(ours_params, flag) == getattr(ref_params, flag), (name, flag)
-    assert _sig(ours) == _sig(ref)
+    sig = _sig(ours)
+    assert sig[: len(sig) - len(extensions)] == _sig(ref)
+    assert [s[0] for s in sig[len(sig) - len(extensions) :]] == extensions
 
 
 def test_dataclass_default_instances_match_torch() -> None:
@@ -137,7 +150,10 @@ def test_dataclass_default_instances_match_torch() -> None:
         if name == "StateDictSettings":
             continue  # no defaults
         ours, ref = getattr(fsdp, name)(), getattr(torch_fsdp, name)()
-        assert dataclasses.asdict(ours) == dataclasses.asdict(ref), name
+        mine = dataclasses.asdict(ours)
+        for extra in FSDP_EXTENSION_FIELDS.get(name, []):
+            assert mine.pop(extra) is None, (name, extra)
+        assert mine == dataclasses.asdict(ref), name
     settings = fsdp.StateDictSettings(
         fsdp.StateDictType.FULL_STATE_DICT, fsdp.FullStateDictConfig(), fsdp.FullOptimStateDictConfig()
     )

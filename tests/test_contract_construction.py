@@ -37,7 +37,15 @@ def _units(model: nn.Module, cls: type) -> list[tuple[str, nn.Module]]:
 
 
 def _dataclass_fields(config: Any) -> dict[str, Any]:
-    return {name: getattr(config, name) for name in config.__dataclass_fields__}
+    """The config's fields; fsdp's own optional fields (test_api_surface) only when set."""
+    from tests.test_api_surface import FSDP_EXTENSION_FIELDS
+
+    extensions = FSDP_EXTENSION_FIELDS.get(type(config).__name__, [])
+    return {
+        name: getattr(config, name)
+        for name in config.__dataclass_fields__
+        if name not in extensions or getattr(config, name) is not None
+    }
 
 
 def _names(objs: set[Any], model: nn.Module, params: bool) -> list[str]:

@@ -34,7 +34,7 @@ def test_dry_run_runs_every_step(tmp_path: Path) -> None:
         assert (out / f"{index:02d}_{rec['step']}.log").read_text().startswith("$ " + rec["command"])
     gpu = {r["step"]: r["gpu_command"] for r in summary["steps"]}
     assert gpu["install"].endswith("-m pip install --no-deps --no-build-isolation -e .")
-    assert gpu["cuda_lane"].endswith("tests/test_cuda_lane.py")
+    assert gpu["cuda_lane"].endswith("tests/test_cuda_lane.py tests/test_cuda_lane_offload.py")
     assert "--device cuda --max-total 60GiB" in gpu["plan_gpu"] and gpu["plan_gpu"].endswith("10M 100M 1B")
     assert "--compile --only fsdp,torch_fsdp1,local" in gpu["bench_compile"]
     assert "--offload --offload-sizes 1,2,4" in gpu["offload"]
@@ -66,6 +66,14 @@ def test_dry_run_runs_every_step(tmp_path: Path) -> None:
         assert row["fsdp_step_vs_limits"] > 0
     offload_log = (out / f"{names.index('offload') + 1:02d}_offload.log").read_text()
     assert "no GPU: host memcpy" in offload_log and "step / (copies + fused AdamW) = " in offload_log
+    # The offload knob's curve: five fractions, the units chosen growing with it, each point
+    # against its floor; fraction 0 offloads nothing and 1 every unit.
+    knob = json.loads((out / "offload_walk.json").read_text())
+    assert {"date", "targets", "rates", "points"} <= knob.keys()
+    chosen = [pt["units_offloaded"] for pt in knob["points"]]
+    assert [pt["fraction"] for pt in knob["points"]] == [0.0, 0.25, 0.5, 0.75, 1.0]
+    assert chosen == sorted(chosen) and chosen[0] == 0 and chosen[-1] == knob["points"][-1]["units"]
+    assert all(pt["step_s"] > 0 and pt["floor_s"] > 0 for pt in knob["points"])
     ws2 = json.loads((out / "ws2_memory.json").read_text())["results"]
     assert [r["losses"] for r in ws2["fsdp"]] == [r["losses"] for r in ws2["torch_fsdp1"]]
     assert (out / "cpu_suite.xml").exists() and (out / "cuda_lane.xml").exists()

@@ -18,12 +18,14 @@ the planner passes what it plans and the runtime what it sees.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
+
+from torch import nn
 
 from fsdp.api import BackwardPrefetch, CPUOffload, ShardingStrategy
 from fsdp.flat_param._sharding import handle_uses_sharding
 
-__all__ = ["HYBRID_STRATEGIES", "UnitPolicy", "effective_strategy"]
+__all__ = ["HYBRID_STRATEGIES", "UnitPolicy", "effective_strategy", "offloaded_units"]
 
 #: The strategies that shard inside a group and replicate across groups ([Note: Hybrid sharding
 #: layout]); they take no communication hook.
@@ -43,6 +45,66 @@ def effective_strategy(requested: Optional[ShardingStrategy], shard_world_size: 
     return strategy
 
 
+# [Note: Fractional offload]
+# ``CPUOffload(offload_params=True)`` offloads every unit (torch FSDP1). ``fraction=`` and
+# ``offload_module=`` choose some: each chosen unit keeps its fp32 shard, its reduced gradient and
+# (the optimizer allocating state like its parameter) its optimizer state on the host; the others
+# keep all three on the device. The arithmetic is the same either way (the host copies are
+# exact), so a fraction changes where bytes live and what is copied, never a value.
+#
+# The choice is resolved once, when the root is built, over the units that constructor plans (the
+# root and its auto-wrapped units; a unit wrapped by hand before keeps its own), into each unit's
+# ``UnitPolicy.offload_params``; the planner (``plan/_units.py``) resolves the same units with
+# this same function, so ``fsdp.estimate_memory`` makes the runtime's choice.
+#
+# ``fraction``: the units are taken in the model's module order (pre-order, the root first,
+# which is the order a forward enters them) and offloaded from the *last* one backwards, until
+# the offloaded parameters reach ``fraction`` of the parameters of those units (the unit that
+# crosses it is offloaded too: 0 offloads none, 1 all, and any fraction above 0 at least one).
+# The last units are the ones backward reaches first and the next forward needs last: their
+# gradients arrive on the host earliest and their updated parameters are needed latest, so they
+# leave the host step the most time to overlap (issue 35's pipeline); the first units, needed at
+# once by the next forward, stay on the device. Ties cannot arise: the order is the modules'.
+# Units with different fractions (a CustomPolicy overriding ``cpu_offload``) resolve each over
+# the units that carry it. A constructor called by hand on a submodule resolves a fraction over
+# its own units only (it cannot see the rest of the model), so with wrapping by hand choose the
+# units with ``offload_module`` (or per-unit ``CPUOffload(offload_params=...)``), which needs no
+# view of the whole model.
+#
+# ``offload_module``: a predicate on each unit's wrapped module (the user's module), the way an
+# auto-wrap policy is one.
+
+
+def offloaded_units(units: Sequence[tuple[nn.Module, Optional[CPUOffload], int]]) -> list[bool]:
+    """Which units offload their parameters (see [Note: Fractional offload]).
+
+    Args:
+        units: Per unit in module pre-order (root first): its wrapped module, its ``CPUOffload``
+            (None: none), and the number of parameter elements it manages.
+
+    Returns:
+        Per unit, whether it offloads.
+    """
+    chosen = [bool(c is not None and c.offload_params) for _, c, _ in units]
+    pools: dict[float, list[int]] = {}
+    for i, (module, config, _) in enumerate(units):
+        if config is None or not config.selects_units:
+            continue
+        if config.offload_module is not None:
+            chosen[i] = bool(config.offload_module(module))
+        else:
+            assert config.fraction is not None
+            pools.setdefault(float(config.fraction), []).append(i)
+    for fraction, members in pools.items():
+        total = sum(units[i][2] for i in members)
+        offloaded = 0
+        for i in reversed(members):
+            chosen[i] = fraction > 0 and offloaded < fraction * total
+            if chosen[i]:
+                offloaded += units[i][2]
+    return chosen
+
+
 @dataclass(frozen=True)
 class UnitPolicy:
     """What decides a unit's schedule (see [Note: One schedule]).
@@ -51,7 +113,9 @@ class UnitPolicy:
         strategy: The strategy in effect (:func:`effective_strategy`).
         shard_world_size: Ranks a parameter is sharded over (the node for hybrid strategies).
         replicate_world_size: Ranks holding the same shard (hybrid strategies), else 1.
-        offload_params: ``CPUOffload(offload_params=True)``.
+        offload_params: Whether the unit's shard and gradient live on the host: every unit with
+            ``CPUOffload(offload_params=True)``, the chosen ones with its ``fraction`` or
+            ``offload_module`` ([Note: Fractional offload]).
         backward_prefetch: When the next unit's backward gather is launched (None: never).
         forward_prefetch: Whether the next unit's forward gather is launched early.
         limit_all_gathers: At most two prefetched gathers in flight.
@@ -76,7 +140,16 @@ class UnitPolicy:
         forward_prefetch: bool = False,
         limit_all_gathers: bool = True,
     ) -> "UnitPolicy":
-        """The record for a unit built with these arguments over groups of these sizes."""
+        """The record for a unit built with these arguments over groups of these sizes.
+
+        ``cpu_offload`` is the unit's resolved config: one that selects units (``fraction``,
+        ``offload_module``) is resolved first, over all the units (:func:`offloaded_units`).
+        """
+        if cpu_offload is not None and cpu_offload.selects_units:
+            raise RuntimeError(
+                f"fsdp internal error: UnitPolicy.resolve got the unresolved {cpu_offload!r}; "
+                f"resolve it over the units first (offloaded_units)."
+            )
         return cls(
             strategy=effective_strategy(requested, shard_world_size),
             shard_world_size=shard_world_size,

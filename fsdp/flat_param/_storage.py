@@ -12,6 +12,7 @@ FSDP1 keeps on it, and :func:`set_torch_metadata` sets it.
 from __future__ import annotations
 
 import contextlib
+from concurrent.futures import Future
 from enum import Enum, auto
 from typing import Any, ContextManager, NamedTuple, Optional, cast
 
@@ -203,6 +204,9 @@ class FlatParamStorage:
         self.local_shard: torch.Tensor = self.flat_param.data
         # An all-gather not yet waited for (a prefetch, see [Note: Prefetch]).
         self.pending_unshard: Optional[_PendingUnshard] = None
+        # An update of the local shard still running elsewhere (the pipelined host step,
+        # [Note: Pipelined host step] in runtime/_host_step.py): every gather waits for it.
+        self.pending_update: Optional[Future[Any]] = None
         # CUDA: the side streams every all-gather and every gradient reduction run on (set at
         # lazy init, shared by the tree, as torch FSDP1's); None on CPU.
         self.unshard_stream: Optional[torch.cuda.Stream] = None
@@ -298,6 +302,7 @@ class FlatParamStorage:
         Precondition: SHARDED, no gather pending. Postcondition: the state is ``target``; the
         values are valid unless ``async_op`` on CUDA.
         """
+        self.wait_update()
         low = self.precision.low_precision_params and not full_precision
         padded_unsharded = self.padded_unsharded_for(full_precision)
         if padded_unsharded is not self.local_shard:
@@ -321,6 +326,13 @@ class FlatParamStorage:
         self._transition(target)
         if not async_op:
             self.wait_unshard()
+
+    def wait_update(self) -> None:
+        """Waits for a pending update of the local shard (a no-op without one); re-raises its
+        error."""
+        pending, self.pending_update = self.pending_update, None
+        if pending is not None:
+            pending.result()
 
     def wait_unshard(self) -> None:
         """Completes a prefetched all-gather (a no-op without one)."""

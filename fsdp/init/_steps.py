@@ -22,7 +22,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from fsdp._comm._groups import ProcessGroupType, ShardingGroups
 from fsdp._common import group_backend, group_rank, group_size, run_first_wrap_callbacks
 from fsdp.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
-from fsdp.flat_param._policy import UnitPolicy, effective_strategy
+from fsdp.flat_param._policy import UnitPolicy, effective_strategy, offloaded_units
 from fsdp.flat_param.flat_param import FlatParamHandle
 from fsdp.init._auto_wrap import mixed_precision_classes
 from fsdp.init._device import move_modules_to_device, resolve_compute_device
@@ -92,6 +92,9 @@ class UnitSetup:
         world_size: The shard group's size.
         plan: The nested units, ignored states and tied-parameter owners.
         wrapped_before: The states of the units already nested in the module (wrapped by hand).
+        cpu_offload: This unit's resolved ``CPUOffload`` ([Note: Fractional offload]): the
+            constructor's when it offloads every unit or none, else ``CPUOffload(offload_params=
+            chosen)`` (the nested units' kwargs in ``plan.targets`` carry theirs).
     """
 
     strategy: ShardingStrategy
@@ -101,6 +104,12 @@ class UnitSetup:
     world_size: int
     plan: UnitPlan
     wrapped_before: list[UnitState]
+    cpu_offload: Optional[CPUOffload] = None
+
+    @property
+    def offload_params(self) -> bool:
+        """Whether this unit's shard and gradient live on the host."""
+        return bool(self.cpu_offload is not None and self.cpu_offload.offload_params)
 
 
 def plan_unit(
@@ -144,7 +153,43 @@ def plan_unit(
     if auto_wrap_policy is not None and args.mixed_precision is not None:
         apply_mixed_precision_overrides(module, mixed_precision_classes(root_kwargs))
     wrapped_before = [unit_state(sub) for sub in module.modules() if is_fsdp(sub)]
-    return UnitSetup(strategy, groups, device, rank, world_size, plan, wrapped_before)
+    cpu_offload = resolve_unit_offload(module, plan, args.cpu_offload)
+    return UnitSetup(strategy, groups, device, rank, world_size, plan, wrapped_before, cpu_offload)
+
+
+def resolve_unit_offload(module: nn.Module, plan: UnitPlan, root_offload: Optional[CPUOffload]) -> Optional[CPUOffload]:
+    """Resolves which planned units offload ([Note: Fractional offload]); the memory planner
+    calls this too, so both choose the same units.
+
+    A nested unit's ``cpu_offload`` in ``plan.targets`` that selects units becomes
+    ``CPUOffload(offload_params=chosen)`` (what the nested constructor then runs); configs that
+    offload all units or none are left as they are.
+
+    Returns:
+        The root's resolved config (the constructor's unless it selects units).
+    """
+    configs = {unit: kwargs.get("cpu_offload") for unit, kwargs in plan.targets.items()}
+    configs[module] = root_offload
+    if not any(c is not None and c.selects_units for c in configs.values()):
+        return root_offload
+    units = [m for m in module.modules() if m in configs]  # pre-order, the root first
+
+    numels: list[int] = []
+    with mark_tied_owners(plan.tied_owner):
+        for unit in units:
+
+            def is_other_unit(m: nn.Module, unit: nn.Module = unit) -> bool:
+                return (m in configs and m is not unit) or is_fsdp(m) or m in plan.ignored_modules
+
+            params = unit_params(unit, is_other_unit, plan.ignored_params)
+            numels.append(sum(p.numel() for p in {id(p[3]): p[3] for p in params}.values()))
+    chosen = offloaded_units([(unit, configs[unit], numel) for unit, numel in zip(units, numels)])
+    resolved = {unit: CPUOffload(offload_params=c) for unit, c in zip(units, chosen)}
+    for unit, kwargs in plan.targets.items():
+        config = kwargs.get("cpu_offload")
+        if config is not None and config.selects_units:
+            kwargs["cpu_offload"] = resolved[unit]
+    return resolved[module] if root_offload is not None and root_offload.selects_units else root_offload
 
 
 def _refuse_hybrid_tensor_parallel(module: nn.Module, strategy: ShardingStrategy) -> None:
@@ -213,7 +258,7 @@ def build_handles(
                 replicate_group=setup.groups.replicate,
                 sync_module_states=args.sync_module_states,
                 use_orig_params=args.use_orig_params,
-                offload_params=args.offload_params,
+                offload_params=setup.offload_params,
                 mixed_precision=args.mixed_precision,
             )
             for handle_params in split_by_requires_grad(params, args.use_orig_params)
@@ -245,7 +290,7 @@ def new_unit_state(
             setup.strategy,
             setup.world_size,
             group_size(setup.groups.replicate) if setup.groups.replicate is not None else 1,
-            args.cpu_offload,
+            setup.cpu_offload,
             args.backward_prefetch,
             args.forward_prefetch,
             args.limit_all_gathers,

@@ -376,7 +376,10 @@ def _trace_optimizer(
     )
 
 
-def _offloads(setup: _Setup) -> bool:
+def _offloads(setup: _Setup, units: Optional[list[UnitSpec]] = None) -> bool:
+    """Whether any unit offloads (each unit's own choice is its ``policy.offload_params``)."""
+    if units is not None:
+        return any(u.policy.offload_params for u in units)
     cpu_offload = setup.kwargs.get("cpu_offload")
     return bool(cpu_offload and cpu_offload.offload_params)
 
@@ -394,13 +397,22 @@ def _schedule(
     static += sum(p.numel() * p.element_size() for p in planned.ignored_params)
     cfg = ScheduleConfig(
         device_is_cpu=setup.device.type == "cpu",
-        offload_params=_offloads(setup),
+        offload_params=_offloads(setup, planned.units),
         static_bytes=static,
         workspace_bytes=step_workspace_bytes(setup.device),
         optim_state_bytes=state_bytes,
         optim_temp_bytes=temp_bytes,
     )
     return replay(planned.units, trace, cfg)
+
+
+def _offload_text(setup: _Setup, units: list[UnitSpec]) -> str:
+    """``"True"`` / ``"False"`` (every unit or none, as before), or ``"k of n units"``."""
+    chosen = sum(u.policy.offload_params for u in units)
+    config = setup.kwargs.get("cpu_offload")
+    if config is None or not config.selects_units:
+        return str(_offloads(setup))
+    return f"{chosen} of {len(units)} units"
 
 
 def _report(result: ReplayResult, units: list[UnitSpec], world_size: int, setup: _Setup) -> MemoryEstimate:
@@ -412,7 +424,7 @@ def _report(result: ReplayResult, units: list[UnitSpec], world_size: int, setup:
     config = {
         "strategy": effective.name,
         "param_dtype": str(getattr(mixed_precision, "param_dtype", None) or "full").replace("torch.", ""),
-        "offload": str(_offloads(setup)),
+        "offload": _offload_text(setup, units),
         "backward_prefetch": prefetch.name if isinstance(prefetch, BackwardPrefetch) else "None",
         "forward_prefetch": str(bool(kwargs.get("forward_prefetch"))),
         "device": device.type,
@@ -429,6 +441,7 @@ def _report(result: ReplayResult, units: list[UnitSpec], world_size: int, setup:
                 padded_unsharded_numel=sum(h.padded_unsharded_numel for h in u.handles),
                 padded_sharded_numel=sum(h.sharded_numel for h in u.handles),
                 unsharded_bytes=sum(h.unsharded_bytes() for h in u.handles),
+                offload_params=u.policy.offload_params,
             )
             for u in units
         ],

@@ -39,6 +39,8 @@ class UnitEstimate:
         padded_unsharded_numel: Padded to a multiple of the shard world size.
         padded_sharded_numel: Elements of one rank's shard, padding included.
         unsharded_bytes: Bytes of the gathered (compute-dtype) parameter.
+        offload_params: Whether the unit keeps its shard, gradient and optimizer state on the
+            host (``CPUOffload``; [Note: Fractional offload] in ``fsdp/flat_param/_policy.py``).
     """
 
     name: str
@@ -46,6 +48,7 @@ class UnitEstimate:
     padded_unsharded_numel: int
     padded_sharded_numel: int
     unsharded_bytes: int
+    offload_params: bool = False
 
 
 @dataclass

@@ -69,8 +69,9 @@ class ScheduleConfig:
     Attributes:
         device_is_cpu: The training device is the CPU (one memory: the host buffers of
             offload count in the same peak).
-        offload_params: ``CPUOffload(offload_params=True)`` (host buffers and their copies,
-            on a CPU training device too, as in ``FlatParamHandle``).
+        offload_params: Whether any unit offloads (host buffers and their copies, on a CPU
+            training device too, as in ``FlatParamHandle``); which units do is each unit's
+            ``policy.offload_params`` ([Note: Fractional offload]).
         static_bytes: Buffers and ignored parameters (device).
         workspace_bytes: The CUDA libraries' workspaces ([Note: cuBLAS workspaces] in
             ``fsdp/plan/_workspace.py``), held for the whole step.
@@ -122,6 +123,7 @@ class _Replay:
         self.held_keys: set[int] = set()
         self.inflight: Optional[tuple[tuple[int, int], list[tuple[str, int]], Optional[int]]] = None
         self.ran_pre_backward: set[int] = set()
+        self.host_share = 0.0  # of the shards (and optimizer state) on the host, set by run()
         self.forward_order: list[int] = []
         self.backward_order: list[int] = []
         for event in trace.events:
@@ -147,6 +149,14 @@ class _Replay:
         pool = self.cpu if cpu else self.device
         pool[kind] = pool.get(kind, 0) + nbytes
         self.observe()
+
+    def add_split(self, kind: str, nbytes: int) -> None:
+        """Adds ``nbytes`` split between host and device as the shards are (``host_share``)."""
+        host = round(nbytes * self.host_share)
+        if host:
+            self.add(kind, host, cpu=True)
+        if nbytes - host:
+            self.add(kind, nbytes - host)
 
     def observe(self) -> None:
         total = sum(self.device.values())
@@ -184,7 +194,7 @@ class _Replay:
             self.add(kind, spec.unsharded_bytes())
             self.gathered[hid] = kind
             comm = 0
-            if self.cfg.offload_params:
+            if self.units[u].policy.offload_params:
                 comm += spec.shard_bytes()  # the shard copied to the device
             if spec.precision.low_precision_params:
                 comm += spec.sharded_numel * _itemsize(spec.precision.param_dtype)
@@ -231,8 +241,9 @@ class _Replay:
         """A reduced sharded gradient in reduce_dtype becomes the full-precision sharded grad."""
         spec = self.handle(hid)
         full = spec.sharded_numel * _itemsize(spec.precision.full_dtype)
-        if sharded_reduce_bytes != full or self.cfg.offload_params:
-            self.add(GRADS, full, cpu=self.cfg.offload_params)
+        offloads = self.units[hid[0]].policy.offload_params
+        if sharded_reduce_bytes != full or offloads:
+            self.add(GRADS, full, cpu=offloads)
             self.add(GRADS, -sharded_reduce_bytes)
         # (else the reduced tensor itself is kept)
 
@@ -291,8 +302,9 @@ class _Replay:
                 self.inflight = (hid, [(unsharded_kind, unsharded)], None)
             else:
                 full = spec.sharded_numel * _itemsize(spec.precision.full_dtype)
-                if reduced != full or cfg.offload_params:
-                    self.add(GRADS, full, cpu=cfg.offload_params)
+                offloads = self.units[hid[0]].policy.offload_params
+                if reduced != full or offloads:
+                    self.add(GRADS, full, cpu=offloads)
                     self.inflight = (hid, [(GRADS, reduced)], None)
                 else:
                     self.inflight = (hid, [], None)  # the reduced gradient itself is kept
@@ -304,11 +316,17 @@ class _Replay:
     # ------------------------------------------------------------------ the stream
     def run(self) -> ReplayResult:
         cfg = self.cfg
+        # Per unit where its policy keeps it ([Note: Fractional offload]); the optimizer's state
+        # and temporaries split as the shards do (its state is allocated like each parameter).
+        host = sum(h.shard_bytes() for u in self.units if u.policy.offload_params for h in u.handles)
         shards = sum(h.shard_bytes() for u in self.units for h in u.handles)
-        self.add(SHARDED_PARAMS, shards, cpu=cfg.offload_params)
+        if host:
+            self.add(SHARDED_PARAMS, host, cpu=True)
+        self.add(SHARDED_PARAMS, shards - host)
         self.add(BUFFERS, cfg.static_bytes)
         self.add(WORKSPACES, cfg.workspace_bytes)
-        self.add(OPTIM_STATE, cfg.optim_state_bytes, cpu=cfg.offload_params)
+        self.host_share = host / shards if shards else float(cfg.offload_params)
+        self.add_split(OPTIM_STATE, cfg.optim_state_bytes)
         self.add(INPUTS, self.trace.input_bytes)
         for event in self.trace.events:
             kind = event[0]
@@ -354,8 +372,8 @@ class _Replay:
         for u in range(len(self.units)):
             self.reshard(u)
         self.phase = "optimizer step"
-        self.add(OPTIM_TEMP, cfg.optim_temp_bytes, cpu=cfg.offload_params)
-        self.add(OPTIM_TEMP, -cfg.optim_temp_bytes, cpu=cfg.offload_params)
+        self.add_split(OPTIM_TEMP, cfg.optim_temp_bytes)
+        self.add_split(OPTIM_TEMP, -cfg.optim_temp_bytes)
         return self.result
 
 

@@ -20,6 +20,7 @@ from fsdp.api import BackwardPrefetch
 from fsdp.flat_param._policy import UnitPolicy
 from fsdp.flat_param._precision import HandlePrecision
 from fsdp.flat_param._sharding import FlatLayout, aligned_numel, flat_layout, padded_unsharded_numel
+from fsdp.init._steps import resolve_unit_offload
 from fsdp.init._unit_params import mark_tied_owners, split_by_requires_grad, unit_params
 from fsdp.init._validate import plan_units
 
@@ -139,6 +140,8 @@ def plan_unit_layouts(
         ignored parameters.
     """
     plan = plan_units(module, auto_wrap_policy, root_kwargs, ignored_modules, ignored_states)
+    # The units that offload, chosen as the wrapper chooses them ([Note: Fractional offload]).
+    root_kwargs = {**root_kwargs, "cpu_offload": resolve_unit_offload(module, plan, root_kwargs.get("cpu_offload"))}
     names = {m: n for n, m in module.named_modules()}
     targets = list(plan.targets)
     target_set = set(targets)
