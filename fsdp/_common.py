@@ -147,15 +147,22 @@ def _mark(fn: _F, recursive: bool) -> _F:
 
 
 def _apply_marks(dynamo: types.ModuleType) -> None:
-    """Rebinds each marked function's defining name to its Dynamo-disabled form."""
+    """Rebinds each marked function's defining name to its Dynamo-disabled form. A name that
+    holds another function right now (a test's wrapper, say) is left alone and tried again at
+    the next wrap (:func:`run_first_wrap_callbacks`)."""
+    remaining: list[tuple[Callable[..., object], bool]] = []
     while _MARKED:
         fn, recursive = _MARKED.pop(0)
         owner: object = sys.modules[fn.__module__]
         *path, name = fn.__qualname__.split(".")
         for part in path:  # a method: its class (marked functions are never local ones)
             owner = getattr(owner, part)
-        p_assert(vars(owner).get(name) is fn, f"{fn.__qualname__} is not defined under its name")
-        setattr(owner, name, torch.compiler.disable(fn, recursive=recursive))
+        p_assert("<locals>" not in fn.__qualname__, f"{fn.__qualname__} is not defined under its name")
+        if vars(owner).get(name) is fn:
+            setattr(owner, name, torch.compiler.disable(fn, recursive=recursive))
+        else:
+            remaining.append((fn, recursive))
+    _MARKED.extend(remaining)
 
 
 # [Note: What fsdp changes in torch]
@@ -178,9 +185,12 @@ def on_first_wrap(callback: Callable[[], None]) -> None:
 
 
 def run_first_wrap_callbacks() -> None:
-    """Called by every FSDP construction; runs the :func:`on_first_wrap` callbacks once."""
+    """Called by every FSDP construction; runs the :func:`on_first_wrap` callbacks once (and
+    later marks for Dynamo a function whose name was rebound at the last attempt)."""
     global _WRAPPED
     if _WRAPPED:
+        if _MARKED and _DYNAMO in sys.modules:
+            _apply_marks(sys.modules[_DYNAMO])
         return
     _WRAPPED = True
     while _ON_FIRST_WRAP:
