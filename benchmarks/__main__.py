@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import sys
 import time
@@ -32,7 +33,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(format_report(cfg, summary))
     if cfg.json_out:
         with open(cfg.json_out, "w") as f:
-            json.dump({"summary": summary, "ranks": results}, f, indent=1)
+            targets = [
+                {"target": t.get("description", t.get("key")), "value": t.get("value"),
+                 "status": "met" if t.get("met") else "NOT met"}
+                for t in summary.get("targets", [])
+            ]
+            date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+            json.dump({"date": date, "targets": targets, "summary": summary, "ranks": results}, f, indent=1)
     return 0
 
 

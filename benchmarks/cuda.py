@@ -660,6 +660,7 @@ def _write_json(cfg: CudaBenchConfig, doc: dict[str, Any]) -> None:
         return
     path = os.path.abspath(cfg.json_out)
     os.makedirs(os.path.dirname(path), exist_ok=True)
+    doc = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **doc}
     with open(path + ".tmp", "w") as f:
         json.dump(doc, f, indent=1)
     os.replace(path + ".tmp", path)

@@ -38,7 +38,7 @@ step ``$OUT/summary.json`` is rewritten (step, command, exit code, seconds, stat
 cut short still says what it did. ``--steps a,b`` runs a subset (to split the run over two device
 calls: one command may run at most 10 minutes, hence the default budget of 540 s).
 
-``--dry-run`` runs the same orchestration on CPU: each step's modules are imported in a fresh
+``--dry-run`` runs the same orchestration on CPU: every step's modules are imported in one fresh
 interpreter, and each step runs a quick CPU equivalent of its command (the benchmarks'
 ``--cpu-dry-run`` or ``--dry-run`` on a tiny GPT, the planner's ``--list``, the lane collected
 without a GPU, the suite collected); the exact GPU command is written beside it. The install is
@@ -189,13 +189,24 @@ def _run(argv: list[str], env: dict[str, str], limit: float, log_path: str) -> t
     return code, time.monotonic() - start
 
 
-def _import_check(modules: Sequence[str], env: dict[str, str], log_path: str) -> bool:
-    """Whether every module imports in a fresh interpreter (the dry run's first check)."""
+def _import_check(modules: Sequence[str], env: dict[str, str], log_path: str) -> set[str]:
+    """The modules that do not import, each tried in one fresh interpreter (the dry run's first
+    check, once for every step: one interpreter start, not one per step)."""
     if not modules:
-        return True
-    code = "import importlib\n" + "".join(f"importlib.import_module({m!r})\n" for m in modules)
+        return set()
+    code = (
+        "import importlib, json\nfailed = []\n"
+        f"for name in {sorted(set(modules))!r}:\n"
+        "    try:\n        importlib.import_module(name)\n"
+        "    except Exception as exc:\n        print(name, repr(exc))\n        failed.append(name)\n"
+        "print('FAILED ' + json.dumps(failed))\n"
+    )
     rc, _ = _run([PY, "-c", code], env, 120, log_path)
-    return rc == 0
+    with open(log_path) as log:
+        lines = [line for line in log.read().splitlines() if line.startswith("FAILED ")]
+    if rc != 0 or not lines:
+        return set(modules)
+    return set(json.loads(lines[-1][len("FAILED "):]))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -220,6 +231,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     base_env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     summary: dict[str, object] = {"dry_run": a.dry_run, "budget_s": a.budget_s, "steps": []}
     records: list[dict[str, object]] = summary["steps"]  # type: ignore[assignment]
+    not_importing: set[str] = set()
+    if a.dry_run:
+        modules = [m for step in plan if step.name in wanted for m in step.modules]
+        not_importing = _import_check(modules, base_env, os.path.join(a.out, "00_imports.log"))
     for index, step in enumerate(plan, 1):
         if step.name not in wanted:
             continue
@@ -231,8 +246,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         log = os.path.join(a.out, f"{index:02d}_{step.name}.log")
         if left < step.min_s:
             rec.update(status="skipped", reason=f"{left:.0f} s left, needs {step.min_s:.0f}")
-        elif a.dry_run and not _import_check(step.modules, env, log.replace(".log", "_imports.log")):
-            rec.update(status="failed", reason="a module it references does not import (see _imports.log)")
+        elif a.dry_run and not_importing & set(step.modules):
+            rec.update(status="failed", reason="a module it references does not import (see 00_imports.log)")
         else:
             cmd = step.dry(limit) if a.dry_run else gpu_cmd
             code, seconds = _run(cmd, env, limit, log)

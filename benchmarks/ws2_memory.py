@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import datetime
 import json
 import os
 import sys
@@ -114,7 +115,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           + ("n/a" if worst is None else ("met" if worst <= TARGET else "NOT met")))
     if a.json_out:
         with open(a.json_out, "w") as f:
-            json.dump({"spec": dataclasses.asdict(spec), "results": results, "ratios": per_rank, "target": TARGET}, f, indent=1)
+            date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+            targets = [{"target": f"fsdp max allocated <= {TARGET}x torch FSDP1's, every rank", "ratio": worst,
+                        "status": "n/a" if worst is None else ("met" if worst <= TARGET else "NOT met")}]
+            json.dump({"date": date, "targets": targets, "spec": dataclasses.asdict(spec), "results": results,
+                       "ratios": per_rank, "target": TARGET}, f, indent=1)
     return 0 if all(isinstance(r, list) for r in results.values()) else 1
 
 

@@ -358,7 +358,8 @@ def test_cpu_dry_run_end_to_end(tmp_path: Path) -> None:
     doc = json.loads(json_path.read_text())
     assert os.listdir(json_path.parent) == ["gpu.json"]  # rewritten after each run, whole
     assert doc["schema"] == "benchmarks.cuda/1"
-    assert set(doc) == {"schema", "env", "config", "model", "runs", "summary", "targets", "profile"}
+    assert set(doc) == {"schema", "date", "env", "config", "model", "runs", "summary", "targets", "profile"}
+    assert doc["date"][:4].isdigit() and "T" in doc["date"]  # the benchmark JSON contract: dated
     assert doc["model"] == dict(zip(("params", "matmul_params"), gpt_params(2, 32, 64, 16)))
     assert set(doc["env"]) >= {"device_name", "torch", "cuda", "date", "nccl"}
     assert doc["env"]["device_name"] == "cpu (dry run)" and doc["env"]["torch"] == torch.__version__
