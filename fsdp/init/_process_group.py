@@ -19,7 +19,7 @@ import torch.distributed as dist
 from fsdp._comm._groups import ShardingGroups
 from fsdp._common import group_backend, group_size
 from fsdp.api import ShardingStrategy
-from fsdp.runtime._state import HYBRID_STRATEGIES
+from fsdp.flat_param._policy import HYBRID_STRATEGIES
 
 # Hybrid groups derived from LOCAL_WORLD_SIZE, built once per (world size, local size).
 _DERIVED_HYBRID_GROUPS: dict[tuple[int, int], "ShardingGroups"] = {}

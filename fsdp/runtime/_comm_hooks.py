@@ -22,7 +22,7 @@ from fsdp._common import FSDPStateAssertionError
 from fsdp.flat_param._sharding import gradient_divide_factors
 from fsdp._comm import _collectives as comm
 from fsdp.runtime._lazy_init import require_root
-from fsdp.runtime._state import HYBRID_STRATEGIES
+from fsdp.flat_param._policy import HYBRID_STRATEGIES
 
 __all__ = [
     "DefaultState",

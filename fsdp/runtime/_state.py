@@ -16,14 +16,12 @@ from torch import nn
 
 from fsdp._common import clean_fqn, p_assert
 from fsdp.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
-from fsdp.flat_param._policy import HYBRID_STRATEGIES, UnitPolicy
+from fsdp.flat_param._policy import UnitPolicy
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from fsdp.flat_param.flat_param import FlatParamHandle
-
-__all__ = ["HYBRID_STRATEGIES", "UnitState", "RootContext", "HandleTrainingState", "TrainingState"]
 
 
 class HandleTrainingState(Enum):

@@ -37,7 +37,7 @@ from torch import nn
 import fsdp.api as fsdp_api
 from fsdp._common import call_after_import
 from fsdp.fully_sharded_data_parallel import FullyShardedDataParallel as _OurFSDP
-from fsdp.runtime._state import HYBRID_STRATEGIES
+from fsdp.flat_param._policy import HYBRID_STRATEGIES
 
 __all__ = ["install"]
 
