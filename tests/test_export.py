@@ -383,3 +383,94 @@ def deltas(strategy: str, orig: bool) -> None:
 def test_deltas(dist_pool: RankPool) -> None:
     for strategy, orig in [("FULL_SHARD", False), ("SHARD_GRAD_OP", True), ("NO_SHARD", False)]:
         dist_pool.run(deltas, strategy, orig)
+
+
+# ----------------------------------------------------------------------------- tensor parallelism
+def _tp_trained(strategy: str, nested: bool, orig: bool, hidden: int) -> nn.Module:
+    """The 2-D (dp, tp) toy LM of tests/test_tensor_parallel.py (ColwiseParallel fc1,
+    RowwiseParallel fc2), after one AdamW step. With ``hidden`` 11 tp splits fc1 and fc2
+    unevenly (6 and 5): such a model cannot train (the tp activations' DTensors infer their
+    global shape from the local one, so fc2 sees 12 and 10 columns, a torch TP limit), and is
+    exported as initialized."""
+    from tests.test_tensor_parallel import _tp_model, _train, _wrap
+
+    model = _wrap("ours", _tp_model(hidden=hidden), strategy, nested, orig)
+    _train(model, torch.optim.AdamW(model.parameters(), lr=0.01), range(1 if hidden % 2 == 0 else 0))
+    return model
+
+
+def _full_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The FULL state dict (bit-exact against torch FSDP1's, tests/test_tensor_parallel.py) with
+    every tp DTensor made full: the unwrapped model's full parameters and buffers."""
+    import warnings
+
+    from fsdp import FullyShardedDataParallel as FSDP, StateDictType
+    from torch.distributed.tensor import DTensor
+
+    with warnings.catch_warnings(), FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+        warnings.simplefilter("ignore", FutureWarning)  # state_dict_type's deprecation, as torch's
+        sd = model.state_dict()
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in sd.items()}
+
+
+def _tp_split(model: nn.Module) -> tuple[int, int]:
+    """The parameters a tp group splits (Shard placements: one tp gather each), and the units
+    holding some."""
+    from fsdp import FullyShardedDataParallel as FSDP
+
+    handles = [h for m in FSDP.fsdp_modules(model) for h in m._fsdp_state.handles]
+    split = [
+        sum(i.dtensor_spec is not None and any(p.is_shard() for p in i.dtensor_spec.placements) for i in h.param_infos)
+        for h in handles
+    ]
+    return sum(split), sum(n > 0 for n in split)
+
+
+def tp_stream(configs: list[tuple[str, bool, bool, int]]) -> None:
+    """The stream of a TP-trained model gives every full (TP-unsharded) parameter bit for bit,
+    on every rank and on rank 0 alone, with one dp gather per unit and one tp gather per
+    tp-split parameter ([Note: Export of tensor-parallel parameters])."""
+    from tests._comm_count import count_collectives
+
+    for strategy, nested, orig, hidden in configs:
+        model = _tp_trained(strategy, nested, orig, hidden)
+        expected = _full_tensors(model)
+        units, (split, units_with_split) = _units_that_shard(model), _tp_split(model)
+        assert split == 3 * 2  # fc1.weight, fc1.bias (Shard(0)), fc2.weight (Shard(1)) of 2 blocks
+        for dtype, rank0_only, bucket_bytes, transient in [
+            (None, False, 1 << 20, False),
+            (torch.bfloat16, True, 200, True),
+            (torch.float64, False, 1, True),
+            (None, True, 300, False),
+        ]:
+            what = (strategy, nested, orig, hidden, dtype, rank0_only, bucket_bytes, transient)
+            with count_collectives() as counts, _count_gathers_to_one() as to_one:
+                buckets = _exported(model, dtype=dtype, rank0_only=rank0_only, bucket_bytes=bucket_bytes, transient=transient)
+            if rank0_only:
+                # A unit with tp-split parameters: every dp group ({0, 2} and {1, 3}) gathers it
+                # to its member in rank 0's tp group {0, 1}, which sends its tp pieces on to rank
+                # 0. Another unit: only rank 0's dp group gathers it, to rank 0.
+                gathers = units if dist.get_rank() in (0, 2) else units_with_split
+                gathers += split if dist.get_rank() in (0, 1) else 0
+                assert dict(counts.calls) == {} and len(to_one) == gathers, (what, len(to_one), gathers)
+            else:
+                assert dict(counts.calls) == {"all_gather": units + split} and not to_one, (what, counts.calls)
+            if rank0_only and dist.get_rank() != 0:
+                assert buckets == [], what
+                continue
+            pairs = list(itertools.chain(*buckets))
+            names = [name for name, _ in pairs]
+            assert len(names) == len(set(names)) and set(names) == set(expected), (what, names)
+            for name, tensor in pairs:
+                want = expected[name].to(dtype) if dtype is not None and expected[name].is_floating_point() else expected[name]
+                assert tensor.dtype == want.dtype and torch.equal(tensor, want), (what, name)
+            for bucket in buckets:
+                assert len(bucket) == 1 or sum(t.numel() * t.element_size() for _, t in bucket) <= bucket_bytes, what
+
+
+def test_stream_tensor_parallel(pool4: RankPool) -> None:
+    # torch FSDP1 composes with TP with use_orig_params both ways; hidden 11 splits unevenly.
+    pool4.run(
+        tp_stream,
+        [("FULL_SHARD", True, True, 12), ("SHARD_GRAD_OP", False, False, 12), ("FULL_SHARD", True, False, 11)],
+    )

@@ -73,19 +73,20 @@ def _mesh(shape: tuple[int, int] = (2, 2)) -> Any:
 _N_BLOCKS = 2
 
 
-def _make_model() -> nn.Module:
+def _make_model(hidden: int = 12) -> nn.Module:
     """The toy LM with blocks of hidden size 12 (TP splits it evenly), the same seed everywhere."""
     model = make_toy(n_blocks=_N_BLOCKS)
     torch.manual_seed(1)
-    model.blocks = nn.ModuleList(Block(hidden=12) for _ in range(_N_BLOCKS))
+    model.blocks = nn.ModuleList(Block(hidden=hidden) for _ in range(_N_BLOCKS))
     return model
 
 
-def _tp_model(n_blocks: int = _N_BLOCKS, shape: tuple[int, int] = (2, 2)) -> nn.Module:
-    """:func:`_make_model` with each block's MLP tensor-parallel over ``tp`` of the ``shape`` mesh."""
+def _tp_model(n_blocks: int = _N_BLOCKS, shape: tuple[int, int] = (2, 2), hidden: int = 12) -> nn.Module:
+    """:func:`_make_model` with each block's MLP tensor-parallel over ``tp`` of the ``shape`` mesh
+    (``hidden`` 11: tp splits it unevenly)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    model = _make_model()
+    model = _make_model(hidden)
     plan: dict[str, Any] = {}
     for i in range(n_blocks):
         plan[f"blocks.{i}.fc1"] = ColwiseParallel()
