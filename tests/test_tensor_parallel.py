@@ -465,13 +465,13 @@ def test_tp_unsupported(pool4: RankPool) -> None:
     pool4.run(run_tp_unsupported)
 
 
-def _plain_fsdp(lib: str) -> nn.Module:
+def _plain_fsdp(lib: str, hidden: int = 12) -> nn.Module:
     """The same model without tensor parallelism, FSDP over all 4 ranks (another layout)."""
     if lib == "ours":
         from fsdp import FullyShardedDataParallel as FSDP
         from fsdp.wrap import ModuleWrapPolicy
 
-        return FSDP(_make_model(), auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=True)
+        return FSDP(_make_model(hidden), auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=True)
     from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchPolicy
 
