@@ -474,3 +474,73 @@ def test_stream_tensor_parallel(pool4: RankPool) -> None:
         tp_stream,
         [("FULL_SHARD", True, True, 12), ("SHARD_GRAD_OP", False, False, 12), ("FULL_SHARD", True, False, 11)],
     )
+
+
+def tp_consumer_of_tp_model(configs: list[tuple[str, bool, bool]]) -> None:
+    """The shard map of a TP-trained model (2 dp x 2 tp): each entry places its range of the
+    tp-local tensor in the full parameter (DTensor's own global offset and placements), with no
+    collective; a consumer of another layout (a 3-way row split of every parameter) assembles
+    its slices from every rank's global boxes, bit for bit against the full parameters."""
+    from fsdp.export import local_shard_views, shard_map
+    from fsdp.runtime._state import named_fsdp_states
+    from tests._comm_count import count_collectives
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    for strategy, nested, orig in configs:
+        model = _tp_trained(strategy, nested, orig, 12)
+        full = _full_tensors(model)
+        with count_collectives() as counts:
+            entries = shard_map(model)
+            ranges = local_shard_views(model)
+        assert dict(counts.calls) == {} and [r.entry for r in ranges] == entries, counts.calls
+        specs = {
+            (prefix, h, index): info.dtensor_spec
+            for prefix, _, state in named_fsdp_states(model)
+            for h, handle in enumerate(state.handles)
+            for index, info in enumerate(handle.param_infos)
+        }
+        for entry in entries:
+            assert entry.global_shape == full[entry.name].shape and entry.dtype == full[entry.name].dtype, entry
+            tp_split = entry.name.endswith(("fc1.weight", "fc1.bias", "fc2.weight"))
+            if entry.placements is None:
+                assert entry.global_offset == (0,) * len(entry.shape) and entry.shape == entry.global_shape, entry
+            else:  # DTensor's own arithmetic for where the tp-local tensor sits
+                spec = specs[(entry.unit, entry.handle_index, entry.param_index)]
+                local_shape, offset = compute_local_shape_and_global_offset(spec.shape, spec.mesh, spec.placements)
+                assert entry.placements == tuple(spec.placements), entry
+                assert (tuple(entry.shape), entry.global_offset) == (tuple(local_shape), tuple(offset)), entry
+                assert tp_split == any(p.is_shard() for p in entry.placements), entry
+            assert len(entry.global_boxes) == len(entry.boxes) and all(
+                g.sizes == b.sizes and all(x == y + o for x, y, o in zip(g.offsets, b.offsets, entry.global_offset))
+                for g, b in zip(entry.global_boxes, entry.boxes)
+            ), entry
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, [(r.entry, [b.clone() for b in r.boxes]) for r in ranges])
+        assert {e.name for e, _ in itertools.chain(*everyone)} == set(full)  # every parameter (no buffers)
+        for name, whole in full.items():
+            rows = whole.shape[0]
+            for consumer in range(3):  # a 3-way row split: consumer rank c's rows
+                lo, hi = min(consumer * -(-rows // 3), rows), min((consumer + 1) * -(-rows // 3), rows)
+                mine = torch.full((hi - lo, *whole.shape[1:]), float("nan"), dtype=whole.dtype)
+                for entry, boxes in itertools.chain(*everyone):
+                    if entry.name != name:
+                        continue
+                    for box, values in zip(entry.global_boxes, boxes):
+                        r0, r1 = max(box.offsets[0], lo), min(box.offsets[0] + box.sizes[0], hi)
+                        if r0 < r1:
+                            where = (slice(r0 - lo, r1 - lo), *(slice(o, o + n) for o, n in zip(box.offsets[1:], box.sizes[1:])))
+                            mine[where] = values[r0 - box.offsets[0] : r1 - box.offsets[0]]
+                assert torch.equal(mine, whole[lo:hi]), (strategy, nested, orig, name, consumer)
+            held = torch.zeros(whole.shape, dtype=torch.int32)
+            for entry, _ in itertools.chain(*everyone):
+                if entry.name == name:
+                    for box in entry.global_boxes:
+                        held[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.sizes))] += 1
+            # Each element is held once per shard group: by one of the 4 ranks when tp splits the
+            # parameter, by one rank per tp index (2) when every tp rank holds it whole.
+            replicas = 1 if name.endswith(("fc1.weight", "fc1.bias", "fc2.weight")) else 2
+            assert bool((held == replicas).all()), (strategy, name, held)
+
+
+def test_shard_map_tensor_parallel(pool4: RankPool) -> None:
+    pool4.run(tp_consumer_of_tp_model, [("FULL_SHARD", True, True), ("SHARD_GRAD_OP", False, False)])

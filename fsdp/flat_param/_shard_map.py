@@ -131,7 +131,7 @@ def flat_range_boxes(shape: tuple[int, ...], start: int, end: int) -> list[Box]:
 # (RowwiseParallel's weight: columns) or any dim, even or uneven. Worked example: a (4, 6) weight
 # with Shard(1) over 2 tp ranks; tp rank 1 holds columns [3, 6), global offset (0, 3); its flat
 # range [2, 8) of the local (4, 3) tensor is the boxes at (0, 2) size (1, 1), at (1, 0) size
-# (1, 3), at (2, 0) size (1, 1) of the local tensor, i.e. at (0, 5), (1, 3), (2, 3) of the full
+# (1, 3), at (2, 0) size (1, 2) of the local tensor, i.e. at (0, 5), (1, 3), (2, 3) of the full
 # one. Other placements are not boxes and raise: ``_StridedShard`` (an interleaving, made by
 # FSDP2's ``fully_shard`` over TP, never by FSDP1's composition) holds several strided blocks, and
 # ``Partial`` holds a summand of every element, not a part of the tensor.
@@ -177,7 +177,8 @@ def tp_local_box(
         if dim is None:
             continue
         piece = chunk_rows(sizes[dim], mesh_shape[mesh_dim], coordinate[mesh_dim])
-        offsets[dim] += piece.first_row
+        # An empty piece starts at the end of the dim, as DTensor places it.
+        offsets[dim] = offsets[dim] + piece.first_row if piece.num_rows else global_shape[dim]
         sizes[dim] = piece.num_rows
     return Box(tuple(offsets), tuple(sizes))
 
