@@ -544,3 +544,83 @@ def tp_consumer_of_tp_model(configs: list[tuple[str, bool, bool]]) -> None:
 
 def test_shard_map_tensor_parallel(pool4: RankPool) -> None:
     pool4.run(tp_consumer_of_tp_model, [("FULL_SHARD", True, True), ("SHARD_GRAD_OP", False, False)])
+
+
+class _Mlp(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def tp_stream_memory() -> dict[str, Any]:
+    """Extra live bytes while streaming a TP model, beside the same collectives alone (the
+    floor, gloo's internal buffers), against the bound of [Note: Export of tensor-parallel
+    parameters]: U + (tp + 1) * P + B. Shard(0) parameters split evenly are gathered straight
+    into their bucket slot (no temporary)."""
+    import fsdp.export as export
+    from benchmarks.memory import MemoryTrace
+    from fsdp import FullyShardedDataParallel as FSDP
+    from fsdp.export import full_params_stream
+    from fsdp.wrap import ModuleWrapPolicy
+    from tests.test_tensor_parallel import _mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    net = nn.Sequential(*[_Mlp(64, 128) for _ in range(6)])
+    plan: dict[str, Any] = {}
+    for i in range(6):
+        plan[f"{i}.fc1"], plan[f"{i}.fc2"] = ColwiseParallel(), RowwiseParallel()
+    net = parallelize_module(net, _mesh()["tp"], plan)
+    model = FSDP(net, device_mesh=_mesh()["dp"], auto_wrap_policy=ModuleWrapPolicy({_Mlp}), use_orig_params=True)
+    handles = [h for m in FSDP.fsdp_modules(model) for h in m._fsdp_state.handles if h.param_infos]
+    tps = [export._tp_params(h, False) for h in handles]
+    unit_bytes = max(h.shard_layout.padded_unsharded_numel * 4 for h in handles)
+    piece_bytes = max(p.pieces[0].numel * 4 for tp in tps for p in tp if p is not None)
+    bucket_bytes = 40000
+    result: dict[str, Any] = {"U": unit_bytes, "P": piece_bytes, "B": bucket_bytes, "tp": 2, "floor": 0}
+    for _ in range(2):  # the bare collectives, each result dropped at once
+        with MemoryTrace() as trace, trace.window("bare"):
+            for h, tp in zip(handles, tps):
+                export.gather(h._local_shard, h.process_group, h.rank, h.world_size, None)
+                for p in tp:
+                    if p is not None:
+                        flat = torch.empty(p.pieces[0].numel)
+                        export.comm.all_gather_flat(torch.empty(p.size * flat.numel()), flat, p.group)
+                        del flat
+        result["floor"] = max(result["floor"], trace.peaks["bare"] - trace.starts["bare"])
+    tp_groups = {id(p.group) for tp in tps for p in tp if p is not None}
+    into_slot: list[bool] = []  # per tp gather: its output is a view of the bucket slot
+    original = export.comm.all_gather_flat
+
+    def spy(output: torch.Tensor, input: torch.Tensor, group: Any, *args: Any, **kwargs: Any) -> Any:
+        if id(group) in tp_groups:
+            into_slot.append(output._base is not None)
+        return original(output, input, group, *args, **kwargs)
+
+    export.comm.all_gather_flat = spy  # type: ignore[assignment]
+    try:
+        with MemoryTrace() as trace, trace.window("export"):
+            for bucket in full_params_stream(model, bucket_bytes=bucket_bytes):
+                del bucket
+    finally:
+        export.comm.all_gather_flat = original  # type: ignore[assignment]
+    result["extra"] = trace.peaks["export"] - trace.starts["export"]
+    result["into_slot"] = into_slot
+    infos = [i for h in handles for i in h.param_infos]
+    result["model"] = sum(4 * (i.dtensor_spec.shape.numel() if i.dtensor_spec is not None else i.numel) for i in infos)
+    return result
+
+
+def test_tp_stream_memory(pool4: RankPool) -> None:
+    for r in pool4.run(tp_stream_memory):
+        # Per unit: fc1's weight and bias (ColwiseParallel: Shard(0), 128 rows over 2) straight
+        # into the slot; fc2's weight (Shard(1)) through one temporary; fc2's bias is Replicate
+        # (no gather).
+        assert r["into_slot"] == [True, True, False] * 6, r
+        bound = r["U"] + (r["tp"] + 1) * r["P"] + r["B"]
+        assert r["extra"] <= r["floor"] + bound, r
+        print("tp stream memory:", r)
