@@ -341,9 +341,8 @@ def _tp_gather(local: torch.Tensor, tp: _TpParam, rank0_only: bool, slot: Option
         comm.all_gather_flat(out, flat, tp.group)  # type: ignore[arg-type]
     else:
         comm.gather_flat_to(out, flat, tp.group, list(dist.get_process_group_ranks(tp.group)).index(0))
-    if slot is None or straight:
+    if slot is None or out is None or straight:
         return
-    assert out is not None
     for tp_rank, box in enumerate(tp.pieces):
         at = tp_rank * chunk
         where = tuple(slice(o, o + n) for o, n in zip(box.offsets, box.sizes))

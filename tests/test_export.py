@@ -435,6 +435,14 @@ def tp_stream(configs: list[tuple[str, bool, bool, int]]) -> None:
     for strategy, nested, orig, hidden in configs:
         model = _tp_trained(strategy, nested, orig, hidden)
         expected = _full_tensors(model)
+        if hidden % 2 == 0:  # the oracle: torch FSDP1 trained the same way, its summoned full_tensor()s
+            from tests.test_tensor_parallel import _full, _tp_model, _train, _wrap
+            from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+
+            theirs = _wrap("torch", _tp_model(hidden=hidden), strategy, nested, orig)
+            _train(theirs, torch.optim.AdamW(theirs.parameters(), lr=0.01), range(1))
+            for name, value in _full(theirs, TorchFSDP).items():
+                assert torch.equal(expected[name], value), (strategy, nested, orig, name)
         units, (split, units_with_split) = _units_that_shard(model), _tp_split(model)
         assert split == 3 * 2  # fc1.weight, fc1.bias (Shard(0)), fc2.weight (Shard(1)) of 2 blocks
         for dtype, rank0_only, bucket_bytes, transient in [
