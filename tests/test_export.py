@@ -5,7 +5,11 @@ torch FSDP1, tests/test_state_dict.py) at every strategy, use_orig_params both w
 precision, CPU offload, tied weights, ignored modules and buffers; its collectives are counted
 (one per unit that shards) and its extra memory measured (one unit plus one bucket). The shard
 map is checked with a tensor-parallel consumer that assembles its row slices from every rank's
-map and views.
+map and views. Under tensor parallelism (2 dp x 2 tp, ColwiseParallel/RowwiseParallel) the
+stream gives the full parameters bit for bit (against the FULL state dict and torch FSDP1's
+summoned ``full_tensor()``s), its dp and tp collectives counted and its memory bounded, and the
+shard map places every range in the full parameter (a consumer of another layout assembles its
+slices exactly).
 """
 
 from __future__ import annotations
@@ -415,7 +419,7 @@ def _full_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def _tp_split(model: nn.Module) -> tuple[int, int]:
     """The parameters a tp group splits (Shard placements: one tp gather each), and the units
-    holding some."""
+    that shard holding some."""
     from fsdp import FullyShardedDataParallel as FSDP
 
     handles = [h for m in FSDP.fsdp_modules(model) for h in m._fsdp_state.handles]
@@ -423,19 +427,21 @@ def _tp_split(model: nn.Module) -> tuple[int, int]:
         sum(i.dtensor_spec is not None and any(p.is_shard() for p in i.dtensor_spec.placements) for i in h.param_infos)
         for h in handles
     ]
-    return sum(split), sum(n > 0 for n in split)
+    return sum(split), sum(n > 0 and h.shard_layout.uses_sharding for n, h in zip(split, handles))
 
 
 def tp_stream(configs: list[tuple[str, bool, bool, int]]) -> None:
     """The stream of a TP-trained model gives every full (TP-unsharded) parameter bit for bit,
     on every rank and on rank 0 alone, with one dp gather per unit and one tp gather per
     tp-split parameter ([Note: Export of tensor-parallel parameters])."""
+    from fsdp.export import full_params_delta
     from tests._comm_count import count_collectives
 
     for strategy, nested, orig, hidden in configs:
         model = _tp_trained(strategy, nested, orig, hidden)
         expected = _full_tensors(model)
-        if hidden % 2 == 0:  # the oracle: torch FSDP1 trained the same way, its summoned full_tensor()s
+        if hidden % 2 == 0 and strategy != "NO_SHARD":  # the oracle (torch FSDP1 fails with NO_SHARD + TP):
+            # torch FSDP1 trained the same way, its summoned full_tensor()s
             from tests.test_tensor_parallel import _full, _tp_model, _train, _wrap
             from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
 
@@ -474,13 +480,22 @@ def tp_stream(configs: list[tuple[str, bool, bool, int]]) -> None:
                 assert tensor.dtype == want.dtype and torch.equal(tensor, want), (what, name)
             for bucket in buckets:
                 assert len(bucket) == 1 or sum(t.numel() * t.element_size() for _, t in bucket) <= bucket_bytes, what
+        snapshot: dict[str, torch.Tensor] = {}  # deltas ride on the stream: the first is dense
+        for deltas in full_params_delta(model, snapshot, bucket_bytes=500):
+            assert all(d.indices is None and torch.equal(d.values, expected[d.name]) for d in deltas)
+        assert snapshot.keys() == expected.keys()
 
 
 def test_stream_tensor_parallel(pool4: RankPool) -> None:
     # torch FSDP1 composes with TP with use_orig_params both ways; hidden 11 splits unevenly.
     pool4.run(
         tp_stream,
-        [("FULL_SHARD", True, True, 12), ("SHARD_GRAD_OP", False, False, 12), ("FULL_SHARD", True, False, 11)],
+        [
+            ("FULL_SHARD", True, True, 12),
+            ("SHARD_GRAD_OP", False, False, 12),
+            ("FULL_SHARD", True, False, 11),
+            ("NO_SHARD", True, True, 12),
+        ],
     )
 
 
