@@ -575,7 +575,8 @@ def tp_load(directory: str, shapes: list[tuple[int, int]], plain_fsdp: bool) -> 
         targets = []
         for shape in shapes:
             # The uneven model only where tp splits it evenly (tp 1): a SHARDED state dict of
-            # uneven tp pieces (load_sharded's DCP target) fails in DTensor's redistribution.
+            # uneven tp pieces (load_sharded's DCP target) aborts in DTensor's redistribution,
+            # torch FSDP1's too (docs/checkpoints.md).
             if hidden % shape[1] == 0:
                 other = "SHARD_GRAD_OP" if strategy == "FULL_SHARD" else "FULL_SHARD"
                 targets.append((f"tp {shape}", _tp_ours(other, not nested, not orig, hidden, shape)))
