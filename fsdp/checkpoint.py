@@ -51,7 +51,9 @@ def save_sharded(
         DCP's ``Metadata`` of the checkpoint.
 
     Raises:
-        NotImplementedError: For tensor-parallel (DTensor) parameters.
+        NotImplementedError: A tensor-parallel (DTensor) parameter whose placements are not
+            ``Shard``/``Replicate`` (those are written as boxes of the full parameter, [Note:
+            Flat-shard checkpoints of tensor-parallel parameters]).
     """
     import torch.distributed.checkpoint as dcp
 

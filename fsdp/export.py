@@ -22,16 +22,17 @@ See docs/export.md for the guide and the measurements.
 from __future__ import annotations
 
 import hashlib
-from typing import Iterator, MutableMapping, NamedTuple, Optional, Union
+from typing import Any, Generator, Iterator, MutableMapping, NamedTuple, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdp._comm import _collectives as comm
 from fsdp._common import FLAT_PARAM, clean_fqn
 from fsdp.flat_param._layout import FLATTENED_ATTR
 from fsdp.flat_param._recast import adopt_external_cast
-from fsdp.flat_param._shard_map import Box, flat_range_boxes
+from fsdp.flat_param._shard_map import Box, flat_range_boxes, shifted, tp_piece
 from fsdp.flat_param.flat_param import FlatParamHandle
 from fsdp.runtime._state import HandleTrainingState, named_fsdp_states
 from fsdp.state_dict._values import NOBODY, gather
@@ -114,17 +115,26 @@ def _loose_tensors(module: nn.Module, handles: list[_UnitHandle], buffers: bool)
     return out
 
 
-def _dst(handle: FlatParamHandle, rank0_only: bool) -> Optional[int]:
+def _dst(handle: FlatParamHandle, rank0_only: bool, tp: list[Optional[_TpParam]]) -> Optional[int]:
     """Who receives the handle's gather: None (every rank), global rank 0's group rank, or
-    :data:`NOBODY` for a group without global rank 0 (another replica of HYBRID_SHARD)."""
+    :data:`NOBODY` for a group without global rank 0 (another replica of HYBRID_SHARD). With
+    tensor-parallel parameters in the unit (``tp``): the group's member in global rank 0's tp
+    group, which passes its tp pieces on to rank 0 ([Note: Export of tensor-parallel parameters])."""
     if not rank0_only:
         return None
     ranks = list(dist.get_process_group_ranks(handle.process_group))
-    return ranks.index(0) if 0 in ranks else NOBODY
+    held = [i for i, rank in enumerate(ranks) if rank in _rank0_receivers(tp)]
+    return held[0] if held else NOBODY
+
+
+def _rank0_receivers(tp: list[Optional[_TpParam]]) -> frozenset[int]:
+    """The global ranks that keep a unit's gather with ``rank0_only``: rank 0, or with
+    tensor-parallel parameters the ranks of rank 0's tp group."""
+    return next((param.rank0_group for param in tp if param is not None), frozenset({0}))
 
 
 def _gathered(
-    handle: FlatParamHandle, dtype: Optional[torch.dtype], rank0_only: bool, receives: bool
+    handle: FlatParamHandle, dtype: Optional[torch.dtype], rank0_only: bool, tp: list[Optional[_TpParam]]
 ) -> Optional[torch.Tensor]:
     """The handle's padded unsharded flat parameter in the export dtype, gathered with one
     collective (none where the handle does not shard); None on ranks that keep nothing.
@@ -132,11 +142,13 @@ def _gathered(
     The local shard is cast before the gather ([Note: Export streams one unit at a time])."""
     shard = handle._local_shard.detach()
     target = _export_dtype(shard, dtype)
+    dst = _dst(handle, rank0_only, tp)
     if not handle.shard_layout.uses_sharding:
-        return shard.to(target) if receives else None
+        keeps = not rank0_only or _global_rank() in _rank0_receivers(tp)
+        return shard.to(target) if keeps else None
     # CPU offload of parameters: communicate on the device.
     shard = shard.to(handle.device, target)
-    return gather(shard, handle.process_group, handle.rank, handle.world_size, _dst(handle, rank0_only))
+    return gather(shard, handle.process_group, handle.rank, handle.world_size, dst)
 
 
 # [Note: Export streams one unit at a time]
@@ -170,27 +182,38 @@ class _Stager:
         self.device = device
         self.buffer: Optional[torch.Tensor] = None  # the reused staging buffer, bytes
         self.bucket: Bucket = []
-        self.used = 0
+        self.used = 0  # the bucket's bytes (staged ones aligned)
+        self.staged = 0  # bytes of the staging buffer in use
 
     def _size(self, nbytes: int) -> int:
         return -(-nbytes // _ALIGN_BYTES) * _ALIGN_BYTES if self.transient else nbytes
 
+    def slot(
+        self, name: str, shape: torch.Size, dtype: torch.dtype, device: torch.device
+    ) -> Generator[Bucket, None, torch.Tensor]:
+        """Adds an uninitialized tensor to the bucket and returns it for the caller to fill
+        (``target = yield from stager.slot(...)``); yields the bucket first when the tensor does
+        not fit in it."""
+        nbytes = shape.numel() * torch.empty((), dtype=dtype).element_size()
+        if self.bucket and self.used + self._size(nbytes) > self.bucket_bytes:
+            yield self.flush()
+        device = self.device if self.device is not None else device
+        if not self.transient:
+            target = torch.empty(shape, dtype=dtype, device=device)
+        else:
+            if self.buffer is None or self.buffer.device != device:
+                self.buffer = torch.empty(self.capacity, dtype=torch.uint8, device=device)
+            target = self.buffer[self.staged : self.staged + nbytes].view(dtype).view(shape)
+            self.staged += self._size(nbytes)
+        self.bucket.append((name, target))
+        self.used += self._size(nbytes)
+        return target
+
     def add(self, name: str, source: torch.Tensor, dtype: torch.dtype) -> Iterator[Bucket]:
         """Copies ``source`` (cast to ``dtype``) into the bucket; yields the bucket first when
         ``source`` does not fit in it."""
-        nbytes = source.numel() * torch.empty((), dtype=dtype).element_size()
-        if self.bucket and self.used + self._size(nbytes) > self.bucket_bytes:
-            yield self.flush()
-        device = self.device if self.device is not None else source.device
-        if not self.transient:
-            target = torch.empty(source.shape, dtype=dtype, device=device)
-        else:
-            if self.buffer is None:
-                self.buffer = torch.empty(self.capacity, dtype=torch.uint8, device=device)
-            target = self.buffer[self.used : self.used + nbytes].view(dtype).view(source.shape)
+        target = yield from self.slot(name, source.shape, dtype, source.device)
         target.copy_(source)
-        self.bucket.append((name, target))
-        self.used += self._size(nbytes)
 
     def add_view(self, name: str, view: torch.Tensor) -> Iterator[Bucket]:
         """Puts ``view`` itself into the bucket (transient, zero-copy); yields the bucket first
@@ -202,7 +225,7 @@ class _Stager:
         self.used += nbytes
 
     def flush(self) -> Bucket:
-        bucket, self.bucket, self.used = self.bucket, [], 0
+        bucket, self.bucket, self.used, self.staged = self.bucket, [], 0, 0
         return bucket
 
 
@@ -211,27 +234,161 @@ def _export_dtype(tensor: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.d
     return dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
 
 
-def _check_args(bucket_bytes: int, handles: list[_UnitHandle]) -> None:
+# [Note: Export of tensor-parallel parameters]
+# Under tensor parallelism on a 2-D (dp, tp) mesh a unit's flat parameter holds the tp-local
+# tensors of its DTensor parameters ([Note: DTensor parameters]), so the unit's one gather over dp
+# gives whole tp-local tensors. A parameter split by ``Shard(d)`` over the tp mesh dim then needs
+# the other tp ranks' pieces: one all-gather over its tp group (a gather to rank 0 with
+# ``rank0_only``) per such parameter, right after the unit's gather, in flat order on every rank.
+# A unit costs 1 + (its tp-split parameters) collectives; ``Replicate`` DTensors and plain
+# parameters need none (every tp rank holds them whole). One gather per parameter rather than one
+# per unit keeps the full tensor being assembled to one parameter (a unit-wide tp gather would
+# hold all of the unit's tp-split parameters in full at once) and lets a Shard(0) parameter split
+# evenly be gathered straight into its bucket slot: its pieces back to back are the full tensor
+# in row-major order. Any other split is gathered into one temporary of ``tp * P`` elements
+# (``P``: the largest piece, ``torch.chunk``'s first, to which a smaller piece is padded: the
+# all-gather takes equal sizes) and each piece copied into its box of the slot ([Note:
+# Tensor-parallel pieces are boxes] in ``flat_param/_shard_map.py``, the arithmetic the shard map
+# and the checkpoints use).
+#
+# Memory: at any moment the stream holds at most the unit's gathered tp-local flat parameter (U,
+# padded, in the export dtype), the tp gather output of one parameter (tp * P; none when gathered
+# straight into its slot; ``tp * P`` is the parameter's full size when the split is even) plus
+# the padded copy of one uneven piece (P), and one bucket (B, or one tensor larger than it):
+# extra <= U + (tp + 1) * P + B, with U and P the largest over the units.
+#
+# ``rank0_only``: each dp group's gather goes to its member in global rank 0's tp group (read
+# from the mesh, no communication), which sends its pieces on to rank 0; so the ranks of rank 0's
+# tp group hold one gathered tp-local unit each, the others send their shards and hold none, and
+# only rank 0 gets buckets.
+class _TpParam(NamedTuple):
+    """How one tensor-parallel parameter's full tensor is gathered over its tp group."""
+
+    group: dist.ProcessGroup
+    size: int  # tp ranks
+    pieces: list[Box]  # each tp rank's local tensor as a box of the full one, in tp rank order
+    global_shape: torch.Size
+    in_order: bool  # the pieces back to back are the full tensor (Shard(0), even)
+    rank0_group: frozenset[int]  # the global ranks of global rank 0's tp group
+
+
+def _rank0_tp_group(mesh: Any, mesh_dim: int) -> frozenset[int]:
+    """The global ranks of global rank 0's group along ``mesh_dim`` of ``mesh`` (the tp mesh, or
+    the mesh it was sliced from), from the mesh's rank layout: no communication."""
+    root = mesh._get_root_mesh()
+    if root is None or root is mesh or root == mesh:
+        layout, dim = mesh.mesh, mesh_dim
+    else:
+        layout, dim = root.mesh, list(root.mesh_dim_names).index(mesh.mesh_dim_names[mesh_dim])
+    if layout.numel() != dist.get_world_size():
+        raise NotImplementedError(
+            f"fsdp: full_params_stream(rank0_only=True) finds rank 0's tp group in the tp mesh's layout, "
+            f"but this tp mesh covers {layout.numel()} of {dist.get_world_size()} ranks. Slice it from a "
+            "mesh of every rank (init_device_mesh(..., (dp, tp), mesh_dim_names=('dp', 'tp'))['tp']), "
+            "or export on every rank."
+        )
+    index: list[Any] = [int(i) for i in (layout == 0).nonzero()[0]]
+    index[dim] = slice(None)
+    return frozenset(int(r) for r in layout[tuple(index)].reshape(-1).tolist())
+
+
+def _tp_params(handle: FlatParamHandle, rank0_only: bool) -> list[Optional[_TpParam]]:
+    """Each parameter's :class:`_TpParam`, None for a plain or replicated one."""
+    result: list[Optional[_TpParam]] = []
+    for info in handle.param_infos:
+        spec: Any = info.dtensor_spec
+        piece = tp_piece(spec) if spec is not None else None
+        if piece is None or not piece.mesh_dims:
+            result.append(None)
+            continue
+        if len(piece.mesh_dims) > 1:
+            raise NotImplementedError(
+                f"fsdp: full_params_stream() gathers a tensor-parallel parameter over one mesh dim; "
+                f"{info.fqn} is split over {len(piece.mesh_dims)} ({piece.placements})."
+            )
+        (mesh_dim,) = piece.mesh_dims
+        coordinate = list(spec.mesh.get_coordinate())
+        pieces = []
+        for tp_rank in range(spec.mesh.shape[mesh_dim]):
+            coordinate[mesh_dim] = tp_rank
+            pieces.append(tp_piece(spec, coordinate).box)
+        split = piece.placements[mesh_dim].dim % len(piece.global_shape)
+        result.append(
+            _TpParam(
+                spec.mesh.get_group(mesh_dim),
+                len(pieces),
+                pieces,
+                torch.Size(piece.global_shape),
+                split == 0 and len({box.numel for box in pieces}) == 1,
+                _rank0_tp_group(spec.mesh, mesh_dim) if rank0_only else frozenset(),
+            )
+        )
+    return result
+
+
+def _tp_gather(local: torch.Tensor, tp: _TpParam, rank0_only: bool, slot: Optional[torch.Tensor]) -> None:
+    """Gathers one parameter's tp pieces (``local``: this rank's) into ``slot``, its full tensor
+    (None on a rank that only sends); [Note: Export of tensor-parallel parameters]."""
+    chunk = tp.pieces[0].numel  # torch.chunk's first piece is the largest
+    flat = local.reshape(-1)
+    if flat.numel() < chunk:
+        flat = torch.cat([flat, flat.new_zeros(chunk - flat.numel())])
+    straight = (
+        slot is not None and tp.in_order and slot.is_contiguous() and (slot.device, slot.dtype) == (flat.device, flat.dtype)
+    )
+    out = None if slot is None else slot.view(-1) if straight else flat.new_empty(tp.size * chunk)
+    if not rank0_only:
+        comm.all_gather_flat(out, flat, tp.group)  # type: ignore[arg-type]
+    else:
+        comm.gather_flat_to(out, flat, tp.group, list(dist.get_process_group_ranks(tp.group)).index(0))
+    if slot is None or out is None or straight:
+        return
+    for tp_rank, box in enumerate(tp.pieces):
+        at = tp_rank * chunk
+        where = tuple(slice(o, o + n) for o, n in zip(box.offsets, box.sizes))
+        slot[where] = out[at : at + box.numel].view(box.sizes)
+
+
+def _unit_tensors(
+    unit: _UnitHandle, padded: torch.Tensor, tp: list[Optional[_TpParam]], stager: Optional[_Stager], rank0_only: bool
+) -> Iterator[Bucket]:
+    """Puts the unit's parameters, from its gathered ``padded`` flat parameter, into ``stager``'s
+    buckets (views where ``stager`` is zero-copy), gathering the tp-split ones ([Note: Export of
+    tensor-parallel parameters]); with ``stager`` None (a rank that only sends) just the gathers."""
+    zero_copy = stager is not None and stager.transient and stager.device in (None, padded.device)
+    views = unit.handle.shard_layout.unsharded_views(padded)
+    for name, view, param in zip(unit.names, views, tp):
+        if param is not None:
+            slot = None if stager is None else (yield from stager.slot(name, param.global_shape, view.dtype, view.device))
+            _tp_gather(view, param, rank0_only, slot)
+        elif stager is not None:
+            yield from (stager.add_view(name, view) if zero_copy else stager.add(name, view, view.dtype))
+    if zero_copy and stager is not None and stager.bucket:  # its views must not outlive the unit
+        yield stager.flush()
+
+
+def _check_args(bucket_bytes: int) -> None:
     if bucket_bytes <= 0:
         raise ValueError(f"fsdp: full_params_stream(bucket_bytes={bucket_bytes}) needs a positive bucket size.")
-    for unit in handles:
-        if unit.handle.shard_layout.has_dtensors:
-            raise NotImplementedError(
-                f"fsdp: full_params_stream() does not export tensor-parallel (DTensor) parameters yet "
-                f"({unit.names[0]} and others of its unit). Use shard_map()/local_shard_views() to pull "
-                "each rank's tp-local ranges, or summon_full_params()."
-            )
 
 
 def _staging_bytes(
-    handles: list[_UnitHandle], loose: list[tuple[str, torch.Tensor]], dtype: Optional[torch.dtype], bucket_bytes: int
+    handles: list[_UnitHandle],
+    tps: list[list[Optional[_TpParam]]],
+    loose: list[tuple[str, torch.Tensor]],
+    dtype: Optional[torch.dtype],
+    bucket_bytes: int,
+    views: bool,
 ) -> int:
-    """The reused staging buffer's size: a bucket, or the largest tensor if larger, and never
-    more than everything exported (each tensor rounded up to the alignment)."""
+    """The reused staging buffer's size: a bucket, or the largest staged tensor if larger, and
+    never more than everything staged (each tensor rounded up to the alignment). With ``views``
+    the units' parameters come as views and only the tp-split ones are staged."""
     sizes: list[int] = []
-    for unit in handles:
+    for unit, tp in zip(handles, tps):
         itemsize = torch.empty((), dtype=_export_dtype(unit.handle._local_shard, dtype)).element_size()
-        sizes += [itemsize * info.numel for info in unit.handle.param_infos]
+        for info, param in zip(unit.handle.param_infos, tp):
+            if param is not None or not views:
+                sizes.append(itemsize * (param.global_shape.numel() if param is not None else info.numel))
     sizes += [t.numel() * torch.empty((), dtype=_export_dtype(t, dtype)).element_size() for _, t in loose]
     aligned = [-(-n // _ALIGN_BYTES) * _ALIGN_BYTES for n in sizes]
     return max(min(bucket_bytes, sum(aligned)), max(aligned, default=0))
@@ -259,12 +416,16 @@ def full_params_stream(
             None keeps each tensor's own (the parameters' full precision, not ``param_dtype``).
         bucket_bytes: The most bytes a bucket holds; a tensor larger than this comes alone.
         rank0_only: Only global rank 0 receives; the other ranks send their shards, never hold
-            a gathered unit, and get no bucket.
+            a gathered unit (but the ranks of rank 0's tp group under tensor parallelism, which
+            pass their tp pieces on), and get no bucket.
         buffers: Include persistent buffers (as ``state_dict()`` does).
         transient: Give read-only tensors valid only until the next bucket is requested
             (views of the gathered unit, no copy; a bucket then never spans two units; copy
             what you keep); False gives owned copies.
         device: Where the bucket tensors live; None: where the unit was gathered.
+
+    Tensor-parallel (DTensor) parameters come in full (TP-unsharded, as ``full_tensor()``), at
+    one extra collective per tp-split parameter ([Note: Export of tensor-parallel parameters]).
 
     Yields:
         Buckets: lists of ``(name, tensor)``, names as in the unwrapped model's ``state_dict()``,
@@ -273,26 +434,22 @@ def full_params_stream(
 
     Raises:
         RuntimeError: A unit is in forward, backward or ``summon_full_params``.
-        NotImplementedError: Tensor-parallel (DTensor) parameters.
+        NotImplementedError: A tensor-parallel parameter whose placements are not
+            ``Shard``/``Replicate`` over one mesh dim.
     """
+    _check_args(bucket_bytes)
     handles = _prepare(module, "full_params_stream")
-    _check_args(bucket_bytes, handles)
+    tps = [_tp_params(unit.handle, rank0_only) for unit in handles]
     loose = _loose_tensors(module, handles, buffers)
     receives = not rank0_only or _global_rank() == 0
     target = torch.device(device) if device is not None else None
-    capacity = _staging_bytes([] if transient and target is None else handles, loose, dtype, bucket_bytes)
+    capacity = _staging_bytes(handles, tps, loose, dtype, bucket_bytes, transient and target is None)
     stager = _Stager(bucket_bytes, capacity, transient, target)
-    for unit in handles:
-        padded_unsharded = _gathered(unit.handle, dtype, rank0_only, receives)
-        if padded_unsharded is None:
-            continue
-        zero_copy = transient and target in (None, padded_unsharded.device)
-        views = unit.handle.shard_layout.unsharded_views(padded_unsharded)
-        for name, view in zip(unit.names, views):
-            yield from (stager.add_view(name, view) if zero_copy else stager.add(name, view, view.dtype))
-        if zero_copy and stager.bucket:  # its views must not outlive the unit
-            yield stager.flush()
-        del padded_unsharded, views
+    for unit, tp in zip(handles, tps):
+        padded_unsharded = _gathered(unit.handle, dtype, rank0_only, tp)
+        if padded_unsharded is not None:
+            yield from _unit_tensors(unit, padded_unsharded, tp, stager if receives else None, rank0_only)
+        del padded_unsharded
     if receives:
         for name, tensor in loose:
             yield from stager.add(name, tensor, _export_dtype(tensor, dtype))
@@ -313,9 +470,17 @@ class ShardMapEntry(NamedTuple):
         length: Elements held (at least 1: parameters this rank holds none of have no entry).
         offset_in_shard: Where they start in the local flat shard.
         dtype: The shard's dtype (the parameters' full precision).
-        shape: The parameter's full shape (tp-local for a DTensor parameter).
+        shape: The shape of the tensor the range is of: the parameter's, or for a
+            tensor-parallel (DTensor) parameter its tp-local tensor's.
         boxes: The boxes of ``shape`` the range covers, in order ([Note: A flat range is a few
             boxes]).
+        global_shape: The full (TP-unsharded) parameter's shape; ``shape`` for a plain one.
+        global_offset: Where the tp-local tensor starts in the full parameter, per dim (zeros
+            for a plain one): it is the box (``global_offset``, ``shape``) of it.
+        placements: The DTensor placements on the tp mesh (one per mesh dim), None for a
+            plain parameter.
+        global_boxes: ``boxes`` as boxes of the full parameter (each shifted by
+            ``global_offset``; [Note: Tensor-parallel pieces are boxes]).
     """
 
     name: str
@@ -328,6 +493,10 @@ class ShardMapEntry(NamedTuple):
     dtype: torch.dtype
     shape: torch.Size
     boxes: tuple[Box, ...]
+    global_shape: torch.Size
+    global_offset: tuple[int, ...]
+    placements: Optional[tuple[Any, ...]]
+    global_boxes: tuple[Box, ...]
 
 
 def shard_map(module: nn.Module) -> list[ShardMapEntry]:
@@ -336,30 +505,38 @@ def shard_map(module: nn.Module) -> list[ShardMapEntry]:
     Pure metadata fixed at wrap time: no collective, no copy, nothing changes. Every parameter a
     unit manages is covered exactly once by the union of all ranks' entries of one shard group
     (NO_SHARD: every rank holds everything). Parameters of ignored modules are not in it (every
-    rank holds them whole).
+    rank holds them whole). Under tensor parallelism the ranges are of each rank's tp-local
+    tensor, placed in the full parameter by ``global_offset`` and ``global_boxes``; a replicated
+    (``Replicate``) parameter is held alike by every tp rank.
+
+    Raises:
+        NotImplementedError: A tensor-parallel parameter whose placements are not ``Shard`` or
+            ``Replicate`` ([Note: Tensor-parallel pieces are boxes]).
     """
     entries: list[ShardMapEntry] = []
     for prefix, _, state in named_fsdp_states(module):
         for handle_index, handle in enumerate(state.handles):
             layout = handle.shard_layout
-            dtype = handle.dtype
             for index, (info, piece) in enumerate(zip(handle.param_infos, layout.shard_slices)):
                 if piece is None or piece.numel == 0:
                     continue
-                start = piece.offset_in_param
                 shape = tuple(layout.param_shapes[index])
+                boxes = flat_range_boxes(shape, piece.offset_in_param, piece.offset_in_param + piece.numel)
+                tp = tp_piece(info.dtensor_spec) if info.dtensor_spec is not None else None
+                offset = tp.box.offsets if tp is not None else (0,) * len(shape)
+                where = (piece.offset_in_param, piece.numel, piece.offset_in_shard, handle.dtype, torch.Size(shape))
                 entries.append(
                     ShardMapEntry(
                         _join(prefix, info.fqn),
                         prefix,
                         handle_index,
                         index,
-                        start,
-                        piece.numel,
-                        piece.offset_in_shard,
-                        dtype,
-                        torch.Size(shape),
-                        tuple(flat_range_boxes(shape, start, start + piece.numel)),
+                        *where,
+                        tuple(boxes),
+                        torch.Size(tp.global_shape if tp is not None else shape),
+                        offset,
+                        tp.placements if tp is not None else None,
+                        tuple(shifted(boxes, offset)),
                     )
                 )
     return entries

@@ -5,7 +5,11 @@ torch FSDP1, tests/test_state_dict.py) at every strategy, use_orig_params both w
 precision, CPU offload, tied weights, ignored modules and buffers; its collectives are counted
 (one per unit that shards) and its extra memory measured (one unit plus one bucket). The shard
 map is checked with a tensor-parallel consumer that assembles its row slices from every rank's
-map and views.
+map and views. Under tensor parallelism (2 dp x 2 tp, ColwiseParallel/RowwiseParallel) the
+stream gives the full parameters bit for bit (against the FULL state dict and torch FSDP1's
+summoned ``full_tensor()``s), its dp and tp collectives counted and its memory bounded, and the
+shard map places every range in the full parameter (a consumer of another layout assembles its
+slices exactly).
 """
 
 from __future__ import annotations
@@ -383,3 +387,263 @@ def deltas(strategy: str, orig: bool) -> None:
 def test_deltas(dist_pool: RankPool) -> None:
     for strategy, orig in [("FULL_SHARD", False), ("SHARD_GRAD_OP", True), ("NO_SHARD", False)]:
         dist_pool.run(deltas, strategy, orig)
+
+
+# ----------------------------------------------------------------------------- tensor parallelism
+def _tp_trained(strategy: str, nested: bool, orig: bool, hidden: int) -> nn.Module:
+    """The 2-D (dp, tp) toy LM of tests/test_tensor_parallel.py (ColwiseParallel fc1,
+    RowwiseParallel fc2), after one AdamW step. With ``hidden`` 11 tp splits fc1 and fc2
+    unevenly (6 and 5): such a model cannot train (the tp activations' DTensors infer their
+    global shape from the local one, so fc2 sees 12 and 10 columns, a torch TP limit), and is
+    exported as initialized."""
+    from tests.test_tensor_parallel import _tp_model, _train, _wrap
+
+    model = _wrap("ours", _tp_model(hidden=hidden), strategy, nested, orig)
+    _train(model, torch.optim.AdamW(model.parameters(), lr=0.01), range(1 if hidden % 2 == 0 else 0))
+    return model
+
+
+def _full_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The FULL state dict (bit-exact against torch FSDP1's, tests/test_tensor_parallel.py) with
+    every tp DTensor made full: the unwrapped model's full parameters and buffers."""
+    import warnings
+
+    from fsdp import FullyShardedDataParallel as FSDP, StateDictType
+    from torch.distributed.tensor import DTensor
+
+    with warnings.catch_warnings(), FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+        warnings.simplefilter("ignore", FutureWarning)  # state_dict_type's deprecation, as torch's
+        sd = model.state_dict()
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in sd.items()}
+
+
+def _tp_split(model: nn.Module) -> tuple[int, int]:
+    """The parameters a tp group splits (Shard placements: one tp gather each), and the units
+    that shard holding some."""
+    from fsdp import FullyShardedDataParallel as FSDP
+
+    handles = [h for m in FSDP.fsdp_modules(model) for h in m._fsdp_state.handles]
+    split = [
+        sum(i.dtensor_spec is not None and any(p.is_shard() for p in i.dtensor_spec.placements) for i in h.param_infos)
+        for h in handles
+    ]
+    return sum(split), sum(n > 0 and h.shard_layout.uses_sharding for n, h in zip(split, handles))
+
+
+def tp_stream(configs: list[tuple[str, bool, bool, int]]) -> None:
+    """The stream of a TP-trained model gives every full (TP-unsharded) parameter bit for bit,
+    on every rank and on rank 0 alone, with one dp gather per unit and one tp gather per
+    tp-split parameter ([Note: Export of tensor-parallel parameters])."""
+    from fsdp.export import full_params_delta
+    from tests._comm_count import count_collectives
+
+    for strategy, nested, orig, hidden in configs:
+        model = _tp_trained(strategy, nested, orig, hidden)
+        expected = _full_tensors(model)
+        if hidden % 2 == 0 and strategy != "NO_SHARD":  # the oracle (torch FSDP1 fails with NO_SHARD + TP):
+            # torch FSDP1 trained the same way, its summoned full_tensor()s
+            from tests.test_tensor_parallel import _full, _tp_model, _train, _wrap
+            from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+
+            theirs = _wrap("torch", _tp_model(hidden=hidden), strategy, nested, orig)
+            _train(theirs, torch.optim.AdamW(theirs.parameters(), lr=0.01), range(1))
+            for name, value in _full(theirs, TorchFSDP).items():
+                assert torch.equal(expected[name], value), (strategy, nested, orig, name)
+        units, (split, units_with_split) = _units_that_shard(model), _tp_split(model)
+        assert split == 3 * 2  # fc1.weight, fc1.bias (Shard(0)), fc2.weight (Shard(1)) of 2 blocks
+        for dtype, rank0_only, bucket_bytes, transient in [
+            (None, False, 1 << 20, False),
+            (torch.bfloat16, True, 200, True),
+            (torch.float64, False, 1, True),
+            (None, True, 300, False),
+        ]:
+            what = (strategy, nested, orig, hidden, dtype, rank0_only, bucket_bytes, transient)
+            with count_collectives() as counts, _count_gathers_to_one() as to_one:
+                buckets = _exported(model, dtype=dtype, rank0_only=rank0_only, bucket_bytes=bucket_bytes, transient=transient)
+            if rank0_only:
+                # A unit with tp-split parameters: every dp group ({0, 2} and {1, 3}) gathers it
+                # to its member in rank 0's tp group {0, 1}, which sends its tp pieces on to rank
+                # 0. Another unit: only rank 0's dp group gathers it, to rank 0.
+                gathers = units if dist.get_rank() in (0, 2) else units_with_split
+                gathers += split if dist.get_rank() in (0, 1) else 0
+                assert dict(counts.calls) == {} and len(to_one) == gathers, (what, len(to_one), gathers)
+            else:
+                assert dict(counts.calls) == {"all_gather": units + split} and not to_one, (what, counts.calls)
+            if rank0_only and dist.get_rank() != 0:
+                assert buckets == [], what
+                continue
+            pairs = list(itertools.chain(*buckets))
+            names = [name for name, _ in pairs]
+            assert len(names) == len(set(names)) and set(names) == set(expected), (what, names)
+            for name, tensor in pairs:
+                want = expected[name].to(dtype) if dtype is not None and expected[name].is_floating_point() else expected[name]
+                assert tensor.dtype == want.dtype and torch.equal(tensor, want), (what, name)
+            for bucket in buckets:
+                assert len(bucket) == 1 or sum(t.numel() * t.element_size() for _, t in bucket) <= bucket_bytes, what
+        snapshot: dict[str, torch.Tensor] = {}  # deltas ride on the stream: the first is dense
+        for deltas in full_params_delta(model, snapshot, bucket_bytes=500):
+            assert all(d.indices is None and torch.equal(d.values, expected[d.name]) for d in deltas)
+        assert snapshot.keys() == expected.keys()
+
+
+def test_stream_tensor_parallel(pool4: RankPool) -> None:
+    # torch FSDP1 composes with TP with use_orig_params both ways; hidden 11 splits unevenly.
+    pool4.run(
+        tp_stream,
+        [
+            ("FULL_SHARD", True, True, 12),
+            ("SHARD_GRAD_OP", False, False, 12),
+            ("FULL_SHARD", True, False, 11),
+            ("NO_SHARD", True, True, 12),
+        ],
+    )
+
+
+def tp_consumer_of_tp_model(configs: list[tuple[str, bool, bool]]) -> None:
+    """The shard map of a TP-trained model (2 dp x 2 tp): each entry places its range of the
+    tp-local tensor in the full parameter (DTensor's own global offset and placements), with no
+    collective; a consumer of another layout (a 3-way row split of every parameter) assembles
+    its slices from every rank's global boxes, bit for bit against the full parameters."""
+    from fsdp.export import local_shard_views, shard_map
+    from fsdp.runtime._state import named_fsdp_states
+    from tests._comm_count import count_collectives
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    for strategy, nested, orig in configs:
+        model = _tp_trained(strategy, nested, orig, 12)
+        full = _full_tensors(model)
+        with count_collectives() as counts:
+            entries = shard_map(model)
+            ranges = local_shard_views(model)
+        assert dict(counts.calls) == {} and [r.entry for r in ranges] == entries, counts.calls
+        specs = {
+            (prefix, h, index): info.dtensor_spec
+            for prefix, _, state in named_fsdp_states(model)
+            for h, handle in enumerate(state.handles)
+            for index, info in enumerate(handle.param_infos)
+        }
+        for entry in entries:
+            assert entry.global_shape == full[entry.name].shape and entry.dtype == full[entry.name].dtype, entry
+            tp_split = entry.name.endswith(("fc1.weight", "fc1.bias", "fc2.weight"))
+            if entry.placements is None:
+                assert entry.global_offset == (0,) * len(entry.shape) and entry.shape == entry.global_shape, entry
+            else:  # DTensor's own arithmetic for where the tp-local tensor sits
+                spec = specs[(entry.unit, entry.handle_index, entry.param_index)]
+                local_shape, offset = compute_local_shape_and_global_offset(spec.shape, spec.mesh, spec.placements)
+                assert entry.placements == tuple(spec.placements), entry
+                assert (tuple(entry.shape), entry.global_offset) == (tuple(local_shape), tuple(offset)), entry
+                assert tp_split == any(p.is_shard() for p in entry.placements), entry
+            assert len(entry.global_boxes) == len(entry.boxes) and all(
+                g.sizes == b.sizes and all(x == y + o for x, y, o in zip(g.offsets, b.offsets, entry.global_offset))
+                for g, b in zip(entry.global_boxes, entry.boxes)
+            ), entry
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, [(r.entry, [b.clone() for b in r.boxes]) for r in ranges])
+        assert {e.name for e, _ in itertools.chain(*everyone)} == set(full)  # every parameter (no buffers)
+        for name, whole in full.items():
+            rows = whole.shape[0]
+            for consumer in range(3):  # a 3-way row split: consumer rank c's rows
+                lo, hi = min(consumer * -(-rows // 3), rows), min((consumer + 1) * -(-rows // 3), rows)
+                mine = torch.full((hi - lo, *whole.shape[1:]), float("nan"), dtype=whole.dtype)
+                for entry, boxes in itertools.chain(*everyone):
+                    if entry.name != name:
+                        continue
+                    for box, values in zip(entry.global_boxes, boxes):
+                        r0, r1 = max(box.offsets[0], lo), min(box.offsets[0] + box.sizes[0], hi)
+                        if r0 < r1:
+                            where = (slice(r0 - lo, r1 - lo), *(slice(o, o + n) for o, n in zip(box.offsets[1:], box.sizes[1:])))
+                            mine[where] = values[r0 - box.offsets[0] : r1 - box.offsets[0]]
+                assert torch.equal(mine, whole[lo:hi]), (strategy, nested, orig, name, consumer)
+            held = torch.zeros(whole.shape, dtype=torch.int32)
+            for entry, _ in itertools.chain(*everyone):
+                if entry.name == name:
+                    for box in entry.global_boxes:
+                        held[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.sizes))] += 1
+            # Each element is held once per shard group: by one of the 4 ranks when tp splits the
+            # parameter, by one rank per tp index (2) when every tp rank holds it whole.
+            replicas = 1 if name.endswith(("fc1.weight", "fc1.bias", "fc2.weight")) else 2
+            assert bool((held == replicas).all()), (strategy, name, held)
+
+
+def test_shard_map_tensor_parallel(pool4: RankPool) -> None:
+    pool4.run(tp_consumer_of_tp_model, [("FULL_SHARD", True, True), ("SHARD_GRAD_OP", False, False)])
+
+
+class _Mlp(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def tp_stream_memory() -> dict[str, Any]:
+    """Extra live bytes while streaming a TP model, beside the same collectives alone (the
+    floor, gloo's internal buffers), against the bound of [Note: Export of tensor-parallel
+    parameters]: U + (tp + 1) * P + B. Shard(0) parameters split evenly are gathered straight
+    into their bucket slot (no temporary)."""
+    import fsdp.export as export
+    from benchmarks.memory import MemoryTrace
+    from fsdp import FullyShardedDataParallel as FSDP
+    from fsdp.export import full_params_stream
+    from fsdp.wrap import ModuleWrapPolicy
+    from tests.test_tensor_parallel import _mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    net = nn.Sequential(*[_Mlp(64, 128) for _ in range(6)])
+    plan: dict[str, Any] = {}
+    for i in range(6):
+        plan[f"{i}.fc1"], plan[f"{i}.fc2"] = ColwiseParallel(), RowwiseParallel()
+    net = parallelize_module(net, _mesh()["tp"], plan)
+    model = FSDP(net, device_mesh=_mesh()["dp"], auto_wrap_policy=ModuleWrapPolicy({_Mlp}), use_orig_params=True)
+    handles = [h for m in FSDP.fsdp_modules(model) for h in m._fsdp_state.handles if h.param_infos]
+    tps = [export._tp_params(h, False) for h in handles]
+    unit_bytes = max(h.shard_layout.padded_unsharded_numel * 4 for h in handles)
+    piece_bytes = max(p.pieces[0].numel * 4 for tp in tps for p in tp if p is not None)
+    bucket_bytes = 40000
+    result: dict[str, Any] = {"U": unit_bytes, "P": piece_bytes, "B": bucket_bytes, "tp": 2, "floor": 0}
+    for _ in range(2):  # the bare collectives, each result dropped at once
+        with MemoryTrace() as trace, trace.window("bare"):
+            for h, tp in zip(handles, tps):
+                export.gather(h._local_shard, h.process_group, h.rank, h.world_size, None)
+                for p in tp:
+                    if p is not None:
+                        flat = torch.empty(p.pieces[0].numel)
+                        export.comm.all_gather_flat(torch.empty(p.size * flat.numel()), flat, p.group)
+                        del flat
+        result["floor"] = max(result["floor"], trace.peaks["bare"] - trace.starts["bare"])
+    tp_groups = {id(p.group) for tp in tps for p in tp if p is not None}
+    into_slot: list[bool] = []  # per tp gather: its output is a view of the bucket slot
+    original = export.comm.all_gather_flat
+
+    def spy(output: torch.Tensor, input: torch.Tensor, group: Any, *args: Any, **kwargs: Any) -> Any:
+        if id(group) in tp_groups:
+            into_slot.append(output._base is not None)
+        return original(output, input, group, *args, **kwargs)
+
+    export.comm.all_gather_flat = spy  # type: ignore[assignment]
+    try:
+        with MemoryTrace() as trace, trace.window("export"):
+            for bucket in full_params_stream(model, bucket_bytes=bucket_bytes):
+                del bucket
+    finally:
+        export.comm.all_gather_flat = original  # type: ignore[assignment]
+    result["extra"] = trace.peaks["export"] - trace.starts["export"]
+    result["into_slot"] = into_slot
+    infos = [i for h in handles for i in h.param_infos]
+    result["model"] = sum(4 * (i.dtensor_spec.shape.numel() if i.dtensor_spec is not None else i.numel) for i in infos)
+    return result
+
+
+def test_tp_stream_memory(pool4: RankPool) -> None:
+    for r in pool4.run(tp_stream_memory):
+        # Per unit: fc1's weight and bias (ColwiseParallel: Shard(0), 128 rows over 2) straight
+        # into the slot; fc2's weight (Shard(1)) through one temporary; fc2's bias is Replicate
+        # (no gather).
+        assert r["into_slot"] == [True, True, False] * 6, r
+        bound = r["U"] + (r["tp"] + 1) * r["P"] + r["B"]
+        assert r["extra"] <= r["floor"] + bound, r
+        print("tp stream memory:", r)

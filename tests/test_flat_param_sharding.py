@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import pytest
 import torch
@@ -179,3 +180,46 @@ def test_flat_range_boxes_cover_the_range_exactly() -> None:
                 assert box.numel == piece.numel() and bool((piece.diff() == 1).all())  # contiguous
                 pieces.append(piece)
             assert torch.equal(torch.cat(pieces), torch.arange(start, end)), (shape, start, end)
+
+
+def test_tp_local_box_is_dtensor_arithmetic() -> None:
+    """[Note: Tensor-parallel pieces are boxes]: the tp-local tensor's box is DTensor's own local
+    shape and global offset (``_compute_local_shape_and_global_offset``) for Shard(0) (rows),
+    Shard(1) (columns), negative dims, nested shards on a 2-D mesh, Replicate, even and uneven;
+    the note's worked example; a box of the local tensor shifted by the offset holds the same
+    values in the full tensor; ``_StridedShard`` and ``Partial`` raise."""
+    from fsdp.flat_param._shard_map import Box, flat_range_boxes, shifted, tp_local_box
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    cases: list[tuple[tuple[int, ...], tuple[Any, ...]]] = [
+        ((1,), (Shard(0),)),
+        ((2,), (Shard(1),)),
+        ((3,), (Shard(-1),)),
+        ((4,), (Replicate(),)),
+        ((2, 2), (Shard(0), Shard(1))),
+        ((2, 3), (Shard(1), Shard(1))),
+        ((2, 2), (Replicate(), Shard(0))),
+    ]
+    for mesh_shape, placements in cases:
+        for shape in [(5, 7), (4, 6), (11, 3), (2, 3, 5)]:
+            full = torch.arange(torch.Size(shape).numel()).view(shape)
+            for coordinate in itertools.product(*(range(n) for n in mesh_shape)):
+                box = tp_local_box(shape, placements, mesh_shape, coordinate)
+                local_shape, offset = _compute_local_shape_and_global_offset(shape, mesh_shape, list(coordinate), placements)
+                assert box == Box(tuple(offset), tuple(local_shape)), (mesh_shape, placements, shape, coordinate)
+                local = full[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.sizes))]
+                numel = local.numel()
+                for start, end in [(0, numel), (1, max(1, numel - 2)), (numel // 2, numel)]:
+                    ranged = flat_range_boxes(tuple(local.shape), start, end)
+                    for local_box, full_box in zip(ranged, shifted(ranged, box.offsets)):
+                        a = local[tuple(slice(o, o + n) for o, n in zip(local_box.offsets, local_box.sizes))]
+                        b = full[tuple(slice(o, o + n) for o, n in zip(full_box.offsets, full_box.sizes))]
+                        assert torch.equal(a, b)
+    # The note's example: (4, 6) with Shard(1) over 2; tp rank 1's range [2, 8) of its (4, 3).
+    assert tp_local_box((4, 6), (Shard(1),), (2,), (1,)) == Box((0, 3), (4, 3))
+    assert shifted(flat_range_boxes((4, 3), 2, 8), (0, 3)) == [Box((0, 5), (1, 1)), Box((1, 3), (1, 3)), Box((2, 3), (1, 2))]
+    for placement in (_StridedShard(0, split_factor=2), Partial()):
+        with pytest.raises(NotImplementedError, match="is not a box of the full parameter"):
+            tp_local_box((4, 6), (placement,), (2,), (0,))

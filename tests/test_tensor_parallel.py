@@ -73,19 +73,20 @@ def _mesh(shape: tuple[int, int] = (2, 2)) -> Any:
 _N_BLOCKS = 2
 
 
-def _make_model() -> nn.Module:
+def _make_model(hidden: int = 12) -> nn.Module:
     """The toy LM with blocks of hidden size 12 (TP splits it evenly), the same seed everywhere."""
     model = make_toy(n_blocks=_N_BLOCKS)
     torch.manual_seed(1)
-    model.blocks = nn.ModuleList(Block(hidden=12) for _ in range(_N_BLOCKS))
+    model.blocks = nn.ModuleList(Block(hidden=hidden) for _ in range(_N_BLOCKS))
     return model
 
 
-def _tp_model(n_blocks: int = _N_BLOCKS, shape: tuple[int, int] = (2, 2)) -> nn.Module:
-    """:func:`_make_model` with each block's MLP tensor-parallel over ``tp`` of the ``shape`` mesh."""
+def _tp_model(n_blocks: int = _N_BLOCKS, shape: tuple[int, int] = (2, 2), hidden: int = 12) -> nn.Module:
+    """:func:`_make_model` with each block's MLP tensor-parallel over ``tp`` of the ``shape`` mesh
+    (``hidden`` 11: tp splits it unevenly)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    model = _make_model()
+    model = _make_model(hidden)
     plan: dict[str, Any] = {}
     for i in range(n_blocks):
         plan[f"blocks.{i}.fc1"] = ColwiseParallel()
@@ -464,13 +465,13 @@ def test_tp_unsupported(pool4: RankPool) -> None:
     pool4.run(run_tp_unsupported)
 
 
-def _plain_fsdp(lib: str) -> nn.Module:
+def _plain_fsdp(lib: str, hidden: int = 12) -> nn.Module:
     """The same model without tensor parallelism, FSDP over all 4 ranks (another layout)."""
     if lib == "ours":
         from fsdp import FullyShardedDataParallel as FSDP
         from fsdp.wrap import ModuleWrapPolicy
 
-        return FSDP(_make_model(), auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=True)
+        return FSDP(_make_model(hidden), auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=True)
     from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchPolicy
 

@@ -18,9 +18,19 @@ group and is unit-tested on one process (``tests/test_flat_param_sharding.py``).
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple, Optional, Sequence
 
-__all__ = ["RowChunk", "chunk_rows", "torch_chunks", "Box", "flat_range_boxes"]
+__all__ = [
+    "RowChunk",
+    "chunk_rows",
+    "torch_chunks",
+    "Box",
+    "flat_range_boxes",
+    "TensorParallelPiece",
+    "tp_local_box",
+    "tp_piece",
+    "shifted",
+]
 
 
 class RowChunk(NamedTuple):
@@ -107,3 +117,88 @@ def flat_range_boxes(shape: tuple[int, ...], start: int, end: int) -> list[Box]:
     if last_offset:
         boxes += in_row(last_row, 0, last_offset)
     return boxes
+
+
+# [Note: Tensor-parallel pieces are boxes]
+# Under tensor parallelism (``parallelize_module`` before FSDP) a parameter is a DTensor and the
+# flat shard holds ranges of its tp-local tensor ([Note: DTensor parameters] in ``_layout.py``).
+# With ``Shard(d)`` placements that local tensor is one box of the full parameter: along each
+# sharded dim ``d`` the ``torch.chunk`` piece [Note: Row chunks] of the mesh dim's size at this
+# rank's mesh coordinate (nested when several mesh dims shard, in mesh-dim order, as DTensor
+# does), whole along every other dim; ``Replicate`` leaves it whole. So a box of the tp-local
+# tensor (offsets ``b``, sizes ``s``) is the box (``b + o``, ``s``) of the full parameter, ``o``
+# the local tensor's global offset, for Shard(0) (ColwiseParallel's weight: rows), Shard(1)
+# (RowwiseParallel's weight: columns) or any dim, even or uneven. Worked example: a (4, 6) weight
+# with Shard(1) over 2 tp ranks; tp rank 1 holds columns [3, 6), global offset (0, 3); its flat
+# range [2, 8) of the local (4, 3) tensor is the boxes at (0, 2) size (1, 1), at (1, 0) size
+# (1, 3), at (2, 0) size (1, 2) of the local tensor, i.e. at (0, 5), (1, 3), (2, 3) of the full
+# one. Other placements are not boxes and raise: ``_StridedShard`` (an interleaving, made by
+# FSDP2's ``fully_shard`` over TP, never by FSDP1's composition) holds several strided blocks, and
+# ``Partial`` holds a summand of every element, not a part of the tensor.
+class TensorParallelPiece(NamedTuple):
+    """Where a tp-local tensor sits in its full (TP-unsharded) parameter.
+
+    Attributes:
+        global_shape: The full parameter's shape.
+        box: The local tensor as a box of the full one: ``offsets`` its global offset,
+            ``sizes`` its shape.
+        placements: The DTensor placements, one per mesh dim.
+        mesh_dims: The mesh dims that shard it (none when every placement is ``Replicate``).
+    """
+
+    global_shape: tuple[int, ...]
+    box: Box
+    placements: tuple[Any, ...]
+    mesh_dims: tuple[int, ...]
+
+
+def _shard_dim(placement: Any, ndim: int) -> Optional[int]:
+    """The tensor dim a ``Shard`` placement splits, None for ``Replicate``; raises for the
+    others ([Note: Tensor-parallel pieces are boxes])."""
+    if placement.is_replicate():
+        return None
+    if type(placement).__name__ == "Shard":
+        return placement.dim % ndim if ndim else 0
+    raise NotImplementedError(
+        f"fsdp: a tensor-parallel parameter with placement {placement} is not a box of the full "
+        "parameter (only Shard(dim) and Replicate() are); export and flat-shard checkpoints need "
+        "Shard/Replicate placements (parallelize_module's ColwiseParallel/RowwiseParallel give them)."
+    )
+
+
+def tp_local_box(
+    global_shape: Sequence[int], placements: Sequence[Any], mesh_shape: Sequence[int], coordinate: Sequence[int]
+) -> Box:
+    """The box of ``global_shape`` the tp-local tensor at mesh ``coordinate`` holds ([Note:
+    Tensor-parallel pieces are boxes]); DTensor's ``compute_local_shape_and_global_offset``."""
+    offsets, sizes = [0] * len(global_shape), list(global_shape)
+    for mesh_dim, placement in enumerate(placements):
+        dim = _shard_dim(placement, len(global_shape))
+        if dim is None:
+            continue
+        piece = chunk_rows(sizes[dim], mesh_shape[mesh_dim], coordinate[mesh_dim])
+        # An empty piece starts at the end of the dim, as DTensor places it.
+        offsets[dim] = offsets[dim] + piece.first_row if piece.num_rows else global_shape[dim]
+        sizes[dim] = piece.num_rows
+    return Box(tuple(offsets), tuple(sizes))
+
+
+def tp_piece(spec: Any, coordinate: Optional[Sequence[int]] = None) -> TensorParallelPiece:
+    """The :class:`TensorParallelPiece` of a DTensor ``spec`` (mesh, placements, global shape) at
+    mesh ``coordinate`` (default: this rank's). No communication.
+
+    Raises:
+        NotImplementedError: A placement other than Shard/Replicate.
+    """
+    placements = tuple(spec.placements)
+    shape = tuple(spec.shape)
+    sharding = tuple(i for i, p in enumerate(placements) if _shard_dim(p, len(shape)) is not None)
+    where = tuple(coordinate) if coordinate is not None else tuple(spec.mesh.get_coordinate())
+    box = tp_local_box(shape, placements, tuple(spec.mesh.shape), where)
+    return TensorParallelPiece(shape, box, placements, sharding)
+
+
+def shifted(boxes: Sequence[Box], offsets: Sequence[int]) -> list[Box]:
+    """``boxes`` of a tp-local tensor as boxes of the full parameter, the local tensor at global
+    ``offsets`` ([Note: Tensor-parallel pieces are boxes])."""
+    return [Box(tuple(b + o for b, o in zip(box.offsets, offsets)), box.sizes) for box in boxes]

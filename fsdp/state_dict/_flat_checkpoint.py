@@ -22,6 +22,20 @@ The files hold the keys a SHARDED state dict has (``model.<fqn>``, ``optim.state
 ``optim.param_groups``), full shapes and dtypes; DCP reshards on read, so the checkpoint loads at
 any world size and wrap plan, into torch FSDP1 / FSDP2 and into a plain model. Loading into fsdp
 goes through the SHARDED state dict as DCP's target (:func:`load`).
+
+[Note: Flat-shard checkpoints of tensor-parallel parameters]
+Under tensor parallelism (a 2-D (dp, tp) mesh) a flat shard holds ranges of each DTensor
+parameter's tp-local tensor, which is one box of the full parameter for ``Shard(d)`` and
+``Replicate`` placements; so each box of the range in the tp-local tensor is the same box shifted
+by the local tensor's global offset in the full one ([Note: Tensor-parallel pieces are boxes] in
+``fsdp/flat_param/_shard_map.py``: the offset arithmetic the export's shard map uses too). Each
+rank writes those shifted boxes as DCP chunks of the full shape, still views of its shard: no
+tensor collective, and the keys and full shapes are those of a model without TP, so DCP reshards
+on read to any dp x tp layout, or none. Parameters every tp rank holds alike (``Replicate``
+DTensors, plain parameters) give the same boxes on each tp rank; DCP's planning keeps one of
+each (it deduplicates write items with the same index), so they are written once. Placements that
+are not boxes (``_StridedShard``, ``Partial``) raise ``NotImplementedError`` before anything is
+written.
 """
 
 from __future__ import annotations
@@ -37,7 +51,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from fsdp._common import clean_fqn
-from fsdp.flat_param._shard_map import flat_range_boxes
+from fsdp.flat_param._shard_map import flat_range_boxes, shifted, tp_piece
 from fsdp.flat_param.flat_param import FlatParamHandle
 from fsdp.runtime._state import is_fsdp, unit_state
 from fsdp.state_dict._optim_keys import ModelView
@@ -50,20 +64,35 @@ class FlatShardChunks:
     only :class:`FlatShardSavePlanner` writes).
 
     Args:
-        shape: The whole tensor's shape.
+        shape: The whole tensor's shape (a tensor-parallel parameter's full, TP-unsharded one).
         source: This rank's flat tensor (a local shard, or a state shaped like it).
         offset: Where the tensor's range starts in ``source``.
-        start: The range's first element in the tensor's row-major order.
+        start: The range's first element in the row-major order of the tensor the range is of:
+            the whole tensor, or ``local_shape``'s.
         numel: The range's length (0: nothing to write).
+        local_shape: For a tensor-parallel parameter, its tp-local tensor's shape (the range is
+            of it); None: ``shape``.
+        global_offset: Where that tp-local tensor starts in the whole one ([Note:
+            Tensor-parallel pieces are boxes]); None: at 0.
     """
 
-    def __init__(self, shape: torch.Size, source: torch.Tensor, offset: int, start: int, numel: int) -> None:
+    def __init__(
+        self,
+        shape: torch.Size,
+        source: torch.Tensor,
+        offset: int,
+        start: int,
+        numel: int,
+        local_shape: Optional[tuple[int, ...]] = None,
+        global_offset: Optional[tuple[int, ...]] = None,
+    ) -> None:
         self.shape = torch.Size(shape)
         self.dtype = source.dtype
         self.views: dict[torch.Size, torch.Tensor] = {}
         self.sizes: dict[torch.Size, torch.Size] = {}
         at = offset
-        for box in flat_range_boxes(tuple(self.shape), start, start + numel):
+        boxes = flat_range_boxes(tuple(self.shape) if local_shape is None else local_shape, start, start + numel)
+        for box in shifted(boxes, global_offset) if global_offset is not None else boxes:
             offsets = torch.Size(box.offsets)
             self.views[offsets] = _own_storage_view(source, at, box.sizes)
             self.sizes[offsets] = torch.Size(box.sizes)
@@ -131,24 +160,21 @@ def _writes(handle: FlatParamHandle, state: Any) -> bool:
 
 def _chunks(handle: FlatParamHandle, index: int, source: torch.Tensor, orig_value: bool, writes: bool) -> FlatShardChunks:
     """Parameter ``index``'s boxes in ``source``: the handle's flat shard (or a state shaped
-    like it), or with ``orig_value`` a use_orig_params parameter's own (1-D or whole) part."""
+    like it), or with ``orig_value`` a use_orig_params parameter's own (1-D or whole) part. A
+    tensor-parallel parameter's boxes are of its full shape, placed by its tp-local tensor's
+    global offset ([Note: Flat-shard checkpoints of tensor-parallel parameters])."""
     layout = handle.shard_layout
-    shape = handle.param_infos[index].shape
+    info = handle.param_infos[index]
+    tp = tp_piece(info.dtensor_spec) if info.dtensor_spec is not None else None
+    shape = torch.Size(tp.global_shape) if tp is not None else info.shape
     piece = layout.shard_slices[index]
     if piece is None or not writes:
         return FlatShardChunks(shape, source, 0, 0, 0)
     offset = 0 if orig_value else piece.offset_in_shard
-    return FlatShardChunks(shape, source.reshape(-1), offset, piece.offset_in_param, piece.numel)
-
-
-def _refuse_tensor_parallel(view: ModelView) -> None:
-    for handle, fqns in zip(view.handles, view.handle_fqns):
-        if handle.shard_layout.has_dtensors:
-            raise NotImplementedError(
-                f"fsdp: flat-shard checkpoints do not support tensor-parallel (DTensor) parameters yet "
-                f"(unit with {fqns[0]!r}); save with StateDictType.SHARDED_STATE_DICT and "
-                "torch.distributed.checkpoint instead."
-            )
+    if tp is None:
+        return FlatShardChunks(shape, source.reshape(-1), offset, piece.offset_in_param, piece.numel)
+    local = tuple(info.shape)
+    return FlatShardChunks(shape, source.reshape(-1), offset, piece.offset_in_param, piece.numel, local, tp.box.offsets)
 
 
 def _model_entries(model: nn.Module, view: ModelView, writes: dict[int, bool]) -> dict[str, Any]:
@@ -229,7 +255,6 @@ def flat_shard_state_dict(
     ``ignore_frozen_params``: parameters with ``requires_grad=False`` (and any optimizer state
     of theirs) are left out ([Note: Trainable-only checkpoints])."""
     view = ModelView(model)
-    _refuse_tensor_parallel(view)
     writes: dict[int, bool] = {}
     for module in model.modules():
         if is_fsdp(module):
