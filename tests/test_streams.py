@@ -294,3 +294,38 @@ def test_recording_streams_restores_the_stream_layer(unused: Any) -> None:
     with recording_streams(_Recorder()):
         assert _streams.current_stream is not before[0]
     assert (_streams.current_stream, comm.all_gather_flat) == before
+
+
+def test_overlap_harness_on_cpu() -> None:
+    """The GPU overlap lane's harness (tests/_overlap.py) on CPU: fsdp trains as rank 0 of 8 on the
+    fake group in every scenario, and the collectives it issues in the measured step are the
+    schedule's, in order, priced at COMM_S per block by the emulated fabric (nothing sleeps)."""
+    from tests import _overlap as o
+
+    doc = o.run_in_subprocess("cpu")
+    runs = {(r["scenario"], r["limit_all_gathers"]): r for r in doc["results"]}
+    assert sorted(runs) == [("backward", True), ("forward", False), ("forward", True), ("hybrid", True)]
+    units, blocks, n, node = o.BLOCKS + 1, o.BLOCKS, o.WORLD_SIZE, o.RANKS_PER_NODE
+    for (name, _), run in runs.items():
+        calls = [tuple(c) for c in run["collectives"]]
+        assert run["forward_s"] is None and run["backward_s"] is None  # CPU: nothing timed
+        if name == "forward":
+            # FULL_SHARD: every unit gathered in forward, then in backward all but the root and
+            # the block kept from forward ([Note: The first backward unit stays gathered]); one
+            # reduce-scatter per unit, the root's last.
+            assert calls[:units] == [("all_gather", n)] * units, calls
+            assert calls.count(("all_gather", n)) == 2 * units - 2 and calls.count(("reduce_scatter", n)) == units
+            assert calls[-1] == ("reduce_scatter", n)
+            gathered = 2 * blocks - 1
+        elif name == "backward":
+            # SHARD_GRAD_OP: one gather per unit (forward), then one reduce-scatter per unit.
+            assert calls == [("all_gather", n)] * units + [("reduce_scatter", n)] * units, calls
+            gathered = blocks
+        else:
+            # Hybrid over 2 nodes of 4: gathers in the node, then per unit its reduce-scatter in
+            # the node followed by its all-reduce across the 2 nodes.
+            assert calls == [("all_gather", node)] * units + [("reduce_scatter", node), ("all_reduce", n // node)] * units, calls
+            gathered = blocks
+        reductions = blocks * (2 if name == "hybrid" else 1)
+        # Each block's collective costs COMM_S; the root's tiny unit next to nothing.
+        assert abs(run["modelled_s"] - (gathered + reductions) * o.COMM_S) < 1e-3, run["modelled_s"]

@@ -165,25 +165,11 @@ class GradReduction:
         p_assert(self.inflight is None, f"unit '{self.unit_name}': two reductions in flight")
         stream = self.storage.post_backward_stream
         p_assert(not in_flight or stream is not None, f"unit '{self.unit_name}': a reduction in flight needs a stream")
-        # [Note: The reduction's input outlives its readers]
-        # On CUDA the compute stream made ``unsharded_grad`` and the post-backward stream reads
-        # it. The caching allocator ties a block to the stream that allocated it: once the last
-        # reference dies, the compute stream's next allocation (the previous unit's backward)
-        # may reuse the block while the post-backward stream still reads it. A comm hook may
-        # drop that reference itself: torch's ``fp16_compress_hook``/``bf16_compress_hook`` (and
-        # ours) replace ``grad.data`` with a cast copy whose kernel is queued on the
-        # post-backward stream, so the fp32 block would be free while the cast has not run.
-        # ``reduction_input`` is a second reference to the same storage, held by the in-flight
-        # record until the compute stream has waited for ``input_read``, the event after the
-        # post-backward stream's last read of it (the cast to ``reduce_dtype`` where there is
-        # one, else the collective): :meth:`release_input` at the next unit's gradient
-        # assembly, or :meth:`wait`. After that the compute stream frees it, in order. It costs
-        # no memory the reduction would not hold anyway (without a hook the collective reads
-        # the same tensor; with a cast the input is the smaller ``param_dtype`` gradient, which
-        # the reduce_dtype copy, made and freed on the post-backward stream, replaces there).
-        # tests/test_cuda_lane.py's compress-hook race runs a hook that holds the post-backward
-        # stream (``torch.cuda._sleep``) before ``bf16_compress_hook`` casts.
-        reduction_input = unsharded_grad.detach()
+        # The input as the compute stream made it stays referenced while the post-backward
+        # stream may read it ([Note: The reduction's input outlives its readers], release_input).
+        # (Without a stream the reduction completes here: no second reference, so a cast frees
+        # the input at once, as it always has on CPU.)
+        reduction_input = unsharded_grad.detach() if in_flight else None
         if stream is not None:
             stream.wait_stream(_streams.current_stream(self.storage.device))  # [Note: Stream edges], 3
         with _streams.use_stream(stream):
@@ -201,7 +187,7 @@ class GradReduction:
             if not cast:
                 input_read = reduced
         sharded_grad, event = self._finish(sharded_grad, comm_hook is None, stream, reduced)
-        if not in_flight:  # complete already (no stream)
+        if reduction_input is None:  # complete already (no stream)
             self._accumulate_reduced(sharded_grad)
             return
         if reduction_input.untyped_storage().data_ptr() == sharded_grad.untyped_storage().data_ptr():
@@ -270,9 +256,33 @@ class GradReduction:
     def release_input(self) -> None:
         """Gives the compute stream back the memory of a reduction in flight's input: the
         compute stream waits for the event after the post-backward stream's last read of it and
-        drops the reference ([Note: The reduction's input outlives its readers]). The rest of
-        the reduction (a hybrid all-reduce, the cast to full precision, the offload copy) stays
-        in flight. A no-op without a reduction in flight or when nothing is held."""
+        drops the reference. The rest of the reduction (a hybrid all-reduce, the cast to full
+        precision, the offload copy) stays in flight. A no-op without a reduction in flight or
+        when nothing is held.
+
+        [Note: The reduction's input outlives its readers]
+        On CUDA the compute stream made the reduction's input (``unsharded_grad`` in
+        :meth:`reduce`) and the post-backward stream reads it. The caching allocator ties a block to the stream that allocated it: once the last
+        reference dies, the compute stream's next allocation (the previous unit's backward)
+        may reuse the block while the post-backward stream still reads it. A comm hook may
+        drop that reference itself: torch's ``fp16_compress_hook``/``bf16_compress_hook`` (and
+        ours) replace ``grad.data`` with a cast copy whose kernel is queued on the
+        post-backward stream, so the fp32 block would be free while the cast has not run.
+        ``reduction_input`` is a second reference to the same storage, held by the in-flight
+        record until the compute stream has waited for ``input_read``, the event after the
+        post-backward stream's last read of it (the cast to ``reduce_dtype`` where there is
+        one, else the collective): :meth:`release_input` at the next unit's gradient
+        assembly, or :meth:`wait`. After that the compute stream frees it, in order: at most
+        one input is alive at a time, as before. Without a cast it costs nothing the reduction
+        would not hold anyway (the collective reads the same tensor). With one, the input kept
+        is the ``param_dtype`` gradient (its ``reduce_dtype`` copy, made on the post-backward
+        stream, is freed there once the collective is issued): smaller than the copy the
+        compute stream kept while it cast, except while the reduced shard is allocated, when
+        both the gradient and its copy are alive (one reduced shard, 1/N of the copy, more
+        than the cast on the compute stream held; the planner replays it, plan/_schedule.py).
+        tests/test_cuda_lane.py's compress-hook race runs a hook that holds the post-backward
+        stream (``torch.cuda._sleep``) before ``bf16_compress_hook`` casts.
+        """
         inflight = self.inflight
         if inflight is None or inflight.keep_alive is None:
             return
