@@ -143,6 +143,8 @@ def _wrap(cfg: dict[str, Any]) -> torch.nn.Module:
     )
     if cfg.get("mp"):
         kwargs["mixed_precision"] = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if cfg.get("optim_in_backward"):
+        kwargs["use_orig_params"] = True
     if "HYBRID" in cfg["strategy"]:
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -152,7 +154,13 @@ def _wrap(cfg: dict[str, Any]) -> torch.nn.Module:
 
 def _train(cfg: dict[str, Any], steps: int, recorder: Optional[_Recorder]) -> list[torch.Tensor]:
     model = _wrap(cfg)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt: Optional[torch.optim.Optimizer] = None
+    if cfg.get("optim_in_backward"):
+        from torch.distributed.optim import _apply_optimizer_in_backward
+
+        _apply_optimizer_in_backward(torch.optim.SGD, list(model.parameters()), {"lr": 0.1})
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
     rank, ws = dist.get_rank(), dist.get_world_size()
     streams = recording_streams(recorder) if recorder is not None else contextlib.nullcontext()
     casts = _CastLog(recorder, torch.bfloat16, torch.float32) if recorder is not None and cfg.get("mp") else contextlib.nullcontext()
@@ -168,8 +176,9 @@ def _train(cfg: dict[str, Any], steps: int, recorder: Optional[_Recorder]) -> li
                 loss.backward()
             if recorder is not None:
                 recorder.log.append(("end",))
-            opt.step()
-            opt.zero_grad()
+            if opt is not None:
+                opt.step()
+                opt.zero_grad()
     return [p.detach().clone() for p in model.parameters()]
 
 
@@ -249,6 +258,7 @@ CONFIGS = [
     dict(strategy="FULL_SHARD", bwd="BACKWARD_POST", fwd=True),
     dict(strategy="FULL_SHARD", bwd=None, mp=True),
     dict(strategy="HYBRID_SHARD", bwd="BACKWARD_PRE", mp=True),
+    dict(strategy="FULL_SHARD", bwd="BACKWARD_PRE", optim_in_backward=True),
 ]
 
 
@@ -267,7 +277,15 @@ def stream_schedule(configs: list[dict[str, Any]]) -> list[tuple[int, int]]:
         forward, backward = _steady_step(recorder.log, 1)
         hybrid = "HYBRID" in cfg["strategy"]
         gathers = _check_gathers(forward, backward) if not hybrid else 0
-        reductions = _check_reductions(backward, hybrid, bool(cfg.get("mp")))
+        if cfg.get("optim_in_backward"):
+            # Optimizers in backward step on each unit's gradient where its input is released:
+            # every reduction but the last is completed before the next one is issued.
+            blocks = _reduction_blocks(backward, hybrid, False)
+            for previous, block in zip(blocks, blocks[1:]):
+                assert ("wait_event", "compute", "post_backward", previous[3]) in backward[previous[1] + 1 : block[0]]
+            reductions = len(blocks)
+        else:
+            reductions = _check_reductions(backward, hybrid, bool(cfg.get("mp")))
         # Edge 6: the host waits only on the compute stream's free events (limit_all_gathers).
         assert all(e[1] == "compute" for e in forward + backward if e[0] == "host_waits"), cfg
         counts.append((gathers, reductions))
@@ -282,7 +300,8 @@ def test_stream_schedule(pool2: RankPool) -> None:
     # from forward ([Note: The first backward unit stays gathered], BACKWARD_PRE only).
     assert counts[0][0] == (2 * units - 2, units)
     assert counts[0][1] == (2 * units - 1, units)
-    assert counts[0][2][1] == units and counts[0][3] == (0, units)
+    assert counts[0][2] == (2 * units - 1, units) and counts[0][3] == (0, units)
+    assert counts[0][4] == counts[0][0]
 
 
 @pytest.mark.parametrize("unused", [None])
