@@ -8,6 +8,10 @@ module is skipped with one line saying why. Two pools (``tests/conftest.py``):
   gloo's all-gather, reduce-scatter, all-reduce and broadcast take CUDA tensors (staged through
   host memory); its send/recv do not, so fsdp's point-to-point forms stay CPU-only.
 
+The overlap test runs outside the pools, in a fresh interpreter that plays rank 0 of 8 on torch's
+fake process group with slept collectives (``tests/_overlap.py``; its CPU run is in
+``tests/test_streams.py``).
+
 Both pools turn on ``torch.use_deterministic_algorithms``: fsdp and torch FSDP1 do the same
 arithmetic in the same order, so every comparison with torch is bit for bit (``torch.equal``).
 Comparisons with the single-process model use the tolerance the CPU parity tests derive
