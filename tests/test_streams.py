@@ -152,7 +152,7 @@ def _wrap(cfg: dict[str, Any]) -> torch.nn.Module:
     return FSDP(make_toy(), **kwargs)
 
 
-def _train(cfg: dict[str, Any], steps: int, recorder: Optional[_Recorder]) -> list[torch.Tensor]:
+def _train(cfg: dict[str, Any], steps: int, recorder: Optional[_Recorder]) -> tuple[list[torch.Tensor], torch.nn.Module]:
     model = _wrap(cfg)
     opt: Optional[torch.optim.Optimizer] = None
     if cfg.get("optim_in_backward"):
@@ -179,7 +179,7 @@ def _train(cfg: dict[str, Any], steps: int, recorder: Optional[_Recorder]) -> li
             if opt is not None:
                 opt.step()
                 opt.zero_grad()
-    return [p.detach().clone() for p in model.parameters()]
+    return [p.detach().clone() for p in model.parameters()], model
 
 
 def _steady_step(log: list[Entry], step: int) -> tuple[list[Entry], list[Entry]]:
@@ -269,8 +269,8 @@ def stream_schedule(configs: list[dict[str, Any]]) -> list[tuple[int, int]]:
     counts = []
     for cfg in configs:
         recorder = _Recorder()
-        plain = _train(cfg, 2, None)
-        recorded = _train(cfg, 2, recorder)
+        plain, _ = _train(cfg, 2, None)
+        recorded, model = _train(cfg, 2, recorder)
         assert recorder.made == 3, "one unshard, post-backward and all-reduce stream per tree"
         for a, b in zip(plain, recorded):
             assert torch.equal(a, b), f"{cfg}: the stream path changed a value"
@@ -289,7 +289,27 @@ def stream_schedule(configs: list[dict[str, Any]]) -> list[tuple[int, int]]:
         # Edge 6: the host waits only on the compute stream's free events (limit_all_gathers).
         assert all(e[1] == "compute" for e in forward + backward if e[0] == "host_waits"), cfg
         counts.append((gathers, reductions))
+        if cfg is configs[0]:
+            _check_summon(model, recorder)
     return counts
+
+
+def _check_summon(model: torch.nn.Module, recorder: _Recorder) -> None:
+    """Gathers outside an iteration (summon_full_params) each wait for the compute stream first,
+    and a writeback of the local shard orders the unshard stream after it (edge 1)."""
+    from fsdp import FullyShardedDataParallel as FSDP
+
+    recorder.log.clear()
+    with recording_streams(recorder):
+        with FSDP.summon_full_params(model, writeback=True):
+            with torch.no_grad():
+                next(model.parameters()).add_(1.0)
+    log = recorder.log
+    gathers = [i for i, e in enumerate(log) if e[0] == "all_gather"]
+    assert gathers, log
+    for previous, at in zip([-1] + gathers, gathers):
+        assert ("wait_stream", "unshard", "compute") in log[previous + 1 : at], log
+    assert ("wait_stream", "unshard", "compute") in log[gathers[-1] + 1 :], log  # after the writeback
 
 
 def test_stream_schedule(pool2: RankPool) -> None:
