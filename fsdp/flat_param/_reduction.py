@@ -197,7 +197,7 @@ class GradReduction:
         self.inflight = _InflightReduction(event, sharded_grad, keep, input_read)
 
     def _finish(
-        self, sharded_grad: torch.Tensor, default: bool, stream: Optional[Any], reduced: Any
+        self, sharded_grad: torch.Tensor, default: bool, stream: Optional[Any], reduced_event: Any
     ) -> tuple[torch.Tensor, Any]:
         """The rest of a reduction after the collective over the shard group: the all-reduce
         across replicas (hybrid strategies, default reduction) and post-divide, then the kept
@@ -206,8 +206,9 @@ class GradReduction:
 
         [Note: The all-reduce across replicas runs on its own stream]
         A hybrid unit's all-reduce runs on the all-reduce stream, after the reduce-scatter's
-        event (``reduced``, recorded on the post-backward stream right after it), so the next unit's reduce-scatter on the post-backward stream is not
-        queued behind it, as in torch FSDP1. The reduce-scatter's output was allocated on the
+        event (``reduced_event``, recorded on the post-backward stream right after it), so the
+        next unit's reduce-scatter on the post-backward stream is not queued behind it, as in
+        torch FSDP1. The reduce-scatter's output was allocated on the
         post-backward stream: held by the in-flight record where it is the kept form, else
         ``record_stream``ed on the all-reduce stream before it is dropped, so the post-backward
         stream's next allocations reuse it only once the all-reduce stream is done with it.
@@ -219,7 +220,7 @@ class GradReduction:
             finish_stream = self.storage.all_reduce_stream
             p_assert(finish_stream is not None, f"unit '{self.unit_name}': no all-reduce stream")
             assert finish_stream is not None  # for type checkers
-            finish_stream.wait_event(reduced)  # [Note: Stream edges], 4
+            finish_stream.wait_event(reduced_event)  # [Note: Stream edges], 4
         with _streams.use_stream(finish_stream):
             reduced = sharded_grad
             if replicated:
@@ -262,9 +263,10 @@ class GradReduction:
 
         [Note: The reduction's input outlives its readers]
         On CUDA the compute stream made the reduction's input (``unsharded_grad`` in
-        :meth:`reduce`) and the post-backward stream reads it. The caching allocator ties a block to the stream that allocated it: once the last
-        reference dies, the compute stream's next allocation (the previous unit's backward)
-        may reuse the block while the post-backward stream still reads it. A comm hook may
+        :meth:`reduce`) and the post-backward stream reads it. The caching allocator ties a
+        block to the stream that allocated it: once the last reference dies, the compute
+        stream's next allocation (the previous unit's backward) may reuse the block while the
+        post-backward stream still reads it. A comm hook may
         drop that reference itself: torch's ``fp16_compress_hook``/``bf16_compress_hook`` (and
         ours) replace ``grad.data`` with a cast copy whose kernel is queued on the
         post-backward stream, so the fp32 block would be free while the cast has not run.
