@@ -22,6 +22,10 @@ Scenarios (``python -m tests._overlap --device cuda|cpu``, JSON on stdout):
   nodes against the next unit's reduce-scatter ([Note: The all-reduce across replicas runs on its
   own stream] in fsdp/flat_param/_reduction.py).
 
+Each scenario overlaps collectives only with compute or with collectives of another process
+group: NCCL runs one group's collectives one after another on its own stream, which a sleep on
+the issuing stream does not model (``benchmarks/scale.py``'s list of what it does not model).
+
 On CPU nothing sleeps and nothing is timed: the same scenarios run on the fake group and report
 the collectives fsdp issued (kind, group size, bytes, modelled seconds, in order), which the CPU
 test checks against the schedule.
