@@ -16,7 +16,6 @@ import contextlib
 import itertools
 from typing import Any, Iterator, Optional
 
-import pytest
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -324,8 +323,7 @@ def test_stream_schedule(pool2: RankPool) -> None:
     assert counts[0][4] == counts[0][0]
 
 
-@pytest.mark.parametrize("unused", [None])
-def test_recording_streams_restores_the_stream_layer(unused: Any) -> None:
+def test_recording_streams_restores_the_stream_layer() -> None:
     from fsdp._comm import _collectives as comm
     from fsdp.flat_param import _streams
 
