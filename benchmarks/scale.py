@@ -43,7 +43,10 @@ Fabric presets (flags override each number):
 What it does not model, and so what a real run adds or saves: NCCL's kernels sharing the SMs
 with compute (a real collective slows the matmuls it overlaps; a sleep does not), congestion
 between concurrent collectives (two sleeps on two streams overlap perfectly; two collectives on
-one fabric share it), stragglers and jitter, latency growing with the ring's length, and the
+one fabric share it), the order NCCL imposes within one process group (it runs a group's
+collectives one after another on its own stream: a backward prefetch's all-gather and a
+reduce-scatter over the same group do not overlap there; here each sleeps on the stream it was
+issued on, as do the hybrid strategies' collectives over different groups, which do overlap), stragglers and jitter, latency growing with the ring's length, and the
 values (collectives return garbage, so losses are meaningless; the arithmetic takes the same
 time).
 
@@ -598,7 +601,9 @@ def _format(result: dict[str, Any], timed: bool) -> str:
 
 NOT_MODELLED = (
     "not modelled: NCCL kernels sharing SMs with compute, congestion between concurrent collectives, "
-    "stragglers and jitter, latency growing with the ring; values are garbage (fake collectives)"
+    "one process group's collectives running one after another on NCCL's stream (here each sleeps on "
+    "the stream it was issued on), stragglers and jitter, latency growing with the ring; values are "
+    "garbage (fake collectives)"
 )
 
 

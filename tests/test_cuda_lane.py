@@ -8,6 +8,10 @@ module is skipped with one line saying why. Two pools (``tests/conftest.py``):
   gloo's all-gather, reduce-scatter, all-reduce and broadcast take CUDA tensors (staged through
   host memory); its send/recv do not, so fsdp's point-to-point forms stay CPU-only.
 
+The overlap test runs outside the pools, in a fresh interpreter that plays rank 0 of 8 on torch's
+fake process group with slept collectives (``tests/_overlap.py``; its CPU run is in
+``tests/test_streams.py``).
+
 Both pools turn on ``torch.use_deterministic_algorithms``: fsdp and torch FSDP1 do the same
 arithmetic in the same order, so every comparison with torch is bit for bit (``torch.equal``).
 Comparisons with the single-process model use the tolerance the CPU parity tests derive
@@ -763,3 +767,51 @@ def test_object_collectives_on_device_id(pool_name: str, request: pytest.Fixture
     pool: RankPool = request.getfixturevalue(pool_name)
     counts = pool.run(check_object_collectives_on, "cuda:0")
     assert counts[0] > 0 and counts == [counts[0]] * pool.world_size
+
+
+# ------------------------------------------------------------------------------ overlap (fake group)
+def test_overlap_on_the_fake_group() -> None:
+    """fsdp as rank 0 of 8 on torch's fake process group, every block's collectives and compute
+    slept for known times on their streams (tests/_overlap.py; issue 30, part 2), in a fresh
+    interpreter: the CUDA events on the compute stream show each overlap the stream schedule
+    promises ([Note: Stream edges] in fsdp/flat_param/_streams.py), and the memory shows the
+    run-ahead bounded. K blocks, compute C and collective T per block (C = T = 20 ms, K = 6):
+    serialized, a phase takes K (C + T) = 240 ms; overlapped about (K + 1) max(C, T) = 140 ms.
+    The bar, 0.75 K (C + T) = 180 ms, leaves 40 ms for the host's hooks and launches (tens of
+    us per unit); each phase is also at least its slept compute, K C (the sleeps ran)."""
+    from tests import _overlap as o
+
+    doc = o.run_in_subprocess("cuda")
+    runs = {(r["scenario"], r["limit_all_gathers"]): r for r in doc["results"]}
+    k, c, t = o.BLOCKS, o.COMPUTE_S, o.COMM_S
+    serialized = k * (c + t)
+    # (a) Forward, FULL_SHARD, no forward prefetch: block k+1's all-gather runs during block k's
+    # forward (the unshard stream waits for the compute stream once per iteration, not per gather).
+    forward = runs[("forward", True)]["forward_s"]
+    assert k * c * 0.95 < forward < 0.75 * serialized, f"forward {forward:.3f} s; serialized {serialized:.3f} s"
+    # (b) Backward, SHARD_GRAD_OP: block k's reduce-scatter runs during block k-1's backward.
+    backward = runs[("backward", True)]["backward_s"]
+    assert k * c * 0.95 < backward < 0.75 * serialized, f"backward {backward:.3f} s; serialized {serialized:.3f} s"
+    # (c) Hybrid (2 nodes of 4), short compute: block k's all-reduce across nodes (on the
+    # all-reduce stream) runs during block k-1's reduce-scatter (on the post-backward stream).
+    hybrid = runs[("hybrid", True)]["backward_s"]
+    both = k * 2 * t
+    assert k * t * 0.95 < hybrid < 0.75 * both, f"hybrid backward {hybrid:.3f} s; serialized {both:.3f} s"
+    # (d) Memory of the forward's run-ahead (FULL_SHARD, no prefetch). U: one block's gathered
+    # buffer (16 MiB, a segment of its own). Allocated: the host frees block k before it gathers
+    # block k+1, so one gathered block at a time, whatever the GPU's lag (limiter or not), plus
+    # activations (under 1 MiB) and the root's few bytes. Reserved: with limit_all_gathers, when
+    # the host allocates block k+2 the compute stream is past block k, so only block k+1's freed
+    # buffer may still be pending: two blocks' segments, plus the small pools' 2 MiB segments
+    # (compute and unshard streams); without it the host runs all K gathers ahead: K segments.
+    mib = 2**20
+    unit = runs[("forward", True)]["unit_bytes"]
+    for limit in (True, False):
+        run = runs[("forward", limit)]
+        allocated = run["forward_max_allocated"] - run["allocated_at_start"]
+        assert allocated <= unit + 2 * mib, f"limit={limit}: forward allocated {allocated / mib:.1f} MiB, one block is {unit / mib:.0f}"
+    limited, unlimited = (runs[("forward", limit)] for limit in (True, False))
+    reserved = limited["forward_max_reserved"] - limited["reserved_at_start"]
+    assert reserved <= 2 * unit + 8 * mib, f"forward reserved {reserved / mib:.1f} MiB with limit_all_gathers"
+    ahead = unlimited["forward_max_reserved"] - unlimited["reserved_at_start"]
+    assert ahead >= (k - 1) * unit, f"without the limiter the run-ahead should show: {ahead / mib:.1f} MiB"

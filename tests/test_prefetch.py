@@ -163,8 +163,8 @@ def prefetch_completes_at_launch() -> None:
     unit_of_storage = {id(h.storage): h.unit_name for u in units for h in u._fsdp_state.handles}
     most_in_flight = [0]
 
-    def unshard(self: FlatParamHandle, full_precision: bool = False, async_op: bool = False) -> None:
-        original_unshard(self, full_precision, async_op)
+    def unshard(self: FlatParamHandle, full_precision: bool = False, async_op: bool = False, stream_ordered: bool = False) -> None:
+        original_unshard(self, full_precision, async_op, stream_ordered)
         if async_op:
             events.append(("launch", self.unit_name))
             expected = torch.cat([full[f"{self.unit_name}.{info.fqn}"].reshape(-1) for info in self.views.param_infos])

@@ -13,7 +13,7 @@ taken back.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -22,21 +22,25 @@ from fsdp._comm import _collectives as comm
 from fsdp._common import group_size, p_assert
 from fsdp.flat_param._layout import ShardLayout
 from fsdp.flat_param._sharding import gradient_divide_factors
-from fsdp.flat_param._storage import FlatParamStorage, on_stream, record_event
+from fsdp.flat_param import _streams
+from fsdp.flat_param._storage import FlatParamStorage
 from fsdp.flat_param._views import ParamViews, assign_grad
 
 __all__ = ["GradReduction"]
 
 
 class _InflightReduction(NamedTuple):
-    """A reduction launched on the post-backward stream: its completion event, the sharded
-    gradient it makes (in its kept form), and what must stay alive until the collective has
-    read it: the reduction's input as the compute stream made it ([Note: The reduction's input
-    outlives its readers])."""
+    """A reduction launched on the post-backward stream (the all-reduce stream finishes a
+    hybrid one): its completion event, the sharded gradient it makes (in its kept form), the
+    reduction's input as the compute stream made it, alive until the compute stream has waited
+    for ``input_read`` (None once released, or when the kept form holds the same memory), and
+    that event, recorded on the post-backward stream after its last read of the input ([Note:
+    The reduction's input outlives its readers])."""
 
-    event: torch.cuda.Event
+    event: Any  # torch.cuda.Event (the stream layer's)
     sharded_grad: torch.Tensor
-    keep_alive: torch.Tensor
+    keep_alive: Optional[torch.Tensor]
+    input_read: Any
 
 
 class GradReduction:
@@ -137,52 +141,97 @@ class GradReduction:
         call (the unit's ``UnitPolicy.reduction_stays_in_flight``, [Note: One schedule]).
 
         [Note: One reduction path]
-        Every strategy, backend and world size takes this path: reduce-scatter (all-reduce for
-        NO_SHARD), then all-reduce across replicas for hybrid strategies, or the comm hook, and
-        :meth:`wait` finishes it (post-divide, cast, offload copy, accumulation). On CUDA
-        the collectives run on the post-backward stream (``storage.post_backward_stream``), after
-        the compute stream's work so far, and the compute stream waits on an event only in
-        :meth:`wait` (torch FSDP1's post-backward stream); tests/test_cuda_lane.py's
-        training parity runs it (NO_SHARD and HYBRID_SHARD on the two-rank pool, offload on the
-        one-rank NCCL pool). On CPU there is no stream: the reduction completes before this
-        returns ([Note: On CPU a collective completes where it is launched] in ``_policy.py``).
+        Every strategy, backend and world size takes this path: the cast to ``reduce_dtype``,
+        reduce-scatter (all-reduce for NO_SHARD) or the comm hook, then for hybrid strategies the
+        all-reduce across replicas, post-divide and the kept form (cast back, offload copy), and
+        :meth:`wait` accumulates it. On CUDA the cast and the collective run on the
+        post-backward stream (``storage.post_backward_stream``), after the compute stream's work
+        so far, the all-reduce across replicas on the all-reduce stream ([Note: The all-reduce
+        across replicas runs on its own stream]); the compute stream waits for the reduction
+        only where its input's memory is given back (:meth:`release_input`, at the next unit's
+        gradient assembly) and for its result at the end of backward (:meth:`wait`), as torch
+        FSDP1's compute stream waits for its post-backward stream only there ([Note: Stream
+        edges] in ``_streams.py``; [Note: Overlapped gradient reduction] in docs/hook_order.md).
+        tests/test_cuda_lane.py's training parity runs it (NO_SHARD and HYBRID_SHARD on the
+        two-rank pool, offload on the one-rank NCCL pool) and its overlap tests time it;
+        tests/test_streams.py checks every edge on CPU. On CPU there is no stream: the
+        reduction completes before this returns ([Note: On CPU a collective completes where it
+        is launched] in ``_policy.py``).
         """
         unsharded_grad = self._take_unsharded_grad()
         if not sync:
             self.unsynced_unsharded_grad = unsharded_grad
             return
-        if unsharded_grad.dtype != self.storage.precision.reduce_dtype and not full_precision:
-            # (full_precision: a backward of a full-precision eval forward keeps its dtype.)
-            unsharded_grad = unsharded_grad.to(self.storage.precision.reduce_dtype)
         p_assert(self.inflight is None, f"unit '{self.unit_name}': two reductions in flight")
         stream = self.storage.post_backward_stream
-        # [Note: The reduction's input outlives its readers]
-        # On CUDA the compute stream made ``unsharded_grad`` and the post-backward stream reads
-        # it. The caching allocator ties a block to the stream that allocated it: once the last
-        # reference dies, the compute stream's next allocation (the previous unit's backward)
-        # may reuse the block while the post-backward stream still reads it. A comm hook may
-        # drop that reference itself: torch's ``fp16_compress_hook``/``bf16_compress_hook`` (and
-        # ours) replace ``grad.data`` with a cast copy whose kernel is queued on the
-        # post-backward stream, so the fp32 block would be free while the cast has not run.
-        # ``reduction_input`` is a second reference to the same storage, held by the in-flight
-        # record until :meth:`wait` has made the compute stream wait for the reduction's event:
-        # after that the compute stream frees it, in order. It costs no memory the reduction
-        # would not hold anyway (without a hook the in-flight record holds the same tensor).
-        # tests/test_cuda_lane.py's compress-hook race runs a hook that holds the post-backward
-        # stream (``torch.cuda._sleep``) before ``bf16_compress_hook`` casts.
-        reduction_input = unsharded_grad.detach()
-        with on_stream(stream, self.storage.device):
+        p_assert(not in_flight or stream is not None, f"unit '{self.unit_name}': a reduction in flight needs a stream")
+        # The input as the compute stream made it stays referenced while the post-backward
+        # stream may read it ([Note: The reduction's input outlives its readers], release_input).
+        # (Without a stream the reduction completes here: no second reference, so a cast frees
+        # the input at once, as it always has on CPU.)
+        reduction_input = unsharded_grad.detach() if in_flight else None
+        if stream is not None:
+            stream.wait_stream(_streams.current_stream(self.storage.device))  # [Note: Stream edges], 3
+        with _streams.use_stream(stream):
+            cast = unsharded_grad.dtype != self.storage.precision.reduce_dtype and not full_precision
+            if cast:
+                # On the post-backward stream, as torch FSDP1 casts (full_precision: a backward
+                # of a full-precision eval forward keeps its dtype).
+                unsharded_grad = unsharded_grad.to(self.storage.precision.reduce_dtype)
+                input_read = _streams.record_event(stream) if stream is not None else None
             if comm_hook is not None:
                 sharded_grad = self._reduce_with_hook(unsharded_grad, comm_hook, comm_hook_state)
             else:
-                sharded_grad = self._reduce_default(unsharded_grad)
-            # [Note: A reduction finishes on its stream]
-            sharded_grad = self._kept_form(sharded_grad)
-            event = record_event(stream) if stream is not None else None
-        if not in_flight or event is None:  # complete already (no stream)
+                sharded_grad = self._reduce_in_group(unsharded_grad)
+            reduced = _streams.record_event(stream) if stream is not None else None
+            if not cast:
+                input_read = reduced
+        sharded_grad, event = self._finish(sharded_grad, comm_hook is None, stream, reduced)
+        if reduction_input is None:  # complete already (no stream)
             self._accumulate_reduced(sharded_grad)
             return
-        self.inflight = _InflightReduction(event, sharded_grad, reduction_input)
+        if reduction_input.untyped_storage().data_ptr() == sharded_grad.untyped_storage().data_ptr():
+            keep: Optional[torch.Tensor] = None  # the kept form holds it (NO_SHARD in place)
+        else:
+            keep = reduction_input
+        self.inflight = _InflightReduction(event, sharded_grad, keep, input_read)
+
+    def _finish(
+        self, sharded_grad: torch.Tensor, default: bool, stream: Optional[Any], reduced_event: Any
+    ) -> tuple[torch.Tensor, Any]:
+        """The rest of a reduction after the collective over the shard group: the all-reduce
+        across replicas (hybrid strategies, default reduction) and post-divide, then the kept
+        form ([Note: A reduction finishes on its stream]). Returns the kept form and the event
+        the compute stream waits on for it (None without streams).
+
+        [Note: The all-reduce across replicas runs on its own stream]
+        A hybrid unit's all-reduce runs on the all-reduce stream, after the reduce-scatter's
+        event (``reduced_event``, recorded on the post-backward stream right after it), so the
+        next unit's reduce-scatter on the post-backward stream is not queued behind it, as in
+        torch FSDP1. The reduce-scatter's output was allocated on the
+        post-backward stream: held by the in-flight record where it is the kept form, else
+        ``record_stream``ed on the all-reduce stream before it is dropped, so the post-backward
+        stream's next allocations reuse it only once the all-reduce stream is done with it.
+        tests/test_cuda_lane.py's overlap test times it; tests/test_streams.py checks the edges.
+        """
+        finish_stream = stream
+        replicated = default and self.replicate_world_size > 1
+        if replicated and stream is not None:
+            finish_stream = self.storage.all_reduce_stream
+            p_assert(finish_stream is not None, f"unit '{self.unit_name}': no all-reduce stream")
+            assert finish_stream is not None  # for type checkers
+            finish_stream.wait_event(reduced_event)  # [Note: Stream edges], 4
+        with _streams.use_stream(finish_stream):
+            reduced = sharded_grad
+            if replicated:
+                comm.all_reduce_sum(reduced, self.replicate_group)
+            if default and self.post_divide > 1:
+                reduced.div_(self.post_divide)
+            kept = self._kept_form(reduced)
+            if finish_stream is not stream and kept is not reduced:
+                _streams.record_stream(reduced, finish_stream)
+            event = _streams.record_event(finish_stream) if finish_stream is not None else None
+        return kept, event
 
     def _take_unsharded_grad(self) -> torch.Tensor:
         """Takes the FlatParameter's unsharded gradient (``.grad`` becomes None), with any prior
@@ -205,18 +254,55 @@ class GradReduction:
             self.unsynced_unsharded_grad = None
         return unsharded_grad
 
+    def release_input(self) -> None:
+        """Gives the compute stream back the memory of a reduction in flight's input: the
+        compute stream waits for the event after the post-backward stream's last read of it and
+        drops the reference. The rest of the reduction (a hybrid all-reduce, the cast to full
+        precision, the offload copy) stays in flight. A no-op without a reduction in flight or
+        when nothing is held.
+
+        [Note: The reduction's input outlives its readers]
+        On CUDA the compute stream made the reduction's input (``unsharded_grad`` in
+        :meth:`reduce`) and the post-backward stream reads it. The caching allocator ties a
+        block to the stream that allocated it: once the last reference dies, the compute
+        stream's next allocation (the previous unit's backward) may reuse the block while the
+        post-backward stream still reads it. A comm hook may
+        drop that reference itself: torch's ``fp16_compress_hook``/``bf16_compress_hook`` (and
+        ours) replace ``grad.data`` with a cast copy whose kernel is queued on the
+        post-backward stream, so the fp32 block would be free while the cast has not run.
+        ``reduction_input`` is a second reference to the same storage, held by the in-flight
+        record until the compute stream has waited for ``input_read``, the event after the
+        post-backward stream's last read of it (the cast to ``reduce_dtype`` where there is
+        one, else the collective): :meth:`release_input` at the next unit's gradient
+        assembly, or :meth:`wait`. After that the compute stream frees it, in order: at most
+        one input is alive at a time, as before. Without a cast it costs nothing the reduction
+        would not hold anyway (the collective reads the same tensor). With one, the input kept
+        is the ``param_dtype`` gradient (its ``reduce_dtype`` copy, made on the post-backward
+        stream, is freed there once the collective is issued): smaller than the copy the
+        compute stream kept while it cast, except while the reduced shard is allocated, when
+        both the gradient and its copy are alive (one reduced shard, 1/N of the copy, more
+        than the cast on the compute stream held; the planner replays it, plan/_schedule.py).
+        tests/test_cuda_lane.py's compress-hook race runs a hook that holds the post-backward
+        stream (``torch.cuda._sleep``) before ``bf16_compress_hook`` casts.
+        """
+        inflight = self.inflight
+        if inflight is None or inflight.keep_alive is None:
+            return
+        _streams.current_stream(self.storage.device).wait_event(inflight.input_read)  # [Note: Stream edges], 5
+        self.inflight = inflight._replace(keep_alive=None)
+
     def wait(self) -> None:
-        """Completes a reduction in flight: wait, post-divide, accumulate. Else a no-op."""
+        """Completes a reduction in flight: wait, accumulate. Else a no-op."""
         inflight = self.inflight
         if inflight is None:
             return
         self.inflight = None
         sharded_grad = inflight.sharded_grad
-        current = torch.cuda.current_stream(self.storage.device)
-        current.wait_event(inflight.event)
-        if sharded_grad.device.type == "cuda":  # (with offload it is already on the host)
-            # Made on the post-backward stream, used on this one: keep it from being reused early.
-            sharded_grad.record_stream(current)
+        current = _streams.current_stream(self.storage.device)
+        current.wait_event(inflight.event)  # [Note: Stream edges], 5
+        if not self.storage.offload_params:  # (with offload it is a host buffer)
+            # Made on a side stream, used on this one: keep it from being reused early.
+            _streams.record_stream(sharded_grad, current)
         self._accumulate_reduced(sharded_grad)
 
     def _kept_form(self, sharded_grad: torch.Tensor) -> torch.Tensor:
@@ -226,12 +312,14 @@ class GradReduction:
         an accelerator; :meth:`finalize` waits for the copies).
 
         [Note: A reduction finishes on its stream]
-        On CUDA this runs on the post-backward stream, right after the collective and before
-        the event the compute stream waits on, as torch FSDP1 offloads a gradient on its
-        post-backward stream: the cast and the device-to-host copy (a unit's whole sharded
+        On CUDA this runs on the stream of the reduction's last collective (the post-backward
+        stream; the all-reduce stream for a hybrid unit), right after it and before the event
+        the compute stream waits on, as torch FSDP1 offloads a gradient on its post-backward
+        stream: the cast and the device-to-host copy (a unit's whole sharded
         gradient with offload) overlap the next units' backward instead of queuing on the
-        compute stream in front of it. The reduced tensor it reads was made on that stream and
-        is used only there (NO_SHARD reduces the compute stream's gradient in place: that one
+        compute stream in front of it. The reduced tensor it reads was made on a side stream and
+        is used only there or kept alive ([Note: The all-reduce across replicas runs on its own
+        stream]; NO_SHARD reduces the compute stream's gradient in place: that one
         stays referenced by the reduction in flight until the compute stream has waited on the
         event), so dropping it is safe; the host copy is complete once the event is.
         tests/test_cuda_lane.py's training parity runs it (offload on the one-rank NCCL pool,
@@ -270,9 +358,10 @@ class GradReduction:
         comm_hook(comm_hook_state, unsharded_grad, output)
         return output
 
-    def _reduce_default(self, unsharded_grad: torch.Tensor) -> torch.Tensor:
-        """Pre-divide, reduce-scatter (all-reduce for NO_SHARD), all-reduce across replicas,
-        post-divide; returns the sharded gradient (issued in full on the current stream)."""
+    def _reduce_in_group(self, unsharded_grad: torch.Tensor) -> torch.Tensor:
+        """Pre-divide, reduce-scatter (all-reduce for NO_SHARD) over the shard group; returns
+        the sharded gradient (issued on the current stream). :meth:`_finish` all-reduces it
+        across replicas and post-divides."""
         if self.pre_divide > 1:
             unsharded_grad.div_(self.pre_divide)
         sharded_grad = unsharded_grad
@@ -283,10 +372,6 @@ class GradReduction:
             comm.reduce_scatter_flat(sharded_grad, unsharded_grad, self.process_group)
         elif self.layout.world_size > 1:
             comm.all_reduce_sum(unsharded_grad, self.process_group)
-        if self.replicate_world_size > 1:
-            comm.all_reduce_sum(sharded_grad, self.replicate_group)
-        if self.post_divide > 1:
-            sharded_grad.div_(self.post_divide)
         return sharded_grad
 
     def finalize(self) -> None:

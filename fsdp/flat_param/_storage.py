@@ -11,10 +11,9 @@ FSDP1 keeps on it, and :func:`set_torch_metadata` sets it.
 
 from __future__ import annotations
 
-import contextlib
 from concurrent.futures import Future
 from enum import Enum, auto
-from typing import Any, ContextManager, NamedTuple, Optional, cast
+from typing import Any, NamedTuple, Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -23,6 +22,7 @@ from torch import nn
 from fsdp._comm import _collectives as comm
 from fsdp._common import p_assert
 from fsdp.flat_param._layout import FSDP_FLATTENED, ParamInfo, ShardLayout, ShardParamInfo, UnitParams
+from fsdp.flat_param import _streams
 from fsdp.flat_param._precision import HandlePrecision
 
 __all__ = ["FlatParameter", "FlatParamStorage", "HandleState", "set_torch_metadata"]
@@ -118,24 +118,8 @@ class _PendingUnshard(NamedTuple):
     """An all-gather launched on the unshard stream (CUDA): its completion event, and the input
     shard, kept alive until the collective has read it."""
 
-    event: torch.cuda.Event
+    event: Any  # a torch.cuda.Event (the stream layer's, [Note: Stream edges])
     shard: torch.Tensor
-
-
-def on_stream(stream: Optional[torch.cuda.Stream], device: torch.device) -> ContextManager[object]:
-    """``torch.cuda.stream(stream)``, ordered after the current stream's work; a no-op for
-    ``None`` (CPU: the stream layer does nothing)."""
-    if stream is None:
-        return contextlib.nullcontext()
-    stream.wait_stream(torch.cuda.current_stream(device))
-    return torch.cuda.stream(stream)
-
-
-def record_event(stream: torch.cuda.Stream) -> torch.cuda.Event:
-    """A CUDA event recorded on ``stream`` now."""
-    event = torch.cuda.Event()
-    event.record(stream)
-    return event
 
 
 def _free_storage(tensor: torch.Tensor) -> None:
@@ -207,10 +191,12 @@ class FlatParamStorage:
         # An update of the local shard still running elsewhere (the pipelined host step,
         # [Note: Pipelined host step] in runtime/_host_step.py): every gather waits for it.
         self.pending_update: Optional[Future[Any]] = None
-        # CUDA: the side streams every all-gather and every gradient reduction run on (set at
-        # lazy init, shared by the tree, as torch FSDP1's); None on CPU.
-        self.unshard_stream: Optional[torch.cuda.Stream] = None
-        self.post_backward_stream: Optional[torch.cuda.Stream] = None
+        # CUDA: the side streams every all-gather, every gradient reduction and the hybrid
+        # strategies' all-reduce across replicas run on (set at lazy init, shared by the tree, as
+        # torch FSDP1's; [Note: Stream edges] in _streams.py); None on CPU.
+        self.unshard_stream: Optional[Any] = None
+        self.post_backward_stream: Optional[Any] = None
+        self.all_reduce_stream: Optional[Any] = None
         self.precision = precision
         self.padded_unsharded_full: Optional[torch.Tensor] = None
         self.padded_unsharded_low: Optional[torch.Tensor] = None
@@ -265,6 +251,7 @@ class FlatParamStorage:
         self.local_shard = new_local_shard
         self.precision = precision
         self._new_buffers()
+        self.order_gathers_after_compute()  # the cast was made on the compute stream
 
     def padded_unsharded_for(self, full_precision: bool) -> torch.Tensor:
         """The padded unsharded tensor of the requested precision (its storage may be freed)."""
@@ -287,17 +274,22 @@ class FlatParamStorage:
             return HandleState.UNSHARDED_FULL_PRECISION
         return HandleState.UNSHARDED
 
-    def gather(self, target: HandleState, full_precision: bool, async_op: bool) -> None:
+    def gather(self, target: HandleState, full_precision: bool, async_op: bool, stream_ordered: bool = False) -> None:
         """Fills the padded unsharded buffer of ``target``'s precision and makes it ``.data``.
 
         [Note: One gather path] Every unshard (forward, backward, prefetch, summon, state dicts)
-        takes this path. On CUDA it runs on the unshard stream, after the compute stream's work
-        so far, and the compute stream waits on an event (torch FSDP1's unshard stream: the CPU
-        runs ahead and the gather overlaps the previous unit's compute); tests/test_cuda_lane.py
-        runs it (every config on the two-rank pool, offload on the one-rank NCCL pool). A
-        prefetch (``async_op``) is waited for by :meth:`wait_unshard`, any other gather at once.
-        On CPU every gather completes here, a prefetch too ([Note: On CPU a collective completes
-        where it is launched] in ``_policy.py``).
+        takes this path. On CUDA it runs on the unshard stream and the compute stream waits on
+        its event where the unit starts (:meth:`wait_unshard`): the CPU runs ahead and the
+        gather overlaps the previous unit's compute. The unshard stream waits for the compute
+        stream only where a gather reads what the compute stream may have written, the local
+        shard ([Note: Stream edges] in ``_streams.py``): the runtime's gathers
+        (``stream_ordered``) are ordered once per iteration by the runtime, any other gather
+        (summon, state dicts, between iterations) waits here. tests/test_cuda_lane.py runs it
+        (every config on the two-rank pool, offload on the one-rank NCCL pool, the overlap on
+        the fake group); tests/test_streams.py checks its edges on CPU. A prefetch
+        (``async_op``) is waited for by :meth:`wait_unshard`, any other gather at once. On CPU
+        every gather completes here, a prefetch too ([Note: On CPU a collective completes where
+        it is launched] in ``_policy.py``).
 
         Precondition: SHARDED, no gather pending. Postcondition: the state is ``target``; the
         values are valid unless ``async_op`` on CUDA.
@@ -307,7 +299,9 @@ class FlatParamStorage:
         padded_unsharded = self.padded_unsharded_for(full_precision)
         if padded_unsharded is not self.local_shard:
             stream = self.unshard_stream if self.uses_sharding else None
-            with on_stream(stream, self.device):
+            if stream is not None and not stream_ordered:
+                stream.wait_stream(_streams.current_stream(self.device))
+            with _streams.use_stream(stream):
                 _alloc_storage(padded_unsharded)
                 shard = self.local_shard
                 if self.offload_params:
@@ -321,11 +315,19 @@ class FlatParamStorage:
                 else:
                     comm.all_gather_flat(padded_unsharded, shard, self.process_group)
                     if stream is not None:
-                        self.pending_unshard = _PendingUnshard(record_event(stream), shard)
+                        self.pending_unshard = _PendingUnshard(_streams.record_event(stream), shard)
         self.flat_param.data = padded_unsharded
         self._transition(target)
         if not async_op:
             self.wait_unshard()
+
+    def order_gathers_after_compute(self) -> None:
+        """The unshard stream waits for the compute stream's work so far (a no-op without
+        streams): called right after the compute stream wrote the local shard inside an
+        iteration, where no iteration wait follows before the next gather ([Note: Stream
+        edges], edge 1)."""
+        if self.unshard_stream is not None:
+            self.unshard_stream.wait_stream(_streams.current_stream(self.device))
 
     def wait_update(self) -> None:
         """Waits for a pending update of the local shard (a no-op without one); re-raises its
@@ -339,10 +341,11 @@ class FlatParamStorage:
         pending, self.pending_unshard = self.pending_unshard, None
         if pending is None:
             return
-        current = torch.cuda.current_stream(self.device)
+        current = _streams.current_stream(self.device)
         current.wait_event(pending.event)
-        # Allocated on the unshard stream, used on this one: keep it from being reused early.
-        self.flat_param.data.record_stream(current)
+        # Allocated on the unshard stream, used on this one: once freed, no gather reuses the
+        # block before this stream is past its last read ([Note: Stream edges], edge 2).
+        _streams.record_stream(self.flat_param.data, current)
 
     def free_unsharded(self) -> None:
         """Points ``.data`` back at the local shard and frees the padded unsharded buffers.
@@ -359,6 +362,7 @@ class FlatParamStorage:
         """Copies ``local_slice`` (this rank's slice of ``padded_unsharded``) into the local shard."""
         if padded_unsharded.data_ptr() != self.local_shard.data_ptr():
             self.local_shard.copy_(local_slice)
+            self.order_gathers_after_compute()
 
 
 def set_torch_metadata(

@@ -285,7 +285,7 @@ class FlatParamHandle:
     def _local_shard(self) -> torch.Tensor:
         return self.storage.local_shard
 
-    def unshard(self, full_precision: bool = False, async_op: bool = False) -> None:
+    def unshard(self, full_precision: bool = False, async_op: bool = False, stream_ordered: bool = False) -> None:
         """Makes the padded unsharded parameter the FlatParameter's ``.data``.
 
         Args:
@@ -293,8 +293,11 @@ class FlatParamHandle:
                 instead of the ``param_dtype`` copy forward and backward use.
             async_op: Prefetch: on CUDA only launch the all-gather on the unshard stream; the
                 next plain ``unshard()`` waits for it ([Note: One gather path] in
-                ``_storage.py``). On CPU the gather completes here all the same ([Note: A CPU
-                gather completes where it is launched] in ``runtime/_prefetch.py``).
+                ``_storage.py``). On CPU the gather completes here all the same ([Note: On CPU
+                a collective completes where it is launched] in ``_policy.py``).
+            stream_ordered: The runtime has ordered the unshard stream after the compute
+                stream's writes of the local shard (its once-per-iteration wait, [Note: Stream
+                edges] in ``_streams.py``); otherwise the gather waits for the compute stream.
 
         Postcondition: state is UNSHARDED (UNSHARDED_FULL_PRECISION when ``full_precision`` and
         the parameters run in low precision) with ``.data`` on the compute device, its values
@@ -308,7 +311,7 @@ class FlatParamHandle:
             return
         if self.state is not HandleState.SHARDED:
             self.reshard()
-        self.storage.gather(target, full_precision, async_op)
+        self.storage.gather(target, full_precision, async_op, stream_ordered)
 
     @property
     def unshard_pending(self) -> bool:
@@ -335,9 +338,7 @@ class FlatParamHandle:
 
     def write_back_shard(self, padded_unsharded: torch.Tensor) -> None:
         """Copies this rank's slice of ``padded_unsharded`` into the local shard."""
-        local_shard = self.storage.local_shard
-        if padded_unsharded.data_ptr() != local_shard.data_ptr():
-            local_shard.copy_(self.shard_layout.local_slice(padded_unsharded))
+        self.storage.write_back_shard(padded_unsharded, self.shard_layout.local_slice(padded_unsharded))
 
     # ------------------------------------------------------------------ views and gradients
     def use_unsharded_views(self, as_params: bool = False) -> None:
@@ -368,9 +369,15 @@ class FlatParamHandle:
     def writeback_orig_params(self) -> None:
         """use_orig_params: adopts ``.data`` or Parameters the user replaced since the last step
         (``ParamViews.writeback``; raises ValueError for a wrong shape); a stale gathered copy
-        is dropped, so the next unshard gathers the new values."""
+        is dropped, so the next unshard gathers the new values.
+
+        A prefetched gather still reading the local shard is waited for first (the copy must
+        not overwrite it under the collective), and the unshard stream is ordered after the
+        copy ([Note: Stream edges] in ``_streams.py``, edge 1)."""
+        self.storage.wait_unshard()
         if not self.views.writeback():
             return
+        self.storage.order_gathers_after_compute()
         if self.has_unsharded_buffer and self.is_unsharded:
             self.reshard()
         self.views.use_sharded()

@@ -279,14 +279,20 @@ class _Replay:
         self.reshard(hid[0], only_frozen_besides=hid[1])
         if self.units[hid[0]].policy.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
             self.prefetch(hid[0], self.backward_order, backward=True)
+        # [Note: One schedule] in flat_param/_policy.py: the rule the post-backward hook runs.
+        in_flight = self.units[hid[0]].policy.reduction_stays_in_flight(not cfg.device_is_cpu)
+        original = unsharded  # the gradient as autograd made it (param_dtype)
         if reduce_b != param_b:
+            # The cast to reduce_dtype: on CPU the original dies with it; on an accelerator it
+            # runs on the post-backward stream and the original stays in flight until released
+            # ([Note: The reduction's input outlives its readers] in flat_param/_reduction.py).
             self.add(LOW, spec.padded_unsharded_numel * reduce_b)
-            self.add(UNSHARDED_GRADS, -unsharded)
+            if not in_flight:
+                self.add(UNSHARDED_GRADS, -unsharded)
             unsharded_kind, unsharded = LOW, spec.padded_unsharded_numel * reduce_b
         else:
             unsharded_kind = UNSHARDED_GRADS
-        # [Note: One schedule] in flat_param/_policy.py: the rule the post-backward hook runs.
-        in_flight = self.units[hid[0]].policy.reduction_stays_in_flight(not cfg.device_is_cpu)
+        cast_in_flight = in_flight and unsharded_kind == LOW
         reduced = sharded_reduce if spec.uses_sharding else unsharded  # NO_SHARD: in place
         if spec.uses_sharding:
             self.add(GRADS, sharded_reduce)
@@ -295,19 +301,26 @@ class _Replay:
             self.add(unsharded_kind, -unsharded)
         if in_flight:
             # [Note: A reduction finishes on its stream] in flat_param/_reduction.py: the kept
-            # form (cast, offload copy) is made right after the collective; the reduction's
-            # input stays alive until the wait (NO_SHARD: the gradient reduced in place).
+            # form (cast, offload copy) is made right after the collective; the reduction's input
+            # as autograd made it stays alive until released (NO_SHARD: the gradient reduced in
+            # place), the reduce_dtype copy is freed on the post-backward stream once issued.
             if spec.uses_sharding:
+                if cast_in_flight:
+                    self.add(LOW, -unsharded)
                 self.accumulate(hid, reduced)
-                self.inflight = (hid, [(unsharded_kind, unsharded)], None)
+                self.inflight = (hid, [(UNSHARDED_GRADS, original)], None)
             else:
                 full = spec.sharded_numel * _itemsize(spec.precision.full_dtype)
                 offloads = self.units[hid[0]].policy.offload_params
-                if reduced != full or offloads:
+                kept_apart = reduced != full or offloads
+                if kept_apart:
                     self.add(GRADS, full, cpu=offloads)
-                    self.inflight = (hid, [(GRADS, reduced)], None)
+                if cast_in_flight:
+                    if kept_apart:
+                        self.add(GRADS, -reduced)
+                    self.inflight = (hid, [(UNSHARDED_GRADS, original)], None)
                 else:
-                    self.inflight = (hid, [], None)  # the reduced gradient itself is kept
+                    self.inflight = (hid, [(GRADS, reduced)] if kept_apart else [], None)
         else:
             if spec.uses_sharding:
                 self.add(unsharded_kind, -unsharded)

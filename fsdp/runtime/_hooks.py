@@ -23,14 +23,9 @@ from fsdp.flat_param._recast import adopt_external_cast, check_not_recast_since_
 from fsdp.runtime._exec_order import check_execution_order, finish_first_iteration
 from fsdp.runtime._lazy_init import lazy_init, require_root
 from fsdp.runtime._mixed_precision import cast_forward_inputs, set_buffers_full_precision
-from fsdp.runtime._prefetch import prefetch_after, record_free_event, unshard_unit
+from fsdp.runtime._prefetch import order_gathers_after_compute, prefetch_after, record_free_event, unshard_unit
 from fsdp.runtime._state import HandleTrainingState, RootContext, UnitState, transition
 
-
-# Gradient reductions a backward keeps in flight (see [Note: Overlapped gradient reduction]).
-# One is enough: a deeper pipeline measured no faster on the benchmark and holds one more
-# unsharded gradient.
-MAX_INFLIGHT_REDUCTIONS = 1
 
 _T = TypeVar("_T")
 
@@ -71,10 +66,13 @@ def _unit_pre_forward(
     """
     state = lazy_init(wrapper)
     state.forward_in_full_precision = state.full_precision_in_eval and not wrapper.training
+    assert state.ctx is not None
     if state.is_root:
         _recover_if_backward_interrupted(state)
         _release_kept_unit(state)
         args, kwargs = _root_pre_forward(state, args, kwargs)
+    elif state.ctx.root.training_state is not HandleTrainingState.FORWARD and not _in_backward(state):
+        order_gathers_after_compute(state.ctx)  # a nested unit run on its own: its own iteration
     args, kwargs = cast_forward_inputs(state, args, kwargs)
     if not state.is_root and _in_backward(state):
         # Activation checkpointing re-runs this unit's forward inside backward (see
@@ -171,6 +169,7 @@ def _root_pre_forward(
     """Moves forward inputs to the compute device (a no-op when they are already there)."""
     ctx = state.ctx
     assert ctx is not None
+    order_gathers_after_compute(ctx)  # once per iteration ([Note: Stream edges], edge 1)
     if ctx.buffers_in_full_precision != state.forward_in_full_precision:
         set_buffers_full_precision(ctx.states, state.forward_in_full_precision)
         ctx.buffers_in_full_precision = state.forward_in_full_precision
@@ -201,22 +200,22 @@ def _pre_forward(state: UnitState) -> None:
 
 
 def _register_early_reduction_wait(state: UnitState) -> None:
-    """In backward, the assembly of this unit's unsharded gradient first finishes the reduction
-    in flight.
+    """In backward, the assembly of this unit's unsharded gradient first gives back the memory
+    of the reduction inputs in flight.
 
-    [Note: Overlapped gradient reduction] keeps the previous unit's reduce-scatter running while
-    this unit's backward computes, and its gradient buffers alive until it completes. A pre-hook
-    on the node that concatenates the parameter views' gradients into the FlatParameter's
-    (split's backward) runs once they are all complete, just before that concatenation: the
-    unit's compute has overlapped the reduction by then, and waiting there rather than at the
-    unit's post-backward frees the previous unit's buffers before this unit's own unsharded
-    gradient is allocated, the step's memory peak. One hook per handle, not one per parameter
-    view: it runs once, where the last view's gradient is in (``tests/test_runtime.py``'s
-    ``test_reductions_finished_before_gradient_assembly``).
+    [Note: Overlapped gradient reduction] keeps the previous unit's reduction running while
+    this unit's backward computes, and its input alive until the post-backward stream has read
+    it. A pre-hook on the node that concatenates the parameter views' gradients into the
+    FlatParameter's (split's backward) runs once they are all complete, just before that
+    concatenation: the unit's compute has overlapped the reduction by then, and releasing the
+    input there rather than at the unit's post-backward frees it before this unit's own
+    unsharded gradient is allocated, the step's memory peak. One hook per handle, not one per
+    parameter view: it runs once, where the last view's gradient is in
+    (``tests/test_runtime.py``'s ``test_reductions_finished_before_gradient_assembly``).
     """
     if not torch.is_grad_enabled() or state.ctx is None:
         return
-    hook = functools.partial(_finish_reductions_hook, weakref.ref(state.ctx))
+    hook = functools.partial(_release_reduction_inputs_hook, weakref.ref(state.ctx))
     for handle in state.handles:
         views = [view for view in handle.views.module_tensors() if view.grad_fn is not None]
         if views:
@@ -236,21 +235,41 @@ def _gradient_assembly_node(view: torch.Tensor, flat_param: torch.Tensor) -> Nod
     return node
 
 
-def _finish_reductions_hook(ctx_ref: "weakref.ref[RootContext]", grad_outputs: tuple[torch.Tensor, ...]) -> None:
+def _release_reduction_inputs_hook(ctx_ref: "weakref.ref[RootContext]", grad_outputs: tuple[torch.Tensor, ...]) -> None:
     ctx = ctx_ref()
     if ctx is not None:
-        finish_inflight_reductions(ctx)
+        release_reduction_inputs(ctx)
 
 
-def finish_inflight_reductions(ctx: RootContext, keep: int = 0) -> None:
-    """Completes the gradient reductions in flight, oldest first, until ``keep`` remain.
+def release_reduction_inputs(ctx: RootContext) -> None:
+    """Gives back the memory of every reduction input in flight (the compute stream waits
+    for the post-backward stream's last read of each, ``GradReduction.release_input``); the
+    reductions themselves stay in flight until the end of backward. A unit whose parameters
+    have optimizers in backward completes here instead: they step on its reduced gradient
+    ([Note: Optimizers in backward]).
 
-    The one place reductions are waited for ([Note: Overlapped gradient reduction]): the
-    pre-hook of the next unit's gradient assembly, the pre-backward hook on CPU, the
-    post-backward hook's cap and the end of backward.
+    Where it runs: the pre-hook of the next unit's gradient assembly, and the post-backward
+    hook before it launches a reduction, so at most one reduction input is alive at a time
+    ([Note: Overlapped gradient reduction]).
     """
-    while len(ctx.inflight_reductions) > keep:
-        handle = ctx.inflight_reductions.pop(0)
+    for handle in list(ctx.inflight_reductions):
+        if _optimizers_in_backward(handle):
+            finish_inflight_reductions(ctx, only=handle)
+        else:
+            handle.grads.release_input()
+
+
+def finish_inflight_reductions(ctx: RootContext, only: Optional[FlatParamHandle] = None) -> None:
+    """Completes the gradient reductions in flight, oldest first (``only``: that handle's).
+
+    The one place reductions are completed ([Note: Overlapped gradient reduction]): the end of
+    backward; a unit with optimizers in backward where its input is released; a handle about
+    to reduce again in the same backward.
+    """
+    for handle in list(ctx.inflight_reductions):
+        if only is not None and handle is not only:
+            continue
+        ctx.inflight_reductions.remove(handle)
         handle.grads.wait()
         _step_optimizers_in_backward(handle)
 
@@ -319,9 +338,13 @@ def _register_orig_params_after_forward(state: UnitState) -> None:
 
 
 def _queue_final_callback(ctx: RootContext) -> None:
+    """At the first FSDP hook of a backward: queues the end-of-backward callback, and orders
+    the backward's gathers after the compute stream's work so far (once per backward,
+    [Note: Stream edges] in flat_param/_streams.py, edge 1)."""
     if not ctx.final_callback_queued:
         ctx.final_callback_queued = True
         Variable._execution_engine.queue_callback(functools.partial(_final_callback, ctx))
+        order_gathers_after_compute(ctx)
 
 
 def _pre_backward_hook(state: UnitState, grad: torch.Tensor, owner: Optional[nn.Module] = None) -> torch.Tensor:
@@ -394,8 +417,10 @@ def _post_backward_hook(
     )
     transition(state, HandleTrainingState.BACKWARD_POST)
     ctx = state.ctx
-    # Finish the oldest reductions first, so at most MAX_INFLIGHT_REDUCTIONS stay in flight.
-    finish_inflight_reductions(ctx, keep=MAX_INFLIGHT_REDUCTIONS - 1)
+    # At most one reduction input alive: release those in flight (a unit without the gradient
+    # assembly hook comes here first), and complete this handle's own if it reduces again.
+    release_reduction_inputs(ctx)
+    finish_inflight_reductions(ctx, only=handle)
     if state.reshards_after_backward():
         _reshard_after_backward(state, handle)
     prefetch_after(state, "backward_post")
@@ -477,8 +502,8 @@ def _step_optimizers_in_backward(handle: FlatParamHandle) -> None:
     gradient accumulation. Under FSDP with ``use_orig_params=True`` no such accumulation happens
     (forward uses views of the FlatParameter), so the wrapper steps them, as torch FSDP1 does,
     unit by unit during the backward: as soon as a unit's reduction is complete (where it
-    completes: in its post-backward hook, or where the overlapped reduction is waited for, see
-    [Note: Overlapped gradient reduction]) its sharded gradient is finalized early (``.grad``
+    completes: in its post-backward hook without streams; on CUDA where its input is released,
+    at the next unit's gradient assembly, see [Note: Overlapped gradient reduction]) its sharded gradient is finalized early (``.grad``
     set, any accumulated one added), every optimizer of a parameter with a gradient on this rank
     steps, and that gradient is dropped (a parameter this rank holds no part of has none and is
     skipped). The unit's reduced gradient then lives no longer than its reduction, and its
@@ -491,13 +516,7 @@ def _step_optimizers_in_backward(handle: FlatParamHandle) -> None:
     did not arrive. ``use_orig_params=False`` is refused at lazy initialization, as torch
     FSDP1 does.
     """
-    if not handle.use_orig_params:
-        return
-    stepping = [
-        (param, optimizers)
-        for param in handle.views.orig_params
-        if (optimizers := getattr(param, "_in_backward_optimizers", None))
-    ]
+    stepping = _optimizers_in_backward(handle)
     if not stepping:
         return
     handle.grads.finalize()
@@ -510,6 +529,17 @@ def _step_optimizers_in_backward(handle: FlatParamHandle) -> None:
         optimizers[-1].zero_grad(set_to_none=True)
     if all(param.grad is None for param in handle.views.orig_params):
         handle.flat_param.grad = None
+
+
+def _optimizers_in_backward(handle: FlatParamHandle) -> list[tuple[nn.Parameter, list[Any]]]:
+    """The handle's original Parameters with optimizers in backward, and those optimizers."""
+    if not handle.use_orig_params:
+        return []
+    return [
+        (param, optimizers)
+        for param in handle.views.orig_params
+        if (optimizers := getattr(param, "_in_backward_optimizers", None))
+    ]
 
 
 @contextlib.contextmanager

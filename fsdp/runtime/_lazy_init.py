@@ -26,9 +26,9 @@ import warnings
 import weakref
 from typing import Optional
 
-import torch
 from torch import nn
 
+from fsdp.flat_param import _streams
 from fsdp.runtime._state import RootContext, UnitState, check_idle, named_fsdp_states, unit_state
 
 
@@ -54,16 +54,19 @@ def lazy_init(module: nn.Module) -> UnitState:
             handle.unit_name = unit.unit_name
         ctx.unit_index[id(unit)] = len(ctx.states)
         ctx.states.append(unit)
-    if state.compute_device.type == "cuda":
-        # Every all-gather runs on one side stream, every gradient reduction on another, shared
-        # by the tree (torch FSDP1's unshard and post-backward streams; [Note: One gather path]
-        # in flat_param/_storage.py, [Note: One reduction path] in flat_param/_reduction.py).
-        unshard_stream = torch.cuda.Stream(device=state.compute_device)
-        post_backward_stream = torch.cuda.Stream(device=state.compute_device)
-        for unit in ctx.states:
-            for handle in unit.handles:
-                handle.storage.unshard_stream = unshard_stream
-                handle.storage.post_backward_stream = post_backward_stream
+    # Every all-gather runs on one side stream, every gradient reduction on another, the hybrid
+    # strategies' all-reduce across replicas on a third, shared by the tree (torch FSDP1's
+    # unshard, post-backward and all-reduce streams; [Note: Stream edges] in
+    # flat_param/_streams.py); none on CPU.
+    ctx.unshard_stream = _streams.new_stream(state.compute_device)
+    if ctx.unshard_stream is not None:
+        ctx.post_backward_stream = _streams.new_stream(state.compute_device)
+        ctx.all_reduce_stream = _streams.new_stream(state.compute_device)
+    for unit in ctx.states:
+        for handle in unit.handles:
+            handle.storage.unshard_stream = ctx.unshard_stream
+            handle.storage.post_backward_stream = ctx.post_backward_stream
+            handle.storage.all_reduce_stream = ctx.all_reduce_stream
     # [Note: Releasing the root context]; nothing to do at interpreter exit.
     weakref.finalize(module, _release_context, ctx).atexit = False
     return state

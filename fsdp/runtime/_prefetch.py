@@ -16,16 +16,27 @@ computation instead of running between the two:
 On CUDA every gather runs on the unshard stream ([Note: One gather path] in
 ``flat_param/_storage.py``), and the compute stream waits on an event only when the prefetched
 unit starts (torch FSDP1's design); the prefetched unit's ``unshard()`` waits for it, and
-resharding never frees memory a collective is still writing. On CPU a prefetch completes where
+resharding never frees memory a collective is still writing. The unshard stream waits for the
+compute stream once per iteration (:func:`order_gathers_after_compute`), not before each gather,
+so without any prefetch too a unit's gather runs while the previous unit computes: the CPU is
+ahead of the GPU and issues it as soon as the previous unit's forward is queued ([Note: Stream
+edges] in ``flat_param/_streams.py``). On CPU a prefetch completes where
 it is launched ([Note: On CPU a collective completes where it is launched] in
 ``flat_param/_policy.py``).
 
 ``limit_all_gathers=True`` (CUDA): the CPU thread runs ahead of the GPU, and a buffer that a
-prefetched (side-stream) gather filled can only be reused once the compute stream is past its
-last use, so without a limit a fast CPU could keep allocating fresh buffers for gathers of
-units far ahead. Each reshard of such a buffer records an event; before launching a gather
-the CPU waits for the oldest event while two or more are outstanding, so at most two freed
-buffers are still pending reuse. On CPU execution is eager (each free happens when the thread
+(side-stream) gather filled can only be reused once the compute stream is past its last use,
+so without a limit a fast CPU would keep allocating fresh buffers for gathers of units far
+ahead (with no wait of the unshard stream for the compute stream, nothing else holds it
+back). Each reshard of such a buffer records an event on the compute stream; before launching
+a gather the CPU waits for the oldest event while two or more are outstanding, so at most two
+freed buffers are still pending reuse: when the CPU allocates unit k+2's buffer (no
+prefetch), the compute stream is past unit k's last read, so unit k's block is free again and
+only unit k+1's may still be read. So the run-ahead costs at most one freed unit's buffer
+beyond the gathered units the CPU's own order holds (those the planner replays), whatever the
+distance the CPU runs ahead; torch FSDP1's limiter bounds it the same way.
+tests/test_cuda_lane.py's overlap test checks the bound on the fake group, and that
+``limit_all_gathers=False`` exceeds it. On CPU execution is eager (each free happens when the thread
 gets there) and a prefetch is always consumed by the very next unit, so nothing needs limiting.
 
 Prefetching only changes *when* collectives run, never which ones or their order on a rank (all
@@ -72,13 +83,13 @@ from __future__ import annotations
 
 from typing import Collection, Optional, Sequence
 
-import torch
-
 from fsdp.api import BackwardPrefetch
+from fsdp.flat_param import _streams
 from fsdp.runtime._state import RootContext, UnitState
 
 __all__ = [
     "MAX_INFLIGHT_UNSHARDS",
+    "order_gathers_after_compute",
     "prefetch_after",
     "record_free_event",
     "record_phase_orders",
@@ -192,7 +203,7 @@ def prefetch_after(state: UnitState, moment: str) -> None:
         if handle.is_unsharded or not handle.has_unsharded_buffer:
             continue
         _limit_all_gathers(state)
-        handle.unshard(full_precision=target.forward_in_full_precision, async_op=True)
+        handle.unshard(full_precision=target.forward_in_full_precision, async_op=True, stream_ordered=True)
         ctx.prefetches_issued += 1
 
 
@@ -200,12 +211,25 @@ def unshard_unit(state: UnitState) -> None:
     """Unshards the unit's handles for its forward or backward computation (waiting for a
     prefetch of them), after the ``limit_all_gathers`` wait where one gathers.
 
-    Postcondition: every handle is unsharded in the precision the forward computes in.
+    Precondition: the iteration's :func:`order_gathers_after_compute` ran (the root's
+    pre-forward, the first hook of a backward). Postcondition: every handle is unsharded in
+    the precision the forward computes in.
     """
     for handle in state.handles:
         if not handle.is_unsharded and handle.has_unsharded_buffer:
             _limit_all_gathers(state)
-        handle.unshard(full_precision=state.forward_in_full_precision)
+        handle.unshard(full_precision=state.forward_in_full_precision, stream_ordered=True)
+
+
+def order_gathers_after_compute(ctx: RootContext) -> None:
+    """The unshard stream waits for the compute stream's work so far: once per forward of the
+    root and once per backward, before their first gather ([Note: Stream edges] in
+    ``flat_param/_streams.py``, edge 1). The local shards every gather of the iteration reads
+    were last written before (the optimizer step, a state-dict load, any user code between
+    iterations); fsdp's own writes inside the iteration order the stream themselves. A no-op
+    without streams (CPU)."""
+    if ctx.unshard_stream is not None:
+        ctx.unshard_stream.wait_stream(_streams.current_stream(ctx.root.compute_device))
 
 
 def _limit_all_gathers(state: UnitState) -> None:
@@ -220,12 +244,10 @@ def _limit_all_gathers(state: UnitState) -> None:
 
 
 def record_free_event(state: UnitState) -> None:
-    """CUDA: marks where the compute stream is done with a unit's prefetched buffers."""
+    """CUDA: marks where the compute stream is done with a unit's gathered buffers."""
     ctx = state.ctx
-    if ctx is None or state.compute_device.type != "cuda" or not state.limit_all_gathers:
+    if ctx is None or ctx.unshard_stream is None or not state.limit_all_gathers:
         return
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(state.compute_device))
-    ctx.free_events.append(event)
+    ctx.free_events.append(_streams.record_event(_streams.current_stream(state.compute_device)))
     # Events on one stream complete in order: waiting for a newer one covers the older ones.
     del ctx.free_events[:-MAX_INFLIGHT_UNSHARDS]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum, auto
-from typing import TYPE_CHECKING, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -276,6 +276,8 @@ class RootContext:
             phase of the first iteration ([Note: Prefetch]).
         free_events: CUDA, limit_all_gathers: events recorded where units were resharded,
             oldest first ([Note: Prefetch]).
+        unshard_stream, post_backward_stream, all_reduce_stream: CUDA: the tree's side streams
+            ([Note: Stream edges] in ``flat_param/_streams.py``); None on CPU.
         prefetches_issued: Prefetched all-gathers launched so far (for tests and profiling).
         unit_kept_for_backward: The unit that keeps its parameters from its post-forward into
             its backward, from the second iteration on ([Note: The first backward unit stays
@@ -301,7 +303,10 @@ class RootContext:
     state_dict_done: set[int] = field(default_factory=set)
     forward_order: list[UnitState] = field(default_factory=list)
     backward_order: list[UnitState] = field(default_factory=list)
-    free_events: list[torch.cuda.Event] = field(default_factory=list)
+    free_events: list[Any] = field(default_factory=list)  # torch.cuda.Event (the stream layer's)
+    unshard_stream: Optional[Any] = None
+    post_backward_stream: Optional[Any] = None
+    all_reduce_stream: Optional[Any] = None
     prefetches_issued: int = 0
     unit_kept_for_backward: Optional[UnitState] = None
     kept_unit_pending: Optional[UnitState] = None
