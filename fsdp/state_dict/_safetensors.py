@@ -1,0 +1,366 @@
+"""Hugging Face safetensors files written as a stream, and a sharded checkpoint turned into them.
+
+[Note: Streaming safetensors]
+A safetensors file is 8 bytes (little-endian u64: the header's length), a JSON header naming
+every tensor with its ``dtype``, ``shape`` and ``data_offsets`` (begin and end, in bytes, from
+the end of the header), then the tensors' raw bytes back to back, in row-major order and
+little-endian. The header comes first, but it needs no value: only each tensor's name, dtype
+and shape, which an FSDP model knows statically (its units' parameter infos) and a DCP
+checkpoint knows from its metadata. So the files are planned in full before any value exists
+(:func:`plan_files`: which tensor goes to which file, Hugging Face's split rule), each file's
+header is written when the file is opened, and each tensor's bytes are written as the source
+yields it: the writer holds no tensor, only a file buffer of ``buffer_bytes``, and a tensor larger
+than that buffer goes from its own memory straight to the file. The files are written under a
+``.partial`` name and renamed once complete, the index (several files) after all of them.
+
+Where the values come from:
+- a live model: ``fsdp.export.save_safetensors`` runs ``full_params_stream`` (one unit gathered at
+  a time, on rank 0 only, zero-copy views of the gathered unit), so the writing rank holds one
+  unit plus the file buffer ([Note: Export streams one unit at a time]);
+- a sharded checkpoint (:func:`sharded_to_safetensors`): DCP's reader, one tensor at a time,
+  without a process group, so the writer holds one tensor (and DCP's read of one chunk of it)
+  plus the file buffer.
+
+The names are those of the unwrapped model (a SHARDED state dict's keys, less the checkpoint's
+``model.`` prefix), so ``transformers``' ``from_pretrained`` loads the folder (with a
+``config.json``, written when the caller passes a config).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+import sys
+import warnings
+from typing import Any, Iterable, Iterator, NamedTuple, Optional, Union
+
+import torch
+
+__all__ = [
+    "SAFE_WEIGHTS_NAME",
+    "SAFE_WEIGHTS_INDEX_NAME",
+    "TensorSpec",
+    "FilePlan",
+    "plan_files",
+    "write_safetensors",
+    "sharded_to_safetensors",
+]
+
+SAFE_WEIGHTS_NAME = "model.safetensors"
+SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+CONFIG_NAME = "config.json"
+
+#: The format's dtype names (those the ``safetensors`` package maps to torch).
+_DTYPE_NAMES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.complex64: "C64",
+    torch.uint16: "U16",
+    torch.uint32: "U32",
+    torch.uint64: "U64",
+}
+_PARTIAL = ".partial"
+
+
+class TensorSpec(NamedTuple):
+    """What a file's header says of one tensor: its name, dtype and shape."""
+
+    name: str
+    dtype: torch.dtype
+    shape: torch.Size
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for size in self.shape:
+            numel *= size
+        return numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+class FilePlan(NamedTuple):
+    """One file of the export: its name and its tensors, in the order they are written."""
+
+    filename: str
+    specs: list[TensorSpec]
+
+
+def _size_to_int(size: Union[int, str]) -> int:
+    """``max_shard_size`` in bytes: an int, or a string as Hugging Face takes it ("5GB" is 5 *
+    10**9 bytes, "5GiB" 5 * 2**30)."""
+    if isinstance(size, int):
+        return size
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)\s*", size.upper())
+    if match is None:
+        raise ValueError(f"fsdp: max_shard_size={size!r} is not a size; pass bytes (an int) or a string like '5GB'.")
+    unit = match.group(2)
+    scale = 1 if unit == "B" else (1024 if "I" in unit else 1000) ** ("KMGT".index(unit[0]) + 1)
+    return int(float(match.group(1)) * scale)
+
+
+def plan_files(specs: list[TensorSpec], max_shard_size: Union[int, str]) -> list[FilePlan]:
+    """Splits the tensors into files of at most ``max_shard_size`` bytes of data, in order.
+
+    Hugging Face's rule (``huggingface_hub.split_torch_state_dict_into_shards``): a tensor joins
+    the current file unless that would exceed the size, and a tensor larger than the size gets a
+    file of its own. Files are filled in the tensors' order, so they are written one after the
+    other. One file is named ``model.safetensors``; several ``model-00001-of-0000N.safetensors``.
+    """
+    limit = _size_to_int(max_shard_size)
+    if limit <= 0:
+        raise ValueError(f"fsdp: max_shard_size={max_shard_size!r} must be positive.")
+    groups: list[list[TensorSpec]] = []
+    used = limit + 1  # start a file at the first tensor
+    for spec in specs:
+        if not groups or used + spec.nbytes > limit:
+            groups.append([])
+            used = 0
+        groups[-1].append(spec)
+        used += spec.nbytes
+    if len(groups) <= 1:
+        return [FilePlan(SAFE_WEIGHTS_NAME, groups[0] if groups else [])]
+    return [FilePlan(f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors", g) for i, g in enumerate(groups)]
+
+
+def _header(specs: list[TensorSpec], metadata: dict[str, str]) -> bytes:
+    """The length prefix and the JSON header, padded with spaces to a multiple of 8 bytes (as the
+    ``safetensors`` package writes it, so the data starts aligned)."""
+    header: dict[str, Any] = {"__metadata__": dict(metadata)}
+    offset = 0
+    for spec in specs:
+        if spec.dtype not in _DTYPE_NAMES:
+            raise NotImplementedError(f"fsdp: safetensors has no dtype for {spec.name} ({spec.dtype}).")
+        end = offset + spec.nbytes
+        header[spec.name] = {"dtype": _DTYPE_NAMES[spec.dtype], "shape": list(spec.shape), "data_offsets": [offset, end]}
+        offset = end
+    blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    blob += b" " * (-(len(blob) + 8) % 8)
+    return struct.pack("<Q", len(blob)) + blob
+
+
+def _raw_bytes(tensor: torch.Tensor) -> memoryview:
+    """The tensor's bytes in row-major order, without a copy when it is a contiguous host tensor."""
+    host = tensor.detach().to("cpu").contiguous().reshape(-1)
+    return host.view(torch.uint8).numpy().data if host.numel() else memoryview(b"")
+
+
+class _Writer:
+    """Writes the planned files as the tensors come ([Note: Streaming safetensors])."""
+
+    def __init__(self, path: str, plans: list[FilePlan], buffer_bytes: int, metadata: dict[str, str]) -> None:
+        self.path = path
+        self.plans = plans
+        self.buffer_bytes = buffer_bytes
+        self.metadata = metadata
+        self.file_index = 0
+        self.tensor_index = 0  # in the current file
+        self.file: Optional[Any] = None
+
+    def _expected(self) -> TensorSpec:
+        while self.file_index < len(self.plans) and self.tensor_index == len(self.plans[self.file_index].specs):
+            self._close_file()
+        if self.file_index == len(self.plans):
+            raise RuntimeError("fsdp: safetensors export: the source yielded more tensors than were planned.")
+        return self.plans[self.file_index].specs[self.tensor_index]
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        spec = self._expected()
+        if (name, tensor.dtype, tensor.shape) != (spec.name, spec.dtype, spec.shape):
+            raise RuntimeError(
+                f"fsdp: safetensors export: the source yielded {name} ({tensor.dtype}, {tuple(tensor.shape)}) where "
+                f"the header says {spec.name} ({spec.dtype}, {tuple(spec.shape)}); the model changed during the export."
+            )
+        if self.file is None:
+            partial = os.path.join(self.path, self.plans[self.file_index].filename + _PARTIAL)
+            self.file = open(partial, "wb", buffering=self.buffer_bytes)
+            self.file.write(_header(self.plans[self.file_index].specs, self.metadata))
+        self.file.write(_raw_bytes(tensor))
+        self.tensor_index += 1
+
+    def _close_file(self) -> None:
+        filename = os.path.join(self.path, self.plans[self.file_index].filename)
+        if self.file is None:  # a file without tensors (an empty model)
+            self.file = open(filename + _PARTIAL, "wb")
+            self.file.write(_header([], self.metadata))
+        self.file.close()
+        os.replace(filename + _PARTIAL, filename)
+        self.file = None
+        self.file_index += 1
+        self.tensor_index = 0
+
+    def finish(self) -> None:
+        while self.file_index < len(self.plans):
+            if self.tensor_index < len(self.plans[self.file_index].specs):
+                missing = self.plans[self.file_index].specs[self.tensor_index].name
+                raise RuntimeError(f"fsdp: safetensors export: the source ended before {missing}.")
+            self._close_file()
+
+    def abort(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+
+def _write_index(path: str, plans: list[FilePlan]) -> None:
+    """``model.safetensors.index.json`` as Hugging Face writes it (several files only)."""
+    specs = [spec for plan in plans for spec in plan.specs]
+    numels = [spec.nbytes // max(torch.empty((), dtype=spec.dtype).element_size(), 1) for spec in specs]
+    index = {
+        "metadata": {"total_parameters": sum(numels), "total_size": sum(spec.nbytes for spec in specs)},
+        "weight_map": {spec.name: plan.filename for plan in plans for spec in plan.specs},
+    }
+    with open(os.path.join(path, SAFE_WEIGHTS_INDEX_NAME), "w", encoding="utf-8") as f:
+        f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def _write_config(path: str, config: Any) -> None:
+    """``config.json`` from a ``transformers`` config (``to_json_file``) or a dict."""
+    target = os.path.join(path, CONFIG_NAME)
+    if hasattr(config, "to_json_file"):
+        config.to_json_file(target)
+    elif isinstance(config, dict):
+        with open(target, "w", encoding="utf-8") as f:
+            f.write(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    else:
+        raise TypeError(f"fsdp: config must be a transformers config or a dict, not {type(config).__name__}.")
+
+
+def write_safetensors(
+    path: Union[str, os.PathLike[str]],
+    specs: list[TensorSpec],
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    *,
+    max_shard_size: Union[int, str],
+    buffer_bytes: int,
+    config: Any = None,
+    metadata: Optional[dict[str, str]] = None,
+) -> list[str]:
+    """Writes ``tensors`` (yielded in the order of ``specs``, each matching its spec) into the
+    folder ``path`` as safetensors files, one tensor at a time ([Note: Streaming safetensors]).
+
+    Returns:
+        The files written (names in ``path``), the index and ``config.json`` included.
+    """
+    if sys.byteorder != "little":
+        raise NotImplementedError("fsdp: safetensors files are little-endian; this host is big-endian.")
+    if buffer_bytes <= 0:
+        raise ValueError(f"fsdp: buffer_bytes={buffer_bytes} must be positive.")
+    folder = os.fspath(path)
+    os.makedirs(folder, exist_ok=True)
+    plans = plan_files(specs, max_shard_size)
+    writer = _Writer(folder, plans, buffer_bytes, {"format": "pt", **(metadata or {})})
+    try:
+        for name, tensor in tensors:
+            writer.write(name, tensor)
+        writer.finish()
+    finally:
+        writer.abort()
+    written = [plan.filename for plan in plans]
+    if len(plans) > 1:
+        _write_index(folder, plans)
+        written.append(SAFE_WEIGHTS_INDEX_NAME)
+    if config is not None:
+        _write_config(folder, config)
+        written.append(CONFIG_NAME)
+    return written
+
+
+# ----------------------------------------------------------------------------- from a checkpoint
+class _SavedTensor(NamedTuple):
+    key: str  # in the checkpoint
+    dtype: torch.dtype  # as saved
+    spec: TensorSpec  # as exported
+
+
+def _checkpoint_specs(storage_reader: Any, prefix: str, dtype: Optional[torch.dtype]) -> list[_SavedTensor]:
+    """Every tensor under ``prefix``, in the metadata's order."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    result = []
+    for key, md in storage_reader.read_metadata().state_dict_metadata.items():
+        if key.startswith(prefix) and isinstance(md, TensorStorageMetadata):
+            saved = md.properties.dtype
+            exported = dtype if dtype is not None and saved.is_floating_point else saved
+            result.append(_SavedTensor(key, saved, TensorSpec(key[len(prefix) :], exported, torch.Size(md.size))))
+    return result
+
+
+def _read_one_at_a_time(storage_reader: Any, saved: list[_SavedTensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each tensor read whole with DCP (no process group), cast, yielded, then dropped."""
+    import torch.distributed.checkpoint as dcp
+
+    for tensor in saved:
+        target = {tensor.key: torch.empty(tensor.spec.shape, dtype=tensor.dtype)}
+        with warnings.catch_warnings():  # one process, on purpose: DCP warns of it every time
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+            dcp.load(target, storage_reader=storage_reader, no_dist=True)
+        value = target.pop(tensor.key)
+        yield tensor.spec.name, value.to(tensor.spec.dtype)
+        del value
+
+
+def sharded_to_safetensors(
+    checkpoint_id: Union[str, os.PathLike[str]],
+    path: Union[str, os.PathLike[str]],
+    *,
+    dtype: Optional[torch.dtype] = None,
+    max_shard_size: Union[int, str] = "50GB",
+    buffer_bytes: int = 16 << 20,
+    config: Any = None,
+    metadata: Optional[dict[str, str]] = None,
+    storage_reader: Optional[Any] = None,
+) -> list[str]:
+    """Writes the model of a sharded DCP checkpoint as Hugging Face safetensors files.
+
+    Reads the checkpoint (``fsdp.checkpoint.save_sharded``'s, or any DCP checkpoint of a SHARDED
+    state dict under ``"model"``) one tensor at a time with DCP's reader, in this process alone:
+    no process group is needed (and none is used if one exists), and the memory is one tensor
+    (plus DCP's read of one chunk of it) and the file buffer ([Note: Streaming safetensors]).
+
+    Args:
+        checkpoint_id: The checkpoint folder.
+        path: The output folder (created if needed); files already there are replaced.
+        dtype: Cast floating-point tensors to it (``torch.bfloat16`` for inference); None keeps
+            the saved dtypes.
+        max_shard_size: The most bytes of tensor data per file (an int, or "5GB"-style as
+            Hugging Face takes it); larger models get several files and
+            ``model.safetensors.index.json``.
+        buffer_bytes: The file buffer: small tensors are coalesced into writes of this size.
+        config: A ``transformers`` config (or a dict) to write as ``config.json``; None writes
+            none (``from_pretrained`` needs one in the folder, or passed to it).
+        metadata: Extra string entries for each file's ``__metadata__`` (``format`` is "pt").
+        storage_reader: A DCP ``StorageReader``; default ``FileSystemReader(checkpoint_id)``.
+
+    Returns:
+        The names of the files written in ``path``.
+    """
+    if storage_reader is None:
+        import torch.distributed.checkpoint as dcp
+
+        storage_reader = dcp.FileSystemReader(checkpoint_id)
+    saved = _checkpoint_specs(storage_reader, "model.", dtype)
+    if not saved:
+        raise ValueError(
+            f"fsdp: the checkpoint {os.fspath(checkpoint_id)!r} holds no model tensors (keys 'model.<name>'); "
+            "pass a checkpoint written by fsdp.checkpoint.save_sharded or dcp.save({'model': ...})."
+        )
+    return write_safetensors(
+        path,
+        [tensor.spec for tensor in saved],
+        _read_one_at_a_time(storage_reader, saved),
+        max_shard_size=max_shard_size,
+        buffer_bytes=buffer_bytes,
+        config=config,
+        metadata=metadata,
+    )

@@ -1,0 +1,250 @@
+"""Streaming export to Hugging Face safetensors (fsdp.export.save_safetensors,
+fsdp.checkpoint.sharded_to_safetensors): a ``transformers`` Llama built from a tiny config,
+wrapped by fsdp at 2 and 4 ranks, exported, then ``AutoModelForCausalLM.from_pretrained`` equals
+the unwrapped model bit for bit, every parameter; the same from a sharded checkpoint converted in
+a process without a process group; the writer's extra memory is one unit plus the file buffer.
+
+``transformers`` is an optional test dependency (setup.py's ``stacks`` extra, which CI installs):
+the tests skip only when it is missing.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import tracemalloc
+from typing import Any, Optional
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tests._harness import RankPool, get_pool
+
+pytest.importorskip(
+    "transformers", reason="transformers is not installed (pip install -e '.[stacks]' installs the pinned version)"
+)
+pytest.importorskip("safetensors", reason="safetensors (a dependency of transformers) is not installed")
+
+BUFFER_BYTES = 32 << 10  # the file buffer of the memory checks: below one tensor of the model
+
+
+def _config(tie: bool) -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=tie,
+    )
+
+
+def _llama(tie: bool) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(_config(tie))
+
+
+def _wrapped(model: nn.Module, orig: bool) -> nn.Module:
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
+    from fsdp.wrap import ModuleWrapPolicy
+
+    return FSDP(
+        model,
+        auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}),
+        sharding_strategy=ShardingStrategy.FULL_SHARD,
+        use_orig_params=orig,
+        device_id=torch.device("cpu"),
+    )
+
+
+# (name, use_orig_params, export dtype, tied embeddings, max_shard_size)
+CASES = [
+    ("flat_fp32", False, None, False, "50GB"),
+    ("orig_bf16_split", True, torch.bfloat16, False, 40_000),
+    ("flat_bf16_tied_split", False, torch.bfloat16, True, 40_000),
+    ("orig_fp32_tied", True, None, True, "50GB"),
+]
+
+
+def export_cases(root: str) -> dict[str, Any]:
+    """Every case at this world size: the live export (rank 0 writes) and a sharded checkpoint
+    of the same model (every rank writes its shards). Rank 0 returns the unwrapped values."""
+    from fsdp.checkpoint import save_sharded
+    from fsdp.export import save_safetensors
+
+    expected: dict[str, Any] = {}
+    for name, orig, dtype, tie, max_shard_size in CASES:
+        model = _llama(tie)
+        expected[name] = {k: v.clone() for k, v in model.state_dict().items()}
+        wrapped = _wrapped(model, orig)
+        written = save_safetensors(
+            wrapped, os.path.join(root, name, "live"), dtype=dtype, max_shard_size=max_shard_size, config=_config(tie)
+        )
+        save_sharded(wrapped, checkpoint_id=os.path.join(root, name, "checkpoint"))
+        if dist.get_rank() == 0:
+            expected[name + "/written"] = written
+        else:
+            assert written == [], written
+        dist.barrier()
+    return expected if dist.get_rank() == 0 else {}
+
+
+def _check_folder(folder: str, expected: dict[str, torch.Tensor], dtype: Optional[torch.dtype], tie: bool, split: bool) -> None:
+    """``from_pretrained(folder)`` holds ``expected`` (cast to ``dtype``) bit for bit; the files
+    hold each tensor once (the tied head left out, as ``save_pretrained`` does)."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+    if split:
+        assert len(files) > 1 and files[0] == f"model-00001-of-{len(files):05d}.safetensors", files
+        with open(os.path.join(folder, "model.safetensors.index.json")) as f:
+            index = json.load(f)
+        assert set(index["weight_map"].values()) == set(files), index
+    else:
+        assert files == ["model.safetensors"] and "model.safetensors.index.json" not in os.listdir(folder), files
+    stored: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(os.path.join(folder, file), framework="pt") as f:
+            assert f.metadata() == {"format": "pt"}
+            stored.update({key: f.get_tensor(key) for key in f.keys()})
+    if split:
+        assert index["weight_map"] == {k: next(f for f in files if k in _keys(folder, f)) for k in stored}
+        assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in stored.values())
+    want = {k: v.to(dtype) if dtype is not None and v.is_floating_point() else v for k, v in expected.items()}
+    assert set(stored) == set(want) - ({"lm_head.weight"} if tie else set()), sorted(stored)
+    for key, tensor in stored.items():
+        assert tensor.dtype == want[key].dtype and torch.equal(tensor, want[key]), key
+    loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype or torch.float32)
+    loaded_sd = loaded.state_dict()
+    assert set(loaded_sd) == set(want), sorted(set(loaded_sd) ^ set(want))
+    for key, value in want.items():
+        assert loaded_sd[key].dtype == value.dtype and torch.equal(loaded_sd[key], value), key
+    if tie:
+        assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+
+
+def _keys(folder: str, file: str) -> set[str]:
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(folder, file), framework="pt") as f:
+        return set(f.keys())
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_from_pretrained_bit_exact(world_size: int, tmp_path: Any) -> None:
+    """Live export at ``world_size`` ranks, and the sharded checkpoint of the same model converted
+    here, in the test process, which has no process group."""
+    from fsdp.checkpoint import sharded_to_safetensors
+
+    expected = get_pool(world_size).run(export_cases, str(tmp_path), _timeout=300)[0]
+    assert not dist.is_initialized()
+    for name, _, dtype, tie, max_shard_size in CASES:
+        split = max_shard_size != "50GB"
+        live = os.path.join(tmp_path, name, "live")
+        assert sorted(expected[name + "/written"]) == sorted(os.listdir(live)), os.listdir(live)
+        _check_folder(live, expected[name], dtype, tie, split)
+        converted = os.path.join(tmp_path, name, "converted")
+        written = sharded_to_safetensors(
+            os.path.join(tmp_path, name, "checkpoint"), converted, dtype=dtype, max_shard_size=max_shard_size, config=_config(tie)
+        )
+        assert sorted(written) == sorted(os.listdir(converted))
+        _check_folder(converted, expected[name], dtype, tie, split)
+
+
+# ----------------------------------------------------------------------------- memory
+def _unit_bytes(wrapped: nn.Module) -> int:
+    from fsdp import FullyShardedDataParallel as FSDP
+
+    return max(h.shard_layout.padded_unsharded_numel * 4 for m in FSDP.fsdp_modules(wrapped) for h in m._fsdp_state.handles)
+
+
+def writer_memory(root: str) -> dict[str, Any]:
+    """Rank 0's extra live bytes while exporting: torch's allocations (the profiler trace
+    test_export.py uses) beside those of the same units' gathers to rank 0 alone (the floor:
+    gloo stages a gather through a buffer of its output's size), and Python's (tracemalloc: the
+    file buffer, the header)."""
+    import fsdp.export as export
+    from benchmarks.memory import MemoryTrace
+    from fsdp import FullyShardedDataParallel as FSDP
+    from fsdp.export import save_safetensors
+
+    wrapped = _wrapped(_llama(False), orig=False)
+    handles = [h for m in FSDP.fsdp_modules(wrapped) for h in m._fsdp_state.handles]
+    result: dict[str, Any] = {"unit_bytes": _unit_bytes(wrapped), "floor": 0}
+    for _ in range(2):
+        with MemoryTrace() as trace, trace.window("gathers"):
+            for h in handles:
+                export.gather(h._local_shard, h.process_group, h.rank, h.world_size, export._dst(h, True))
+        result["floor"] = max(result["floor"], trace.peaks["gathers"] - trace.starts["gathers"])
+    for attempt in range(2):  # the first also warms up (imports, caches)
+        with MemoryTrace() as trace, trace.window("export"):
+            save_safetensors(wrapped, os.path.join(root, f"memory{attempt}"), buffer_bytes=BUFFER_BYTES)
+        result["extra"] = trace.peaks["export"] - trace.starts["export"]
+    tracemalloc.start()
+    save_safetensors(wrapped, os.path.join(root, "memory_python"), buffer_bytes=BUFFER_BYTES)
+    _, result["python_peak"] = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    dist.barrier()
+    return result
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP in one process, on purpose
+def test_writer_memory_is_one_unit_plus_one_buffer(pool2: RankPool, tmp_path: Any) -> None:
+    from benchmarks.memory import MemoryTrace
+    from fsdp.checkpoint import sharded_to_safetensors
+
+    r = pool2.run(writer_memory, str(tmp_path), _timeout=300)[0]
+    # torch's allocations: the gathers' own (the floor: the gathered unit and gloo's staging copy
+    # of it) and nothing of the writer's (the tensors go from the gathered unit to the file
+    # without a copy); the one unit of slack is gloo's worker freeing the previous unit's
+    # staging copy a moment late, which either run may catch ([Note: A finished collective's
+    # thread runs] in fsdp/_comm/_collectives.py).
+    assert r["extra"] <= r["floor"] + r["unit_bytes"], r
+    assert r["floor"] <= 3 * r["unit_bytes"], r
+    # Python's: the file buffer and the header (a few hundred bytes per tensor).
+    assert r["python_peak"] <= BUFFER_BYTES + (64 << 10), r
+
+    # From a checkpoint, in this process (no process group), beside DCP's own reads of the same
+    # tensors one at a time (the floor; DCP's planning allocates Python objects per read).
+    import torch.distributed.checkpoint as dcp
+
+    model = _llama(False)
+    largest = max(p.numel() * p.element_size() for p in model.parameters())
+    unit_bytes = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
+    checkpoint = str(tmp_path / "ckpt")
+    dcp.save({"model": model.state_dict()}, checkpoint_id=checkpoint, no_dist=True)
+    reader = dcp.FileSystemReader(checkpoint)
+    floor = 0
+    for _ in range(2):
+        gc.collect()
+        tracemalloc.start()
+        for key, md in reader.read_metadata().state_dict_metadata.items():
+            dcp.load({key: torch.empty(md.size, dtype=md.properties.dtype)}, storage_reader=reader, no_dist=True)
+        floor = max(floor, tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()
+    for attempt in range(2):  # the first also warms up
+        with MemoryTrace() as trace, trace.window("convert"):
+            sharded_to_safetensors(checkpoint, str(tmp_path / f"converted{attempt}"), dtype=torch.bfloat16, buffer_bytes=BUFFER_BYTES)
+    gc.collect()
+    tracemalloc.start()  # apart from the profiler, whose own objects it would count
+    sharded_to_safetensors(checkpoint, str(tmp_path / "converted"), dtype=torch.bfloat16, buffer_bytes=BUFFER_BYTES)
+    python_peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    # torch's: the tensor read, DCP's read of its one chunk (freed after the copy) and the bf16
+    # cast: at most 2.5 tensors, within one unit (a decoder layer).
+    extra = trace.peaks["convert"] - trace.starts["convert"]
+    assert extra <= 2 * largest + largest // 2 <= unit_bytes, (extra, largest, unit_bytes)
+    # Python's: DCP's (the floor) plus the file buffer and the header.
+    assert python_peak <= floor + BUFFER_BYTES + (64 << 10), (python_peak, floor)
