@@ -546,6 +546,15 @@ def _safetensors_specs(module: nn.Module, dtype: Optional[torch.dtype]) -> list[
     return specs + [TensorSpec(name, _export_dtype(t, dtype), t.shape) for name, t in _loose_tensors(module, units, True)]
 
 
+def _one_at_a_time(stream: Iterator[Bucket]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The stream's pairs, each let go before the next is taken: no view of a gathered unit
+    outlives it while the next unit is gathered."""
+    for bucket in stream:
+        bucket.reverse()
+        while bucket:
+            yield bucket.pop()
+
+
 def save_safetensors(
     module: nn.Module,
     path: Union[str, os.PathLike[str]],
@@ -593,7 +602,7 @@ def save_safetensors(
     """
     specs = _safetensors_specs(module, dtype)
     stream = full_params_stream(module, dtype, buffer_bytes, rank0_only=True, transient=True, device="cpu")
-    pairs = ((name, tensor) for bucket in stream for name, tensor in bucket)
+    pairs = _one_at_a_time(stream)
     if _global_rank() != 0:
         for _ in pairs:  # send the shards; nothing comes back
             pass

@@ -248,3 +248,67 @@ def test_writer_memory_is_one_unit_plus_one_buffer(pool2: RankPool, tmp_path: An
     assert extra <= 2 * largest + largest // 2 <= unit_bytes, (extra, largest, unit_bytes)
     # Python's: DCP's (the floor) plus the file buffer and the header.
     assert python_peak <= floor + BUFFER_BYTES + (64 << 10), (python_peak, floor)
+
+
+# ----------------------------------------------------------------------------- the format
+def test_format_read_by_safetensors(tmp_path: Any) -> None:
+    """Every dtype and shape (scalars, empty tensors) written by the writer reads back with the
+    ``safetensors`` package bit for bit; the split and the index are Hugging Face's."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from huggingface_hub.serialization._base import parse_size_to_int
+    from safetensors.torch import load_file
+
+    from fsdp.state_dict._safetensors import TensorSpec, _size_to_int, plan_files, write_safetensors
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "f32": torch.randn(3, 5, generator=g),
+        "bf16": torch.randn(7, generator=g).to(torch.bfloat16),
+        "f16.scalar": torch.tensor(1.5, dtype=torch.float16),
+        "f64.empty": torch.empty(0, 4, dtype=torch.float64),
+        "i64": torch.arange(6).view(2, 3),
+        "i8": torch.tensor([-1, 2], dtype=torch.int8),
+        "u8": torch.tensor([255], dtype=torch.uint8),
+        "bool": torch.tensor([True, False, True]),
+        "f8": torch.randn(4, generator=g).to(torch.float8_e4m3fn),
+    }
+    specs = [TensorSpec(k, v.dtype, v.shape) for k, v in tensors.items()]
+    for max_shard_size in ("50GB", 64):  # 64: several files, no tensor larger than a file
+        folder = str(tmp_path / str(max_shard_size))
+        written = write_safetensors(folder, specs, iter(tensors.items()), max_shard_size=max_shard_size, buffer_bytes=8)
+        assert sorted(written) == sorted(os.listdir(folder)), written
+        files = [f for f in written if f.endswith(".safetensors")]
+        back: dict[str, torch.Tensor] = {}
+        for f in files:
+            back.update(load_file(os.path.join(folder, f)))
+        assert back.keys() == tensors.keys()
+        for k, v in tensors.items():
+            assert back[k].dtype == v.dtype and back[k].shape == v.shape and torch.equal(back[k].reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8)), k
+        hf = split_torch_state_dict_into_shards(tensors, max_shard_size=max_shard_size)
+        assert {p.filename: [s.name for s in p.specs] for p in plan_files(specs, max_shard_size)} == hf.filename_to_tensors
+        if len(files) > 1:
+            with open(os.path.join(folder, "model.safetensors.index.json")) as f:
+                index = json.load(f)
+            assert index["weight_map"] == hf.tensor_to_filename and index["metadata"]["total_size"] == hf.metadata["total_size"]
+    for size in ("5GB", "500MB", "1KB", "3TB"):
+        assert _size_to_int(size) == parse_size_to_int(size), size
+    assert _size_to_int("2GiB") == 2 << 30 and _size_to_int(123) == 123
+
+
+def test_format_refuses_a_stream_that_differs_from_its_header(tmp_path: Any) -> None:
+    """The header is written before the values: a value that is not the one planned, or a source
+    that ends early, raises and leaves no file behind."""
+    from fsdp.state_dict._safetensors import TensorSpec, write_safetensors
+
+    specs = [TensorSpec("a", torch.float32, torch.Size([2])), TensorSpec("b", torch.float32, torch.Size([3]))]
+    cases = [
+        ([("a", torch.zeros(2)), ("c", torch.zeros(3))], "yielded c .* where the header says b"),
+        ([("a", torch.zeros(2)), ("b", torch.zeros(3, dtype=torch.float64))], "yielded b \\(torch.float64"),
+        ([("a", torch.zeros(2))], "the source ended before b"),
+        ([("a", torch.zeros(2)), ("b", torch.zeros(3)), ("c", torch.zeros(1))], "more tensors than were planned"),
+    ]
+    for i, (pairs, message) in enumerate(cases):
+        folder = tmp_path / str(i)
+        with pytest.raises(RuntimeError, match=message):
+            write_safetensors(str(folder), specs, iter(pairs), max_shard_size="1GB", buffer_bytes=1 << 10)
+        assert os.listdir(folder) == [], os.listdir(folder)

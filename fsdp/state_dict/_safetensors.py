@@ -114,8 +114,10 @@ def plan_files(specs: list[TensorSpec], max_shard_size: Union[int, str]) -> list
 
     Hugging Face's rule (``huggingface_hub.split_torch_state_dict_into_shards``): a tensor joins
     the current file unless that would exceed the size, and a tensor larger than the size gets a
-    file of its own. Files are filled in the tensors' order, so they are written one after the
-    other. One file is named ``model.safetensors``; several ``model-00001-of-0000N.safetensors``.
+    file of its own. One difference: Hugging Face keeps filling the current file after such a
+    tensor, while here it closes the file, so that every file holds a run of consecutive
+    tensors and the files are written one after the other as the tensors come. One file is
+    named ``model.safetensors``; several ``model-00001-of-0000N.safetensors``.
     """
     limit = _size_to_int(max_shard_size)
     if limit <= 0:
@@ -123,7 +125,7 @@ def plan_files(specs: list[TensorSpec], max_shard_size: Union[int, str]) -> list
     groups: list[list[TensorSpec]] = []
     used = limit + 1  # start a file at the first tensor
     for spec in specs:
-        if not groups or used + spec.nbytes > limit:
+        if not groups or used + spec.nbytes > limit:  # a tensor larger than a file starts and ends one
             groups.append([])
             used = 0
         groups[-1].append(spec)
@@ -168,10 +170,10 @@ class _Writer:
         self.file: Optional[Any] = None
 
     def _expected(self) -> TensorSpec:
-        while self.file_index < len(self.plans) and self.tensor_index == len(self.plans[self.file_index].specs):
+        while self.tensor_index == len(self.plans[self.file_index].specs):
+            if self.file_index + 1 == len(self.plans):
+                raise RuntimeError("fsdp: safetensors export: the source yielded more tensors than were planned.")
             self._close_file()
-        if self.file_index == len(self.plans):
-            raise RuntimeError("fsdp: safetensors export: the source yielded more tensors than were planned.")
         return self.plans[self.file_index].specs[self.tensor_index]
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
@@ -182,9 +184,12 @@ class _Writer:
                 f"the header says {spec.name} ({spec.dtype}, {tuple(spec.shape)}); the model changed during the export."
             )
         if self.file is None:
-            partial = os.path.join(self.path, self.plans[self.file_index].filename + _PARTIAL)
-            self.file = open(partial, "wb", buffering=self.buffer_bytes)
-            self.file.write(_header(self.plans[self.file_index].specs, self.metadata))
+            plan = self.plans[self.file_index]
+            header = _header(plan.specs, self.metadata)
+            # The buffer is allocated whole when the file opens: no larger than the file.
+            buffering = max(1, min(self.buffer_bytes, len(header) + sum(s.nbytes for s in plan.specs)))
+            self.file = open(os.path.join(self.path, plan.filename + _PARTIAL), "wb", buffering=buffering)
+            self.file.write(header)
         self.file.write(_raw_bytes(tensor))
         self.tensor_index += 1
 
@@ -207,9 +212,11 @@ class _Writer:
             self._close_file()
 
     def abort(self) -> None:
+        """Closes and removes a file left incomplete (the export failed)."""
         if self.file is not None:
             self.file.close()
             self.file = None
+            os.remove(os.path.join(self.path, self.plans[self.file_index].filename + _PARTIAL))
 
 
 def _write_index(path: str, plans: list[FilePlan]) -> None:
@@ -263,6 +270,7 @@ def write_safetensors(
     try:
         for name, tensor in tensors:
             writer.write(name, tensor)
+            del tensor  # before the source makes the next (a view would keep its unit alive)
         writer.finish()
     finally:
         writer.abort()
