@@ -242,8 +242,9 @@ def test_writer_memory_is_one_unit_plus_one_buffer(pool2: RankPool, tmp_path: An
     sharded_to_safetensors(checkpoint, str(tmp_path / "converted"), dtype=torch.bfloat16, buffer_bytes=BUFFER_BYTES)
     python_peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
-    # torch's: the tensor read, DCP's read of its one chunk (freed after the copy) and the bf16
-    # cast: at most 2.5 tensors, within one unit (a decoder layer).
+    # torch's: the tensor read, DCP's read of one chunk of it (freed after the copy) and a bf16
+    # cast piece (at most 1 MiB of the source, here the whole tensor): at most 2.5 tensors,
+    # within one unit (a decoder layer).
     extra = trace.peaks["convert"] - trace.starts["convert"]
     assert extra <= 2 * largest + largest // 2 <= unit_bytes, (extra, largest, unit_bytes)
     # Python's: DCP's (the floor) plus the file buffer and the header.

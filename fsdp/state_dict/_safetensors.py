@@ -18,8 +18,8 @@ Where the values come from:
   a time, on rank 0 only, zero-copy views of the gathered unit), so the writing rank holds one
   unit plus the file buffer ([Note: Export streams one unit at a time]);
 - a sharded checkpoint (:func:`sharded_to_safetensors`): DCP's reader, one tensor at a time,
-  without a process group, so the writer holds one tensor (and DCP's read of one chunk of it)
-  plus the file buffer.
+  without a process group, cast while written 1 MiB at a time, so the writer holds one tensor
+  (and, while DCP reads it, one chunk of it) plus the file buffer.
 
 The names are those of the unwrapped model (a SHARDED state dict's keys, less the checkpoint's
 ``model.`` prefix), so ``transformers``' ``from_pretrained`` loads the folder (with a
@@ -151,6 +151,9 @@ def _header(specs: list[TensorSpec], metadata: dict[str, str]) -> bytes:
     return struct.pack("<Q", len(blob)) + blob
 
 
+_CAST_PIECE_BYTES = 1 << 20  # a value cast while written is cast in pieces of at most this
+
+
 def _raw_bytes(tensor: torch.Tensor) -> memoryview:
     """The tensor's bytes in row-major order, without a copy when it is a contiguous host tensor."""
     host = tensor.detach().to("cpu").contiguous().reshape(-1)
@@ -160,8 +163,9 @@ def _raw_bytes(tensor: torch.Tensor) -> memoryview:
 class _Writer:
     """Writes the planned files as the tensors come ([Note: Streaming safetensors])."""
 
-    def __init__(self, path: str, plans: list[FilePlan], buffer_bytes: int, metadata: dict[str, str]) -> None:
+    def __init__(self, path: str, plans: list[FilePlan], buffer_bytes: int, metadata: dict[str, str], cast: bool) -> None:
         self.path = path
+        self.cast = cast
         self.plans = plans
         self.buffer_bytes = buffer_bytes
         self.metadata = metadata
@@ -178,7 +182,8 @@ class _Writer:
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         spec = self._expected()
-        if (name, tensor.dtype, tensor.shape) != (spec.name, spec.dtype, spec.shape):
+        dtype = spec.dtype if self.cast else tensor.dtype
+        if (name, dtype, tensor.shape) != (spec.name, spec.dtype, spec.shape):
             raise RuntimeError(
                 f"fsdp: safetensors export: the source yielded {name} ({tensor.dtype}, {tuple(tensor.shape)}) where "
                 f"the header says {spec.name} ({spec.dtype}, {tuple(spec.shape)}); the model changed during the export."
@@ -186,11 +191,18 @@ class _Writer:
         if self.file is None:
             plan = self.plans[self.file_index]
             header = _header(plan.specs, self.metadata)
-            # The buffer is allocated whole when the file opens: no larger than the file.
-            buffering = max(1, min(self.buffer_bytes, len(header) + sum(s.nbytes for s in plan.specs)))
+            # The buffer is allocated whole when the file opens: no larger than the file (and 0,
+            # unbuffered, for a size of 1, which binary files take as the default size).
+            buffering = min(self.buffer_bytes, len(header) + sum(s.nbytes for s in plan.specs))
+            buffering = buffering if buffering > 1 else 0
             self.file = open(os.path.join(self.path, plan.filename + _PARTIAL), "wb", buffering=buffering)
             self.file.write(header)
-        self.file.write(_raw_bytes(tensor))
+        if tensor.dtype == spec.dtype:
+            self.file.write(_raw_bytes(tensor))
+        else:  # cast a piece at a time: no copy of the whole tensor
+            flat = tensor.detach().reshape(-1)
+            for piece in flat.split(max(1, _CAST_PIECE_BYTES // flat.element_size())):
+                self.file.write(_raw_bytes(piece.to(spec.dtype)))
         self.tensor_index += 1
 
     def _close_file(self) -> None:
@@ -252,9 +264,12 @@ def write_safetensors(
     buffer_bytes: int,
     config: Any = None,
     metadata: Optional[dict[str, str]] = None,
+    cast: bool = False,
 ) -> list[str]:
     """Writes ``tensors`` (yielded in the order of ``specs``, each matching its spec) into the
     folder ``path`` as safetensors files, one tensor at a time ([Note: Streaming safetensors]).
+    With ``cast``, a tensor may come in another dtype than its spec's and is cast while written,
+    1 MiB at a time; without, that is an error.
 
     Returns:
         The files written (names in ``path``), the index and ``config.json`` included.
@@ -266,7 +281,7 @@ def write_safetensors(
     folder = os.fspath(path)
     os.makedirs(folder, exist_ok=True)
     plans = plan_files(specs, max_shard_size)
-    writer = _Writer(folder, plans, buffer_bytes, {"format": "pt", **(metadata or {})})
+    writer = _Writer(folder, plans, buffer_bytes, {"format": "pt", **(metadata or {})}, cast)
     try:
         for name, tensor in tensors:
             writer.write(name, tensor)
@@ -305,7 +320,7 @@ def _checkpoint_specs(storage_reader: Any, prefix: str, dtype: Optional[torch.dt
 
 
 def _read_one_at_a_time(storage_reader: Any, saved: list[_SavedTensor]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Each tensor read whole with DCP (no process group), cast, yielded, then dropped."""
+    """Each tensor read whole with DCP (no process group), as saved, yielded, then dropped."""
     import torch.distributed.checkpoint as dcp
 
     for tensor in saved:
@@ -313,9 +328,7 @@ def _read_one_at_a_time(storage_reader: Any, saved: list[_SavedTensor]) -> Itera
         with warnings.catch_warnings():  # one process, on purpose: DCP warns of it every time
             warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
             dcp.load(target, storage_reader=storage_reader, no_dist=True)
-        value = target.pop(tensor.key)
-        yield tensor.spec.name, value.to(tensor.spec.dtype)
-        del value
+        yield tensor.spec.name, target.pop(tensor.key)  # cast by the writer, piece by piece
 
 
 def sharded_to_safetensors(
@@ -334,7 +347,8 @@ def sharded_to_safetensors(
     Reads the checkpoint (``fsdp.checkpoint.save_sharded``'s, or any DCP checkpoint of a SHARDED
     state dict under ``"model"``) one tensor at a time with DCP's reader, in this process alone:
     no process group is needed (and none is used if one exists), and the memory is one tensor
-    (plus DCP's read of one chunk of it) and the file buffer ([Note: Streaming safetensors]).
+    (plus, while DCP reads it, one chunk of it; a cast goes 1 MiB at a time) and the file buffer
+    ([Note: Streaming safetensors]).
 
     Args:
         checkpoint_id: The checkpoint folder.
@@ -371,4 +385,5 @@ def sharded_to_safetensors(
         buffer_bytes=buffer_bytes,
         config=config,
         metadata=metadata,
+        cast=True,
     )
