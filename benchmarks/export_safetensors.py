@@ -92,10 +92,18 @@ def _convert(checkpoint: str, folder: str, buffer_bytes: int) -> Callable[[], No
 
 
 def _peaks(fn: Callable[[], None]) -> dict[str, int]:
-    """Rank 0's peak extra bytes: torch's allocations, then (another run) Python's."""
+    """Rank 0's peak extra bytes: torch's allocations, then (another run) Python's (the other
+    ranks only run ``fn``)."""
+    if dist.get_rank() != 0:
+        for _ in range(2):
+            dist.barrier()
+            fn()
+            dist.barrier()
+        return {}
     dist.barrier()
     with MemoryTrace() as trace, trace.window("w"):
         fn()
+    dist.barrier()
     dist.barrier()
     tracemalloc.start()
     fn()

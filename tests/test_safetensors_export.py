@@ -53,10 +53,10 @@ def _llama(tie: bool) -> nn.Module:
     return AutoModelForCausalLM.from_config(_config(tie))
 
 
-def _wrapped(model: nn.Module, orig: bool) -> nn.Module:
+def _wrapped(model: nn.Module, orig: bool, mp_offload: bool = False) -> nn.Module:
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    from fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
+    from fsdp import CPUOffload, FullyShardedDataParallel as FSDP, MixedPrecision, ShardingStrategy
     from fsdp.wrap import ModuleWrapPolicy
 
     return FSDP(
@@ -64,16 +64,20 @@ def _wrapped(model: nn.Module, orig: bool) -> nn.Module:
         auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}),
         sharding_strategy=ShardingStrategy.FULL_SHARD,
         use_orig_params=orig,
+        mixed_precision=MixedPrecision(param_dtype=torch.bfloat16) if mp_offload else None,
+        cpu_offload=CPUOffload(offload_params=mp_offload),
         device_id=torch.device("cpu"),
     )
 
 
-# (name, use_orig_params, export dtype, tied embeddings, max_shard_size)
+# (name, use_orig_params, export dtype, tied embeddings, max_shard_size); the "mp_offload" case
+# trains in bf16 with the parameters offloaded: the export holds the full-precision values.
 CASES = [
     ("flat_fp32", False, None, False, "50GB"),
     ("orig_bf16_split", True, torch.bfloat16, False, 40_000),
     ("flat_bf16_tied_split", False, torch.bfloat16, True, 40_000),
     ("orig_fp32_tied", True, None, True, "50GB"),
+    ("flat_fp32_mp_offload", False, None, False, 40_000),
 ]
 
 
@@ -87,7 +91,7 @@ def export_cases(root: str) -> dict[str, Any]:
     for name, orig, dtype, tie, max_shard_size in CASES:
         model = _llama(tie)
         expected[name] = {k: v.clone() for k, v in model.state_dict().items()}
-        wrapped = _wrapped(model, orig)
+        wrapped = _wrapped(model, orig, mp_offload=name.endswith("mp_offload"))
         written = save_safetensors(
             wrapped, os.path.join(root, name, "live"), dtype=dtype, max_shard_size=max_shard_size, config=_config(tie)
         )
