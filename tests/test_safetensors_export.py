@@ -317,3 +317,50 @@ def test_format_refuses_a_stream_that_differs_from_its_header(tmp_path: Any) -> 
         with pytest.raises(RuntimeError, match=message):
             write_safetensors(str(folder), specs, iter(pairs), max_shard_size="1GB", buffer_bytes=1 << 10)
         assert os.listdir(folder) == [], os.listdir(folder)
+
+
+def test_checkpoint_chunks_read_as_row_major_runs() -> None:
+    """A checkpoint's chunks are read one at a time where each is a run of consecutive elements
+    and together they tile the tensor (flat-shard boxes, rows); otherwise the tensor is read
+    whole."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata as Chunk
+
+    from fsdp.flat_param._shard_map import flat_range_boxes
+    from fsdp.state_dict._safetensors import _row_major_runs
+
+    shape = torch.Size([5, 4, 3])
+    boxes = [b for lo, hi in [(0, 7), (7, 31), (31, 60)] for b in flat_range_boxes(tuple(shape), lo, hi)]
+    chunks = [Chunk(torch.Size(b.offsets), torch.Size(b.sizes)) for b in boxes]
+    assert _row_major_runs(shape, chunks[::-1]) == chunks  # sorted into row-major order
+    rows = [Chunk(torch.Size([r, 0, 0]), torch.Size([1, 4, 3])) for r in range(5)]
+    assert _row_major_runs(shape, rows + [Chunk(torch.Size([0, 0, 0]), torch.Size([0, 4, 3]))]) == rows
+    columns = [Chunk(torch.Size([0, 0, c]), torch.Size([5, 4, 1])) for c in range(3)]
+    assert _row_major_runs(shape, columns) is None
+    assert _row_major_runs(shape, rows[:4]) is None  # a gap: not every element is stored
+    assert _row_major_runs(torch.Size([]), [Chunk(torch.Size([]), torch.Size([]))]) == [Chunk(torch.Size([]), torch.Size([]))]
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP in one process, on purpose
+def test_checkpoint_read_whole_or_by_runs(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both ways of reading a checkpoint's tensor (its runs one at a time; whole, for chunks that
+    are not runs) write the same files, bit for bit."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+
+    import fsdp.state_dict._safetensors as st
+    from fsdp.checkpoint import sharded_to_safetensors
+
+    g = torch.Generator().manual_seed(0)
+    state = {"w": torch.randn(6, 5, generator=g), "b": torch.randn(5, generator=g), "n": torch.tensor(3)}
+    dcp.save({"model": state, "optim": {"x": torch.ones(2)}}, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    sharded_to_safetensors(str(tmp_path / "ckpt"), str(tmp_path / "runs"), dtype=torch.bfloat16)
+    monkeypatch.setattr(st, "_row_major_runs", lambda shape, chunks: None)
+    sharded_to_safetensors(str(tmp_path / "ckpt"), str(tmp_path / "whole"), dtype=torch.bfloat16)
+    for folder in ("runs", "whole"):
+        back = load_file(str(tmp_path / folder / "model.safetensors"))
+        assert back.keys() == state.keys(), back.keys()  # the model only, not the optimizer
+        for k, v in state.items():
+            want = v.to(torch.bfloat16) if v.is_floating_point() else v
+            assert back[k].dtype == want.dtype and torch.equal(back[k], want), (folder, k)
+    runs, whole = (open(tmp_path / f / "model.safetensors", "rb").read() for f in ("runs", "whole"))
+    assert runs == whole

@@ -17,9 +17,11 @@ Where the values come from:
 - a live model: ``fsdp.export.save_safetensors`` runs ``full_params_stream`` (one unit gathered at
   a time, on rank 0 only, zero-copy views of the gathered unit), so the writing rank holds one
   unit plus the file buffer ([Note: Export streams one unit at a time]);
-- a sharded checkpoint (:func:`sharded_to_safetensors`): DCP's reader, one tensor at a time,
-  without a process group, cast while written 1 MiB at a time, so the writer holds one tensor
-  (and, while DCP reads it, one chunk of it) plus the file buffer.
+- a sharded checkpoint (:func:`sharded_to_safetensors`): DCP's reader, without a process group,
+  one stored chunk at a time where the tensor's chunks are runs of consecutive row-major elements
+  (a flat-shard checkpoint's boxes, a SHARDED state dict's rows: their bytes go to the file in
+  order), else one whole tensor at a time; cast while written, 1 MiB at a time. The writer holds
+  one chunk (or tensor), DCP's temporary read of it, and the file buffer.
 
 The names are those of the unwrapped model (a SHARDED state dict's keys, less the checkpoint's
 ``model.`` prefix), so ``transformers``' ``from_pretrained`` loads the folder (with a
@@ -29,6 +31,7 @@ The names are those of the unwrapped model (a SHARDED state dict's keys, less th
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import struct
@@ -160,6 +163,16 @@ def _raw_bytes(tensor: torch.Tensor) -> memoryview:
     return host.view(torch.uint8).numpy().data if host.numel() else memoryview(b"")
 
 
+def _write_bytes(file: Any, tensor: torch.Tensor, dtype: torch.dtype) -> None:
+    """Writes ``tensor``'s bytes in ``dtype``, casting a piece at a time (no whole-tensor copy)."""
+    if tensor.dtype == dtype:
+        file.write(_raw_bytes(tensor))
+        return
+    flat = tensor.detach().reshape(-1)
+    for piece in flat.split(max(1, _CAST_PIECE_BYTES // flat.element_size())):
+        file.write(_raw_bytes(piece.to(dtype)))
+
+
 class _Writer:
     """Writes the planned files as the tensors come ([Note: Streaming safetensors])."""
 
@@ -180,14 +193,30 @@ class _Writer:
             self._close_file()
         return self.plans[self.file_index].specs[self.tensor_index]
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
+    def write(self, name: str, value: Union[torch.Tensor, Iterator[torch.Tensor]]) -> None:
+        """Writes ``value``: the tensor, or (``cast`` writers) its row-major runs in order."""
         spec = self._expected()
-        dtype = spec.dtype if self.cast else tensor.dtype
-        if (name, dtype, tensor.shape) != (spec.name, spec.dtype, spec.shape):
-            raise RuntimeError(
-                f"fsdp: safetensors export: the source yielded {name} ({tensor.dtype}, {tuple(tensor.shape)}) where "
-                f"the header says {spec.name} ({spec.dtype}, {tuple(spec.shape)}); the model changed during the export."
-            )
+        if isinstance(value, torch.Tensor):
+            dtype = spec.dtype if self.cast else value.dtype
+            if (name, dtype, value.shape) != (spec.name, spec.dtype, spec.shape):
+                raise RuntimeError(
+                    f"fsdp: safetensors export: the source yielded {name} ({value.dtype}, {tuple(value.shape)}) where "
+                    f"the header says {spec.name} ({spec.dtype}, {tuple(spec.shape)}); the model changed during the export."
+                )
+        elif name != spec.name or not self.cast:
+            raise RuntimeError(f"fsdp: safetensors export: the source yielded runs of {name} where the header says {spec.name}.")
+        file = self._open()
+        numel = 0
+        for piece in [value] if isinstance(value, torch.Tensor) else value:
+            _write_bytes(file, piece, spec.dtype)
+            numel += piece.numel()
+            del piece
+        if numel * torch.empty((), dtype=spec.dtype).element_size() != spec.nbytes:
+            raise RuntimeError(f"fsdp: safetensors export: {name} came with {numel} elements, not the {tuple(spec.shape)} planned.")
+        self.tensor_index += 1
+
+    def _open(self) -> Any:
+        """The current file, opened with its header written if it was not yet."""
         if self.file is None:
             plan = self.plans[self.file_index]
             header = _header(plan.specs, self.metadata)
@@ -197,13 +226,7 @@ class _Writer:
             buffering = buffering if buffering > 1 else 0
             self.file = open(os.path.join(self.path, plan.filename + _PARTIAL), "wb", buffering=buffering)
             self.file.write(header)
-        if tensor.dtype == spec.dtype:
-            self.file.write(_raw_bytes(tensor))
-        else:  # cast a piece at a time: no copy of the whole tensor
-            flat = tensor.detach().reshape(-1)
-            for piece in flat.split(max(1, _CAST_PIECE_BYTES // flat.element_size())):
-                self.file.write(_raw_bytes(piece.to(spec.dtype)))
-        self.tensor_index += 1
+        return self.file
 
     def _close_file(self) -> None:
         filename = os.path.join(self.path, self.plans[self.file_index].filename)
@@ -258,7 +281,7 @@ def _write_config(path: str, config: Any) -> None:
 def write_safetensors(
     path: Union[str, os.PathLike[str]],
     specs: list[TensorSpec],
-    tensors: Iterable[tuple[str, torch.Tensor]],
+    tensors: Iterable[tuple[str, Union[torch.Tensor, Iterator[torch.Tensor]]]],
     *,
     max_shard_size: Union[int, str],
     buffer_bytes: int,
@@ -283,9 +306,9 @@ def write_safetensors(
     plans = plan_files(specs, max_shard_size)
     writer = _Writer(folder, plans, buffer_bytes, {"format": "pt", **(metadata or {})}, cast)
     try:
-        for name, tensor in tensors:
-            writer.write(name, tensor)
-            del tensor  # before the source makes the next (a view would keep its unit alive)
+        for name, value in tensors:
+            writer.write(name, value)
+            del value  # before the source makes the next (a view would keep its unit alive)
         writer.finish()
     finally:
         writer.abort()
@@ -319,16 +342,104 @@ def _checkpoint_specs(storage_reader: Any, prefix: str, dtype: Optional[torch.dt
     return result
 
 
-def _read_one_at_a_time(storage_reader: Any, saved: list[_SavedTensor]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Each tensor read whole with DCP (no process group), as saved, yielded, then dropped."""
+def _dcp_load(state_dict: dict[str, Any], storage_reader: Any, planner: Any = None) -> None:
     import torch.distributed.checkpoint as dcp
 
+    with warnings.catch_warnings():  # one process, on purpose: DCP warns of it every time
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        dcp.load(state_dict, storage_reader=storage_reader, planner=planner, no_dist=True)
+
+
+def _row_major_runs(shape: torch.Size, chunks: list[Any]) -> Optional[list[Any]]:
+    """The chunks in row-major order when each is a run of consecutive elements of the tensor and
+    together they cover it once (a flat-shard checkpoint's boxes, a SHARDED state dict's rows);
+    None otherwise (columns, say)."""
+    strides = [1] * len(shape)
+    for dim in range(len(shape) - 2, -1, -1):
+        strides[dim] = strides[dim + 1] * shape[dim + 1]
+    runs = []
+    for chunk in chunks:
+        sizes = list(chunk.sizes)
+        if 0 in sizes:
+            continue
+        first = next((d for d, size in enumerate(sizes) if size > 1), len(sizes))
+        if any(sizes[d] != shape[d] for d in range(first + 1, len(shape))):
+            return None
+        start = sum(o * st for o, st in zip(chunk.offsets, strides))
+        runs.append((start, math.prod(sizes), chunk))
+    runs.sort(key=lambda run: run[0])
+    at = 0
+    for start, numel, _ in runs:
+        if start != at:
+            return None
+        at += numel
+    return [chunk for _, _, chunk in runs] if at == math.prod(shape) else None
+
+
+def _chunk_planner(key: str, chunk: Any, target: torch.Tensor) -> Any:
+    """A DCP load planner that reads one stored chunk of one tensor, whole, into ``target``."""
+    from torch.distributed.checkpoint.planner import LoadPlanner
+
+    class _ChunkPlanner(_ChunkPlan, LoadPlanner):
+        pass
+
+    return _ChunkPlanner(key, chunk, target)
+
+
+class _ChunkPlan:
+    """The methods of :func:`_chunk_planner`'s planner (DCP imported only when it is used)."""
+
+    def __init__(self, key: str, chunk: Any, target: torch.Tensor) -> None:
+        self.key, self.chunk, self.target = key, chunk, target
+
+    def set_up_planner(self, state_dict: Any, metadata: Any = None, is_coordinator: bool = False) -> None:
+        pass
+
+    def create_local_plan(self) -> Any:
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+        from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
+
+        index = MetadataIndex(self.key, self.chunk.offsets)
+        zeros = torch.Size([0] * len(self.chunk.sizes))
+        return LoadPlan([ReadItem(LoadItemType.TENSOR, index, zeros, index, zeros, torch.Size(self.chunk.sizes))])
+
+    def create_global_plan(self, plans: list[Any]) -> list[Any]:
+        return plans
+
+    def finish_plan(self, plan: Any) -> Any:
+        return plan
+
+    def resolve_tensor(self, read_item: Any) -> torch.Tensor:
+        return self.target
+
+    def commit_tensor(self, read_item: Any, tensor: torch.Tensor) -> None:
+        pass
+
+    def load_bytes(self, read_item: Any, value: Any) -> None:
+        raise RuntimeError(f"fsdp: {self.key} is stored as bytes, not as a tensor.")
+
+
+def _runs(storage_reader: Any, key: str, dtype: torch.dtype, chunks: list[Any]) -> Iterator[torch.Tensor]:
+    """The stored chunks of one tensor, in row-major order, each read alone and dropped."""
+    for chunk in chunks:
+        target = torch.empty(chunk.sizes, dtype=dtype)
+        _dcp_load({}, storage_reader, _chunk_planner(key, chunk, target))
+        yield target
+        del target
+
+
+def _read_one_at_a_time(storage_reader: Any, saved: list[_SavedTensor]) -> Iterator[tuple[str, Any]]:
+    """Each tensor as saved (the writer casts it), with DCP and no process group: its chunks one at
+    a time where they are row-major runs ([Note: Streaming safetensors]), else read whole."""
+    chunks = {key: md.chunks for key, md in storage_reader.read_metadata().state_dict_metadata.items()}
     for tensor in saved:
+        runs = _row_major_runs(tensor.spec.shape, chunks[tensor.key])
+        if runs is not None:
+            yield tensor.spec.name, _runs(storage_reader, tensor.key, tensor.dtype, runs)
+            continue
         target = {tensor.key: torch.empty(tensor.spec.shape, dtype=tensor.dtype)}
-        with warnings.catch_warnings():  # one process, on purpose: DCP warns of it every time
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-            dcp.load(target, storage_reader=storage_reader, no_dist=True)
-        yield tensor.spec.name, target.pop(tensor.key)  # cast by the writer, piece by piece
+        _dcp_load(target, storage_reader)
+        yield tensor.spec.name, target.pop(tensor.key)
 
 
 def sharded_to_safetensors(
@@ -345,10 +456,10 @@ def sharded_to_safetensors(
     """Writes the model of a sharded DCP checkpoint as Hugging Face safetensors files.
 
     Reads the checkpoint (``fsdp.checkpoint.save_sharded``'s, or any DCP checkpoint of a SHARDED
-    state dict under ``"model"``) one tensor at a time with DCP's reader, in this process alone:
-    no process group is needed (and none is used if one exists), and the memory is one tensor
-    (plus, while DCP reads it, one chunk of it; a cast goes 1 MiB at a time) and the file buffer
-    ([Note: Streaming safetensors]).
+    state dict under ``"model"``) with DCP's reader, one stored chunk at a time (one tensor at a
+    time where its chunks are not row-major runs), in this process alone: no process group is
+    needed (and none is used if one exists), and the memory is one chunk (or tensor), DCP's
+    temporary read of it and the file buffer ([Note: Streaming safetensors]).
 
     Args:
         checkpoint_id: The checkpoint folder.
