@@ -200,6 +200,16 @@ def writer_memory(root: str) -> dict[str, Any]:
     save_safetensors(wrapped, os.path.join(root, "memory_python"), buffer_bytes=BUFFER_BYTES)
     _, result["python_peak"] = tracemalloc.get_traced_memory()
     tracemalloc.stop()
+    # rank 0 cannot write (the folder is a file): it still joins every unit's gather, so the
+    # other ranks return, and then raises.
+    blocked = os.path.join(root, "blocked")
+    if dist.get_rank() == 0:
+        open(blocked, "w").close()
+    dist.barrier()
+    try:
+        result["blocked"] = save_safetensors(wrapped, blocked)
+    except (FileExistsError, NotADirectoryError) as error:
+        result["blocked"] = type(error).__name__
     dist.barrier()
     return result
 
@@ -209,7 +219,9 @@ def test_writer_memory_is_one_unit_plus_one_buffer(pool2: RankPool, tmp_path: An
     from benchmarks.memory import MemoryTrace
     from fsdp.checkpoint import sharded_to_safetensors
 
-    r = pool2.run(writer_memory, str(tmp_path), _timeout=300)[0]
+    reports = pool2.run(writer_memory, str(tmp_path), _timeout=300)
+    assert [x["blocked"] for x in reports] == ["FileExistsError", []], reports
+    r = reports[0]
     # torch's allocations: the gathers' own (the floor: the gathered unit and gloo's staging copy
     # of it) and nothing of the writer's (the tensors go from the gathered unit to the file
     # without a copy); the one unit of slack is gloo's worker freeing the previous unit's
