@@ -5,7 +5,8 @@ the unwrapped model bit for bit, every parameter; the same from a sharded checkp
 a process without a process group; the writer's extra memory is one unit plus the file buffer.
 
 ``transformers`` is an optional test dependency (setup.py's ``stacks`` extra, which CI installs):
-the tests skip only when it is missing.
+the tests skip only when it is missing (``safetensors`` and ``huggingface_hub``, which read the
+files back here, come with it).
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from tests._harness import RankPool, get_pool
 pytest.importorskip(
     "transformers", reason="transformers is not installed (pip install -e '.[stacks]' installs the pinned version)"
 )
-pytest.importorskip("safetensors", reason="safetensors (a dependency of transformers) is not installed")
 
 BUFFER_BYTES = 32 << 10  # the file buffer of the memory checks: below one tensor of the model
 
