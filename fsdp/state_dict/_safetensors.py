@@ -30,6 +30,7 @@ The names are those of the unwrapped model (a SHARDED state dict's keys, less th
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -376,14 +377,17 @@ def _row_major_runs(shape: torch.Size, chunks: list[Any]) -> Optional[list[Any]]
     return [chunk for _, _, chunk in runs] if at == math.prod(shape) else None
 
 
-def _chunk_planner(key: str, chunk: Any, target: torch.Tensor) -> Any:
-    """A DCP load planner that reads one stored chunk of one tensor, whole, into ``target``."""
+@functools.lru_cache(maxsize=None)
+def _chunk_planner_type() -> type:
+    """:class:`_ChunkPlan` as a DCP ``LoadPlanner`` (DCP imported only when it is used)."""
     from torch.distributed.checkpoint.planner import LoadPlanner
 
-    class _ChunkPlanner(_ChunkPlan, LoadPlanner):
-        pass
+    return type("_ChunkPlanner", (_ChunkPlan, LoadPlanner), {})
 
-    return _ChunkPlanner(key, chunk, target)
+
+def _chunk_planner(key: str, chunk: Any, target: torch.Tensor) -> Any:
+    """A DCP load planner that reads one stored chunk of one tensor, whole, into ``target``."""
+    return _chunk_planner_type()(key, chunk, target)
 
 
 class _ChunkPlan:
