@@ -32,7 +32,8 @@ setup(
         "test": ["pytest>=7", "ruff==0.17.6", "mypy==2.4.1"],
         # The training stacks that tests/test_stacks_*.py run on fsdp (through
         # fsdp.redirect_torch_fsdp); pinned to the versions tested. About 65 MB and 20 s on top
-        # of torch; see docs/stacks.md.
-        "stacks": ["accelerate==1.15.0", "lightning==2.6.6"],
+        # of torch; see docs/stacks.md. transformers: tests/test_safetensors_export.py loads the
+        # safetensors export with from_pretrained (about 10 s more to install, with tokenizers).
+        "stacks": ["accelerate==1.15.0", "lightning==2.6.6", "transformers==5.24.0"],
     },
 )

@@ -9,7 +9,11 @@ in bf16) receives the weights:
 - then only what changed, against a host snapshot (``full_params_delta``), each parameter checked
   by its checksum (``apply_delta``).
 
-It ends by checking that the engine holds exactly the trainer's weights in bf16.
+It ends by checking that the engine holds exactly the trainer's weights in bf16. Then the
+trainer is written as Hugging Face safetensors files (``save_safetensors``: rank 0 writes, one
+unit gathered at a time, names as the plain model's), split into files of at most 16 KiB with
+``model.safetensors.index.json``, and read back into a plain model (with the ``safetensors``
+package, when it is installed: ``pip install -e ".[stacks]"``).
 """
 
 from __future__ import annotations
@@ -72,12 +76,54 @@ def export_demo(steps: int = 3) -> bool:
     return all(torch.equal(engine_state[name], value) for name, value in expected.items())
 
 
+def safetensors_demo(folder: str) -> bool:
+    """Writes a trainer as safetensors files in ``folder`` and loads them into a plain model; True
+    on every rank when it matches (reading back needs the ``safetensors`` package)."""
+    from fsdp import FullyShardedDataParallel as FSDP
+    from fsdp.export import save_safetensors
+    from fsdp.plan.gpt import GPT, Block, GPTConfig
+    from fsdp.wrap import ModuleWrapPolicy
+
+    config = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, d_model=32)
+    torch.manual_seed(0)
+    trainer = FSDP(GPT(config), auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"))
+    # Every rank calls it; rank 0 writes. config= would also write config.json (a transformers
+    # config or a dict), which from_pretrained needs.
+    written = save_safetensors(trainer, folder, dtype=torch.bfloat16, max_shard_size=16 << 10)
+    dist.barrier()  # the files are complete once rank 0 returns
+    with FSDP.summon_full_params(trainer, writeback=False):
+        expected = {name: p.detach().to(torch.bfloat16) for name, p in trainer.named_parameters()}
+    if dist.get_rank() != 0:
+        return True
+    print("wrote", ", ".join(sorted(written)))
+    from safetensors.torch import load_file
+
+    loaded: dict[str, torch.Tensor] = {}
+    for name in written:
+        if name.endswith(".safetensors"):
+            loaded.update(load_file(os.path.join(folder, name)))
+    engine = GPT(config).to(torch.bfloat16)
+    engine.load_state_dict(loaded, strict=False)  # a tied weight is stored once, as from save_pretrained
+    state = engine.state_dict()
+    return set(loaded) <= set(expected) and all(torch.equal(state[name], value) for name, value in expected.items())
+
+
 def _worker(rank: int, init_file: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD_SIZE)
     try:
         ok = export_demo()
         if rank == 0:
             print("engine matches the trainer bit for bit (bf16):", ok)
+        try:
+            import safetensors  # noqa: F401
+        except ImportError:
+            if rank == 0:
+                print("safetensors is not installed: skipping the safetensors files")
+        else:
+            ok_files = safetensors_demo(os.path.join(os.path.dirname(init_file), "safetensors"))
+            if rank == 0:
+                print("safetensors files hold the trainer's weights bit for bit (bf16):", ok_files)
+            ok = ok and ok_files
         # Leave together: tearing gloo down while a peer still finishes its last collective
         # can abort the process at exit.
         dist.barrier()

@@ -20,8 +20,9 @@ from torch import nn
 from fsdp.api import StateDictType
 from fsdp.fully_sharded_data_parallel import FullyShardedDataParallel
 from fsdp.state_dict._flat_checkpoint import FlatShardSavePlanner, flat_shard_state_dict, missing_from_checkpoint
+from fsdp.state_dict._safetensors import sharded_to_safetensors
 
-__all__ = ["save_sharded", "load_sharded"]
+__all__ = ["save_sharded", "load_sharded", "sharded_to_safetensors"]
 
 
 def save_sharded(

@@ -15,6 +15,8 @@ step. This module gives them two ways to read an FSDP model without changing it:
   boxes] in ``flat_param/_shard_map.py``), computed without communication, and zero-copy views
   of those ranges; a consumer with its own parallel layout takes exactly the slices it needs
   from the ranks that hold them.
+- :func:`save_safetensors`: the stream written as Hugging Face safetensors files on rank 0
+  ([Note: Streaming safetensors] in ``fsdp/state_dict/_safetensors.py``).
 
 See docs/export.md for the guide and the measurements.
 """
@@ -22,6 +24,7 @@ See docs/export.md for the guide and the measurements.
 from __future__ import annotations
 
 import hashlib
+import os
 from typing import Any, Generator, Iterator, MutableMapping, NamedTuple, Optional, Union
 
 import torch
@@ -35,6 +38,7 @@ from fsdp.flat_param._recast import adopt_external_cast
 from fsdp.flat_param._shard_map import Box, flat_range_boxes, shifted, tp_piece
 from fsdp.flat_param.flat_param import FlatParamHandle
 from fsdp.runtime._state import HandleTrainingState, named_fsdp_states
+from fsdp.state_dict._safetensors import TensorSpec, write_safetensors
 from fsdp.state_dict._values import NOBODY, gather
 
 __all__ = [
@@ -48,6 +52,7 @@ __all__ = [
     "checksum",
     "full_params_delta",
     "apply_delta",
+    "save_safetensors",
 ]
 
 #: A bucket of the stream: ``(name, tensor)`` pairs whose bytes add up to at most the bucket size
@@ -703,3 +708,87 @@ def apply_delta(target: torch.Tensor, delta: ParamDelta, verify: bool = True) ->
             f"(checksum {checksum(target)}, expected {delta.checksum}); the target did not hold "
             "the previous export. Apply every delta in order, or start again from an empty snapshot."
         )
+
+
+# ----------------------------------------------------------------------------- safetensors
+def _safetensors_specs(module: nn.Module, dtype: Optional[torch.dtype]) -> list[TensorSpec]:
+    """Every tensor :func:`full_params_stream` yields (name, dtype, shape), in its order, known
+    from the units' parameter infos before any value is gathered."""
+    units = _prepare(module, "save_safetensors")
+    specs = [
+        TensorSpec(name, _export_dtype(unit.handle._local_shard, dtype), torch.Size(info.shape))
+        for unit in units
+        for name, info in zip(unit.names, unit.handle.param_infos)
+    ]
+    return specs + [TensorSpec(name, _export_dtype(t, dtype), t.shape) for name, t in _loose_tensors(module, units, True)]
+
+
+def _one_at_a_time(stream: Iterator[Bucket]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The stream's pairs, each let go before the next is taken: no view of a gathered unit
+    outlives it while the next unit is gathered."""
+    for bucket in stream:
+        bucket.reverse()
+        while bucket:
+            yield bucket.pop()
+
+
+def save_safetensors(
+    module: nn.Module,
+    path: Union[str, os.PathLike[str]],
+    *,
+    dtype: Optional[torch.dtype] = None,
+    max_shard_size: Union[int, str] = "50GB",
+    buffer_bytes: int = 16 << 20,
+    config: Any = None,
+    metadata: Optional[dict[str, str]] = None,
+) -> list[str]:
+    """Writes the model's full parameters and persistent buffers as Hugging Face safetensors
+    files, streamed one unit at a time; global rank 0 writes.
+
+    Every rank calls it, between steps (as :func:`full_params_stream`, which it runs with
+    ``rank0_only=True, transient=True``): each unit is gathered to rank 0 with one collective and
+    its parameters go from the gathered unit straight into the file, so rank 0 holds at most one
+    gathered unit plus the file buffer and the other ranks only send their shards ([Note:
+    Streaming safetensors] in ``fsdp/state_dict/_safetensors.py``). The names are the unwrapped
+    model's, a tied parameter once under its first name (``save_pretrained`` also leaves tied
+    weights out), so ``transformers``' ``from_pretrained(path)`` loads the folder.
+
+    Args:
+        module: An FSDP model (the root, or any module holding FSDP units).
+        path: The output folder (created on rank 0 if needed); files already there are replaced.
+        dtype: Cast floating-point values to it (``torch.bfloat16`` for inference); None keeps
+            the parameters' full precision (not ``param_dtype``).
+        max_shard_size: The most bytes of tensor data per file (an int, or "5GB"-style as
+            Hugging Face takes it; default its "50GB"); a larger model gets several files
+            ``model-0000i-of-0000N.safetensors`` and ``model.safetensors.index.json``.
+        buffer_bytes: The file buffer: small tensors are coalesced into writes of this size
+            (buffers and ignored parameters, cast, are staged in one buffer of this size or the
+            largest of them).
+        config: A ``transformers`` config (or a dict) written as ``config.json``; None writes
+            none (``from_pretrained`` needs one in the folder, or passed to it).
+        metadata: Extra string entries for each file's ``__metadata__`` (``format`` is "pt").
+
+    Returns:
+        On rank 0 the names of the files written in ``path``, ``[]`` on the other ranks. The
+        files are complete when rank 0 returns; the other ranks may return earlier
+        (``dist.barrier()`` before reading them elsewhere).
+
+    Raises:
+        RuntimeError: A unit is in forward, backward or ``summon_full_params``.
+        NotImplementedError: Tensor-parallel (DTensor) parameters.
+    """
+    specs = _safetensors_specs(module, dtype)
+    stream = full_params_stream(module, dtype, buffer_bytes, rank0_only=True, transient=True, device="cpu")
+    pairs = _one_at_a_time(stream)
+    if _global_rank() != 0:
+        for _ in pairs:  # send the shards; nothing comes back
+            pass
+        return []
+    try:
+        return write_safetensors(
+            path, specs, pairs, max_shard_size=max_shard_size, buffer_bytes=buffer_bytes, config=config, metadata=metadata
+        )
+    except Exception:
+        for _ in pairs:  # keep joining the units' gathers so the other ranks do not hang
+            pass
+        raise
