@@ -305,6 +305,7 @@ class FlatParamHandle:
         if self.state is target:
             if not async_op:
                 self.storage.wait_unshard()
+            self.storage.show_unsharded()  # [Note: A kept unit shows its local shard]
             return
         if self.state is not HandleState.SHARDED:
             self.reshard()
@@ -354,8 +355,27 @@ class FlatParamHandle:
             self.is_unsharded,
             f"unit '{self.unit_name}': use_unsharded_views needs UNSHARDED, state is {self.state}",
         )
+        self.storage.show_unsharded()
         recorded = not as_params and torch.is_grad_enabled() and self.flat_param.requires_grad
         self.views.use_unsharded(as_params, recorded)
+
+    def show_local_shard(self) -> None:
+        """A unit kept unsharded after its forward or backward shows its local shard.
+
+        [Note: A kept unit shows its local shard]
+        torch FSDP1 points a FlatParameter's ``.data`` back at the local shard after every
+        forward and backward, also where it keeps the unsharded memory gathered (the root, and
+        SHARD_GRAD_OP between forward and backward or inside ``no_sync``): without
+        use_orig_params the FlatParameter is what ``parameters()`` gives, so that is what user
+        code reads there. fsdp does the same: the gathered buffer stays (the state is still
+        unsharded, the module's names still view it and autograd's saved views too), only
+        ``.data`` changes, and :meth:`unshard` and :meth:`use_unsharded_views` point it at the
+        buffer again. With use_orig_params the original Parameters are what user code reads
+        ([Note: Original parameters between forward and backward] in ``runtime/_hooks.py``).
+        tests/test_torch_fsdp1_cases.py compares the FlatParameter with torch FSDP1's.
+        """
+        if not self.use_orig_params:
+            self.storage.show_local_shard()
 
     def use_sharded_views(self) -> None:
         """``views.use_sharded()``, kept for ``state_dict/`` until its own cut by ownership."""
