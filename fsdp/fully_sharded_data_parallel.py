@@ -464,7 +464,9 @@ class FullyShardedDataParallel(nn.Module):
     @staticmethod
     def get_state_dict_type(module: nn.Module) -> StateDictSettings:
         """Returns the state-dict settings of ``module``'s FSDP units (they must agree)."""
-        return _settings.get_state_dict_type(fsdp_modules(module))
+        return _settings.get_state_dict_type_checked(
+            [(name, sub) for name, sub in module.named_modules() if isinstance(sub, FullyShardedDataParallel)]
+        )
 
     @staticmethod
     def state_dict_type(

@@ -265,7 +265,7 @@ def _cast_around_wrapper(handle: "FlatParamHandle") -> Optional[torch.dtype]:
             if isinstance(param, nn.Parameter) and param.dtype != handle.dtype:
                 return param.dtype
         return None
-    unsharded = handle.state.name == "UNSHARDED" and handle.has_unsharded_buffer
+    unsharded = handle.state.name == "UNSHARDED" and handle.has_unsharded_buffer and not handle.storage.shows_local_shard
     expected = handle.storage.precision.param_dtype if unsharded else handle.dtype
     return handle.flat_param.dtype if handle.flat_param.dtype != expected else None
 

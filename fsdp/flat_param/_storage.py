@@ -362,6 +362,15 @@ class FlatParamStorage:
         if self.state is not HandleState.SHARDED and self.has_unsharded_buffer:
             self.flat_param.data = self.local_shard
 
+    @property
+    def shows_local_shard(self) -> bool:
+        """Unsharded, with ``.data`` showing the local shard (:meth:`show_local_shard`)."""
+        return (
+            self.state is not HandleState.SHARDED
+            and self.has_unsharded_buffer
+            and self.flat_param.data_ptr() == self.local_shard.data_ptr()
+        )
+
     def show_unsharded(self) -> None:
         """Makes ``.data`` the gathered padded unsharded buffer of the current state again."""
         if self.state is not HandleState.SHARDED and self.has_unsharded_buffer:

@@ -121,7 +121,7 @@ def _summon_handle(
     state_before = handle.state
     was_sharded = state_before is HandleState.SHARDED
     # [Note: A kept unit shows its local shard] in flat_param.py: shown again on the way out.
-    showed_local_shard = not was_sharded and handle.flat_param.data_ptr() == handle._local_shard.data_ptr()
+    showed_local_shard = handle.storage.shows_local_shard
     try:
         handle.grads.sync_from_orig()
         handle.unshard(full_precision=True)  # the parameters' own dtype, not param_dtype
