@@ -260,6 +260,7 @@ def build_handles(
                 use_orig_params=args.use_orig_params,
                 offload_params=setup.offload_params,
                 mixed_precision=args.mixed_precision,
+                sharding_strategy=setup.strategy,
             )
             for handle_params in split_by_requires_grad(params, args.use_orig_params)
         ]
