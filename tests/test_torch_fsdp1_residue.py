@@ -142,3 +142,73 @@ def local_with_mesh() -> int:
 
 def test_get_state_dict_type_local_with_mesh(pool2: RankPool) -> None:
     assert pool2.run(local_with_mesh) == [1, 1]
+
+
+# ----------------------------------------------------------------------------- construction
+class _NoReset(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.empty(3, device="meta"))
+
+
+class _FailingReset(_NoReset):
+    def reset_parameters(self) -> None:
+        raise RuntimeError("boom")
+
+
+def reset_parameters_warning() -> int:
+    """A meta module whose ``reset_parameters()`` is missing or raises: torch FSDP1's
+    UserWarning (its text) and its exception type (AttributeError; fsdp's is a ValueError too,
+    raised before anything changes, with the remedy)."""
+    checked = 0
+    for module_type, error in ((_NoReset, AttributeError), (_FailingReset, RuntimeError)):
+        seen = {}
+        for lib in ("ours", "torch"):
+            m, _ = _lib(lib)
+            kwargs = {"device_id": torch.device("cpu")} if lib == "torch" else {}
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                with pytest.raises(error) as raised:
+                    m.FullyShardedDataParallel(module_type(), **kwargs)
+            seen[lib] = [(w.category, str(w.message)) for w in caught if "reset_parameters" in str(w.message)]
+            if lib == "torch":
+                assert str(raised.value) in str(seen["ours"][0][1])  # torch's error in both warnings
+        assert seen["ours"] == seen["torch"] and len(seen["ours"]) == 1, seen
+        checked += 1
+    return checked
+
+
+def test_reset_parameters_warning(pool1: RankPool) -> None:
+    assert pool1.run(reset_parameters_warning) == [2]
+
+
+def test_device_id_without_index_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``device_id="cuda"`` (no index): torch FSDP1's UserWarning, word for word (the CUDA
+    calls stubbed: this runs on CPU), naming the rank and the current device it then uses."""
+    from torch.distributed.fsdp._init_utils import _get_device_from_device_id
+
+    from fsdp.init._device import parse_device_id
+
+    class _Handle:
+        @staticmethod
+        def current_device() -> int:
+            return 1
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    for device_id in ("cuda", torch.device("cuda")):
+        seen = {}
+        for lib, call in (
+            ("ours", lambda: parse_device_id(device_id, rank=3)),
+            ("torch", lambda: _get_device_from_device_id(device_id, 3, _Handle())),  # type: ignore[arg-type]
+        ):
+            device = None
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                try:
+                    device = call()
+                except RuntimeError:  # torch's torch.device(1) needs an accelerator: after its warning
+                    assert lib == "torch" and not torch.accelerator.is_available()
+            seen[lib] = ([(w.category, str(w.message)) for w in caught], device)
+        assert seen["ours"][0] == seen["torch"][0] and len(seen["ours"][0]) == 1, seen
+        assert seen["ours"][1] == torch.device("cuda", 1), seen

@@ -139,8 +139,8 @@ def plan_unit(
     )
     strategy = args.sharding_strategy or ShardingStrategy.FULL_SHARD
     groups = resolve_process_groups(args.process_group, args.device_mesh, strategy)
-    device = resolve_compute_device(module, args.device_id, group_backend(groups.shard))
     rank, world_size = group_rank(groups.shard), group_size(groups.shard)
+    device = resolve_compute_device(module, args.device_id, group_backend(groups.shard), rank)
     warn_container(module)
     strategy = effective_strategy(strategy, world_size)  # NO_SHARD on one rank, as torch FSDP1
     if strategy in HYBRID_STRATEGIES:
