@@ -212,3 +212,43 @@ def test_device_id_without_index_warning(monkeypatch: pytest.MonkeyPatch) -> Non
             seen[lib] = ([(w.category, str(w.message)) for w in caught], device)
         assert seen["ours"][0] == seen["torch"][0] and len(seen["ours"][0]) == 1, seen
         assert seen["ours"][1] == torch.device("cuda", 1), seen
+
+
+# ----------------------------------------------------------------------------- optimizer state
+def user_defined_optim_state() -> int:
+    """An optimizer holding state under a key that is no parameter ([Note: User-defined
+    optimizer state]): torch FSDP1's UserWarning on the save (text, category, count), the entry
+    copied as it is into the saved and the loadable state dicts, and loaded back, as torch's."""
+    checked = 0
+    for uop in (False, True):
+        for kind in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
+            seen: dict[str, Any] = {}
+            for lib in ("ours", "torch"):
+                m, _ = _lib(lib)
+                cls = m.FullyShardedDataParallel
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    model = _wrap(lib, "FULL_SHARD", uop)
+                    cls.set_state_dict_type(model, m.StateDictType[kind])
+                optim = _optim("adam", model, uop)
+                _train(model, optim, range(1))
+                optim.state["user_counter"] = {"n": torch.tensor(3)}  # type: ignore[index]
+                saved: dict[str, Any] = {}
+                about = "Found a optim state"
+                warned = _caught(lambda: saved.update(cls.optim_state_dict(model, optim)), about)
+                loadable: dict[str, Any] = {}
+                warned_load = _caught(lambda: loadable.update(cls.optim_state_dict_to_load(model, optim, saved)), about)
+                del optim.state["user_counter"]  # type: ignore[arg-type]
+                optim.load_state_dict(loadable)
+                seen[lib] = (warned, warned_load, saved["state"]["user_counter"], loadable["state"]["user_counter"],
+                             optim.state["user_counter"])  # type: ignore[index]
+            ours, theirs = seen["ours"], seen["torch"]
+            assert ours[:2] == theirs[:2] and len(ours[0]) == 1 and not ours[1], (uop, kind, ours[:2], theirs[:2])
+            for mine, ref in zip(ours[2:], theirs[2:]):
+                assert list(mine) == list(ref) == ["n"] and torch.equal(mine["n"], ref["n"]), (uop, kind)
+            checked += 1
+    return checked
+
+
+def test_user_defined_optim_state(pool2: RankPool) -> None:
+    assert pool2.run(user_defined_optim_state) == [4, 4]

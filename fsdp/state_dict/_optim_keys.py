@@ -37,6 +37,7 @@ since the first release) both catch it, and its message is printed as written (a
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any, Callable, Iterable, Optional, TypeVar, Union, cast
 
 import torch
@@ -70,11 +71,51 @@ __all__ = [
     "keys_by_fqn",
     "rekey",
     "agree",
+    "split_user_states",
+    "add_user_states",
 ]
 
 # State dict values are Any here: torch types Optimizer.state_dict() as dict[str, Any].
 
 T = TypeVar("T")
+
+
+# ----------------------------------------------------------------------------- user-defined state
+# [Note: User-defined optimizer state]
+# An optimizer may keep state under a key that is no parameter (a step counter of a custom
+# optimizer, state TorchRec manages). torch FSDP1 copies such an entry as it is into the state
+# dict it saves, with its UserWarning, and into the one it loads. fsdp does the same; on load it
+# takes as user-defined only a key the optimizer itself holds as non-parameter state, so a state
+# dict of another model (parameter names this model lacks) is still refused, naming them.
+_USER_STATE_WARNING = (
+    "Found a optim state, {key}, that FSDP cannot process. FSDP will directly copy everything to "
+    "the returned state_dict. In most cases, this is a user-defined state that is not associated "
+    "with any particular parameter. Another possible case is this state is managed by TorchRec. "
+    "Otherwise, there may  be a mismatched assumption of optim_state_dict of this mode."
+)
+
+
+def split_user_states(
+    osd: dict[str, Any], is_param_key: Callable[[Any], bool]
+) -> tuple[dict[str, Any], dict[Any, Any]]:
+    """``osd`` without its user-defined state entries (keys ``is_param_key`` rejects), and those
+    entries ([Note: User-defined optimizer state]). ``osd`` itself is not changed."""
+    state = osd.get("state") if isinstance(osd, dict) else None
+    if not isinstance(state, dict):
+        return osd, {}
+    user = {key: value for key, value in state.items() if not is_param_key(key)}
+    if not user:
+        return osd, {}
+    return {**osd, "state": {key: value for key, value in state.items() if key not in user}}, user
+
+
+def add_user_states(out_state: dict[Any, Any], user: dict[Any, Any], warn: bool) -> None:
+    """Copies user-defined state entries into a returned state dict (``warn``: with torch
+    FSDP1's UserWarning, as its saves give it)."""
+    for key, value in user.items():
+        if warn:
+            warnings.warn(_USER_STATE_WARNING.format(key=key), stacklevel=4)
+        out_state[key] = copy.copy(value)
 
 
 # ----------------------------------------------------------------------------- exception types

@@ -20,7 +20,7 @@ from fsdp.api import (
     StateDictSettings,
     StateDictType,
 )
-from fsdp.runtime._state import fsdp_modules
+from fsdp.runtime._state import fsdp_modules, unit_state
 from fsdp.state_dict._values import refuse_local_with_mesh
 
 _CONFIG_TYPES: dict[StateDictType, tuple[type, type]] = {
@@ -120,7 +120,7 @@ def get_state_dict_type_checked(named_modules: Sequence[tuple[str, nn.Module]]) 
     settings = get_state_dict_type([module for _, module in named_modules])
     if settings.state_dict_type is StateDictType.LOCAL_STATE_DICT:
         refuse_local_with_mesh(
-            [(name, module._fsdp_state) for name, module in named_modules],
+            [(name, unit_state(module)) for name, module in named_modules],
             "FullyShardedDataParallel.get_state_dict_type() was called",
         )
     return settings
