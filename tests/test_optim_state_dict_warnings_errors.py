@@ -96,6 +96,8 @@ def _deprecation_warnings() -> int:
         for text, expected in (("optim_input", passes_input), ("deprecated", legacy or passes_input)):
             mine, torch_ones = _about(caught, text), _about(caught_torch, text)
             assert bool(mine) == expected == bool(torch_ones), (what, text, [str(w.message) for w in caught], [str(w.message) for w in caught_torch])
+        for w in caught_torch:  # ours contain torch's sentences
+            assert any(str(w.message) in str(mine.message) for mine in caught), (what, str(w.message))
         for w in caught:
             assert issubclass(w.category, FutureWarning), (what, w)
             # Attributed to the line that called the API (here: this file), not to fsdp's code.

@@ -117,6 +117,8 @@ def _warn_optim_input(optim_input: object) -> None:
     if optim_input is None:
         return
     warnings.warn(
+        "The `optim_input` argument is deprecated and will be removed after PyTorch 1.13. You may "
+        "remove it from your code without changing its functionality. "  # torch FSDP1's text
         "fsdp: the `optim_input` argument is deprecated (as in torch FSDP1) and will be "
         "removed. Pass the optimizer as `optim=` instead, or drop `optim_input` when the "
         "optimizer was built from model.parameters() in their order.",
@@ -128,6 +130,9 @@ def _warn_optim_input(optim_input: object) -> None:
 def _warn_legacy_api(current: str, replacement: str) -> None:
     """Warns (``FutureWarning``, as torch FSDP1) that a legacy optimizer state-dict API is used."""
     warnings.warn(
+        f"``FullyShardedDataParallel.{current}``is being deprecated and is replaced by "  # torch FSDP1's text
+        f"``FullyShardedDataParallel.{replacement}``. ``FullyShardedDataParallel.{current}`` may be "
+        f"removed after PyTorch 2.2. "
         f"fsdp: FullyShardedDataParallel.{current} is deprecated (as in torch FSDP1); "
         f"use FullyShardedDataParallel.{replacement} with FullyShardedDataParallel.state_dict_type "
         f"instead.",
