@@ -56,10 +56,11 @@ def _fsdp(lib: str, model: nn.Module, strategy: str, **kwargs: Any) -> nn.Module
 
 
 USE_ORIG_PARAMS = (True, False)
+HYBRID = ["HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"]
 
 
 def no_sync_correctness() -> int:
-    """torch's test: ``nn.Linear(7, 1, bias=False)`` as one unit; a reference backward, then
+    """torch's test (hybrid strategies added): ``nn.Linear(7, 1, bias=False)`` as one unit; a reference backward, then
     ``zero_grad(set_to_none=True)``, a backward inside ``no_sync`` and one outside: the
     gradients are twice the reference. Checked here against torch FSDP1 for both
     ``use_orig_params`` values, at each of torch's checks and after each forward: the
@@ -72,16 +73,21 @@ def no_sync_correctness() -> int:
     (torch FSDP1 refuses or asserts there; fsdp shows this rank's accumulated gradient and
     changes nothing), and memory: ``zero_grad(set_to_none=True)`` inside ``no_sync`` frees the
     accumulated gradient's storage at once, in both libraries."""
+    from torch.distributed.device_mesh import init_device_mesh
+
     torch.manual_seed(0)
     base = nn.Linear(7, 1, bias=False)
     inp, grad = torch.randn(2, 7), torch.randn(2, 1)
     compared = 0
-    for strategy in STRATEGIES:
+    ws = dist.get_world_size()
+    for strategy in STRATEGIES + (HYBRID if ws > 1 else []):
+        # Hybrid: shard in pairs, replicate across them.
+        mesh = {"device_mesh": init_device_mesh("cpu", (ws // 2, 2))} if strategy in HYBRID else {}
         for use_orig_params in USE_ORIG_PARAMS:
             for clip in (False, True):
                 log: dict[str, list[tuple[str, Any]]] = {}
                 for lib in ("ours", "torch"):
-                    model = _fsdp(lib, _copy(base), strategy, use_orig_params=use_orig_params)
+                    model = _fsdp(lib, _copy(base), strategy, use_orig_params=use_orig_params, **mesh)
                     log[lib] = _no_sync_points(lib, model, inp, grad, clip)
                 where = f"{strategy}, use_orig_params={use_orig_params}, clip={clip}"
                 for (point, mine), (_, theirs) in zip(log["ours"], log["torch"], strict=True):
@@ -156,7 +162,8 @@ def _copy(module: nn.Module) -> nn.Module:
 
 @pytest.mark.parametrize("dist_pool", [1, 2, 4], indirect=True)
 def test_no_sync_correctness(dist_pool: RankPool) -> None:
-    assert dist_pool.run(no_sync_correctness) == [3 * len(USE_ORIG_PARAMS) * (7 + 9)] * dist_pool.world_size
+    strategies = len(STRATEGIES) + (len(HYBRID) if dist_pool.world_size > 1 else 0)
+    assert dist_pool.run(no_sync_correctness) == [strategies * len(USE_ORIG_PARAMS) * (7 + 9)] * dist_pool.world_size
 
 
 # ----------------------------------------------------------------------------- optimizers
