@@ -37,7 +37,10 @@ since the first release) both catch it, and its message is printed as written (a
 from __future__ import annotations
 
 import copy
+import os
+import sys
 import warnings
+from types import FrameType
 from typing import Any, Callable, Iterable, Optional, TypeVar, Union, cast
 
 import torch
@@ -73,11 +76,51 @@ __all__ = [
     "agree",
     "split_user_states",
     "add_user_states",
+    "user_stacklevel",
+    "warn_sharded_tensor_deprecated",
 ]
 
 # State dict values are Any here: torch types Optimizer.state_dict() as dict[str, Any].
 
 T = TypeVar("T")
+
+
+# ----------------------------------------------------------------------------- warnings
+_FSDP_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that attributes a warning to the first caller outside ``fsdp``.
+
+    Counted for a ``warnings.warn`` call made by the caller of this function.
+    """
+    frame: Optional[FrameType] = sys._getframe(1)  # the function that calls warnings.warn
+    level = 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_FSDP_DIR + os.sep):
+        frame = frame.f_back
+        level += 1
+    return level
+
+
+def warn_sharded_tensor_deprecated(osd: dict[str, Any]) -> None:
+    """torch's FutureWarning about ShardedTensor, once, when a state dict to load holds
+    ShardedTensor values (torch FSDP1's sharded form), attributed to the caller's line.
+
+    torch FSDP1 warns there: it reads those values through ShardedTensor's deprecated tensor
+    methods. fsdp reads them through their metadata and local shards ([Note: No ShardedTensor] in
+    ``_values.py``), which do not warn, so it says it itself: the values are deprecated all the
+    same, and code that turns FutureWarnings into errors meets it where it meets torch's.
+    """
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    state = osd.get("state", {}) if isinstance(osd, dict) else {}
+    entries = [entry for entry in state.values() if isinstance(entry, dict)]
+    if any(isinstance(value, ShardedTensor) for entry in entries for value in entry.values()):
+        warnings.warn(
+            "Please use DTensor instead and we are deprecating ShardedTensor.",  # torch's text
+            FutureWarning,
+            stacklevel=user_stacklevel(),
+        )
 
 
 # ----------------------------------------------------------------------------- user-defined state

@@ -34,6 +34,7 @@ from fsdp.state_dict._optim_keys import (
     param_list,
     refuse_rank0_only_tensor_parallel,
     split_user_states,
+    warn_sharded_tensor_deprecated,
 )
 from fsdp.state_dict._values import ValueKind, tp_local
 
@@ -84,6 +85,8 @@ def to_load(
     if load_directly and optim is None:
         # torch FSDP1 fails with an AttributeError (on None.load_state_dict).
         raise OptimStateAttributeError("fsdp: load_directly=True needs the optimizer to load into; pass optim.")
+    if optim_state_dict is not None:
+        warn_sharded_tensor_deprecated(optim_state_dict)
     user_states: dict[Any, Any] = {}
     if optim is not None and optim_state_dict is not None:  # [Note: User-defined optimizer state]
         held_by_optim = {key for key in optim.state if not isinstance(key, torch.Tensor)}
