@@ -127,9 +127,9 @@ def warn_sharded_tensor_deprecated(osd: dict[str, Any]) -> None:
 # [Note: User-defined optimizer state]
 # An optimizer may keep state under a key that is no parameter (a step counter of a custom
 # optimizer, state TorchRec manages). torch FSDP1 copies such an entry as it is into the state
-# dict it saves, with its UserWarning, and into the one it loads. fsdp does the same; on load it
-# takes as user-defined only a key the optimizer itself holds as non-parameter state, so a state
-# dict of another model (parameter names this model lacks) is still refused, naming them.
+# dict it saves, with its UserWarning, and into the one it loads. fsdp does the same for a key
+# the optimizer itself holds state under that is no parameter (``optim.state["counter"]``), so a
+# state dict of another model, or keyed by the wrong names, is still refused, naming the keys.
 _USER_STATE_WARNING = (
     "Found a optim state, {key}, that FSDP cannot process. FSDP will directly copy everything to "
     "the returned state_dict. In most cases, this is a user-defined state that is not associated "
@@ -138,15 +138,15 @@ _USER_STATE_WARNING = (
 )
 
 
-def split_user_states(
-    osd: dict[str, Any], is_param_key: Callable[[Any], bool]
-) -> tuple[dict[str, Any], dict[Any, Any]]:
-    """``osd`` without its user-defined state entries (keys ``is_param_key`` rejects), and those
-    entries ([Note: User-defined optimizer state]). ``osd`` itself is not changed."""
+def split_user_states(osd: dict[str, Any], optim: Any) -> tuple[dict[str, Any], dict[Any, Any]]:
+    """``osd`` without its user-defined state entries, and those entries: the keys ``optim``
+    holds state under that are no parameter ([Note: User-defined optimizer state]). ``osd``
+    itself is not changed."""
     state = osd.get("state") if isinstance(osd, dict) else None
-    if not isinstance(state, dict):
+    held = {key for key in getattr(optim, "state", {}) if not isinstance(key, torch.Tensor)}
+    if not isinstance(state, dict) or not held:
         return osd, {}
-    user = {key: value for key, value in state.items() if not is_param_key(key)}
+    user = {key: value for key, value in state.items() if key in held}
     if not user:
         return osd, {}
     return {**osd, "state": {key: value for key, value in state.items() if key not in user}}, user

@@ -89,8 +89,7 @@ def to_load(
         warn_sharded_tensor_deprecated(optim_state_dict)
     user_states: dict[Any, Any] = {}
     if optim is not None and optim_state_dict is not None:  # [Note: User-defined optimizer state]
-        held_by_optim = {key for key in optim.state if not isinstance(key, torch.Tensor)}
-        optim_state_dict, user_states = split_user_states(optim_state_dict, lambda key: key not in held_by_optim)
+        optim_state_dict, user_states = split_user_states(optim_state_dict, optim)
     osd, held = _prepare_load(
         view, model, optim, optim_state_dict, is_named_optimizer, group, rank0_only, sharded, optim_input
     )

@@ -144,10 +144,7 @@ def _prepare_save(
                 "optim.state_dict() returns)"
             )
         params = param_list(model, optim, optim_input)
-        names = {name for name, _ in model.named_parameters()}
-        osd, user = split_user_states(
-            osd, lambda key: key in names or (type(key) is int and 0 <= key < len(params))
-        )
+        osd, user = split_user_states(osd, optim)
         if keyed_by_names(osd):
             osd = names_to_ids(osd, optimizer_keys(model, params, named=True))
         prepared.update(osd=osd, params=params, user=user)
