@@ -294,7 +294,8 @@ def _post_forward(state: UnitState, output: _T, owner: Optional[nn.Module] = Non
 
 
 def _register_orig_params_after_forward(state: UnitState) -> None:
-    """use_orig_params: a unit kept gathered after forward shows its original Parameters.
+    """A unit kept gathered after forward shows its original Parameters (use_orig_params), or
+    else its FlatParameter's local shard ([Note: A kept unit shows its local shard]).
 
     [Note: Original parameters between forward and backward]
     Code that runs between a forward and its backward (logging, clipping or scaling gradients
