@@ -92,9 +92,10 @@ def _prune(directory: str, keep: int, current: str) -> None:
 
 @contextlib.contextmanager
 def _quiet_sharded_tensor_deprecation() -> Iterator[None]:
-    """Hides the one warning torch's DCP gives for every checkpoint of ShardedTensor values
-    (torch FSDP1's SHARDED type, which fsdp gives too: "Please use DTensor instead and we are
-    deprecating ShardedTensor."); a model built with ``device_mesh`` gives DTensors instead."""
+    """Hides the one warning torch gives for ShardedTensor values (torch FSDP1's SHARDED type,
+    which fsdp gives too: "Please use DTensor instead and we are deprecating ShardedTensor."),
+    at DCP's load and at loading them into the optimizer, with torch FSDP1 and fsdp alike; a
+    model built with ``device_mesh`` gives DTensors instead."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor", category=FutureWarning)
         yield
@@ -319,5 +320,6 @@ def load_checkpoint(
             f"corrupt or from another model; resume from an earlier step_* folder by pointing "
             f"{LATEST} at it{earlier}, or start without --resume."
         ) from exc
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    with _quiet_sharded_tensor_deprecation():
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     return state["extra"]

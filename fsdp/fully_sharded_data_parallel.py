@@ -463,8 +463,15 @@ class FullyShardedDataParallel(nn.Module):
 
     @staticmethod
     def get_state_dict_type(module: nn.Module) -> StateDictSettings:
-        """Returns the state-dict settings of ``module``'s FSDP units (they must agree)."""
-        return _settings.get_state_dict_type(fsdp_modules(module))
+        """Returns the state-dict settings of ``module``'s FSDP units (they must agree).
+
+        Raises:
+            RuntimeError: LOCAL_STATE_DICT is set on a unit built with a ``device_mesh``
+                (torch FSDP1's error: "DeviceMesh is not compatible with LOCAL_STATE_DICT.").
+        """
+        return _settings.get_state_dict_type_checked(
+            [(name, sub) for name, sub in module.named_modules() if isinstance(sub, FullyShardedDataParallel)]
+        )
 
     @staticmethod
     def state_dict_type(

@@ -26,8 +26,6 @@ from tests.test_orig_params_torch_attrs import _units, _wrap
 from tests.test_parity import _full_params
 
 STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]
-# The points after a backward inside ``no_sync`` (when the micro-batches accumulate there).
-INSIDE_NO_SYNC = {"first backward", "forward between backwards", "second backward", "forward before the synchronized backward"}
 
 
 def _tensor(t: Optional[torch.Tensor]) -> Any:
@@ -58,17 +56,15 @@ def _check_tensor(a: Any, b: Any, where: str) -> None:
         assert torch.equal(a[2], b[2]), where
 
 
-def assert_same(mine: dict[str, Any], theirs: dict[str, Any], where: str, in_no_sync: bool = False) -> None:
-    """``in_no_sync``: a point inside ``no_sync`` after a backward there. torch FSDP1 keeps the
-    accumulated unsharded gradient on the FlatParameter's ``.grad``; fsdp keeps it (the same
-    memory) aside in ``GradReduction.unsynced_unsharded_grad``, and the original parameters
-    view it in both: a FlatParameter gradient of None is accepted there, nowhere else."""
+def assert_same(mine: dict[str, Any], theirs: dict[str, Any], where: str) -> None:
+    """Two snapshots: the same names, types, values and gradients, and each unit's
+    FlatParameter gradient None where torch FSDP1's is (inside ``no_sync`` too: both keep the
+    accumulated unsharded gradient there, [Note: The gradient no_sync accumulates])."""
     assert list(mine) == list(theirs), where
     for name, ours in mine.items():
         ref = theirs[name]
         if name.endswith("flat grad"):
-            if not (in_no_sync and ours is None and ref is not None):
-                _check_tensor(ours, ref, f"{where}: {name}")
+            _check_tensor(ours, ref, f"{where}: {name}")
             continue
         assert ours[:2] == ref[:2], (where, name, "(type, is_leaf)", ours[:2], ref[:2])
         _check_tensor(ours[2], ref[2], f"{where}: {name}")
@@ -145,8 +141,7 @@ def grads_at_every_point(strategies: list[str]) -> int:
                     assert list(mine) == list(theirs)
                     assert all(torch.equal(mine[n], theirs[n]) for n in mine), (strategy, where)
                 else:
-                    in_no_sync = accumulate_in_no_sync and where.split(": ")[1] in INSIDE_NO_SYNC
-                    assert_same(mine, theirs, f"{strategy}, no_sync={accumulate_in_no_sync}, {where}", in_no_sync)
+                    assert_same(mine, theirs, f"{strategy}, no_sync={accumulate_in_no_sync}, {where}")
                 compared += 1
     return compared
 

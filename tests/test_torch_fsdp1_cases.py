@@ -24,7 +24,7 @@ from torch import nn
 from tests._harness import RankPool
 from tests._models import global_batch, lm_loss, local_rows, make_toy
 from tests.test_orig_params_grads import STRATEGIES, assert_same, snapshot
-from tests.test_orig_params_torch_attrs import _wrap
+from tests.test_orig_params_torch_attrs import _units, _wrap
 from tests.test_parity import _full_params
 
 
@@ -55,53 +55,103 @@ def _fsdp(lib: str, model: nn.Module, strategy: str, **kwargs: Any) -> nn.Module
 # ----------------------------------------------------------------------------- no_sync
 
 
-# use_orig_params=False, torch's test's baseline, is open: inside ``no_sync`` torch FSDP1 keeps
-# the accumulated (unpadded) unsharded gradient on the FlatParameter's ``.grad``, where fsdp
-# keeps it aside (``.grad`` reads None), and a unit kept gathered (the root, SHARD_GRAD_OP)
-# shows the sharded FlatParameter after forward and after a ``no_sync`` backward, where fsdp
-# shows the unsharded one.
-USE_ORIG_PARAMS = (True,)
+USE_ORIG_PARAMS = (True, False)
+HYBRID = ["HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"]
 
 
 def no_sync_correctness() -> int:
-    """torch's test: ``nn.Linear(7, 1, bias=False)`` as one unit; a reference backward, then
+    """torch's test (hybrid strategies added): ``nn.Linear(7, 1, bias=False)`` as one unit; a reference backward, then
     ``zero_grad(set_to_none=True)``, a backward inside ``no_sync`` and one outside: the
     gradients are twice the reference. Checked here against torch FSDP1 for both
-    ``use_orig_params`` values, at each of torch's checks and after each forward."""
+    ``use_orig_params`` values, at each of torch's checks and after each forward: the
+    FlatParameter (a unit kept gathered shows its local shard, [Note: A kept unit shows its
+    local shard]) and its ``.grad`` (inside ``no_sync`` the accumulated unsharded gradient,
+    [Note: The gradient no_sync accumulates]), bit for bit, None where torch's is None.
+
+    Also, per configuration, a second pass that clips inside ``no_sync`` (the clipped gradients
+    and the norm equal torch's), ``summon_full_params(with_grads=True)`` inside ``no_sync``
+    (torch FSDP1 refuses or asserts there; fsdp shows this rank's accumulated gradient and
+    changes nothing), and memory: ``zero_grad(set_to_none=True)`` inside ``no_sync`` frees the
+    accumulated gradient's storage at once, in both libraries."""
+    from torch.distributed.device_mesh import init_device_mesh
+
     torch.manual_seed(0)
     base = nn.Linear(7, 1, bias=False)
     inp, grad = torch.randn(2, 7), torch.randn(2, 1)
     compared = 0
-    for strategy in STRATEGIES:
+    ws = dist.get_world_size()
+    for strategy in STRATEGIES + (HYBRID if ws > 1 else []):
+        # Hybrid: shard in pairs, replicate across them.
+        mesh = {"device_mesh": init_device_mesh("cpu", (ws // 2, 2))} if strategy in HYBRID else {}
         for use_orig_params in USE_ORIG_PARAMS:
-            log: dict[str, list[tuple[str, dict[str, Any]]]] = {}
-            for lib in ("ours", "torch"):
-                model = _fsdp(lib, _copy(base), strategy, use_orig_params=use_orig_params)
-                optim = torch.optim.AdamW(model.parameters(), foreach=True)
-                points: list[tuple[str, dict[str, Any]]] = []
-                log[lib] = points
-                out = model(inp)
-                out.backward(grad)
-                points.append(("reference backward", snapshot(model)))
-                reference = [p.grad.clone() for p in model.parameters() if p.grad is not None]
-                optim.zero_grad(set_to_none=True)
-                with model.no_sync():  # type: ignore[operator]
-                    out = model(inp)
-                    points.append(("forward inside no_sync", snapshot(model)))
-                    out.backward(grad)
-                points.append(("backward inside no_sync", snapshot(model)))
-                out = model(inp)
-                points.append(("forward after no_sync", snapshot(model)))
-                out.backward(grad)
-                points.append(("synchronized backward", snapshot(model)))
-                # torch's test's own check: two accumulated backwards, twice the reference.
-                grads = [p.grad for p in model.parameters() if p.grad is not None]
-                assert len(grads) == len(reference) and all(torch.equal(g, 2 * r) for g, r in zip(grads, reference))
-            for (where, mine), (_, theirs) in zip(log["ours"], log["torch"], strict=True):
-                in_no_sync = where in ("backward inside no_sync", "forward after no_sync")  # (accumulation held)
-                assert_same(mine, theirs, f"{strategy}, use_orig_params={use_orig_params}, {where}", in_no_sync)
-                compared += 1
+            for clip in (False, True):
+                log: dict[str, list[tuple[str, Any]]] = {}
+                for lib in ("ours", "torch"):
+                    model = _fsdp(lib, _copy(base), strategy, use_orig_params=use_orig_params, **mesh)
+                    log[lib] = _no_sync_points(lib, model, inp, grad, clip)
+                where = f"{strategy}, use_orig_params={use_orig_params}, clip={clip}"
+                for (point, mine), (_, theirs) in zip(log["ours"], log["torch"], strict=True):
+                    if point.startswith("norm") or point.startswith("freed"):
+                        assert mine == theirs, (where, point, mine, theirs)
+                    else:
+                        assert_same(mine, theirs, f"{where}, {point}")
+                    compared += 1
     return compared
+
+
+def _no_sync_points(lib: str, model: nn.Module, inp: torch.Tensor, grad: torch.Tensor, clip: bool) -> list[tuple[str, Any]]:
+    """One library's run of the scenario: ``(point, what it shows)`` at each point."""
+    optim = torch.optim.AdamW(model.parameters(), foreach=True)
+    points: list[tuple[str, Any]] = []
+    model(inp).backward(grad)
+    points.append(("reference backward", snapshot(model)))
+    reference = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    optim.zero_grad(set_to_none=True)
+    with model.no_sync():  # type: ignore[operator]
+        out = model(inp)
+        points.append(("forward inside no_sync", snapshot(model)))
+        out.backward(grad)
+        if lib == "ours":
+            _check_summon_inside_no_sync(model)
+        points.append(("backward inside no_sync", snapshot(model)))
+        if clip:
+            points.append(("norm", model.clip_grad_norm_(0.05).item()))  # type: ignore[operator]
+            points.append(("clipped inside no_sync", snapshot(model)))
+    out = model(inp)
+    points.append(("forward after no_sync", snapshot(model)))
+    out.backward(grad)
+    points.append(("synchronized backward", snapshot(model)))
+    if not clip:
+        # torch's test's own check: two accumulated backwards, twice the reference.
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        assert len(grads) == len(reference) and all(torch.equal(g, 2 * r) for g, r in zip(grads, reference))
+    # Memory: the accumulated unsharded gradient's only reference is ``.grad``.
+    optim.zero_grad(set_to_none=True)
+    with model.no_sync():  # type: ignore[operator]
+        model(inp).backward(grad)
+        storages = [weakref_storage(u._flat_param.grad) for u in _units(model) if u._flat_param.grad is not None]
+        optim.zero_grad(set_to_none=True)
+    points.append(("zero_grad inside no_sync", snapshot(model)))
+    points.append(("freed", (len(storages), [torch.UntypedStorage._expired(ref) for ref in storages])))
+    return points
+
+
+def weakref_storage(tensor: torch.Tensor) -> int:
+    """A weak reference to ``tensor``'s storage (``torch.UntypedStorage._expired`` reads it)."""
+    return tensor.untyped_storage()._weak_ref()
+
+
+def _check_summon_inside_no_sync(model: nn.Module) -> None:
+    """``summon_full_params(with_grads=True)`` inside ``no_sync``: each parameter's ``.grad`` is
+    its part of this rank's accumulated unsharded gradient (the FlatParameter's ``.grad``, which
+    the snapshots compare with torch FSDP1's), and nothing changes (the next snapshot is
+    compared too)."""
+    from fsdp import FullyShardedDataParallel as FSDP
+
+    flat_grad = model._flat_param.grad.clone()  # type: ignore[union-attr]
+    with FSDP.summon_full_params(model, with_grads=True):
+        (param,) = list(model.parameters())
+        assert param.grad is not None and torch.equal(param.grad.flatten(), flat_grad[: param.numel()])
 
 
 def _copy(module: nn.Module) -> nn.Module:
@@ -110,8 +160,10 @@ def _copy(module: nn.Module) -> nn.Module:
     return copy.deepcopy(module)
 
 
-def test_no_sync_correctness(pool2: RankPool) -> None:
-    assert pool2.run(no_sync_correctness) == [3 * len(USE_ORIG_PARAMS) * 5] * 2
+@pytest.mark.parametrize("dist_pool", [1, 2, 4], indirect=True)
+def test_no_sync_correctness(dist_pool: RankPool) -> None:
+    strategies = len(STRATEGIES) + (len(HYBRID) if dist_pool.world_size > 1 else 0)
+    assert dist_pool.run(no_sync_correctness) == [strategies * len(USE_ORIG_PARAMS) * (7 + 9)] * dist_pool.world_size
 
 
 # ----------------------------------------------------------------------------- optimizers

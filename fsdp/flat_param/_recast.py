@@ -48,6 +48,7 @@ from torch import nn
 from fsdp._common import FLAT_PARAM, p_assert
 from fsdp.api import MixedPrecision
 from fsdp.flat_param._precision import HandlePrecision
+from fsdp.flat_param._views import assign_grad
 
 if TYPE_CHECKING:
     from fsdp.flat_param.flat_param import FlatParamHandle
@@ -180,8 +181,9 @@ def recast_handle(
     grads = handle.grads
     if grads.sharded_grad_stash is not None:
         grads.sharded_grad_stash = grads.sharded_grad_stash.to(new_dtype)
-    if grads.unsynced_unsharded_grad is not None:
-        grads.unsynced_unsharded_grad = grads.unsynced_unsharded_grad.to(precision.param_dtype)
+    if grads.holds_unsynced and flat_grad is not None:  # no_sync's unsharded gradient, in param_dtype
+        assign_grad(handle.flat_param, flat_grad.to(precision.param_dtype))
+        flat_grad = None
 
     # The names on the modules, as at construction.
     if handle.use_orig_params or handle.has_unsharded_buffer:
@@ -263,7 +265,7 @@ def _cast_around_wrapper(handle: "FlatParamHandle") -> Optional[torch.dtype]:
             if isinstance(param, nn.Parameter) and param.dtype != handle.dtype:
                 return param.dtype
         return None
-    unsharded = handle.state.name == "UNSHARDED" and handle.has_unsharded_buffer
+    unsharded = handle.state.name == "UNSHARDED" and handle.has_unsharded_buffer and not handle.storage.shows_local_shard
     expected = handle.storage.precision.param_dtype if unsharded else handle.dtype
     return handle.flat_param.dtype if handle.flat_param.dtype != expected else None
 

@@ -59,7 +59,11 @@ class GradReduction:
             before autograd accumulates and added back at the end of backward.
         prior_grad_to_reduce: NO_SHARD: an existing gradient the new one is added to *before*
             the reduction (as torch FSDP1).
-        unsynced_unsharded_grad: Inside ``no_sync``: the accumulated unsharded gradient.
+        holds_unsynced: Inside ``no_sync`` (a strategy that shards): the FlatParameter's
+            ``.grad`` is the accumulated unsharded gradient, not a reduced sharded one
+            ([Note: The gradient no_sync accumulates]).
+        unsynced_unsharded_grad: That gradient, moved aside from ``.grad`` while a backward
+            accumulates a new one (from :meth:`stash` to :meth:`reduce`).
         pending_sharded_grad: This backward's reduced sharded gradient, until :meth:`finalize`.
         inflight: A reduction still in flight.
         stepped_in_backward: This backward's gradient was finalized early and stepped by
@@ -90,6 +94,7 @@ class GradReduction:
         )
         self.sharded_grad_stash: Optional[torch.Tensor] = None
         self.prior_grad_to_reduce: Optional[torch.Tensor] = None
+        self.holds_unsynced = False
         self.unsynced_unsharded_grad: Optional[torch.Tensor] = None
         self.pending_sharded_grad: Optional[torch.Tensor] = None
         self.inflight: Optional[_InflightReduction] = None
@@ -113,6 +118,13 @@ class GradReduction:
         after the reduction (gradient accumulation without ``no_sync``).
         """
         grad = self.sync_from_orig()
+        if grad is not None and self.holds_unsynced:
+            # The unsharded gradient no_sync accumulated: the new one is added to it in
+            # :meth:`reduce` ([Note: The gradient no_sync accumulates]).
+            self.unsynced_unsharded_grad = grad
+            self.holds_unsynced = False
+            self.storage.flat_param.grad = None
+            return
         if grad is not None and not self.layout.uses_sharding:
             # The existing gradient is already the whole (averaged) gradient: like torch FSDP1,
             # add the new one to it and reduce the sum, in the existing gradient's dtype.
@@ -160,7 +172,7 @@ class GradReduction:
         """
         unsharded_grad = self._take_unsharded_grad()
         if not sync:
-            self.unsynced_unsharded_grad = unsharded_grad
+            self._hold_unsynced(unsharded_grad)
             return
         p_assert(self.inflight is None, f"unit '{self.unit_name}': two reductions in flight")
         stream = self.storage.post_backward_stream
@@ -249,9 +261,14 @@ class GradReduction:
         if self.prior_grad_to_reduce is not None:
             unsharded_grad = self.prior_grad_to_reduce.add(unsharded_grad.to(self.prior_grad_to_reduce.dtype))
             self.prior_grad_to_reduce = None
-        if self.unsynced_unsharded_grad is not None:
-            unsharded_grad = unsharded_grad + self.unsynced_unsharded_grad
-            self.unsynced_unsharded_grad = None
+        held, self.unsynced_unsharded_grad = self.unsynced_unsharded_grad, None
+        if held is not None:
+            # Added into autograd's new gradient in place (torch FSDP1 adds the new one into the
+            # held one in place: the same two gradients alive, the same sums).
+            dtype = torch.promote_types(unsharded_grad.dtype, held.dtype)
+            if dtype != unsharded_grad.dtype:
+                unsharded_grad = unsharded_grad.to(dtype)
+            unsharded_grad[: held.numel()].add_(held.reshape(-1))
         return unsharded_grad
 
     def release_input(self) -> None:
@@ -290,6 +307,28 @@ class GradReduction:
             return
         _streams.current_stream(self.storage.device).wait_event(inflight.input_read)  # [Note: Stream edges], 5
         self.inflight = inflight._replace(keep_alive=None)
+
+    def _hold_unsynced(self, unsharded_grad: torch.Tensor) -> None:
+        """Inside ``no_sync``: the accumulated unsharded gradient becomes ``.grad``.
+
+        [Note: The gradient no_sync accumulates]
+        torch FSDP1 leaves the accumulated unsharded gradient on the FlatParameter's ``.grad``,
+        unpadded (``_unpadded_unsharded_size``), whatever the FlatParameter's ``.data`` is then
+        (the local shard once resharded), and the original Parameters' ``.grad`` (use_orig_params)
+        view it in their original shapes. So does fsdp: ``.grad`` is the unpadded view of the
+        padded gradient autograd made, and the only reference to it, so ``zero_grad
+        (set_to_none=True)`` frees it as it frees torch's. A strategy that shards marks it
+        (:attr:`holds_unsynced`): the next backward moves it aside (:meth:`stash`) and adds the
+        new gradient to it, and a synchronized one reduces the sum; a sharded gradient of an
+        earlier synchronized backward stays in :attr:`sharded_grad_stash` until then, as torch
+        keeps its ``_saved_grad_shard``. NO_SHARD's gradient is whole either way, so there it
+        is the existing gradient a synchronized backward adds to (:attr:`prior_grad_to_reduce`).
+        tests/test_torch_fsdp1_cases.py compares ``.grad`` with torch FSDP1's at each point.
+        """
+        numel = self.layout.unpadded_unsharded_numel
+        shown = unsharded_grad if unsharded_grad.numel() == numel else unsharded_grad[:numel]
+        assign_grad(self.storage.flat_param, shown)
+        self.holds_unsynced = self.layout.uses_sharding
 
     def wait(self) -> None:
         """Completes a reduction in flight: wait, accumulate. Else a no-op."""
@@ -383,6 +422,11 @@ class GradReduction:
         self.wait()
         if self.storage.offload_params and self.storage.device.type == "cuda":
             torch.cuda.current_stream(self.storage.device).synchronize()  # offloaded gradient copies
+        if self.holds_unsynced:
+            # no_sync: ``.grad`` stays the accumulated unsharded gradient, any earlier sharded
+            # one aside ([Note: The gradient no_sync accumulates]).
+            self.use_sharded_grad_views()
+            return
         pending, stash = self.pending_sharded_grad, self.sharded_grad_stash
         self.pending_sharded_grad = None
         self.sharded_grad_stash = None
@@ -415,7 +459,7 @@ class GradReduction:
         self.pending_sharded_grad = None
         self.stepped_in_backward = False
         grad = self.storage.flat_param.grad
-        if grad is not None and grad.shape != self.storage.local_shard.shape:
+        if grad is not None and not self.holds_unsynced and grad.shape != self.storage.local_shard.shape:
             self.storage.flat_param.grad = None  # an unreduced unsharded gradient
 
     def restore_prior_grad(self) -> None:
@@ -424,21 +468,26 @@ class GradReduction:
         stash, self.sharded_grad_stash = self.sharded_grad_stash, None
         if self.prior_grad_to_reduce is not None:
             stash, self.prior_grad_to_reduce = self.prior_grad_to_reduce, None
-        if stash is not None:
+        held, self.unsynced_unsharded_grad = self.unsynced_unsharded_grad, None
+        if held is not None:  # no_sync's accumulation goes back; an earlier sharded one stays aside
+            self.sharded_grad_stash = stash
+            assign_grad(self.storage.flat_param, held)
+            self.holds_unsynced = True
+        elif stash is not None:
             assign_grad(self.storage.flat_param, stash.to(self.storage.precision.grad_dtype))
         self.use_sharded_grad_views()
 
     def use_sharded_grad_views(self) -> None:
         """use_orig_params: each original Parameter's ``.grad`` views the sharded gradient.
 
-        Inside ``no_sync`` (an unsynchronized gradient is held) they view that accumulated
-        unsharded gradient instead, in their original shapes, as torch FSDP1 shows them; any
-        sharded gradient from before stays on the FlatParameter, hidden until the next
-        synchronized backward adds the reduced gradient to it.
+        Inside ``no_sync`` (:attr:`holds_unsynced`) they view that accumulated unsharded
+        gradient instead, in their original shapes, as torch FSDP1 shows them; any sharded
+        gradient from before stays aside until the next synchronized backward adds the reduced
+        gradient to it ([Note: The gradient no_sync accumulates]).
         """
         if not self.views.use_orig_params:
             return
-        unsynced = self.unsynced_unsharded_grad
+        unsynced = self.storage.flat_param.grad if self.holds_unsynced else None
         if unsynced is not None:
             for view, param in zip(self.layout.unsharded_views(unsynced), self.views.orig_params):
                 assign_grad(param, view if param.requires_grad else None)
@@ -467,12 +516,14 @@ class GradReduction:
         """
         flat_grad = self.storage.flat_param.grad
         local_shard = self.storage.local_shard
+        if flat_grad is None and self.holds_unsynced:
+            self._drop_unsynced()  # zero_grad(set_to_none=True) on the FlatParameter
+        if self.views.use_orig_params and self.holds_unsynced:
+            self._sync_unsynced_from_orig([p.grad for p in self.views.orig_params])
+            return self.storage.flat_param.grad
         if not self.views.use_orig_params or (flat_grad is not None and flat_grad.shape != local_shard.shape):
             return flat_grad
         grads = [p.grad for p in self.views.orig_params]
-        if self.unsynced_unsharded_grad is not None:
-            self._sync_unsynced_from_orig(grads)
-            return flat_grad
         if all(g is None for g in grads):
             self.storage.flat_param.grad = None
             return None
@@ -495,6 +546,15 @@ class GradReduction:
                 param.grad = None
         return rebuilt
 
+    def _drop_unsynced(self) -> None:
+        """The user dropped the gradients inside ``no_sync`` (``zero_grad(set_to_none=True)``):
+        forgets the accumulated unsharded gradient and an earlier sharded one kept aside.
+        (torch FSDP1 keeps that sharded one in ``_saved_grad_shard`` and adds it to the next
+        synchronized gradient: a gradient the user dropped would come back.)"""
+        self.holds_unsynced = False
+        self.sharded_grad_stash = None
+        self.storage.flat_param.grad = None
+
     def _sync_unsynced_from_orig(self, grads: Sequence[Optional[torch.Tensor]]) -> None:
         """Inside ``no_sync``: makes the held unsharded gradient agree with the original grads.
 
@@ -507,11 +567,10 @@ class GradReduction:
             ValueError: A replaced gradient has neither the parameter's original shape nor
                 its number of elements.
         """
-        unsynced = self.unsynced_unsharded_grad
+        unsynced = self.storage.flat_param.grad
         assert unsynced is not None
         if all(g is None for g in grads):
-            self.unsynced_unsharded_grad = None
-            self.storage.flat_param.grad = None
+            self._drop_unsynced()
             return
         views = self.layout.unsharded_views(unsynced)
         for grad, view, info in zip(grads, views, self.views.param_infos):

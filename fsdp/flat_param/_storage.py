@@ -358,6 +358,27 @@ class FlatParamStorage:
                 _free_storage(buffer)
         self._transition(HandleState.SHARDED)
 
+    def show_local_shard(self) -> None:
+        """Makes ``.data`` the local shard while the unsharded buffer stays gathered (the state
+        does not change); :meth:`show_unsharded` undoes it. [Note: A kept unit shows its local
+        shard] in ``flat_param.py``."""
+        if self.state is not HandleState.SHARDED and self.has_unsharded_buffer:
+            self.flat_param.data = self.local_shard
+
+    @property
+    def shows_local_shard(self) -> bool:
+        """Unsharded, with ``.data`` showing the local shard (:meth:`show_local_shard`)."""
+        return (
+            self.state is not HandleState.SHARDED
+            and self.has_unsharded_buffer
+            and self.flat_param.data_ptr() == self.local_shard.data_ptr()
+        )
+
+    def show_unsharded(self) -> None:
+        """Makes ``.data`` the gathered padded unsharded buffer of the current state again."""
+        if self.state is not HandleState.SHARDED and self.has_unsharded_buffer:
+            self.flat_param.data = self.padded_unsharded_for(self.state is HandleState.UNSHARDED_FULL_PRECISION)
+
     def write_back_shard(self, padded_unsharded: torch.Tensor, local_slice: torch.Tensor) -> None:
         """Copies ``local_slice`` (this rank's slice of ``padded_unsharded``) into the local shard."""
         if padded_unsharded.data_ptr() != self.local_shard.data_ptr():

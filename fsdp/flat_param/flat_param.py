@@ -29,6 +29,7 @@ handle moves through and what memory each one holds.
 from __future__ import annotations
 
 import weakref
+from enum import Enum, auto
 from typing import Optional, Sequence
 
 import torch
@@ -36,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp._common import FLAT_PARAM, group_rank, group_size, p_assert
-from fsdp.api import MixedPrecision
+from fsdp.api import MixedPrecision, ShardingStrategy
 from fsdp.flat_param._layout import (
     ALIGNMENT_PADDING_VALUE as ALIGNMENT_PADDING_VALUE,
     FLATTENED_ATTR as FLATTENED_ATTR,
@@ -61,12 +62,39 @@ from fsdp.flat_param._views import ParamViews, assign_grad
 __all__ = [
     "FlatParameter",
     "FlatParamHandle",
+    "HandleShardingStrategy",
     "HandleState",
     "ParamInfo",
     "SharedParamInfo",
     "ShardParamInfo",
     "assign_grad",
 ]
+
+
+class HandleShardingStrategy(Enum):
+    """A handle's strategy, as torch FSDP1's handle attribute ``_sharding_strategy`` gives it.
+
+    [Note: A handle's strategy equals torch's] Code written against torch FSDP1 compares it with
+    torch's own private enum (``handle._sharding_strategy == HandleShardingStrategy.NO_SHARD``,
+    imported from torch's ``_flat_param``), which fsdp may not import. A member equals the
+    member of that name of any enum named ``HandleShardingStrategy`` and hashes as torch's
+    members do (by name), so those comparisons, ``in`` tests and set lookups answer as with
+    torch FSDP1.
+    """
+
+    FULL_SHARD = auto()
+    SHARD_GRAD_OP = auto()
+    NO_SHARD = auto()
+    HYBRID_SHARD = auto()
+    _HYBRID_SHARD_ZERO2 = auto()
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Enum) and type(other).__name__ == type(self).__name__:
+            return self.name == other.name
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.name)
 
 
 def _release_module_references(flat_param: FlatParameter) -> None:
@@ -111,6 +139,9 @@ class FlatParamHandle:
             device is CUDA) between uses; see [Note: CPU offload] in ``_storage.py``.
         mixed_precision: A ``MixedPrecision`` config or None (see [Note: Mixed precision
             dtypes] in ``_precision.py``).
+        sharding_strategy: The unit's strategy in effect (NO_SHARD at world size 1); None:
+            FULL_SHARD if ``uses_sharding`` else NO_SHARD. Read as torch FSDP1's
+            ``_sharding_strategy``.
 
     Attributes:
         shard_layout: The layout part (``_layout.py``).
@@ -131,8 +162,12 @@ class FlatParamHandle:
         use_orig_params: bool = False,
         offload_params: bool = False,
         mixed_precision: Optional[MixedPrecision] = None,
+        sharding_strategy: Optional[ShardingStrategy] = None,
     ) -> None:
         self.wrapped_module = wrapped_module
+        if sharding_strategy is None:
+            sharding_strategy = ShardingStrategy.FULL_SHARD if uses_sharding else ShardingStrategy.NO_SHARD
+        self.sharding_strategy = sharding_strategy
         self.device = device
         self.process_group = process_group
         self.replicate_group = replicate_group
@@ -257,6 +292,17 @@ class FlatParamHandle:
         return self.use_orig_params
 
     @property
+    def _sharding_strategy(self) -> HandleShardingStrategy:
+        """torch FSDP1's handle attribute: the strategy in effect ([Note: A handle's strategy
+        equals torch's])."""
+        return HandleShardingStrategy[self.sharding_strategy.name]
+
+    @property
+    def uses_sharded_strategy(self) -> bool:
+        """torch FSDP1's name: whether the strategy in effect is not NO_SHARD."""
+        return self.sharding_strategy is not ShardingStrategy.NO_SHARD
+
+    @property
     def _fwd_bwd_param_dtype(self) -> torch.dtype:
         """The dtype forward and backward compute in (torch FSDP1's name)."""
         return self.storage.precision.param_dtype
@@ -308,6 +354,7 @@ class FlatParamHandle:
         if self.state is target:
             if not async_op:
                 self.storage.wait_unshard()
+            self.storage.show_unsharded()  # [Note: A kept unit shows its local shard]
             return
         if self.state is not HandleState.SHARDED:
             self.reshard()
@@ -355,8 +402,27 @@ class FlatParamHandle:
             self.is_unsharded,
             f"unit '{self.unit_name}': use_unsharded_views needs UNSHARDED, state is {self.state}",
         )
+        self.storage.show_unsharded()
         recorded = not as_params and torch.is_grad_enabled() and self.flat_param.requires_grad
         self.views.use_unsharded(as_params, recorded)
+
+    def show_local_shard(self) -> None:
+        """A unit kept unsharded after its forward or backward shows its local shard.
+
+        [Note: A kept unit shows its local shard]
+        torch FSDP1 points a FlatParameter's ``.data`` back at the local shard after every
+        forward and backward, also where it keeps the unsharded memory gathered (the root, and
+        SHARD_GRAD_OP between forward and backward or inside ``no_sync``): without
+        use_orig_params the FlatParameter is what ``parameters()`` gives, so that is what user
+        code reads there. fsdp does the same: the gathered buffer stays (the state is still
+        unsharded, the module's names still view it and autograd's saved views too), only
+        ``.data`` changes, and :meth:`unshard` and :meth:`use_unsharded_views` point it at the
+        buffer again. With use_orig_params the original Parameters are what user code reads
+        ([Note: Original parameters between forward and backward] in ``runtime/_hooks.py``).
+        tests/test_torch_fsdp1_cases.py compares the FlatParameter with torch FSDP1's.
+        """
+        if not self.use_orig_params:
+            self.storage.show_local_shard()
 
     def use_sharded_views(self) -> None:
         """``views.use_sharded()``, kept for ``state_dict/`` until its own cut by ownership."""

@@ -11,12 +11,12 @@ from torch import nn
 DeviceId = Union[int, str, torch.device]
 
 
-def parse_device_id(device_id: DeviceId) -> torch.device:
+def parse_device_id(device_id: DeviceId, rank: int = 0) -> torch.device:
     """The ``torch.device`` that ``device_id`` names (torch FSDP1 accepts the same forms).
 
     An int is a CUDA index; a string is anything ``torch.device`` parses (``"cpu"``,
     ``"cuda"``, ``"cuda:1"``); ``"cpu:N"`` means the CPU. A CUDA device without an index is the
-    current CUDA device (with torch's warning).
+    current CUDA device (with torch FSDP1's warning, naming ``rank``).
 
     Raises:
         TypeError: ``device_id`` is not an int, str or torch.device.
@@ -55,10 +55,11 @@ def parse_device_id(device_id: DeviceId) -> torch.device:
             )
         if device.index is None:
             current = torch.cuda.current_device()
-            warnings.warn(
-                f"fsdp: device_id {device_id!r} has no explicit index; FSDP uses the current "
-                f"device cuda:{current}. If this is wrong, call torch.cuda.set_device() before "
-                f"wrapping or pass the index (e.g. device_id={current}).",
+            warnings.warn(  # torch FSDP1's text
+                f"FSDP got the argument `device_id` {device_id} on rank {rank}, which does not have "
+                f"an explicit index. FSDP will use the current device {current}. If this is "
+                f"incorrect, please explicitly call `torch.{device.type}.set_device()` before FSDP "
+                f"initialization or pass in the explicit device index as the `device_id` argument.",
                 stacklevel=5,  # the caller of FullyShardedDataParallel(...)
             )
             device = torch.device("cuda", current)
@@ -69,6 +70,7 @@ def resolve_compute_device(
     module: nn.Module,
     device_id: Optional[DeviceId],
     backend: Optional[str] = None,
+    rank: int = 0,
 ) -> torch.device:
     """Returns the device a unit computes on.
 
@@ -83,7 +85,7 @@ def resolve_compute_device(
             module partly on CPU and partly on the ``device_id`` device is accepted and moved).
         TypeError / RuntimeError / ValueError: A bad ``device_id`` (see :func:`parse_device_id`).
     """
-    target = parse_device_id(device_id) if device_id is not None else None
+    target = parse_device_id(device_id, rank) if device_id is not None else None
     devices = {p.device for p in module.parameters() if not p.is_meta}
     mixed_but_movable = target is not None and devices <= {torch.device("cpu"), target}
     if len(devices) > 1 and not mixed_but_movable:

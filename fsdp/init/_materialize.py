@@ -12,6 +12,7 @@ current root-to-leaf path hold unsharded parameters, never the whole model.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Optional
 
 import torch
@@ -38,11 +39,28 @@ def validate_param_init_fn(param_init_fn: Any) -> None:
         )
 
 
-def _no_reset_error(label: str, module: nn.Module) -> ValueError:
-    return ValueError(
-        f"fsdp: module '{label}' ({type(module).__name__}) has parameters or buffers on the "
-        f"meta device but no reset_parameters() to initialize them; pass "
+class NoResetParametersError(ValueError, AttributeError):
+    """A meta module without ``reset_parameters()`` and no ``param_init_fn``: torch FSDP1 raises
+    the ``AttributeError`` of calling it; a ``ValueError`` too (a wrong argument)."""
+
+
+def _no_reset_error(label: str, module: nn.Module) -> NoResetParametersError:
+    missing = f"'{type(module).__name__}' object has no attribute 'reset_parameters'"  # torch's error
+    _warn_reset_failed(module, missing)
+    return NoResetParametersError(
+        f"{missing}. fsdp: module '{label}' ({type(module).__name__}) has parameters or buffers "
+        f"on the meta device but no reset_parameters() to initialize them; pass "
         f"param_init_fn=... to FullyShardedDataParallel, or build the module on a real device."
+    )
+
+
+def _warn_reset_failed(module: nn.Module, error: object) -> None:
+    """torch FSDP1's UserWarning when a meta module's ``reset_parameters()`` cannot run or
+    raises (torch's text, its missing space included), before the error is raised."""
+    warnings.warn(
+        f"Unable to call `reset_parameters()` for module on meta device with error {error}. "
+        f"Please ensure that your module oftype {type(module)} implements a `reset_parameters()` method.",
+        stacklevel=2,
     )
 
 
@@ -89,7 +107,11 @@ def materialize_module(
     if not callable(reset):
         raise _no_reset_error(label, module)
     module.to_empty(device=device, recurse=False)
-    reset()
+    try:
+        reset()
+    except BaseException as error:
+        _warn_reset_failed(module, error)
+        raise
 
 
 def materialize_and_wrap(

@@ -139,8 +139,8 @@ def plan_unit(
     )
     strategy = args.sharding_strategy or ShardingStrategy.FULL_SHARD
     groups = resolve_process_groups(args.process_group, args.device_mesh, strategy)
-    device = resolve_compute_device(module, args.device_id, group_backend(groups.shard))
     rank, world_size = group_rank(groups.shard), group_size(groups.shard)
+    device = resolve_compute_device(module, args.device_id, group_backend(groups.shard), rank)
     warn_container(module)
     strategy = effective_strategy(strategy, world_size)  # NO_SHARD on one rank, as torch FSDP1
     if strategy in HYBRID_STRATEGIES:
@@ -260,6 +260,7 @@ def build_handles(
                 use_orig_params=args.use_orig_params,
                 offload_params=setup.offload_params,
                 mixed_precision=args.mixed_precision,
+                sharding_strategy=setup.strategy,
             )
             for handle_params in split_by_requires_grad(params, args.use_orig_params)
         ]

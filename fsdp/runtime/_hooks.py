@@ -313,7 +313,8 @@ def _post_forward(state: UnitState, output: _T, owner: Optional[nn.Module] = Non
 
 
 def _register_orig_params_after_forward(state: UnitState) -> None:
-    """use_orig_params: a unit kept gathered after forward shows its original Parameters.
+    """A unit kept gathered after forward shows its original Parameters (use_orig_params), or
+    else its FlatParameter's local shard ([Note: A kept unit shows its local shard]).
 
     [Note: Original parameters between forward and backward]
     Code that runs between a forward and its backward (logging, clipping or scaling gradients
@@ -330,10 +331,10 @@ def _register_orig_params_after_forward(state: UnitState) -> None:
     the pre-backward hook points the names at views again for the backward's recomputations.
     tests/test_orig_params_grads.py compares ``.grad`` and shapes at each point with torch's.
     """
-    if state.policy.keeps_unsharded_for_backward:
-        return
     for handle in state.handles:
-        if handle.use_orig_params and handle.is_unsharded:
+        if not handle.use_orig_params:
+            handle.show_local_shard()  # [Note: A kept unit shows its local shard]
+        elif handle.is_unsharded and not state.policy.keeps_unsharded_for_backward:
             handle.views.use_sharded()
 
 
@@ -479,8 +480,10 @@ def _final_callback(ctx: RootContext) -> None:
                 # backward's views; register the original Parameters back, as torch FSDP1 does,
                 # so the optimizer and named_parameters() see them between steps.
                 handle.views.use_sharded()
-                if handle.grads.unsynced_unsharded_grad is not None:
+                if handle.grads.holds_unsynced:
                     handle.grads.use_sharded_grad_views()  # no_sync: the accumulated unsharded views
+            else:
+                handle.show_local_shard()  # kept unsharded: [Note: A kept unit shows its local shard]
             if handle.grads.stepped_in_backward:
                 handle.grads.stepped_in_backward = False  # finalized and consumed already
             elif not handle.is_unsharded or not handle.has_unsharded_buffer:

@@ -120,6 +120,8 @@ def _summon_handle(
     handle.writeback_orig_params()
     state_before = handle.state
     was_sharded = state_before is HandleState.SHARDED
+    # [Note: A kept unit shows its local shard] in flat_param.py: shown again on the way out.
+    showed_local_shard = handle.storage.shows_local_shard
     try:
         handle.grads.sync_from_orig()
         handle.unshard(full_precision=True)  # the parameters' own dtype, not param_dtype
@@ -169,6 +171,8 @@ def _summon_handle(
                 # gather that copy again; autograd's saved views see the same storage refilled.
                 handle.unshard(full_precision=state_before is HandleState.UNSHARDED_FULL_PRECISION)
             _restore_names(handle)
+            if showed_local_shard:
+                handle.show_local_shard()
         handle.grads.use_sharded_grad_views()  # use_orig_params: grads were replaced inside
 
 
@@ -182,6 +186,10 @@ def _restore_names(handle: FlatParamHandle) -> None:
 
 def _gather_grad(handle: FlatParamHandle) -> Optional[torch.Tensor]:
     grad = handle.flat_param.grad
+    if handle.grads.holds_unsynced:
+        # Inside no_sync: this rank's accumulated unsharded gradient, as it is ([Note: The
+        # gradient no_sync accumulates]); torch FSDP1 fails there, gathering it as if it were a shard.
+        return grad
     if grad is None:
         return None
     if not handle.shard_layout.uses_sharding:

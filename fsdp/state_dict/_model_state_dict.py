@@ -81,22 +81,31 @@ from fsdp.state_dict._values import (
 
 
 # ----------------------------------------------------------------------------- common
+# [Note: NO_SHARD state-dict warnings] torch FSDP1 warns at each state-dict hook of a NO_SHARD
+# unit, whatever the state-dict type (FULL too): before and after its part of a save, and before
+# and after its part of a load; its load hooks give the sentence without the space before "be".
 _NO_SHARD_WARNING = "When using ``NO_SHARD`` for ``ShardingStrategy``, full_state_dict will be returned."
+_NO_SHARD_LOAD_WARNING = "When using ``NO_SHARD`` for ``ShardingStrategy``, full_state_dict willbe returned."
 
 
 def _unit_settings(module: nn.Module) -> Any:
     return module._state_dict_settings
 
 
-def _effective_kind(module: nn.Module, state: UnitState, warn: bool) -> StateDictType:
+def _effective_kind(module: nn.Module, state: UnitState) -> StateDictType:
     """The unit's state-dict type; a NO_SHARD unit gives (and takes) FULL instead of LOCAL or
-    SHARDED, as torch FSDP1 does, with its warning: its values are whole on every rank."""
+    SHARDED, as torch FSDP1 does: its values are whole on every rank."""
     kind = _unit_settings(module).state_dict_type
-    if kind is not StateDictType.FULL_STATE_DICT and state.sharding_strategy is ShardingStrategy.NO_SHARD:
-        if warn:
-            warnings.warn(_NO_SHARD_WARNING, stacklevel=3)
+    if state.sharding_strategy is ShardingStrategy.NO_SHARD:
         return StateDictType.FULL_STATE_DICT
     return kind
+
+
+def _warn_if_no_shard(state: UnitState, message: str) -> None:
+    """torch FSDP1's UserWarning at a NO_SHARD unit's state-dict hook ([Note: NO_SHARD
+    state-dict warnings])."""
+    if state.sharding_strategy is ShardingStrategy.NO_SHARD:
+        warnings.warn(message, stacklevel=4)
 
 
 def _handle_storages(state: UnitState) -> set[int]:
@@ -120,7 +129,7 @@ def _refuse_local_with_mesh(module: nn.Module, what: str) -> None:
         [
             (name, state)
             for name, sub, state in named_fsdp_states(module)
-            if _effective_kind(sub, state, warn=False) is StateDictType.LOCAL_STATE_DICT
+            if _effective_kind(sub, state) is StateDictType.LOCAL_STATE_DICT
         ],
         what,
     )
@@ -239,7 +248,8 @@ def save_state_dict(
             destination = OrderedDict()
         state: UnitState = unit_state(module)
         start = len(destination)
-        kind = _effective_kind(module, state, warn=True)
+        _warn_if_no_shard(state, _NO_SHARD_WARNING)
+        kind = _effective_kind(module, state)
         if kind is StateDictType.LOCAL_STATE_DICT:
             super_state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
             return destination
@@ -262,7 +272,8 @@ def save_post_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, l
     """State-dict post-hook of every unit: clean keys, LOCAL values (see [Note: State dict hooks])."""
     _move_prefix(state_dict, prefix + FSDP_PREFIX, prefix)
     state = unit_state(module)
-    if _effective_kind(module, state, warn=False) is not StateDictType.LOCAL_STATE_DICT:
+    _warn_if_no_shard(state, _NO_SHARD_WARNING)
+    if _effective_kind(module, state) is not StateDictType.LOCAL_STATE_DICT:
         return
     offload = bool(_unit_settings(module).state_dict_config.offload_to_cpu)
     for index, handle in enumerate(state.handles):
@@ -577,6 +588,7 @@ def load_pre_hook(
 ) -> None:
     """Load pre-hook of every unit (see [Note: State dict hooks])."""
     state = unit_state(module)
+    _warn_if_no_shard(state, _NO_SHARD_LOAD_WARNING)
     if not state.has_fsdp_parent:
         lazy_init(module)
         check_idle(module, "load_state_dict()")
@@ -588,7 +600,7 @@ def load_pre_hook(
     if state.cast_buffers:
         pending.cast_buffer_values = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
     with torch.no_grad():
-        if _effective_kind(module, state, warn=True) is StateDictType.LOCAL_STATE_DICT:
+        if _effective_kind(module, state) is StateDictType.LOCAL_STATE_DICT:
             _load_local_entries(state, state_dict, prefix, inner, pending)
         else:
             _load_full_or_sharded_entries(state, state_dict, prefix, inner, pending, error_msgs)
@@ -667,6 +679,7 @@ def _in_module_order(module: nn.Module, prefix: str, keys: list[str]) -> list[st
 
 def load_post_hook(module: nn.Module, incompatible_keys: Any) -> None:
     """Load post-hook of every unit: the missing keys under the names the state dict uses."""
+    _warn_if_no_shard(unit_state(module), _NO_SHARD_LOAD_WARNING)
     pending = _PENDING.pop(id(module), None)
     missing, unexpected = incompatible_keys.missing_keys, incompatible_keys.unexpected_keys
     if pending is not None:
@@ -695,7 +708,7 @@ def _check_tree(module: nn.Module, state_dict: dict[str, Any], strict: bool) -> 
             of another layout (the same messages nn.Module and the hooks give).
         ValueError: LOCAL values of another layout.
     """
-    kinds = {id(state): _effective_kind(sub, state, warn=False) for _, sub, state in named_fsdp_states(module)}
+    kinds = {id(state): _effective_kind(sub, state) for _, sub, state in named_fsdp_states(module)}
     managed: "OrderedDict[str, tuple[_ManagedParam, UnitState]]" = OrderedDict()
     local: "OrderedDict[str, tuple[int, UnitState]]" = OrderedDict()
     orig_views: "OrderedDict[str, torch.Tensor]" = OrderedDict()

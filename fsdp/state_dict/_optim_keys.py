@@ -37,6 +37,10 @@ since the first release) both catch it, and its message is printed as written (a
 from __future__ import annotations
 
 import copy
+import os
+import sys
+import warnings
+from types import FrameType
 from typing import Any, Callable, Iterable, Optional, TypeVar, Union, cast
 
 import torch
@@ -70,11 +74,91 @@ __all__ = [
     "keys_by_fqn",
     "rekey",
     "agree",
+    "split_user_states",
+    "add_user_states",
+    "user_stacklevel",
+    "warn_sharded_tensor_deprecated",
 ]
 
 # State dict values are Any here: torch types Optimizer.state_dict() as dict[str, Any].
 
 T = TypeVar("T")
+
+
+# ----------------------------------------------------------------------------- warnings
+_FSDP_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that attributes a warning to the first caller outside ``fsdp``.
+
+    Counted for a ``warnings.warn`` call made by the caller of this function.
+    """
+    frame: Optional[FrameType] = sys._getframe(1)  # the function that calls warnings.warn
+    level = 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_FSDP_DIR + os.sep):
+        frame = frame.f_back
+        level += 1
+    return level
+
+
+def warn_sharded_tensor_deprecated(osd: dict[str, Any]) -> None:
+    """torch's FutureWarning about ShardedTensor, once, when a state dict to load holds
+    ShardedTensor values (torch FSDP1's sharded form), attributed to the caller's line.
+
+    torch FSDP1 warns there: it reads those values through ShardedTensor's deprecated tensor
+    methods. fsdp reads them through their metadata and local shards ([Note: No ShardedTensor] in
+    ``_values.py``), which do not warn, so it says it itself: the values are deprecated all the
+    same, and code that turns FutureWarnings into errors meets it where it meets torch's.
+    """
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    state = osd.get("state", {}) if isinstance(osd, dict) else {}
+    entries = [entry for entry in state.values() if isinstance(entry, dict)]
+    if any(isinstance(value, ShardedTensor) for entry in entries for value in entry.values()):
+        warnings.warn(
+            "Please use DTensor instead and we are deprecating ShardedTensor.",  # torch's text
+            FutureWarning,
+            stacklevel=user_stacklevel(),
+        )
+
+
+# ----------------------------------------------------------------------------- user-defined state
+# [Note: User-defined optimizer state]
+# An optimizer may keep state under a key that is no parameter (a step counter of a custom
+# optimizer, state TorchRec manages). torch FSDP1 copies such an entry as it is into the state
+# dict it saves, with its UserWarning, and into the one it loads. fsdp does the same for a key
+# the optimizer itself holds state under that is no parameter (``optim.state["counter"]``), so a
+# state dict of another model, or keyed by the wrong names, is still refused, naming the keys.
+_USER_STATE_WARNING = (
+    "Found a optim state, {key}, that FSDP cannot process. FSDP will directly copy everything to "
+    "the returned state_dict. In most cases, this is a user-defined state that is not associated "
+    "with any particular parameter. Another possible case is this state is managed by TorchRec. "
+    "Otherwise, there may  be a mismatched assumption of optim_state_dict of this mode."
+)
+
+
+def split_user_states(osd: dict[str, Any], optim: Any) -> tuple[dict[str, Any], dict[Any, Any]]:
+    """``osd`` without its user-defined state entries, and those entries: the keys ``optim``
+    holds state under that are no parameter ([Note: User-defined optimizer state]). ``osd``
+    itself is not changed."""
+    state = osd.get("state") if isinstance(osd, dict) else None
+    held = {key for key in getattr(optim, "state", {}) if not isinstance(key, torch.Tensor)}
+    if not isinstance(state, dict) or not held:
+        return osd, {}
+    user = {key: value for key, value in state.items() if key in held}
+    if not user:
+        return osd, {}
+    return {**osd, "state": {key: value for key, value in state.items() if key not in user}}, user
+
+
+def add_user_states(out_state: dict[Any, Any], user: dict[Any, Any], warn: bool) -> None:
+    """Copies user-defined state entries into a returned state dict (``warn``: with torch
+    FSDP1's UserWarning, as its saves give it)."""
+    for key, value in user.items():
+        if warn:
+            warnings.warn(_USER_STATE_WARNING.format(key=key), stacklevel=4)
+        out_state[key] = copy.copy(value)
 
 
 # ----------------------------------------------------------------------------- exception types

@@ -27,11 +27,14 @@ from fsdp.state_dict._optim_keys import (
     OptimInput,
     OptimStateKeyError,
     ParamKey,
+    add_user_states,
     agree,
     keys_by_fqn,
     optimizer_keys,
     param_list,
     refuse_rank0_only_tensor_parallel,
+    split_user_states,
+    warn_sharded_tensor_deprecated,
 )
 from fsdp.state_dict._values import ValueKind, tp_local
 
@@ -82,6 +85,11 @@ def to_load(
     if load_directly and optim is None:
         # torch FSDP1 fails with an AttributeError (on None.load_state_dict).
         raise OptimStateAttributeError("fsdp: load_directly=True needs the optimizer to load into; pass optim.")
+    if optim_state_dict is not None:
+        warn_sharded_tensor_deprecated(optim_state_dict)
+    user_states: dict[Any, Any] = {}
+    if optim is not None and optim_state_dict is not None:  # [Note: User-defined optimizer state]
+        optim_state_dict, user_states = split_user_states(optim_state_dict, optim)
     osd, held = _prepare_load(
         view, model, optim, optim_state_dict, is_named_optimizer, group, rank0_only, sharded, optim_input
     )
@@ -93,6 +101,7 @@ def to_load(
     for fqn, entry in state.items():
         if fqn in view.unmanaged and fqn in held.fqn_to_key:
             out_state[held.fqn_to_key[fqn]] = copy.copy(entry)
+    add_user_states(out_state, user_states, warn=False)
     out: dict[str, Any] = {"state": out_state}
     if "param_groups" in osd:
         out["param_groups"] = _loaded_groups(

@@ -36,11 +36,13 @@ from fsdp.state_dict._optim_keys import (
     ModelView,
     OptimInput,
     OptimStateKeyError,
+    add_user_states,
     agree,
     keyed_by_names,
     names_to_ids,
     optimizer_keys,
     param_list,
+    split_user_states,
     refuse_rank0_only_tensor_parallel,
 )
 from fsdp.state_dict._values import (
@@ -99,7 +101,7 @@ def save(
     view = ModelView(model)
     if full and rank0_only:
         refuse_rank0_only_tensor_parallel(view, "saving an optimizer state dict")
-    osd, params, infos = _prepare_save(view, model, optim, optim_state_dict, optim_input, group)
+    osd, params, infos, user_states = _prepare_save(view, model, optim, optim_state_dict, optim_input, group)
     options = _SaveOptions(
         to_save=not rank0_only or dist.get_rank(group) == 0 or not full,
         shard=not full,
@@ -111,6 +113,7 @@ def save(
         out_state = _save_flat_states(view, osd["state"], params, infos, options)
     else:
         out_state = _save_orig_states(view, osd["state"], params, infos, options)
+    add_user_states(out_state, user_states, warn=True)  # [Note: User-defined optimizer state]
     if not options.to_save:
         return {}
     out: dict[str, Any] = {"state": out_state}
@@ -126,10 +129,11 @@ def _prepare_save(
     optim_state_dict: Optional[dict[str, Any]],
     optim_input: OptimInput,
     group: Optional[dist.ProcessGroup],
-) -> tuple[dict[str, Any], list[nn.Parameter], list[_RankOptimState]]:
-    """The ID-keyed state dict to save, the parameters in ID order, and every rank's
-    :class:`_RankOptimState`: the ranks agree before any state moves (a mistake on one rank
-    raises on every rank)."""
+) -> tuple[dict[str, Any], list[nn.Parameter], list[_RankOptimState], dict[Any, Any]]:
+    """The ID-keyed state dict to save, the parameters in ID order, every rank's
+    :class:`_RankOptimState` (the ranks agree before any state moves: a mistake on one rank
+    raises on every rank), and the user-defined state entries ([Note: User-defined optimizer
+    state])."""
     prepared: dict[str, Any] = {}
 
     def prepare() -> _RankOptimState:
@@ -140,13 +144,14 @@ def _prepare_save(
                 "optim.state_dict() returns)"
             )
         params = param_list(model, optim, optim_input)
+        osd, user = split_user_states(osd, optim)
         if keyed_by_names(osd):
             osd = names_to_ids(osd, optimizer_keys(model, params, named=True))
-        prepared.update(osd=osd, params=params)
+        prepared.update(osd=osd, params=params, user=user)
         return _local_optim_state(view, params, osd["state"])
 
     infos = agree(prepare, group, "describe its optimizer state", view.compute_device)
-    return prepared["osd"], prepared["params"], infos
+    return prepared["osd"], prepared["params"], infos, prepared["user"]
 
 
 def _save_flat_states(

@@ -64,10 +64,7 @@ and an unmanaged parameter's own name. The optimizer's parameter order (its IDs)
 
 from __future__ import annotations
 
-import os
-import sys
 import warnings
-from types import FrameType
 from typing import Any, Optional
 
 import torch
@@ -77,7 +74,7 @@ from torch import nn
 from fsdp.api import StateDictType
 from fsdp.runtime._state import is_fsdp, unit_state
 from fsdp.state_dict import _settings
-from fsdp.state_dict._optim_keys import NO_FSDP, OptimInput, OptimStateAttributeError, rekey
+from fsdp.state_dict._optim_keys import NO_FSDP, OptimInput, OptimStateAttributeError, rekey, user_stacklevel
 from fsdp.state_dict._optim_load import to_load
 from fsdp.state_dict._optim_save import save
 from fsdp.state_dict._values import refuse_local_with_mesh
@@ -96,43 +93,32 @@ __all__ = [
 # State dict values are Any here: torch types Optimizer.state_dict() as dict[str, Any].
 
 
-_FSDP_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _user_stacklevel() -> int:
-    """The ``stacklevel`` that attributes a warning to the first caller outside ``fsdp``.
-
-    Counted for a ``warnings.warn`` call made by the caller of this function.
-    """
-    frame: Optional[FrameType] = sys._getframe(1)  # the function that calls warnings.warn
-    level = 1
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_FSDP_DIR + os.sep):
-        frame = frame.f_back
-        level += 1
-    return level
-
-
 def _warn_optim_input(optim_input: object) -> None:
     """Warns (``FutureWarning``, as torch FSDP1) when the deprecated ``optim_input`` is passed."""
     if optim_input is None:
         return
     warnings.warn(
+        "The `optim_input` argument is deprecated and will be removed after PyTorch 1.13. You may "
+        "remove it from your code without changing its functionality. "  # torch FSDP1's text
         "fsdp: the `optim_input` argument is deprecated (as in torch FSDP1) and will be "
         "removed. Pass the optimizer as `optim=` instead, or drop `optim_input` when the "
         "optimizer was built from model.parameters() in their order.",
         FutureWarning,
-        stacklevel=_user_stacklevel(),
+        stacklevel=user_stacklevel(),
     )
 
 
 def _warn_legacy_api(current: str, replacement: str) -> None:
     """Warns (``FutureWarning``, as torch FSDP1) that a legacy optimizer state-dict API is used."""
     warnings.warn(
+        f"``FullyShardedDataParallel.{current}``is being deprecated and is replaced by "  # torch FSDP1's text
+        f"``FullyShardedDataParallel.{replacement}``. ``FullyShardedDataParallel.{current}`` may be "
+        f"removed after PyTorch 2.2. "
         f"fsdp: FullyShardedDataParallel.{current} is deprecated (as in torch FSDP1); "
         f"use FullyShardedDataParallel.{replacement} with FullyShardedDataParallel.state_dict_type "
         f"instead.",
         FutureWarning,
-        stacklevel=_user_stacklevel(),
+        stacklevel=user_stacklevel(),
     )
 
 

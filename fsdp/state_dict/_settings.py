@@ -20,7 +20,8 @@ from fsdp.api import (
     StateDictSettings,
     StateDictType,
 )
-from fsdp.runtime._state import fsdp_modules
+from fsdp.runtime._state import fsdp_modules, unit_state
+from fsdp.state_dict._values import refuse_local_with_mesh
 
 _CONFIG_TYPES: dict[StateDictType, tuple[type, type]] = {
     StateDictType.FULL_STATE_DICT: (FullStateDictConfig, FullOptimStateDictConfig),
@@ -106,6 +107,23 @@ def get_state_dict_type(modules: Sequence[nn.Module]) -> StateDictSettings:
                 f"set them once on the root with FullyShardedDataParallel.set_state_dict_type."
             )
     return first
+
+
+def get_state_dict_type_checked(named_modules: Sequence[tuple[str, nn.Module]]) -> StateDictSettings:
+    """``FullyShardedDataParallel.get_state_dict_type``: :func:`get_state_dict_type` of the
+    units (``(name, unit)`` pairs), and torch FSDP1's RuntimeError for LOCAL_STATE_DICT on a
+    unit built with a ``device_mesh``, which torch's raises there already.
+
+    Raises:
+        RuntimeError: LOCAL_STATE_DICT is set and a unit was built with a ``device_mesh``.
+    """
+    settings = get_state_dict_type([module for _, module in named_modules])
+    if settings.state_dict_type is StateDictType.LOCAL_STATE_DICT:
+        refuse_local_with_mesh(
+            [(name, unit_state(module)) for name, module in named_modules],
+            "FullyShardedDataParallel.get_state_dict_type() was called",
+        )
+    return settings
 
 
 @contextlib.contextmanager
