@@ -14,9 +14,9 @@ them apart is a *positive* report: the peer says it is blocked in a collective t
 * A daemon thread per process wakes every ``_POLL_S``. A thread found inside the *same*
   collective at two wake-ups has been blocked at least that long: the watcher then publishes, in
   the default group's store, under this rank's key, the group's name and global ranks, the
-  collective's number on that group, and the phase and unit (read from the blocked thread's
-  stack, as collective errors read theirs, [Note: Collective errors]); the key is deleted when
-  it is unblocked. A rank that is not blocked costs the store nothing; a blocked rank writes at
+  collective's number on that group, and the phase and unit (what the blocked thread's callers
+  said, as collective errors say it, [Note: Collective phase] in ``_phase.py``); the key is
+  deleted when it is unblocked. A rank that is not blocked costs the store nothing; a blocked rank writes at
   most once per wake-up. ``_POLL_S`` only bounds how soon a block is reported (a wake-up or two).
 * Before a state dict's collectives every rank enters an agreement round
   (:func:`entry_agreed`): it adds its entry under a per-group round key and waits for the
@@ -59,7 +59,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch.distributed as dist
 
-from fsdp._comm._errors import describe_blocked_frame, group_timeout, publish_phase
+from fsdp._comm._errors import describe_blocked_thread, group_timeout, publish_phase
 
 # How often the watcher looks at the collectives in progress ([Note: Blocked collectives]): a
 # block is reported after one to two of these; the watcher's own cost is a wake-up each.
@@ -160,7 +160,7 @@ def _look(seen: _Seen) -> None:
     ident, record = blocked[0]
     group, number, collective = record
     ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-    where = describe_blocked_frame(sys._current_frames().get(ident))
+    where = describe_blocked_thread(ident)
     report = "|".join([_key_name(group), ",".join(map(str, ranks)), str(number), collective, where])
     if report != seen.published:
         store.set(key, report)

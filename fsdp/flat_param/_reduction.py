@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp._comm import _collectives as comm
+from fsdp._comm._phase import collective_phase
 from fsdp._common import group_size, p_assert
 from fsdp.flat_param._layout import ShardLayout
 from fsdp.flat_param._sharding import gradient_divide_factors
@@ -94,7 +95,7 @@ class GradReduction:
     @property
     def unit_name(self) -> str:
         """The unit's name (the views hold it); also what a failed collective's message names
-        ([Note: Collective errors] reads ``unit_name`` off the innermost frame's ``self``)."""
+        ([Note: Collective phase]: :meth:`reduce` gives itself as the unit)."""
         return self.views.unit_name
 
     def in_progress(self) -> bool:
@@ -171,7 +172,7 @@ class GradReduction:
         # tests/test_cuda_lane.py's compress-hook race runs a hook that holds the post-backward
         # stream (``torch.cuda._sleep``) before ``bf16_compress_hook`` casts.
         reduction_input = unsharded_grad.detach()
-        with on_stream(stream, self.storage.device):
+        with on_stream(stream, self.storage.device), collective_phase(None, self):
             if comm_hook is not None:
                 sharded_grad = self._reduce_with_hook(unsharded_grad, comm_hook, comm_hook_state)
             else:
