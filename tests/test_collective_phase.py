@@ -1,9 +1,11 @@
 """What a failed collective says it was doing comes from its callers, not from Python frames
-([Note: Collective phase] in fsdp/_comm/_phase.py).
+([Note: Collective phase] in fsdp/_comm/_phase.py); the watcher thread that reports blocked
+collectives runs only while FSDP collectives do ([Note: The watcher runs only while collectives
+do] in fsdp/_comm/_watch.py).
 
 The messages themselves are pinned where they arise (tests/test_faults_timeouts.py,
 tests/test_faults_phases.py); here: renaming every function (and the local ``moment``) the old
-frame walk matched leaves them whole.
+frame walk matched leaves them whole, and the watcher is gone when no collective runs.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import pathlib
 import re
 import threading
+import time
 import types
 from typing import Any, Callable, Iterator
 
@@ -256,3 +259,59 @@ def test_renamed_hooks_keep_their_messages(pool2: RankPool) -> None:
             "backward": head.format("all-gather", "backward prefetch (within backward unshard)", "blocks.0") + tail,
             "clip_grad_norm": head.format("all-reduce", "clip_grad_norm_", "<root>") + tail,
         }, messages
+
+
+# ----------------------------------------------------------------------------- the watcher
+def _watchers() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == _WATCHER_NAME]
+
+
+def _until(condition: Callable[[], bool], limit_s: float) -> float:
+    """Seconds until ``condition`` held (polled), or ``inf`` after ``limit_s``."""
+    start = time.monotonic()
+    while time.monotonic() - start < limit_s:
+        if condition():
+            return time.monotonic() - start
+        time.sleep(0.05)
+    return float("inf")
+
+
+def watcher_only_while_blocked() -> dict[str, object]:
+    """Rank 1 joins an FSDP all-reduce 2.5 s after rank 0: rank 0's watcher reports the block
+    meanwhile; once the collective is done, every watcher withdraws and ends."""
+    from fsdp._comm import _collectives as comm
+    from fsdp._comm import _watch
+
+    rank = dist.get_rank()
+    store = dist.distributed_c10d._get_default_store()
+    key = f"fsdp/blocked/rank{rank}"
+    out: dict[str, object] = {"idle_gone_s": _until(lambda: not _watchers(), 3.0)}
+    dist.barrier()
+    if rank == 0:
+        probe: dict[str, float] = {}
+
+        def look() -> None:
+            probe["reported_s"] = _until(lambda: store.check([key]), 2.3)
+
+        thread = threading.Thread(target=look)
+        thread.start()
+        comm.all_reduce_sum(torch.ones(1), None)
+        thread.join()
+        out.update(probe)
+    else:
+        time.sleep(2.5)
+        comm.all_reduce_sum(torch.ones(1), None)
+    out["gone_after_s"] = _until(lambda: not _watchers() and not _watch._WATCHING[0], 3.0)
+    out["withdrawn"] = not store.check([key])
+    dist.barrier()
+    return out
+
+
+def test_watcher_runs_only_while_a_collective_does(pool2: RankPool) -> None:
+    rank0, rank1 = pool2.run(watcher_only_while_blocked, _timeout=120)
+    for seen in (rank0, rank1):
+        # Nothing in progress: no watcher thread (gone within two wake-ups of the last collective).
+        assert float(seen["idle_gone_s"]) < 1.5, seen  # type: ignore[arg-type]
+        assert float(seen["gone_after_s"]) < 1.5 and seen["withdrawn"], seen  # type: ignore[arg-type]
+    # Blocked: the watcher started with the collective and reported it within two wake-ups.
+    assert float(rank0["reported_s"]) < 2.3, rank0  # type: ignore[arg-type]
