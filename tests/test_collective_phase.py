@@ -285,7 +285,7 @@ def watcher_only_while_blocked() -> dict[str, object]:
     rank = dist.get_rank()
     store = dist.distributed_c10d._get_default_store()
     key = f"fsdp/blocked/rank{rank}"
-    out: dict[str, object] = {"idle_gone_s": _until(lambda: not _watchers(), 3.0)}
+    out: dict[str, object] = {"idle_gone_s": _until(lambda: not _watchers(), 4.0)}
     dist.barrier()
     if rank == 0:
         probe: dict[str, float] = {}
@@ -301,7 +301,7 @@ def watcher_only_while_blocked() -> dict[str, object]:
     else:
         time.sleep(2.5)
         comm.all_reduce_sum(torch.ones(1), None)
-    out["gone_after_s"] = _until(lambda: not _watchers() and not _watch._WATCHING[0], 3.0)
+    out["gone_after_s"] = _until(lambda: not _watchers() and not _watch._WATCHING[0], 4.0)
     out["withdrawn"] = not store.check([key])
     dist.barrier()
     return out
@@ -310,8 +310,9 @@ def watcher_only_while_blocked() -> dict[str, object]:
 def test_watcher_runs_only_while_a_collective_does(pool2: RankPool) -> None:
     rank0, rank1 = pool2.run(watcher_only_while_blocked, _timeout=120)
     for seen in (rank0, rank1):
-        # Nothing in progress: no watcher thread (gone within two wake-ups of the last collective).
-        assert float(seen["idle_gone_s"]) < 1.5, seen  # type: ignore[arg-type]
-        assert float(seen["gone_after_s"]) < 1.5 and seen["withdrawn"], seen  # type: ignore[arg-type]
+        # Nothing in progress: no watcher thread, gone one to two 0.5 s wake-ups after the last
+        # FSDP collective (the rest is margin for a loaded machine).
+        assert float(seen["idle_gone_s"]) < 2.5, seen  # type: ignore[arg-type]
+        assert float(seen["gone_after_s"]) < 2.5 and seen["withdrawn"], seen  # type: ignore[arg-type]
     # Blocked: the watcher started with the collective and reported it within two wake-ups.
     assert float(rank0["reported_s"]) < 2.3, rank0  # type: ignore[arg-type]

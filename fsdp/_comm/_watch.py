@@ -56,12 +56,13 @@ between them, needs no thread: none runs there, so no thread of ours touches the
 the store or the allocator (nor triggers a garbage collection) while the process does anything
 else, torch's own collectives included. So :func:`begin` starts the watcher when none runs (a
 module flag read per collective; a thread start only at the change from idle), and the watcher
-ends at the first wake-up that finds no FSDP collective in progress and nothing published (it
-withdraws its report first). A block is still reported after one to two wake-ups: the watcher
-started with the collective, or was running already. Between collectives a training loop may
-stop and restart it (at most one start per ``_POLL_S``, tens of microseconds each). The flag is
-cleared and the collectives re-checked under one lock, so a collective that begins while the
-watcher ends either is seen by it or starts a new one.
+ends at the first wake-up that finds no FSDP collective in progress, none issued since the
+wake-up before, and nothing published (it withdraws its report first): one to two wake-ups after
+the last FSDP collective. A training loop keeps one watcher (its collectives follow each other
+closer than that), instead of stopping and starting one between them. A block is still reported
+after one to two wake-ups: the watcher started with the collective, or was running already. The
+flag is cleared and the collectives re-checked under one lock, so a collective that begins
+while the watcher ends either is seen by it or starts a new one.
 """
 
 from __future__ import annotations
@@ -158,8 +159,18 @@ def _watch() -> None:
                 seen = _Seen()  # the group went away: nothing published is left to withdraw
         except Exception:  # a store or group going away (shutdown, a destroyed group)
             seen = _Seen()
-        if _done(seen):
+        issued = _issued_total()
+        if 0 <= issued == seen.issued and _done(seen):
             return
+        seen.issued = issued
+
+
+def _issued_total() -> int:
+    """The FSDP collectives this process issued so far (-1 where a group was added meanwhile)."""
+    try:
+        return _ISSUED_DEFAULT[0] + sum(_ISSUED.values())
+    except RuntimeError:  # the weak dictionary changed size while read: not quiet
+        return -1
 
 
 def _done(seen: "_Seen") -> bool:
@@ -192,6 +203,7 @@ class _Seen:
         self.active: dict[int, int] = {}  # thread ident -> id of the record it was inside
         self.published: Optional[str] = None  # this rank's report in the store
         self.diagnosed = 0  # id of the record last said to be mismatched
+        self.issued = -1  # the FSDP collectives issued by the last wake-up (-1: not counted)
 
 
 def _look(seen: _Seen) -> None:
