@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch.amp.grad_scaler import GradScaler, OptState
 
 from fsdp._comm import _collectives as comm
+from fsdp._comm._phase import collective_phase
 
 __all__ = ["ShardedGradScaler"]
 
@@ -164,7 +165,8 @@ class ShardedGradScaler(GradScaler):
         total = torch.zeros((), dtype=torch.float32, device=self._scale.device)
         for found in found_per_device.values():
             total += found.to(total.device)
-        comm.all_reduce_sum(total, self.process_group)  # errors name the phase ([Note: Collective errors])
+        with collective_phase("ShardedGradScaler's overflow check"):  # [Note: Collective phase]
+            comm.all_reduce_sum(total, self.process_group)
         if not found_per_device:  # no local gradients: still take the group's decision
             return {total.device: total}
         for found in found_per_device.values():

@@ -11,9 +11,9 @@ the *same type*, chained to the original, saying:
 
 * the collective and the global ranks of its group (in a group of two, the other rank: the
   one it waited for, usually the stalled rank);
-* the phase and the FSDP unit: found only when failing, by walking the Python stack for the
-  runtime functions of each phase and the innermost object that names its unit (a
-  FlatParamHandle or a unit state), so the hot path pays nothing beyond the ``try``;
+* the phase and the FSDP unit, as the layers that know them said them around the collective
+  ([Note: Collective phase] in ``_phase.py``: the innermost phase, "within" the enclosing ones,
+  and the innermost unit), read only when failing;
 * for a timeout or a lost peer, a hint: which timeout elapsed, and how to set it.
 
 Code that catches torch's exception types keeps working; ``__cause__`` holds the original.
@@ -79,54 +79,22 @@ rank's report through the phase exchange. So the cost lives on the failure path 
 from __future__ import annotations
 
 import dataclasses
-import sys
 from datetime import timedelta
-from types import FrameType
 from typing import Callable, NoReturn, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 
+from fsdp._comm._phase import describe_current, describe_thread
+
 __all__ = [
     "check_interrupted_backward_agreed",
-    "describe_blocked_frame",
+    "describe_blocked_thread",
     "group_timeout",
     "publish_phase",
     "raise_collective_error",
 ]
 
-# (module, function) -> the phase it is; the innermost match names the phase, outer ones add
-# "within ...". Names are matched as strings so this file imports nothing above it.
-_PHASE_OF_FUNCTION: dict[tuple[str, str], str] = {
-    ("fsdp.runtime._hooks", "_pre_forward"): "forward unshard",
-    ("fsdp.runtime._hooks", "_unshard_for_recompute"): "backward unshard for a recomputed forward",
-    ("fsdp.runtime._hooks", "_pre_backward_hook"): "backward unshard",
-    ("fsdp.runtime._hooks", "_post_backward_hook"): "backward reduce",
-    ("fsdp.runtime._hooks", "finish_inflight_reductions"): "backward reduce",
-    ("fsdp.runtime._hooks", "_final_callback"): "end of backward",
-    ("fsdp.runtime._hooks", "_recover_if_backward_interrupted"): "recovery from an interrupted backward",
-    ("fsdp.runtime._prefetch", "prefetch_after"): "prefetch",
-    ("fsdp.runtime._summon", "summon_full_params"): "summon_full_params",
-    ("fsdp.runtime._clip_grad", "clip_grad_norm_"): "clip_grad_norm_",
-    ("fsdp.runtime._exec_order", "check_same_layout"): "lazy-init layout check",
-    ("fsdp.runtime._exec_order", "check_execution_order"): "first-iteration execution-order check",
-    ("fsdp.state_dict._model_state_dict", "save_state_dict"): "state_dict",
-    ("fsdp.state_dict._model_state_dict", "load_state_dict"): "load_state_dict",
-    ("fsdp.sharded_grad_scaler", "_agree_on_found_inf"): "ShardedGradScaler's overflow check",
-}
-# Modules whose every function belongs to one phase (checked after the functions above).
-_PHASE_OF_MODULE: dict[str, str] = {
-    "fsdp.state_dict._optim_state_dict": "optimizer state dict",
-    "fsdp.state_dict._optim_save": "optimizer state dict",
-    "fsdp.state_dict._optim_load": "optimizer state dict",
-    "fsdp.init._sync": "sync_module_states at construction",
-}
-# Locals that may hold the object whose unit is communicating, innermost frame first; a
-# function that loops over every unit's handles names the unit it works for (the root) instead.
-_UNIT_HOLDERS = ("self", "handle", "state")
-_UNIT_HOLDERS_OF_FUNCTION: dict[tuple[str, str], tuple[str, ...]] = {
-    ("fsdp.runtime._clip_grad", "clip_grad_norm_"): ("state",),
-}
 # Words of a timed-out wait or a lost peer in gloo's and NCCL's messages; a lost peer's name no
 # timeout (gloo's own timeout says "Application timeout caused pair closure").
 _TIMEOUT_WORDS = ("timed out", "timeout", "pair closure", "connection closed", "connection reset", "broken pipe")
@@ -167,7 +135,7 @@ def raise_collective_error(
     """
     if getattr(err, _CONTEXT_ATTR, False):
         raise err  # an inner collective (a work's wait) already said it
-    message = _describe(err, collective, group, peer, sys._getframe(1))
+    message = _describe(err, collective, group, peer)
     try:
         new = type(err)(message)
     except Exception:  # an exception type that takes other arguments
@@ -186,12 +154,9 @@ def _describe(
     collective: str,
     group: Optional[dist.ProcessGroup],
     peer: Optional[int],
-    frame: Optional[FrameType],
 ) -> str:
-    phase, unit = _phase_and_unit(frame)
-    where = f" during {phase}" if phase else ""
-    if unit is not None:
-        where += f" of FSDP unit '{unit}'"
+    phase, unit = describe_current()
+    where = _where(phase, unit)
     ranks = _global_ranks(group)
     if peer is None and isinstance(ranks, list) and len(ranks) == 2 and dist.is_initialized():
         others = [r for r in ranks if r != dist.get_rank()]
@@ -367,10 +332,13 @@ def check_interrupted_backward_agreed(groups: Sequence[dist.ProcessGroup], progr
         )
 
 
-def describe_blocked_frame(frame: Optional[FrameType]) -> str:
-    """" during <phase> of FSDP unit '<unit>'" for a thread blocked at ``frame`` (its innermost
-    frame), as collective errors say it; "" where no phase is known."""
-    phase, unit = _phase_and_unit(frame)
+def describe_blocked_thread(ident: int) -> str:
+    """" during <phase> of FSDP unit '<unit>'" for the thread ``ident`` (blocked in a
+    collective), as collective errors say it; "" where no phase or unit is known."""
+    return _where(*describe_thread(ident))
+
+
+def _where(phase: Optional[str], unit: Optional[str]) -> str:
     where = f" during {phase}" if phase else ""
     return where + (f" of FSDP unit '{unit}'" if unit is not None else "")
 
@@ -390,38 +358,6 @@ def publish_phase(group: Optional[dist.ProcessGroup], phase: str) -> None:
 def group_timeout(group: Optional[dist.ProcessGroup]) -> Optional[timedelta]:
     """The timeout the group's backend waits for (None where it cannot be read)."""
     return _group_timeout(group)
-
-
-def _phase_and_unit(frame: Optional[FrameType]) -> tuple[Optional[str], Optional[str]]:
-    """The phase (innermost first, "within" the outer ones) and the innermost unit's name."""
-    phases: list[str] = []
-    unit: Optional[str] = None
-    while frame is not None:
-        module = frame.f_globals.get("__name__", "")
-        if module.startswith("fsdp."):
-            name = frame.f_code.co_name
-            phase = _PHASE_OF_FUNCTION.get((module, name)) or _PHASE_OF_MODULE.get(module)
-            if phase == "prefetch":
-                moment = frame.f_locals.get("moment")
-                phase = "forward prefetch" if moment == "forward" else "backward prefetch"
-            if phase is not None and phase not in phases:
-                phases.append(phase)
-            if unit is None:
-                unit = _unit_name(frame, _UNIT_HOLDERS_OF_FUNCTION.get((module, name), _UNIT_HOLDERS))
-        frame = frame.f_back
-    if not phases:
-        return None, unit
-    within = f" (within {', '.join(phases[1:])})" if len(phases) > 1 else ""
-    return phases[0] + within, unit
-
-
-def _unit_name(frame: FrameType, holders: tuple[str, ...]) -> Optional[str]:
-    local_vars = frame.f_locals
-    for holder in holders:
-        name = getattr(local_vars.get(holder), "unit_name", None)
-        if isinstance(name, str):
-            return name
-    return None
 
 
 def _resolved(group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:

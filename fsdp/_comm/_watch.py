@@ -11,13 +11,15 @@ them apart is a *positive* report: the peer says it is blocked in a collective t
   process issued on it (``issued``), and marks, per thread, the one it is inside (``begin`` /
   ``end``: a dict write and a pop, a fraction of a microsecond, nothing else on the hot path:
   no store traffic, no clock, no constant tuned to any workload).
-* A daemon thread per process wakes every ``_POLL_S``. A thread found inside the *same*
+* A daemon thread, the watcher, wakes every ``_POLL_S`` while an FSDP collective may need it
+  ([Note: The watcher runs only while collectives do]). A thread found inside the *same*
   collective at two wake-ups has been blocked at least that long: the watcher then publishes, in
   the default group's store, under this rank's key, the group's name and global ranks, the
-  collective's number on that group, and the phase and unit (read from the blocked thread's
-  stack, as collective errors read theirs, [Note: Collective errors]); the key is deleted when
-  it is unblocked. A rank that is not blocked costs the store nothing; a blocked rank writes at
-  most once per wake-up. ``_POLL_S`` only bounds how soon a block is reported (a wake-up or two).
+  collective's number on that group, and the phase and unit (what the blocked thread's callers
+  said, as collective errors say it, [Note: Collective phase] in ``_phase.py``); the key is
+  deleted when it is unblocked. A rank that is not blocked costs the store nothing; a blocked
+  rank writes at most once per wake-up. ``_POLL_S`` only bounds how soon a block is reported (a
+  wake-up or two).
 * Before a state dict's collectives every rank enters an agreement round
   (:func:`entry_agreed`): it adds its entry under a per-group round key and waits for the
   group's other ranks' entries. While it waits it reads the missing ranks' blocked reports: a
@@ -45,11 +47,28 @@ Gloo's and NCCL's collectives cannot be interrupted from another thread (gloo ha
 abort), so only code that has not yet entered a collective can fail fast: that is why the
 agreement runs before a state dict's collectives rather than a general check inside every
 collective, which would need a store round trip per collective.
+
+[Note: The watcher runs only while collectives do]
+What needs the watcher is a collective that blocks: its report is what a peer's entry agreement
+reads (the agreeing rank itself reads the store from its own thread and needs no watcher of its
+own), and what the mismatch diagnosis compares. A process that issues no FSDP collective, or is
+between them, needs no thread: none runs there, so no thread of ours touches the process group,
+the store or the allocator (nor triggers a garbage collection) while the process does anything
+else, torch's own collectives included. So :func:`begin` starts the watcher when none runs (a
+module flag read per collective; a thread start only at the change from idle), and the watcher
+ends at the first wake-up that finds no FSDP collective in progress, none issued since the
+wake-up before, and nothing published (it withdraws its report first): one to two wake-ups after
+the last FSDP collective. A training loop keeps one watcher (its collectives follow each other
+closer than that), instead of stopping and starting one between them. A block is still reported
+after one to two wake-ups: the watcher started with the collective, or was running already. The
+flag is cleared and the collectives re-checked under one lock, so a collective that begins
+while the watcher ends either is seen by it or starts a new one.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import threading
 import time
@@ -59,7 +78,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch.distributed as dist
 
-from fsdp._comm._errors import describe_blocked_frame, group_timeout, publish_phase
+from fsdp._comm._errors import describe_blocked_thread, group_timeout, publish_phase
 
 # How often the watcher looks at the collectives in progress ([Note: Blocked collectives]): a
 # block is reported after one to two of these; the watcher's own cost is a wake-up each.
@@ -76,7 +95,8 @@ _ISSUED: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
 _ISSUED_DEFAULT = [0]  # collectives given None (the default group)
 # Thread ident -> (group, number on that group, collective): the collective it is inside.
 _ACTIVE: dict[int, tuple[Any, int, str]] = {}
-_WATCHER: list[threading.Thread] = []
+_WATCHING = [False]  # a watcher runs ([Note: The watcher runs only while collectives do])
+_WATCHER_LOCK = threading.Lock()
 _ROUNDS: dict[str, int] = {}  # group name -> agreement rounds this process entered
 DIAGNOSES: list[tuple[float, str]] = []  # (time.monotonic(), what the watcher said about mismatched collectives)
 _DEPTH = threading.local()
@@ -84,8 +104,6 @@ _DEPTH = threading.local()
 
 def issue(group: Optional[dist.ProcessGroup]) -> int:
     """Counts one FSDP collective issued on ``group``; returns its number there (from 1)."""
-    if not _WATCHER:
-        _start_watcher()
     if group is None:
         _ISSUED_DEFAULT[0] += 1
         return _ISSUED_DEFAULT[0]
@@ -95,9 +113,14 @@ def issue(group: Optional[dist.ProcessGroup]) -> int:
 
 
 def begin(group: Optional[dist.ProcessGroup], number: int, collective: str) -> int:
-    """Marks this thread as inside collective ``number`` of ``group``; returns the mark for :func:`end`."""
+    """Marks this thread as inside collective ``number`` of ``group``; returns the mark for :func:`end`.
+
+    Starts the watcher where none runs ([Note: The watcher runs only while collectives do]):
+    after the mark, so a watcher that is ending sees it or a new one starts."""
     ident = threading.get_ident()
     _ACTIVE[ident] = (group, number, collective)
+    if not _WATCHING[0]:
+        _start_watcher()
     return ident
 
 
@@ -113,14 +136,16 @@ def _start_watcher() -> None:
         dist.distributed_c10d._get_default_store()
     except Exception:  # no default group (explicit groups only): nothing to publish to
         return
-    thread = threading.Thread(target=_watch, name="fsdp-collective-watch", daemon=True)
-    _WATCHER.append(thread)
-    thread.start()
+    with _WATCHER_LOCK:
+        if _WATCHING[0]:
+            return
+        _WATCHING[0] = True
+        threading.Thread(target=_watch, name="fsdp-collective-watch", daemon=True).start()
 
 
 def _watch() -> None:
-    """The watcher's loop ([Note: Blocked collectives]): for the life of the process (a daemon),
-    idle while no default group exists (one destroyed and made again is watched again).
+    """The watcher's loop ([Note: Blocked collectives]): until a wake-up finds no FSDP collective
+    in progress and nothing published ([Note: The watcher runs only while collectives do]).
 
     It keeps no reference to a group between wake-ups (records are remembered by ``id``), so a
     destroyed group is freed at once."""
@@ -128,12 +153,47 @@ def _watch() -> None:
     while True:
         time.sleep(_POLL_S)
         try:
-            if not dist.is_initialized():
-                seen = _Seen()
-                continue
-            _look(seen)
-        except Exception:  # a store or group going away (shutdown, a destroyed group): look again later
+            if dist.is_initialized():
+                _look(seen)
+            else:
+                seen = _Seen()  # the group went away: nothing published is left to withdraw
+        except Exception:  # a store or group going away (shutdown, a destroyed group)
             seen = _Seen()
+        issued = _issued_total()
+        if 0 <= issued == seen.issued and _done(seen):
+            return
+        seen.issued = issued
+
+
+def _issued_total() -> int:
+    """The FSDP collectives this process issued so far (-1 where a group was added meanwhile)."""
+    try:
+        return _ISSUED_DEFAULT[0] + sum(_ISSUED.values())
+    except RuntimeError:  # the weak dictionary changed size while read: not quiet
+        return -1
+
+
+def _done(seen: "_Seen") -> bool:
+    """Whether the watcher may end: nothing in progress, nothing published. Clears the flag
+    first and looks again under the lock, so a collective that begins meanwhile is seen here or
+    starts a new watcher (:func:`begin` marks before it reads the flag)."""
+    with _WATCHER_LOCK:
+        _WATCHING[0] = False
+        if _ACTIVE or seen.published is not None:
+            _WATCHING[0] = True
+            return False
+        return True
+
+
+def _forget_watcher_in_child() -> None:
+    """A forked child has no watcher thread (only the forking thread survives a fork)."""
+    global _WATCHER_LOCK
+    _WATCHER_LOCK = threading.Lock()
+    _WATCHING[0] = False
+    _ACTIVE.clear()
+
+
+os.register_at_fork(after_in_child=_forget_watcher_in_child)
 
 
 class _Seen:
@@ -143,6 +203,7 @@ class _Seen:
         self.active: dict[int, int] = {}  # thread ident -> id of the record it was inside
         self.published: Optional[str] = None  # this rank's report in the store
         self.diagnosed = 0  # id of the record last said to be mismatched
+        self.issued = -1  # the FSDP collectives issued by the last wake-up (-1: not counted)
 
 
 def _look(seen: _Seen) -> None:
@@ -160,7 +221,7 @@ def _look(seen: _Seen) -> None:
     ident, record = blocked[0]
     group, number, collective = record
     ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-    where = describe_blocked_frame(sys._current_frames().get(ident))
+    where = describe_blocked_thread(ident)
     report = "|".join([_key_name(group), ",".join(map(str, ranks)), str(number), collective, where])
     if report != seen.published:
         store.set(key, report)

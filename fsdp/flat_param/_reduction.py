@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp._comm import _collectives as comm
+from fsdp._comm._phase import collective_phase
 from fsdp._common import group_size, p_assert
 from fsdp.flat_param._layout import ShardLayout
 from fsdp.flat_param._sharding import gradient_divide_factors
@@ -103,7 +104,7 @@ class GradReduction:
     @property
     def unit_name(self) -> str:
         """The unit's name (the views hold it); also what a failed collective's message names
-        ([Note: Collective errors] reads ``unit_name`` off the innermost frame's ``self``)."""
+        ([Note: Collective phase]: :meth:`reduce` gives itself as the unit)."""
         return self.views.unit_name
 
     def in_progress(self) -> bool:
@@ -184,7 +185,7 @@ class GradReduction:
         reduction_input = unsharded_grad.detach() if in_flight else None
         if stream is not None:
             stream.wait_stream(_streams.current_stream(self.storage.device))  # [Note: Stream edges], 3
-        with _streams.use_stream(stream):
+        with _streams.use_stream(stream), collective_phase(None, self):
             cast = unsharded_grad.dtype != self.storage.precision.reduce_dtype and not full_precision
             if cast:
                 # On the post-backward stream, as torch FSDP1 casts (full_precision: a backward
@@ -233,7 +234,7 @@ class GradReduction:
             p_assert(finish_stream is not None, f"unit '{self.unit_name}': no all-reduce stream")
             assert finish_stream is not None  # for type checkers
             finish_stream.wait_event(reduced_event)  # [Note: Stream edges], 4
-        with _streams.use_stream(finish_stream):
+        with _streams.use_stream(finish_stream), collective_phase(None, self):
             reduced = sharded_grad
             if replicated:
                 comm.all_reduce_sum(reduced, self.replicate_group)

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdp._comm._phase import collective_phase
 from fsdp._common import FLAT_PARAM, group_rank, group_size, p_assert
 from fsdp.api import MixedPrecision, ShardingStrategy
 from fsdp.flat_param._layout import (
@@ -235,7 +236,8 @@ class FlatParamHandle:
             if sync_module_states:
                 from fsdp._comm._groups import ShardingGroups, broadcast_from_group_rank0
 
-                broadcast_from_group_rank0(flat, ShardingGroups(self.process_group, self.replicate_group))
+                with collective_phase(None, self):
+                    broadcast_from_group_rank0(flat, ShardingGroups(self.process_group, self.replicate_group))
             return self.shard_layout.cut_local_shard(flat, dtype, self.device)
 
     def _register_params(self) -> None:
@@ -358,7 +360,8 @@ class FlatParamHandle:
             return
         if self.state is not HandleState.SHARDED:
             self.reshard()
-        self.storage.gather(target, full_precision, async_op, stream_ordered)
+        with collective_phase(None, self):  # [Note: Collective phase]: errors name this unit
+            self.storage.gather(target, full_precision, async_op, stream_ordered)
 
     @property
     def unshard_pending(self) -> bool:

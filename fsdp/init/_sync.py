@@ -15,8 +15,10 @@ import torch
 from torch import nn
 
 from fsdp._comm._groups import ShardingGroups, broadcast_from_group_rank0
+from fsdp._comm._phase import during
 
 
+@during("sync_module_states at construction")
 def sync_buffers(modules: list[nn.Module], groups: ShardingGroups) -> None:
     """Broadcasts the own buffers of ``modules`` from rank 0 (in place)."""
     with torch.no_grad():

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from fsdp._comm import _collectives as comm
+from fsdp._comm._phase import collective_phase
 from fsdp.flat_param.flat_param import FlatParamHandle
 from fsdp.runtime._lazy_init import require_root
 from fsdp.runtime._state import UnitState
@@ -97,10 +98,12 @@ def clip_grad_norm_(
     local_replicated = _local_norm(replicated, norm_type, device, norm_dtype) if replicated else None
     if norm_type == math.inf:
         total = local_sharded if local_replicated is None else torch.maximum(local_sharded, local_replicated)
-        comm.all_reduce_max(total, state.process_group)
+        with collective_phase("clip_grad_norm_", state):
+            comm.all_reduce_max(total, state.process_group)
     else:
         total = local_sharded**norm_type
-        comm.all_reduce_sum(total, state.process_group)
+        with collective_phase("clip_grad_norm_", state):
+            comm.all_reduce_sum(total, state.process_group)
         if local_replicated is not None:
             total += local_replicated**norm_type
         total = total ** (1.0 / norm_type)

@@ -50,6 +50,7 @@ import torch.distributed as dist
 
 from fsdp._common import describe_group_rank, group_size
 from fsdp._comm import _collectives as comm
+from fsdp._comm._phase import collective_phase
 from fsdp.runtime._prefetch import record_phase_orders
 from fsdp.runtime._state import RootContext, UnitState
 
@@ -75,17 +76,18 @@ def check_execution_order(state: UnitState, phase: str) -> None:
         if not ctx.forward_watch.warned and phase == "forward" and _training_forward(state):
             _watch_forward(ctx, state)
         return
-    if not ctx.exec_order:
-        check_same_layout(ctx)  # the first gather of the first iteration: [Note: Layout agreement]
-    index = ctx.unit_index[id(state)]
-    code = index * len(_PHASES) + _PHASES.index(phase)
-    for group in _groups(ctx):
-        if group_size(group) == 1:
-            continue
-        codes = _all_gather_int(code, group, ctx.root.compute_device)
-        if any(c != code for c in codes):
-            ctx.raised_in_step = True  # every rank raises here, after the same collectives
-            raise RuntimeError(_order_differs(ctx, state, phase, group, codes))
+    with collective_phase("first-iteration execution-order check", state):
+        if not ctx.exec_order:
+            check_same_layout(ctx)  # the first gather of the first iteration: [Note: Layout agreement]
+        index = ctx.unit_index[id(state)]
+        code = index * len(_PHASES) + _PHASES.index(phase)
+        for group in _groups(ctx):
+            if group_size(group) == 1:
+                continue
+            codes = _all_gather_int(code, group, ctx.root.compute_device)
+            if any(c != code for c in codes):
+                ctx.raised_in_step = True  # every rank raises here, after the same collectives
+                raise RuntimeError(_order_differs(ctx, state, phase, group, codes))
     ctx.exec_order.append(code)
     if phase == "forward" and _training_forward(state):
         ctx.forward_watch.first_iteration.append(index)
@@ -184,6 +186,11 @@ def check_same_layout(ctx: RootContext) -> None:
     Raises:
         RuntimeError: On every rank, naming the first unit that differs and each rank's version.
     """
+    with collective_phase("lazy-init layout check"):
+        _check_same_layout(ctx)
+
+
+def _check_same_layout(ctx: RootContext) -> None:
     layout = _layout(ctx)
     for group in _groups(ctx):
         world = group_size(group)

@@ -18,6 +18,7 @@ from torch.autograd.graph import Node
 
 from fsdp._common import apply_to_tensors, compile_boundary, eager_only, p_assert
 from fsdp._comm._errors import check_interrupted_backward_agreed
+from fsdp._comm._phase import collective_phase
 from fsdp.flat_param.flat_param import FlatParameter, FlatParamHandle
 from fsdp.flat_param._recast import adopt_external_cast, check_not_recast_since_forward
 from fsdp.runtime._exec_order import check_execution_order, finish_first_iteration
@@ -90,7 +91,8 @@ def _in_backward(state: UnitState) -> bool:
 
 def _unshard_for_recompute(state: UnitState) -> None:
     """Gathers the unit for a recomputed forward; its post-backward hook frees it afterwards."""
-    unshard_unit(state)
+    with collective_phase("backward unshard for a recomputed forward", state):
+        unshard_unit(state)
     for handle in state.handles:
         handle.use_unsharded_views()
 
@@ -125,11 +127,12 @@ def _recover_if_backward_interrupted(state: UnitState) -> None:
         stacklevel=4,
     )
     ctx.inflight_reductions.clear()
-    for unit in ctx.states:
-        for handle in unit.handles:
-            handle.abandon_backward()
-        unit.ran_pre_backward = False
-        unit.training_state = HandleTrainingState.IDLE
+    with collective_phase("recovery from an interrupted backward", state):  # reductions complete
+        for unit in ctx.states:
+            for handle in unit.handles:
+                handle.abandon_backward()
+            unit.ran_pre_backward = False
+            unit.training_state = HandleTrainingState.IDLE
     ctx.final_callback_queued = False
 
 
@@ -190,13 +193,14 @@ def _pre_forward(state: UnitState) -> None:
         # the sharded flat gradient now (as torch FSDP1 does in its pre-forward), not at the
         # next backward: it would otherwise stay alive through the whole forward.
         handle.grads.sync_from_orig()
-    check_execution_order(state, "forward")  # first iteration: raises instead of hanging
-    transition(state, HandleTrainingState.FORWARD)
-    unshard_unit(state)
-    for handle in state.handles:
-        handle.use_unsharded_views()
-    _register_early_reduction_wait(state)
-    prefetch_after(state, "forward")
+    with collective_phase("forward unshard", state):
+        check_execution_order(state, "forward")  # first iteration: raises instead of hanging
+        transition(state, HandleTrainingState.FORWARD)
+        unshard_unit(state)
+        for handle in state.handles:
+            handle.use_unsharded_views()
+        _register_early_reduction_wait(state)
+        prefetch_after(state, "forward")
 
 
 def _register_early_reduction_wait(state: UnitState) -> None:
@@ -266,12 +270,13 @@ def finish_inflight_reductions(ctx: RootContext, only: Optional[FlatParamHandle]
     backward; a unit with optimizers in backward where its input is released; a handle about
     to reduce again in the same backward.
     """
-    for handle in list(ctx.inflight_reductions):
-        if only is not None and handle is not only:
-            continue
-        ctx.inflight_reductions.remove(handle)
-        handle.grads.wait()
-        _step_optimizers_in_backward(handle)
+    with collective_phase("backward reduce"):  # the reduction names its unit
+        for handle in list(ctx.inflight_reductions):
+            if only is not None and handle is not only:
+                continue
+            ctx.inflight_reductions.remove(handle)
+            handle.grads.wait()
+            _step_optimizers_in_backward(handle)
 
 
 @eager_only  # FSDP bookkeeping runs eagerly; the module's own forward compiles
@@ -368,16 +373,17 @@ def _pre_backward_hook(state: UnitState, grad: torch.Tensor, owner: Optional[nn.
     state.ran_pre_backward = True
     if state.ctx.kept_unit_pending is state:
         state.ctx.kept_unit_pending = None  # kept from its forward for this backward
-    check_execution_order(state, "backward")
-    transition(state, HandleTrainingState.BACKWARD_PRE)
-    unshard_unit(state)
-    for handle in state.handles:
-        # Names become views again (not placeholders): a checkpointed submodule of this unit
-        # re-runs its forward during backward and reads them; forward's own views where it
-        # took them ([Note: Backward reads forward's views] in flat_param/_views.py).
-        if not handle.views.use_recorded_views():
-            handle.use_unsharded_views()
-    prefetch_after(state, "backward_pre")
+    with collective_phase("backward unshard", state):
+        check_execution_order(state, "backward")
+        transition(state, HandleTrainingState.BACKWARD_PRE)
+        unshard_unit(state)
+        for handle in state.handles:
+            # Names become views again (not placeholders): a checkpointed submodule of this unit
+            # re-runs its forward during backward and reads them; forward's own views where it
+            # took them ([Note: Backward reads forward's views] in flat_param/_views.py).
+            if not handle.views.use_recorded_views():
+                handle.use_unsharded_views()
+        prefetch_after(state, "backward_pre")
     return grad
 
 
@@ -418,24 +424,25 @@ def _post_backward_hook(
     )
     transition(state, HandleTrainingState.BACKWARD_POST)
     ctx = state.ctx
-    # At most one reduction input alive: release those in flight (a unit without the gradient
-    # assembly hook comes here first), and complete this handle's own if it reduces again.
-    release_reduction_inputs(ctx)
-    finish_inflight_reductions(ctx, only=handle)
-    if state.reshards_after_backward():
-        _reshard_after_backward(state, handle)
-    prefetch_after(state, "backward_post")
-    handle.grads.reduce(
-        state.sync_gradients,
-        state.comm_hook,
-        state.comm_hook_state,
-        full_precision=state.forward_in_full_precision,
-        in_flight=state.policy.reduction_stays_in_flight(handle.storage.post_backward_stream is not None),
-    )
-    if handle.grads.inflight is not None:
-        ctx.inflight_reductions.append(handle)
-    elif state.sync_gradients:
-        _step_optimizers_in_backward(handle)  # the reduction completed here
+    with collective_phase("backward reduce", handle):
+        # At most one reduction input alive: release those in flight (a unit without the gradient
+        # assembly hook comes here first), and complete this handle's own if it reduces again.
+        release_reduction_inputs(ctx)
+        finish_inflight_reductions(ctx, only=handle)
+        if state.reshards_after_backward():
+            _reshard_after_backward(state, handle)
+        prefetch_after(state, "backward_post")
+        handle.grads.reduce(
+            state.sync_gradients,
+            state.comm_hook,
+            state.comm_hook_state,
+            full_precision=state.forward_in_full_precision,
+            in_flight=state.policy.reduction_stays_in_flight(handle.storage.post_backward_stream is not None),
+        )
+        if handle.grads.inflight is not None:
+            ctx.inflight_reductions.append(handle)
+        elif state.sync_gradients:
+            _step_optimizers_in_backward(handle)  # the reduction completed here
 
 
 def _reshard_after_backward(state: UnitState, handle: FlatParamHandle) -> None:
@@ -469,29 +476,30 @@ def _final_callback(ctx: RootContext) -> None:
     Units whose gradient never arrived (unused outputs, frozen parameters) are resharded here,
     and keep ``.grad`` as it was.
     """
-    finish_inflight_reductions(ctx)
-    for state in ctx.states:
-        for handle in state.handles:
-            handle.views.drop_recorded_views()
-            if handle.is_unsharded and state.reshards_after_backward():
-                handle.reshard()
-            elif handle.use_orig_params:
-                # Kept unsharded (no_sync, SHARD_GRAD_OP's root, ...): the names hold this
-                # backward's views; register the original Parameters back, as torch FSDP1 does,
-                # so the optimizer and named_parameters() see them between steps.
-                handle.views.use_sharded()
-                if handle.grads.holds_unsynced:
-                    handle.grads.use_sharded_grad_views()  # no_sync: the accumulated unsharded views
-            else:
-                handle.show_local_shard()  # kept unsharded: [Note: A kept unit shows its local shard]
-            if handle.grads.stepped_in_backward:
-                handle.grads.stepped_in_backward = False  # finalized and consumed already
-            elif not handle.is_unsharded or not handle.has_unsharded_buffer:
-                handle.grads.finalize()
-        state.ran_pre_backward = False
-        state.training_state = HandleTrainingState.IDLE
-    ctx.final_callback_queued = False
-    ctx.kept_unit_pending = None  # resharded above if this backward never reached it
+    with collective_phase("end of backward"):
+        finish_inflight_reductions(ctx)
+        for state in ctx.states:
+            for handle in state.handles:
+                handle.views.drop_recorded_views()
+                if handle.is_unsharded and state.reshards_after_backward():
+                    handle.reshard()
+                elif handle.use_orig_params:
+                    # Kept unsharded (no_sync, SHARD_GRAD_OP's root, ...): the names hold this
+                    # backward's views; register the original Parameters back, as torch FSDP1 does,
+                    # so the optimizer and named_parameters() see them between steps.
+                    handle.views.use_sharded()
+                    if handle.grads.holds_unsynced:
+                        handle.grads.use_sharded_grad_views()  # no_sync: the accumulated unsharded views
+                else:
+                    handle.show_local_shard()  # kept unsharded: [Note: A kept unit shows its local shard]
+                if handle.grads.stepped_in_backward:
+                    handle.grads.stepped_in_backward = False  # finalized and consumed already
+                elif not handle.is_unsharded or not handle.has_unsharded_buffer:
+                    handle.grads.finalize()
+            state.ran_pre_backward = False
+            state.training_state = HandleTrainingState.IDLE
+        ctx.final_callback_queued = False
+        ctx.kept_unit_pending = None  # resharded above if this backward never reached it
     finish_first_iteration(ctx)
 
 

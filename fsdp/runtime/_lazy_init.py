@@ -28,6 +28,7 @@ from typing import Optional
 
 from torch import nn
 
+from fsdp._comm._phase import collective_phase
 from fsdp.flat_param import _streams
 from fsdp.runtime._state import RootContext, UnitState, check_idle, named_fsdp_states, unit_state
 
@@ -124,8 +125,9 @@ def _release_context(ctx: RootContext) -> None:
             continue
         for handle in unit.handles:
             try:
-                handle.storage.wait_unshard()
-                handle.grads.wait()
+                with collective_phase(None, handle):  # no phase: a failure here never waits
+                    handle.storage.wait_unshard()
+                    handle.grads.wait()
             except Exception as err:  # a finalizer cannot raise: say so, free the rest
                 warnings.warn(
                     f"fsdp: finishing a collective of the dropped model's unit '{unit.unit_name}' "

@@ -83,6 +83,7 @@ from __future__ import annotations
 
 from typing import Collection, Optional, Sequence
 
+from fsdp._comm._phase import collective_phase
 from fsdp.api import BackwardPrefetch
 from fsdp.flat_param import _streams
 from fsdp.runtime._state import RootContext, UnitState
@@ -199,12 +200,13 @@ def prefetch_after(state: UnitState, moment: str) -> None:
     target = _next_unit(ctx, state, order)
     if target is None or (moment != "forward" and target.ran_pre_backward):
         return  # (a unit whose backward already ran is done, whatever the recorded order says)
-    for handle in target.handles:
-        if handle.is_unsharded or not handle.has_unsharded_buffer:
-            continue
-        _limit_all_gathers(state)
-        handle.unshard(full_precision=target.forward_in_full_precision, async_op=True, stream_ordered=True)
-        ctx.prefetches_issued += 1
+    with collective_phase("forward prefetch" if moment == "forward" else "backward prefetch"):
+        for handle in target.handles:
+            if handle.is_unsharded or not handle.has_unsharded_buffer:
+                continue
+            _limit_all_gathers(state)
+            handle.unshard(full_precision=target.forward_in_full_precision, async_op=True, stream_ordered=True)
+            ctx.prefetches_issued += 1
 
 
 def unshard_unit(state: UnitState) -> None:

@@ -9,6 +9,7 @@ to the local shards (``writeback=True``) and everything is resharded.
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 from typing import Callable, Iterator, Optional, TypeVar
 
@@ -20,6 +21,7 @@ from fsdp.flat_param.flat_param import FlatParamHandle, HandleState, assign_grad
 from fsdp.flat_param._layout import local_tensor
 from fsdp.flat_param._recast import adopt_external_cast
 from fsdp._comm import _collectives as comm
+from fsdp._comm._phase import collective_phase
 from fsdp.runtime._lazy_init import lazy_init, reset_lazy_init
 from fsdp.runtime._state import (
     HandleTrainingState,
@@ -198,7 +200,8 @@ def _gather_grad(handle: FlatParamHandle) -> Optional[torch.Tensor]:
     # sharded gradient lives on the CPU, and a CPU tensor is refused by a pure NCCL group
     # (world size 1 too: offload keeps the sharded path there, [Note: CPU offload on one rank]).
     full = torch.empty(handle.shard_layout.padded_unsharded_numel, dtype=grad.dtype, device=handle.device)
-    comm.all_gather_flat(full, grad.to(handle.device), handle.process_group)
+    with collective_phase(None, handle):
+        comm.all_gather_flat(full, grad.to(handle.device), handle.process_group)
     return full
 
 
@@ -282,13 +285,25 @@ def summon_full_params(
             error=FSDPStateAssertionError,
             torch_message="Cannot manually unshard parameters during forward/backward",
         )
-    with contextlib.ExitStack() as stack:
+    # The phase covers entering and leaving (gathers, write-backs), not the body in between
+    # ([Note: Collective phase] in fsdp/_comm/_phase.py): a state dict inside is its own phase.
+    stack = contextlib.ExitStack()
+    with collective_phase("summon_full_params"), stack:
         for wrapper in wrappers:
             state: UnitState = unit_state(wrapper)
             stack.enter_context(
                 _summon_unit(wrapper, state, writeback, rank0_only, offload_to_cpu, with_grads)
             )
+        stack = stack.pop_all()  # entered: closed after the body
+    try:
         yield
+    except BaseException:
+        with collective_phase("summon_full_params"):
+            if not stack.__exit__(*sys.exc_info()):
+                raise
+    else:
+        with collective_phase("summon_full_params"):
+            stack.close()
 
 
 _Named = TypeVar("_Named")

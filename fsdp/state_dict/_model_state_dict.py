@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdp._comm._phase import collective_phase, during
 from fsdp._common import FLAT_PARAM, FSDP_PREFIX, clean_fqn
 from fsdp.api import FullStateDictConfig, ShardingStrategy, StateDictType
 from fsdp.flat_param._layout import local_tensor
@@ -243,10 +244,10 @@ def save_state_dict(
     Gathers the unit around ``nn.Module``'s walk; the keys are translated by the unit's post-hook
     ([Note: State dict hooks]).
     """
-    with _top_level(module):
+    state: UnitState = unit_state(module)
+    with _top_level(module), collective_phase("state_dict", state):
         if destination is None:
             destination = OrderedDict()
-        state: UnitState = unit_state(module)
         start = len(destination)
         _warn_if_no_shard(state, _NO_SHARD_WARNING)
         kind = _effective_kind(module, state)
@@ -337,7 +338,8 @@ def _gather_unsharded(handle: FlatParamHandle, rank0_only: bool, offload: bool) 
     shard = handle._local_shard
     if shard.device != handle.device:  # CPU offload of parameters: communicate on the device
         shard = shard.to(handle.device)
-    padded_unsharded = gather(shard, handle.process_group, handle.rank, handle.world_size, 0 if rank0_only else None)
+    with collective_phase(None, handle):
+        padded_unsharded = gather(shard, handle.process_group, handle.rank, handle.world_size, 0 if rank0_only else None)
     if padded_unsharded is not None and offload and padded_unsharded.device.type != "cpu":
         padded_unsharded = padded_unsharded.cpu()
     return padded_unsharded
@@ -599,7 +601,7 @@ def load_pre_hook(
     _PENDING[id(module)] = pending
     if state.cast_buffers:
         pending.cast_buffer_values = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
-    with torch.no_grad():
+    with torch.no_grad(), collective_phase(None, state):
         if _effective_kind(module, state) is StateDictType.LOCAL_STATE_DICT:
             _load_local_entries(state, state_dict, prefix, inner, pending)
         else:
@@ -769,6 +771,7 @@ def _check_tree(module: nn.Module, state_dict: dict[str, Any], strict: bool) -> 
         )
 
 
+@during("load_state_dict")
 def load_state_dict(module: nn.Module, super_load_state_dict: Any, state_dict: dict[str, Any], strict: bool, assign: bool) -> Any:
     """Loads a FULL, SHARDED or LOCAL state dict into an FSDP root: checks, then nn.Module + hooks."""
     if unit_state(module).has_fsdp_parent:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp._comm import _collectives as comm
+from fsdp._comm._phase import during
 from fsdp.flat_param.flat_param import FlatParamHandle
 from fsdp.state_dict._optim_keys import (
     ModelView,
@@ -58,6 +59,7 @@ class _HeldKeys:
     fqn_to_key: dict[str, ParamKey]
 
 
+@during("optimizer state dict")
 def to_load(
     model: nn.Module,
     optim: Optional[torch.optim.Optimizer],

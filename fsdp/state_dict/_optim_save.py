@@ -31,6 +31,7 @@ from torch import nn
 
 from fsdp._common import p_assert
 from fsdp._comm import _collectives as comm
+from fsdp._comm._phase import collective_phase, during
 from fsdp.flat_param.flat_param import FlatParamHandle
 from fsdp.state_dict._optim_keys import (
     ModelView,
@@ -81,6 +82,7 @@ class _SaveOptions:
     group: Optional[dist.ProcessGroup]
 
 
+@during("optimizer state dict")
 def save(
     model: nn.Module,
     optim: torch.optim.Optimizer,
@@ -281,7 +283,8 @@ def _check_flat_state(handle: FlatParamHandle, name: str, value: torch.Tensor) -
 def _start_flat_state_gather(handle: FlatParamHandle, sharded_value: torch.Tensor, dst: Optional[int]) -> PendingGather:
     """Starts gathering a shard-shaped state into a fresh padded unsharded tensor (on ``dst`` or all)."""
     sharded_value = sharded_value.detach().to(handle.device)
-    return start_gather(sharded_value, handle.process_group, handle.rank, handle.world_size, dst)
+    with collective_phase(None, handle):
+        return start_gather(sharded_value, handle.process_group, handle.rank, handle.world_size, dst)
 
 
 def _gather_flat_states(
@@ -307,7 +310,8 @@ def _gather_flat_states(
         else:
             out[name] = (value[:unpadded_numel], False)
     for name, pending_gather in pending.items():
-        padded_unsharded = pending_gather.wait()
+        with collective_phase(None, handle):
+            padded_unsharded = pending_gather.wait()
         unpadded = None if padded_unsharded is None else padded_unsharded[:unpadded_numel]
         out[name] = (unpadded, True)
     return {name: out[name] for name in sorted(out)}
@@ -402,7 +406,8 @@ def _gather_orig_param_states(
                 info[fqn][name] = ("s", value.detach().cpu())
             else:
                 info[fqn][name] = ("o", value)
-    gathered = comm.all_gather_object(info, handle.process_group, handle.device)
+    with collective_phase(None, handle):
+        gathered = comm.all_gather_object(info, handle.process_group, handle.device)
     with_state = [fqn for fqn in fqns if any(fqn in g for g in gathered)]
     tensor_names = sorted({n for g in gathered for st in g.values() for n, v in st.items() if v[0] == "t"})
     result: dict[str, dict[str, Any]] = {fqn: {} for fqn in sorted(with_state)}
@@ -425,7 +430,8 @@ def _gather_orig_param_states(
                 continue
             p_assert(value.numel() == numel, f"state '{name}' of '{fqn}': {value.numel()} != {numel}")
             local_shard[offset : offset + numel].copy_(value.reshape(-1))
-        padded_unsharded = gather(local_shard, handle.process_group, handle.rank, handle.world_size, dst)
+        with collective_phase(None, handle):
+            padded_unsharded = gather(local_shard, handle.process_group, handle.rank, handle.world_size, dst)
         if padded_unsharded is None or not to_save:
             continue
         views = _split(handle, padded_unsharded[: handle.shard_layout.unpadded_unsharded_numel])
