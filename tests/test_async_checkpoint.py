@@ -165,7 +165,6 @@ def test_one_save_in_flight(tmp_path: Any) -> None:
 # itself (SIGKILL) at a named point of DCP's writer in the background thread, or at a timed
 # moment after the call returned. Then, in a fresh pool, ``prev`` must load bit for bit, and
 # ``new`` is either refused as incomplete or equal to new.pt.
-_POINTS = ("staged", "data_written", "data_written@1", "before_metadata", "after_metadata")
 
 
 class KillingWriter(dcp.FileSystemWriter):
@@ -246,13 +245,11 @@ def check_after_kill(directory: str, point: str) -> str:
     "point,delay_s,new_complete",
     [
         ("staged", 0.0, False),  # right after the call returned: nothing written yet
-        ("data_written", 0.0, False),  # every rank's data files written, no metadata
         ("data_written@1", 0.0, False),  # one rank killed after its files
         ("before_metadata", 0.0, False),  # the coordinator, with every result gathered
         ("after_metadata", 0.0, True),  # the coordinator, once the checkpoint is complete
-        ("", 0.02, None),  # timed moments of the write (either outcome)
-        ("", 0.1, None),
-        ("", 0.3, None),
+        ("", 0.03, None),  # timed moments of the write (either outcome)
+        ("", 0.15, None),
     ],
 )
 def test_kill_during_background_write_leaves_previous_loadable(tmp_path: Any, point: str, delay_s: float, new_complete: Any) -> None:
