@@ -137,7 +137,7 @@ class _AsyncSaves:
             self.in_flight, self.in_flight_id = future, str(checkpoint_id)
 
 
-class AsyncSaveFuture(Future):  # type: ignore[type-arg]
+class AsyncSaveFuture(Future):
     """The ``concurrent.futures.Future`` of an :func:`async_save_sharded` (DCP's ``Metadata``,
     or the write's error). It remembers whether its outcome was read (``result()`` or
     ``exception()``), so that the next save raises a failure only when nobody has seen it."""
@@ -241,7 +241,7 @@ def async_save_sharded(
         storage_writer=storage_writer,
         planner=FlatShardSavePlanner(),
         process_group=group,
-        async_stager=_StagedAlready(),  # type: ignore[arg-type]
+        async_stager=_StagedAlready(),
     )
     handle = AsyncSaveFuture(future)  # type: ignore[arg-type]
     _ASYNC.start(handle, checkpoint_id)
