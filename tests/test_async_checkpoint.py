@@ -163,7 +163,7 @@ def test_one_save_in_flight(tmp_path: Any) -> None:
 # Each scenario: a complete checkpoint of step 2 in ``prev`` (its FULL state in prev.pt), two
 # more steps (their state in new.pt), then an async save into ``new`` during which a rank kills
 # itself (SIGKILL) at a named point of DCP's writer in the background thread, or at a timed
-# moment after the call returned. Then, in a fresh pool, ``prev`` must load bit for bit, and
+# moment after the call returned (one: each scenario restarts the pool twice). Then, in a fresh pool, ``prev`` must load bit for bit, and
 # ``new`` is either refused as incomplete or equal to new.pt.
 
 
@@ -248,8 +248,7 @@ def check_after_kill(directory: str, point: str) -> str:
         ("data_written@1", 0.0, False),  # one rank killed after its files
         ("before_metadata", 0.0, False),  # the coordinator, with every result gathered
         ("after_metadata", 0.0, True),  # the coordinator, once the checkpoint is complete
-        ("", 0.03, None),  # timed moments of the write (either outcome)
-        ("", 0.15, None),
+        ("", 0.1, None),  # a timed moment of the write (either outcome)
     ],
 )
 def test_kill_during_background_write_leaves_previous_loadable(tmp_path: Any, point: str, delay_s: float, new_complete: Any) -> None:
