@@ -8,8 +8,8 @@
   hold exactly the written shards' bytes.
 - One save in flight: a save started while one is in flight waits for it; a failed save whose
   future nobody read is raised by the next save (which starts nothing), a read one is not.
-- A rank killed at any moment of a background write (named points of DCP's writer, and timed
-  moments) leaves the previous checkpoint loadable bit for bit; the folder being written is
+- A rank killed at any moment of a background write (named points of DCP's writer, and a timed
+  moment) leaves the previous checkpoint loadable bit for bit; the folder being written is
   either incomplete (no ``.metadata``, refused) or complete and equal to the new state.
 """
 
@@ -163,8 +163,9 @@ def test_one_save_in_flight(tmp_path: Any) -> None:
 # Each scenario: a complete checkpoint of step 2 in ``prev`` (its FULL state in prev.pt), two
 # more steps (their state in new.pt), then an async save into ``new`` during which a rank kills
 # itself (SIGKILL) at a named point of DCP's writer in the background thread, or at a timed
-# moment after the call returned (one: each scenario restarts the pool twice). Then, in a fresh pool, ``prev`` must load bit for bit, and
-# ``new`` is either refused as incomplete or equal to new.pt.
+# moment after the call returned (one: each scenario restarts the pool twice). Then, in a fresh
+# pool, ``prev`` must load bit for bit, and ``new`` is either refused as incomplete or equal to
+# new.pt.
 
 
 class KillingWriter(dcp.FileSystemWriter):
