@@ -244,6 +244,7 @@ def _summary(per_rank: list[dict[str, Any]], dim: int) -> dict[str, Any]:
         "staging_bytes_max": max(r["staging_bytes"] for r in ranks),
         "save_peak_over_train_peak_bytes_max": max(over),
         "save_peak_over_train_peak_bytes_excluding_staging_max": max(o - r["staging_bytes"] for o, r in zip(over, ranks)),
+        "save_peak_over_train_peak_bytes_excluding_staging_by_rank": [o - r["staging_bytes"] for o, r in zip(over, ranks)],
     }
     rows["unit_shard_bytes"] = (dim * dim + dim) * 4 // len(per_rank)
     return rows
