@@ -115,15 +115,18 @@ class _AsyncSaves:
         return self._group
 
     def wait_for_in_flight(self, caller: str) -> None:
-        """Blocks until the save in flight (if any) has finished; re-raises its failure."""
+        """Blocks until the save in flight (if any) has finished; a failure that nobody read
+        from its future is raised here, as a ``RuntimeError`` naming the checkpoint."""
         with self._lock:
             future, checkpoint_id = self.in_flight, self.in_flight_id
-            self.in_flight = None
         if future is None:
             return
-        exc = future._inner_exception()
+        exc = future._inner_exception()  # waits; the record stays until the write is over
+        with self._lock:
+            if self.in_flight is future:
+                self.in_flight = None
         if exc is not None and not future.observed:
-            lines = [line for line in str(exc).splitlines() if line.strip()]  # DCP's carry tracebacks
+            lines = [line for line in str(exc).splitlines() if line.strip()]  # DCP's errors carry tracebacks
             raise RuntimeError(
                 f"fsdp: the asynchronous save to {checkpoint_id!r} failed ({type(exc).__name__}: "
                 f"{lines[-1].strip() if lines else ''}; the whole error is chained below), and "
