@@ -15,8 +15,8 @@ each a subprocess with its own time limit (its log in ``$OUT/NN_<step>.log``, JS
 beside it):
 
 1. ``cuda_lane``: ``FSDP_TEST_DEVICE=cuda python -m pytest tests/test_cuda_lane.py
-   tests/test_cuda_lane_offload.py`` (the overlap test on the fake group adds a fresh
-   interpreter and about 10 s of slept steps: 180 s);
+   tests/test_cuda_lane_offload.py tests/test_cuda_lane_async_checkpoint.py`` (the overlap test
+   on the fake group adds a fresh interpreter and about 10 s of slept steps: 180 s);
 2. ``lane_sanitizer``: the lane's training parity under ``TORCH_CUDA_SANITIZER=1`` (about 90 s on
    an H100: the sanitizer traces every kernel launch);
 3. ``scale``: rank 0 of N = 8 and 64 on torch's fake process group with emulated NVLink and
@@ -115,6 +115,7 @@ def _pytest(out: str, name: str, *args: str) -> Command:
 def steps(out: str) -> list[Step]:
     """Every step, in run order (see the module docstring)."""
     lane, lane_offload = "tests/test_cuda_lane.py", "tests/test_cuda_lane_offload.py"
+    lane_async = "tests/test_cuda_lane_async_checkpoint.py"
     return [
         Step("install", 90, 10,
              lambda limit: [PY, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "-e", "."],
@@ -124,7 +125,8 @@ def steps(out: str) -> list[Step]:
                             "torch.cuda.get_device_name(0), torch.cuda.mem_get_info(0))"],
              lambda limit: [PY, "-c", "import torch, fsdp; print(torch.__version__, torch.cuda.is_available())"],
              ("torch", "fsdp")),
-        Step("cuda_lane", 180, 60, _pytest(out, "cuda_lane", lane, lane_offload), _pytest(out, "cuda_lane", lane, lane_offload),
+        Step("cuda_lane", 180, 60, _pytest(out, "cuda_lane", lane, lane_offload, lane_async),
+             _pytest(out, "cuda_lane", lane, lane_offload, lane_async),
              ("pytest", "tests.conftest", "tests._models", "tests._object_device"), (("FSDP_TEST_DEVICE", "cuda"),), (0, 5)),
         Step("lane_sanitizer", 120, 60, _pytest(out, "lane_sanitizer", lane, "-k", "test_training_parity"),
              _pytest(out, "lane_sanitizer", lane, "-k", "test_training_parity"),

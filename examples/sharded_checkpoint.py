@@ -8,6 +8,11 @@ gather; docs/checkpoints.md). Phase 2 runs ``--load-ranks`` ranks with another w
 unit for the whole model), loads with ``fsdp.checkpoint.load_sharded`` and checks that the
 parameters and the optimizer state equal the saved ones bit for bit (through FULL state dicts),
 then trains on. It prints one line per phase and exits non-zero on a mismatch.
+
+With ``--async-save``, phase 1 saves with ``fsdp.checkpoint.async_save_sharded`` instead: the
+call returns once the shards are copied into host staging buffers, phase 1 trains one more step
+while the checkpoint is written in the background, then waits for the write
+(``future.result()``); phase 2 checks that it holds the state at the moment of the call.
 """
 
 from __future__ import annotations
@@ -62,8 +67,8 @@ def _full_state(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any
         return {"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, optim)}
 
 
-def _run(rank: int, world_size: int, phase: str, directory: str, steps: int) -> None:
-    from fsdp.checkpoint import load_sharded, save_sharded
+def _run(rank: int, world_size: int, phase: str, directory: str, steps: int, async_save: bool = False) -> None:
+    from fsdp.checkpoint import async_save_sharded, load_sharded, save_sharded
 
     warnings.simplefilter("ignore")  # DCP's notes about re-saving into a folder
     dist.init_process_group("gloo", init_method=f"file://{directory}/rendezvous_{phase}", rank=rank, world_size=world_size)
@@ -74,11 +79,17 @@ def _run(rank: int, world_size: int, phase: str, directory: str, steps: int) -> 
             optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
             for step in range(steps):
                 loss = _step(model, optim, step)
-            save_sharded(model, optim, checkpoint_id=checkpoint)
             state = _full_state(model, optim)
+            if async_save:
+                future = async_save_sharded(model, optim, checkpoint_id=checkpoint)  # returns once staged
+                _step(model, optim, steps)  # training goes on while the checkpoint is written
+                future.result()  # wait for the write (before exiting, or before the next save)
+            else:
+                save_sharded(model, optim, checkpoint_id=checkpoint)
             if rank == 0:
                 torch.save(state, os.path.join(directory, "expected.pt"))
-                print(f"saved after {steps} steps at {world_size} ranks (loss {loss:.4f})")
+                how = "async-saved (one more step trained during the write)" if async_save else "saved"
+                print(f"{how} after {steps} steps at {world_size} ranks (loss {loss:.4f})")
         else:
             model = _model(per_block=False)
             optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -106,10 +117,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--load-ranks", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--dir", default=None, help="checkpoint folder (default: a temporary one)")
+    parser.add_argument("--async-save", action="store_true", help="save with async_save_sharded, training during the write")
     a = parser.parse_args(argv)
     directory = a.dir or tempfile.mkdtemp(prefix="fsdp_ckpt_")
     os.makedirs(directory, exist_ok=True)
-    mp.spawn(_run, args=(a.save_ranks, "save", directory, a.steps), nprocs=a.save_ranks)
+    mp.spawn(_run, args=(a.save_ranks, "save", directory, a.steps, a.async_save), nprocs=a.save_ranks)
     mp.spawn(_run, args=(a.load_ranks, "load", directory, a.steps), nprocs=a.load_ranks)
     return 0
 

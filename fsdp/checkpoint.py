@@ -12,17 +12,21 @@ and a plain model load them with ``torch.distributed.checkpoint.load`` too (docs
 from __future__ import annotations
 
 import os
+import threading
+from concurrent.futures import Future
 from typing import Any, Optional, Union
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from fsdp.api import StateDictType
 from fsdp.fully_sharded_data_parallel import FullyShardedDataParallel
 from fsdp.state_dict._flat_checkpoint import FlatShardSavePlanner, flat_shard_state_dict, missing_from_checkpoint
 from fsdp.state_dict._safetensors import sharded_to_safetensors
+from fsdp.state_dict._staging import HostStaging
 
-__all__ = ["save_sharded", "load_sharded", "sharded_to_safetensors"]
+__all__ = ["save_sharded", "async_save_sharded", "AsyncSaveFuture", "load_sharded", "sharded_to_safetensors"]
 
 
 def save_sharded(
@@ -58,10 +62,196 @@ def save_sharded(
     """
     import torch.distributed.checkpoint as dcp
 
+    _ASYNC.wait_for_in_flight("save_sharded")
     if storage_writer is None:
         storage_writer = dcp.FileSystemWriter(checkpoint_id, overwrite=overwrite)
     state = flat_shard_state_dict(model, optim, ignore_frozen_params)
     return dcp.save(state, checkpoint_id=checkpoint_id, storage_writer=storage_writer, planner=FlatShardSavePlanner())
+
+
+# [Note: Async flat-shard saves]
+# ``async_save_sharded`` splits a flat-shard save in two. In the caller (the training loop is
+# blocked only for this): wait for a save still in flight, build the flat-shard state dict
+# (box views, no collective), and copy every tensor it writes into host staging buffers that
+# are allocated at the first save and reused by every later one (``HostStaging``: pinned host
+# memory when the shards are on a GPU, so the copy is a DMA; on CPU, one memcpy per flat shard and
+# optimizer state). Then DCP's own ``async_save`` runs the same DCP save as ``save_sharded``, on
+# the staged state dict (our stager hands it over as is), in a background thread.
+#
+# The staging copy is the snapshot: training may step the optimizer as soon as the call returns,
+# the write reads only the buffers. Therefore one save at a time per process: the next save (or
+# a ``save_sharded``/``load_sharded``) first waits for the one in flight, since it would copy into
+# the buffers the writer is reading; a failed previous save whose future nobody read is raised
+# there, once, so that no failure goes unseen.
+#
+# The background thread's DCP planning collectives (gather/scatter of plans, the result
+# gather, the commit broadcast) run on a process group of their own, created once on the first
+# call with every rank (``dist.new_group(backend="gloo")``, as torch's async_save asks of its
+# callers): on the training's group they could interleave with the training loop's collectives,
+# which gloo and NCCL both require to be issued in the same order on every rank.
+#
+# Kill safety: DCP's file writer renames ``.metadata`` into place last, after every rank's data
+# files are written; a folder without it is not a checkpoint (``load_sharded`` refuses it). A
+# process killed at any moment of a background write therefore leaves the folder it was writing
+# incomplete and every other folder as it was: keep the previous checkpoint in its own folder
+# (a folder per step) until the new save's future has completed. A re-save into the previous
+# checkpoint's own folder overwrites its data files in place (as DCP's synchronous save does), so
+# a kill during it loses both.
+class _AsyncSaves:
+    """The process's staging buffers, its checkpoint process group and the save in flight."""
+
+    def __init__(self) -> None:
+        self.staging = HostStaging()
+        self.in_flight: Optional[AsyncSaveFuture] = None
+        self.in_flight_id = ""
+        self._group: Optional[dist.ProcessGroup] = None
+        self._group_world: Optional[dist.ProcessGroup] = None
+        self._lock = threading.Lock()
+
+    def group(self) -> dist.ProcessGroup:
+        """The background writes' process group (every rank of the default group, gloo), made
+        on first use; a new default group (after ``destroy_process_group``) gets a new one."""
+        world = dist.group.WORLD
+        if self._group is None or self._group_world is not world:
+            self._group = dist.new_group(backend="gloo")
+            self._group_world = world  # kept alive: the identity check stays meaningful
+        return self._group
+
+    def wait_for_in_flight(self, caller: str) -> None:
+        """Blocks until the save in flight (if any) has finished; a failure that nobody read
+        from its future is raised here, as a ``RuntimeError`` naming the checkpoint."""
+        with self._lock:
+            future, checkpoint_id = self.in_flight, self.in_flight_id
+        if future is None:
+            return
+        exc = future._inner_exception()  # waits; the record stays until the write is over
+        with self._lock:
+            if self.in_flight is future:
+                self.in_flight = None
+        if exc is not None and not future.observed:
+            lines = [line for line in str(exc).splitlines() if line.strip()]  # DCP's errors carry tracebacks
+            raise RuntimeError(
+                f"fsdp: the asynchronous save to {checkpoint_id!r} failed ({type(exc).__name__}: "
+                f"{lines[-1].strip() if lines else ''}; the whole error is chained below), and "
+                f"{caller} waits for it before it starts (one save in flight at a time: the next one "
+                "reuses its staging buffers). That checkpoint is incomplete; this call did nothing. "
+                "Call it again to save anew."
+            ) from exc
+
+    def start(self, future: "AsyncSaveFuture", checkpoint_id: Any) -> None:
+        with self._lock:
+            self.in_flight, self.in_flight_id = future, str(checkpoint_id)
+
+
+class AsyncSaveFuture(Future):
+    """The ``concurrent.futures.Future`` of an :func:`async_save_sharded` (DCP's ``Metadata``,
+    or the write's error). It remembers whether its outcome was read (``result()`` or
+    ``exception()``), so that the next save raises a failure only when nobody has seen it."""
+
+    def __init__(self, inner: Future[Any]) -> None:
+        super().__init__()
+        self.observed = False
+        inner.add_done_callback(self._copy)
+
+    def _copy(self, inner: Future[Any]) -> None:
+        exc = inner.exception()
+        if exc is not None:
+            self.set_exception(exc)
+        else:
+            self.set_result(inner.result())
+
+    def _inner_exception(self) -> Optional[BaseException]:
+        """Waits for the write; its error (without marking the outcome read)."""
+        return super().exception()
+
+    def result(self, timeout: Optional[float] = None) -> Any:
+        self.observed = True
+        return super().result(timeout)
+
+    def exception(self, timeout: Optional[float] = None) -> Optional[BaseException]:
+        self.observed = True
+        return super().exception(timeout)
+
+
+_ASYNC = _AsyncSaves()
+
+
+class _StagedAlready:
+    """DCP's ``AsyncStager``, for a state dict that is staged already (by ``HostStaging``)."""
+
+    _synchronize_after_execute = False
+    should_synchronize_after_execute = False
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def async_save_sharded(
+    model: nn.Module,
+    optim: Optional[torch.optim.Optimizer] = None,
+    *,
+    checkpoint_id: Union[str, os.PathLike[str]],
+    storage_writer: Optional[Any] = None,
+    overwrite: bool = True,
+    ignore_frozen_params: bool = False,
+) -> "AsyncSaveFuture":
+    """Starts saving ``model`` (and ``optim``) as :func:`save_sharded` does, writing in the
+    background; returns once the shards are copied into host staging buffers.
+
+    The files are the same as :func:`save_sharded`'s. Training may go on (step the optimizer,
+    change parameters) as soon as this returns: the write reads the staged copy, taken when this
+    was called ([Note: Async flat-shard saves]). The staging buffers are allocated by the first
+    call and reused by the later ones (pinned host memory for GPU shards).
+
+    One save at a time per process: a call while a save is still in flight first waits for it
+    (and raises a ``RuntimeError`` if it failed), as do :func:`save_sharded` and
+    :func:`load_sharded`. A process killed during the background write leaves that checkpoint's
+    folder without DCP's ``.metadata`` (not loadable) and every other folder untouched: save each
+    checkpoint into a folder of its own and keep the previous one until this future is done.
+
+    Args:
+        model: The root FSDP module (every rank calls this, outside forward/backward).
+        optim: Its optimizer, or None to save the model only.
+        checkpoint_id: The checkpoint folder.
+        storage_writer: A DCP ``StorageWriter``; default ``FileSystemWriter(checkpoint_id,
+            overwrite=overwrite)``.
+        overwrite: As in :func:`save_sharded`.
+        ignore_frozen_params: As in :func:`save_sharded`.
+
+    Returns:
+        An :class:`AsyncSaveFuture`, a ``concurrent.futures.Future`` as DCP's ``async_save``
+        returns, whose ``result()`` waits for the write and gives DCP's ``Metadata``, or raises
+        the write's error.
+
+    Raises:
+        RuntimeError: The previous asynchronous save failed and its future's outcome was never
+            read (nothing is started; the next call saves).
+        NotImplementedError: For tensor-parallel (DTensor) parameters.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    _ASYNC.wait_for_in_flight("async_save_sharded")
+    group = _ASYNC.group()
+    if storage_writer is None:
+        storage_writer = dcp.FileSystemWriter(checkpoint_id, overwrite=overwrite)
+    staged = _ASYNC.staging.stage(flat_shard_state_dict(model, optim, ignore_frozen_params))
+    future = dcp.async_save(
+        staged,
+        checkpoint_id=checkpoint_id,
+        storage_writer=storage_writer,
+        planner=FlatShardSavePlanner(),
+        process_group=group,
+        async_stager=_StagedAlready(),
+    )
+    handle = AsyncSaveFuture(future)  # type: ignore[arg-type]
+    _ASYNC.start(handle, checkpoint_id)
+    return handle
 
 
 def load_sharded(
@@ -92,6 +282,7 @@ def load_sharded(
     """
     import torch.distributed.checkpoint as dcp
 
+    _ASYNC.wait_for_in_flight("load_sharded")
     if storage_reader is None:
         storage_reader = dcp.FileSystemReader(checkpoint_id)
     saved_keys = set(storage_reader.read_metadata().state_dict_metadata)

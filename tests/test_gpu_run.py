@@ -34,7 +34,7 @@ def test_dry_run_runs_every_step(tmp_path: Path) -> None:
         assert (out / f"{index:02d}_{rec['step']}.log").read_text().startswith("$ " + rec["command"])
     gpu = {r["step"]: r["gpu_command"] for r in summary["steps"]}
     assert gpu["install"].endswith("-m pip install --no-deps --no-build-isolation -e .")
-    assert gpu["cuda_lane"].endswith("tests/test_cuda_lane.py tests/test_cuda_lane_offload.py")
+    assert gpu["cuda_lane"].endswith("tests/test_cuda_lane.py tests/test_cuda_lane_offload.py tests/test_cuda_lane_async_checkpoint.py")
     assert "--device cuda --max-total 60GiB" in gpu["plan_gpu"] and gpu["plan_gpu"].endswith("10M 100M 1B")
     assert "--compile --only fsdp,torch_fsdp1,local" in gpu["bench_compile"]
     assert "--offload --offload-sizes 1,2,4" in gpu["offload"]

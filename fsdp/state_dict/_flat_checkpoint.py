@@ -88,6 +88,8 @@ class FlatShardChunks:
     ) -> None:
         self.shape = torch.Size(shape)
         self.dtype = source.dtype
+        self.source = source
+        self._range = (offset, start, numel)
         self.views: dict[torch.Size, torch.Tensor] = {}
         self.sizes: dict[torch.Size, torch.Size] = {}
         at = offset
@@ -97,6 +99,11 @@ class FlatShardChunks:
             self.views[offsets] = _own_storage_view(source, at, box.sizes)
             self.sizes[offsets] = torch.Size(box.sizes)
             at += box.numel
+
+    def on(self, source: torch.Tensor) -> "FlatShardChunks":
+        """The same boxes, as views of ``source`` instead (a copy of this one's source: a
+        staging buffer, [Note: Async flat-shard saves] in ``fsdp/checkpoint.py``)."""
+        return FlatShardChunks(self.shape, source, *self._range)
 
     def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
         """DCP's hook: one SHARD write item per box."""
