@@ -711,12 +711,18 @@ def apply_delta(target: torch.Tensor, delta: ParamDelta, verify: bool = True) ->
 
 
 # ----------------------------------------------------------------------------- safetensors
+def _full_shape(info: Any) -> torch.Size:
+    """A parameter's full shape: a tensor-parallel (DTensor) one's global shape, from its spec
+    (no communication), else its own."""
+    return torch.Size(info.dtensor_spec.shape if info.dtensor_spec is not None else info.shape)
+
+
 def _safetensors_specs(module: nn.Module, dtype: Optional[torch.dtype]) -> list[TensorSpec]:
-    """Every tensor :func:`full_params_stream` yields (name, dtype, shape), in its order, known
-    from the units' parameter infos before any value is gathered."""
+    """Every tensor :func:`full_params_stream` yields (name, dtype, full shape), in its order,
+    known from the units' parameter infos before any value is gathered."""
     units = _prepare(module, "save_safetensors")
     specs = [
-        TensorSpec(name, _export_dtype(unit.handle._local_shard, dtype), torch.Size(info.shape))
+        TensorSpec(name, _export_dtype(unit.handle._local_shard, dtype), _full_shape(info))
         for unit in units
         for name, info in zip(unit.names, unit.handle.param_infos)
     ]
@@ -752,6 +758,9 @@ def save_safetensors(
     Streaming safetensors] in ``fsdp/state_dict/_safetensors.py``). The names are the unwrapped
     model's, a tied parameter once under its first name (``save_pretrained`` also leaves tied
     weights out), so ``transformers``' ``from_pretrained(path)`` loads the folder.
+    Tensor-parallel (DTensor) parameters are written in full (the header has their global
+    shapes): each comes to rank 0 through its tp group, one gather per tp-split parameter, within
+    the stream's bound ([Note: Export of tensor-parallel parameters]).
 
     Args:
         module: An FSDP model (the root, or any module holding FSDP units).
@@ -775,7 +784,9 @@ def save_safetensors(
 
     Raises:
         RuntimeError: A unit is in forward, backward or ``summon_full_params``.
-        NotImplementedError: Tensor-parallel (DTensor) parameters.
+        NotImplementedError: A tensor-parallel parameter whose placements are not
+            ``Shard``/``Replicate`` over one mesh dim, or a tp mesh not sliced from a mesh of
+            every rank (as :func:`full_params_stream` with ``rank0_only``).
     """
     specs = _safetensors_specs(module, dtype)
     stream = full_params_stream(module, dtype, buffer_bytes, rank0_only=True, transient=True, device="cpu")

@@ -579,6 +579,24 @@ class _Mlp(nn.Module):
         return self.fc2(torch.relu(self.fc1(x)))
 
 
+def _tp_mlps() -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """Six MLP units (64 -> 128 -> 64; ColwiseParallel fc1, RowwiseParallel fc2) on the 2 dp x 2
+    tp mesh, wrapped with use_orig_params, and the unwrapped model's state dict."""
+    from fsdp import FullyShardedDataParallel as FSDP
+    from fsdp.wrap import ModuleWrapPolicy
+    from tests.test_tensor_parallel import _mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    net = nn.Sequential(*[_Mlp(64, 128) for _ in range(6)])
+    plain = {k: v.clone() for k, v in net.state_dict().items()}
+    plan: dict[str, Any] = {}
+    for i in range(6):
+        plan[f"{i}.fc1"], plan[f"{i}.fc2"] = ColwiseParallel(), RowwiseParallel()
+    net = parallelize_module(net, _mesh()["tp"], plan)
+    return FSDP(net, device_mesh=_mesh()["dp"], auto_wrap_policy=ModuleWrapPolicy({_Mlp}), use_orig_params=True), plain
+
+
 def tp_stream_memory() -> dict[str, Any]:
     """Extra live bytes while streaming a TP model, beside the same collectives alone (the
     floor, gloo's internal buffers), against the bound of [Note: Export of tensor-parallel
@@ -588,17 +606,8 @@ def tp_stream_memory() -> dict[str, Any]:
     from benchmarks.memory import MemoryTrace
     from fsdp import FullyShardedDataParallel as FSDP
     from fsdp.export import full_params_stream
-    from fsdp.wrap import ModuleWrapPolicy
-    from tests.test_tensor_parallel import _mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    torch.manual_seed(0)
-    net = nn.Sequential(*[_Mlp(64, 128) for _ in range(6)])
-    plan: dict[str, Any] = {}
-    for i in range(6):
-        plan[f"{i}.fc1"], plan[f"{i}.fc2"] = ColwiseParallel(), RowwiseParallel()
-    net = parallelize_module(net, _mesh()["tp"], plan)
-    model = FSDP(net, device_mesh=_mesh()["dp"], auto_wrap_policy=ModuleWrapPolicy({_Mlp}), use_orig_params=True)
+    model, _ = _tp_mlps()
     handles = [h for m in FSDP.fsdp_modules(model) for h in m._fsdp_state.handles if h.param_infos]
     tps = [export._tp_params(h, False) for h in handles]
     unit_bytes = max(h.shard_layout.padded_unsharded_numel * 4 for h in handles)

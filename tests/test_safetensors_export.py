@@ -3,6 +3,8 @@ fsdp.checkpoint.sharded_to_safetensors): a ``transformers`` Llama built from a t
 wrapped by fsdp at 2 and 4 ranks, exported, then ``AutoModelForCausalLM.from_pretrained`` equals
 the unwrapped model bit for bit, every parameter; the same from a sharded checkpoint converted in
 a process without a process group; the writer's extra memory is one unit plus the file buffer.
+Tensor-parallel (DTensor) parameters on a 2 dp x 2 tp mesh are written in full, live and from a
+TP sharded checkpoint, within the TP stream's memory bound.
 
 ``transformers`` is an optional test dependency (setup.py's ``stacks`` extra, which CI installs):
 the tests skip only when it is missing (``safetensors`` and ``huggingface_hub``, which read the
@@ -174,6 +176,18 @@ def _unit_bytes(wrapped: nn.Module) -> int:
     return max(h.shard_layout.padded_unsharded_numel * 4 for m in FSDP.fsdp_modules(wrapped) for h in m._fsdp_state.handles)
 
 
+def _export_extra(wrapped: nn.Module, folder: str) -> int:
+    """Extra live bytes (torch's allocations) of ``save_safetensors`` into ``folder``0 and 1 (the
+    first also warms up: imports, caches), of the second."""
+    from benchmarks.memory import MemoryTrace
+    from fsdp.export import save_safetensors
+
+    for attempt in range(2):
+        with MemoryTrace() as trace, trace.window("export"):
+            save_safetensors(wrapped, f"{folder}{attempt}", buffer_bytes=BUFFER_BYTES)
+    return trace.peaks["export"] - trace.starts["export"]
+
+
 def writer_memory(root: str) -> dict[str, Any]:
     """Rank 0's extra live bytes while exporting: torch's allocations (the profiler trace
     test_export.py uses) beside those of the same units' gathers to rank 0 alone (the floor:
@@ -192,10 +206,7 @@ def writer_memory(root: str) -> dict[str, Any]:
             for h in handles:
                 export.gather(h._local_shard, h.process_group, h.rank, h.world_size, export._dst(h, True, [None] * len(h.param_infos)))
         result["floor"] = max(result["floor"], trace.peaks["gathers"] - trace.starts["gathers"])
-    for attempt in range(2):  # the first also warms up (imports, caches)
-        with MemoryTrace() as trace, trace.window("export"):
-            save_safetensors(wrapped, os.path.join(root, f"memory{attempt}"), buffer_bytes=BUFFER_BYTES)
-        result["extra"] = trace.peaks["export"] - trace.starts["export"]
+    result["extra"] = _export_extra(wrapped, os.path.join(root, "memory"))
     tracemalloc.start()
     save_safetensors(wrapped, os.path.join(root, "memory_python"), buffer_bytes=BUFFER_BYTES)
     _, result["python_peak"] = tracemalloc.get_traced_memory()
@@ -376,3 +387,125 @@ def test_checkpoint_read_whole_or_by_runs(tmp_path: Any, monkeypatch: pytest.Mon
             assert back[k].dtype == want.dtype and torch.equal(back[k], want), (folder, k)
     runs, whole = (open(tmp_path / f / "model.safetensors", "rb").read() for f in ("runs", "whole"))
     assert runs == whole
+
+
+# ----------------------------------------------------------------------------- tensor parallel
+# (name, strategy, nested units, use_orig_params, hidden, export dtype, max_shard_size): the 2-D
+# (dp, tp) toy LM of tests/test_tensor_parallel.py (ColwiseParallel fc1, RowwiseParallel fc2;
+# torch FSDP1 composes with TP with use_orig_params both ways); hidden 11 splits unevenly over tp
+# (fc1's rows 6 + 5, fc2's columns 6 + 5); NO_SHARD runs (torch FSDP1 fails with it and TP).
+TP_CASES = [
+    ("full_orig_fp32", "FULL_SHARD", True, True, 12, None, "50GB"),
+    ("grad_op_flat_bf16_split", "SHARD_GRAD_OP", False, False, 12, torch.bfloat16, 400),
+    ("full_flat_uneven_bf16", "FULL_SHARD", True, False, 11, torch.bfloat16, "50GB"),
+    ("no_shard_orig_fp32_split", "NO_SHARD", True, True, 12, None, 400),
+]
+
+
+def tp_export_cases(root: str) -> dict[str, Any]:
+    """Every TP case at 2 dp x 2 tp: the live export (rank 0 writes; the header from the full
+    shapes, the full tensors gathered to rank 0) and a sharded checkpoint of the same model
+    (full-shape chunks). Rank 0 returns the full parameters (the FULL state dict's, made full)."""
+    from fsdp.checkpoint import save_sharded
+    from fsdp.export import save_safetensors
+    from tests.test_export import _full_tensors, _tp_trained
+
+    expected: dict[str, Any] = {}
+    for name, strategy, nested, orig, hidden, dtype, max_shard_size in TP_CASES:
+        model = _tp_trained(strategy, nested, orig, hidden)
+        expected[name] = _full_tensors(model)
+        folder = os.path.join(root, name)
+        written = save_safetensors(model, os.path.join(folder, "live"), dtype=dtype, max_shard_size=max_shard_size, buffer_bytes=256)
+        save_sharded(model, checkpoint_id=os.path.join(folder, "checkpoint"))
+        assert written == [] if dist.get_rank() else sorted(written) == sorted(os.listdir(os.path.join(folder, "live"))), written
+        dist.barrier()
+    return expected if dist.get_rank() == 0 else {}
+
+
+def _check_files(folder: str, expected: dict[str, torch.Tensor], dtype: Optional[torch.dtype], split: bool) -> None:
+    """The files (read with ``safetensors.torch.load_file``) hold ``expected`` cast to ``dtype``,
+    bit for bit, each tensor once, in one file or in several with Hugging Face's index."""
+    from safetensors.torch import load_file
+
+    files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+    assert (len(files) > 1) == split and ("model.safetensors.index.json" in os.listdir(folder)) == split, files
+    stored: dict[str, torch.Tensor] = {}
+    for file in files:
+        tensors = load_file(os.path.join(folder, file))
+        assert not stored.keys() & tensors.keys(), file
+        stored.update(tensors)
+    if split:
+        with open(os.path.join(folder, "model.safetensors.index.json")) as f:
+            assert set(json.load(f)["weight_map"]) == set(stored)
+    assert set(stored) == set(expected), sorted(set(stored) ^ set(expected))
+    for key, value in expected.items():
+        want = value.to(dtype) if dtype is not None and value.is_floating_point() else value
+        assert stored[key].dtype == want.dtype and torch.equal(stored[key], want), (folder, key)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP in one process, on purpose
+def test_tensor_parallel_bit_exact(pool4: RankPool, tmp_path: Any) -> None:
+    """TP-split parameters are written in full (their global shapes in the header), live and from
+    a TP sharded checkpoint converted here, in the test process (no process group)."""
+    from fsdp.checkpoint import sharded_to_safetensors
+
+    expected = pool4.run(tp_export_cases, str(tmp_path), _timeout=300)[0]
+    for name, _, _, _, hidden, dtype, max_shard_size in TP_CASES:
+        full = expected[name]
+        assert full["blocks.0.fc1.weight"].shape == (hidden, 7) and full["blocks.1.fc2.weight"].shape == (7, hidden)
+        split = max_shard_size != "50GB"
+        _check_files(str(tmp_path / name / "live"), full, dtype, split)
+        converted = str(tmp_path / name / "converted")
+        sharded_to_safetensors(str(tmp_path / name / "checkpoint"), converted, dtype=dtype, max_shard_size=max_shard_size)
+        _check_files(converted, full, dtype, split)
+
+
+def tp_writer_memory(root: str) -> dict[str, Any]:
+    """Rank 0's extra live bytes (torch's allocations) while writing a TP model (six MLP units, 64
+    -> 128 -> 64, ColwiseParallel fc1, RowwiseParallel fc2, 2 dp x 2 tp), beside the same
+    collectives alone (the floor: gloo stages a gather through a buffer of its output's size),
+    against the TP stream's bound ([Note: Export of tensor-parallel parameters] in
+    fsdp/export.py): U + (tp + 1) * P + B, B the staging buffer (one full tp-split parameter
+    here, above the file buffer); the writer adds nothing of its own."""
+    import fsdp.export as export
+    from benchmarks.memory import MemoryTrace
+    from fsdp import FullyShardedDataParallel as FSDP
+    from tests.test_export import _tp_mlps
+
+    model, expected = _tp_mlps()
+    handles = [h for m in FSDP.fsdp_modules(model) for h in m._fsdp_state.handles if h.param_infos]
+    tps = [export._tp_params(h, True) for h in handles]
+    split = [p for tp in tps for p in tp if p is not None]
+    result: dict[str, Any] = {"floor": 0, "tp": 2, "expected": expected, "U": max(h.shard_layout.padded_unsharded_numel * 4 for h in handles)}
+    result["P"] = max(p.pieces[0].numel * 4 for p in split)
+    result["B"] = max(max(p.global_shape.numel() * 4 for p in split), BUFFER_BYTES)
+    for _ in range(2):  # the bare collectives of the stream with rank0_only, each result dropped at once
+        with MemoryTrace() as trace, trace.window("bare"):
+            for h, tp in zip(handles, tps):
+                unit = export.gather(h._local_shard, h.process_group, h.rank, h.world_size, export._dst(h, True, tp))
+                for p in tp if unit is not None else []:
+                    if p is not None:
+                        out = torch.empty(p.size * p.pieces[0].numel) if dist.get_rank() == 0 else None
+                        export.comm.gather_flat_to(out, torch.empty(p.pieces[0].numel), p.group, 0)
+                        del out
+                del unit
+        result["floor"] = max(result["floor"], trace.peaks["bare"] - trace.starts["bare"])
+    result["extra"] = _export_extra(model, os.path.join(root, "tp_memory"))
+    dist.barrier()
+    return result
+
+
+def test_tensor_parallel_writer_memory(pool4: RankPool, tmp_path: Any) -> None:
+    # Measured: rank 0 98816 bytes beside a floor of 83200 (U 33280, P 16384, B 32768; the
+    # model in full is 396288); rank 1 holds its gathered units and sends its tp pieces on.
+    from safetensors.torch import load_file
+
+    reports = pool4.run(tp_writer_memory, str(tmp_path), _timeout=300)
+    for rank, r in enumerate(reports):
+        bound = r["U"] + (r["tp"] + 1) * r["P"] + r["B"]
+        assert r["extra"] <= r["floor"] + bound, (rank, {k: v for k, v in r.items() if k != "expected"})
+        if rank in (2, 3):  # outside rank 0's tp group {0, 1}: they only send their shards
+            assert r["extra"] < r["P"], (rank, r["extra"])
+    stored = load_file(str(tmp_path / "tp_memory1" / "model.safetensors"))
+    expected = reports[0]["expected"]
+    assert stored.keys() == expected.keys() and all(torch.equal(stored[k], v) for k, v in expected.items())

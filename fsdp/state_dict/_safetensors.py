@@ -16,11 +16,14 @@ than that buffer goes from its own memory straight to the file. The files are wr
 Where the values come from:
 - a live model: ``fsdp.export.save_safetensors`` runs ``full_params_stream`` (one unit gathered at
   a time, on rank 0 only, zero-copy views of the gathered unit), so the writing rank holds one
-  unit plus the file buffer ([Note: Export streams one unit at a time]);
+  unit plus the file buffer ([Note: Export streams one unit at a time]); a tensor-parallel
+  parameter comes in full (its header shape is the DTensor's global one), assembled through its
+  tp group one parameter at a time ([Note: Export of tensor-parallel parameters]);
 - a sharded checkpoint (:func:`sharded_to_safetensors`): DCP's reader, without a process group,
   one stored chunk at a time where the tensor's chunks are runs of consecutive row-major elements
   (a flat-shard checkpoint's boxes, a SHARDED state dict's rows: their bytes go to the file in
-  order), else one whole tensor at a time; cast while written, 1 MiB at a time. The writer holds
+  order), else one whole tensor at a time (a tensor-parallel ``Shard(1)`` parameter's column
+  boxes); cast while written, 1 MiB at a time. The writer holds
   one chunk (or tensor), DCP's temporary read of it, and the file buffer.
 
 The names are those of the unwrapped model (a SHARDED state dict's keys, less the checkpoint's
