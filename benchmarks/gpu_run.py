@@ -209,6 +209,16 @@ def _import_check(modules: Sequence[str], env: dict[str, str], log_path: str) ->
     return set(json.loads(lines[-1][len("FAILED "):]))
 
 
+def _checked(not_importing: Optional[set[str]], plan: Sequence[Step], wanted: Sequence[str],
+             env: dict[str, str], out: str) -> set[str]:
+    """``not_importing``, or, the first time (None: a dry run before its first step starts), the
+    modules of every wanted step that do not import (:func:`_import_check`, ``00_imports.log``)."""
+    if not_importing is not None:
+        return not_importing
+    modules = [m for step in plan if step.name in wanted for m in step.modules]
+    return _import_check(modules, env, os.path.join(out, "00_imports.log"))
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Runs the steps; returns 0 when every step that ran passed, else 1."""
     p = argparse.ArgumentParser(prog="python benchmarks/gpu_run.py", description=__doc__.split("\n")[0])
@@ -231,10 +241,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     base_env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     summary: dict[str, object] = {"dry_run": a.dry_run, "budget_s": a.budget_s, "steps": []}
     records: list[dict[str, object]] = summary["steps"]  # type: ignore[assignment]
-    not_importing: set[str] = set()
-    if a.dry_run:
-        modules = [m for step in plan if step.name in wanted for m in step.modules]
-        not_importing = _import_check(modules, base_env, os.path.join(a.out, "00_imports.log"))
+    # The dry run's import check runs once, just before the first step that starts (none may:
+    # a budget too small for every step wanted skips them all, and then it checks nothing).
+    not_importing: Optional[set[str]] = None if a.dry_run else set()
     for index, step in enumerate(plan, 1):
         if step.name not in wanted:
             continue
@@ -246,7 +255,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         log = os.path.join(a.out, f"{index:02d}_{step.name}.log")
         if left < step.min_s:
             rec.update(status="skipped", reason=f"{left:.0f} s left, needs {step.min_s:.0f}")
-        elif a.dry_run and not_importing & set(step.modules):
+        elif (not_importing := _checked(not_importing, plan, wanted, base_env, a.out)) & set(step.modules):
             rec.update(status="failed", reason="a module it references does not import (see 00_imports.log)")
         else:
             cmd = step.dry(limit) if a.dry_run else gpu_cmd

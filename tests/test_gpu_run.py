@@ -28,6 +28,7 @@ def test_dry_run_runs_every_step(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads((out / "summary.json").read_text())
     names = [s.name for s in gpu_run.steps(str(out))]
+    assert (out / "00_imports.log").read_text().rstrip().endswith("FAILED []")  # every step's modules import
     assert [r["step"] for r in summary["steps"]] == names
     for index, rec in enumerate(summary["steps"], 1):
         assert rec["status"] == "ok", rec
@@ -84,6 +85,7 @@ def test_budget_skips_steps_and_unknown_steps_are_an_error(tmp_path: Path) -> No
     recs = json.loads((tmp_path / "summary.json").read_text())["steps"]
     assert [(r["step"], r["status"]) for r in recs] == [("env", "skipped"), ("cpu_suite", "skipped")]
     assert recs[0]["reason"].endswith("needs 5")
+    assert not (tmp_path / "00_imports.log").exists()  # no step started: no import check either
     proc = subprocess.run([sys.executable, "benchmarks/gpu_run.py", "--out", str(tmp_path), "--steps", "nope"],
                           cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 2 and "--steps: unknown ['nope']" in proc.stderr
