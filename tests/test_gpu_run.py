@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from benchmarks import gpu_run
 from benchmarks.config import block_params, gpt_params
 
@@ -100,7 +102,9 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_a_step_over_its_limit_is_killed_with_its_children(tmp_path: Path) -> None:
+@pytest.mark.parametrize("runner", ["fresh", "preloaded"])
+def test_a_step_over_its_limit_is_killed_with_its_children(tmp_path: Path, runner: str) -> None:
+    """A fresh process (the GPU run's) and a fork of the dry run's preloaded interpreter alike."""
     pid_file = tmp_path / "child.pid"
     script = (
         "import subprocess, sys, time\n"
@@ -109,8 +113,16 @@ def test_a_step_over_its_limit_is_killed_with_its_children(tmp_path: Path) -> No
         "time.sleep(300)\n"
     )
     start = time.monotonic()
-    code, seconds = gpu_run._run([sys.executable, "-c", script], dict(os.environ), 3.0, str(tmp_path / "log"))
-    assert code is None and 3.0 <= seconds < 30 and time.monotonic() - start < 30
+    preloaded = gpu_run._Preloaded(dict(os.environ), preload=())  # what it preloads changes nothing here
+    run = gpu_run._run if runner == "fresh" else preloaded.run
+    try:
+        code, seconds = run([sys.executable, "-c", script], dict(os.environ), 3.0, str(tmp_path / "log"))
+        assert code is None and 3.0 <= seconds < 30 and time.monotonic() - start < 30
+        if runner == "preloaded":  # and the next command runs in it as before: its exit status, its output
+            code, _ = run([sys.executable, "-c", "import sys; print('next'); sys.exit(3)"], {}, 60.0, str(tmp_path / "next"))
+            assert code == 3 and (tmp_path / "next").read_text().endswith("\nnext\n")
+    finally:
+        preloaded.close()
     child = int(pid_file.read_text())
     deadline = time.monotonic() + 10
     while _alive(child):
