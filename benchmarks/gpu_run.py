@@ -196,12 +196,18 @@ def _run(argv: list[str], env: dict[str, str], limit: float, log_path: str) -> t
 
 # [Note: The dry run's preloaded interpreter]
 # Every dry-run step but the install imports torch, which costs seconds of CPU per interpreter
-# (about 3 s each on 2 cores: a third of the whole dry run). So a dry run starts one interpreter
-# that imports torch once, and each command is a fork of it, run the way ``python -c`` or
-# ``python -m`` runs it (same argv, environment, working directory; its own session, killed as a
-# group after its limit, its exit status reported). A step whose environment names a ``TORCH_``
-# variable (read when torch is imported, e.g. TORCH_CUDA_SANITIZER) runs in a fresh interpreter.
-# On the GPU every command is a fresh process (:func:`_run`).
+# (1-3 s each on 2 cores). So a dry run starts one interpreter that imports torch once
+# (:data:`PRELOAD`), and each command is a fork of it, run the way ``python -c`` or ``python -m``
+# runs it (same argv, environment, working directory; its own session, killed as a group after
+# its limit, its exit status reported). A step whose environment names a ``TORCH_`` variable
+# (read when torch is imported, e.g. TORCH_CUDA_SANITIZER) runs in a fresh interpreter. The
+# harness's rank pools fork their ranks from a torch-loaded server the same way
+# (tests/_harness.py). On the GPU every command is a fresh process (:func:`_run`).
+
+#: What the preloaded interpreter imports: torch and the torch packages most steps load (the
+#: benchmarks run torch's FSDP1 beside fsdp; the test collection imports DCP); not fsdp, which the
+#: ``env`` step imports from the repository as the install left it.
+PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.checkpoint")
 _PRELOADED = r"""
 import atexit, importlib, json, os, runpy, sys, traceback
 for name in sys.argv[1:]:  # once, for every command forked below
@@ -246,7 +252,7 @@ class _Preloaded:
     """The dry run's preloaded interpreter ([Note: The dry run's preloaded interpreter]); its
     :meth:`run` is :func:`_run`'s twin."""
 
-    def __init__(self, env: dict[str, str], preload: Sequence[str] = ("torch",)) -> None:
+    def __init__(self, env: dict[str, str], preload: Sequence[str] = PRELOAD) -> None:
         self._env = env
         self._preload = list(preload)
         self._proc: Optional[subprocess.Popen] = None
