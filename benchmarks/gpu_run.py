@@ -43,7 +43,8 @@ calls: one command may run at most 10 minutes, hence the default budget of 540 s
 interpreter, and each step runs a quick CPU equivalent of its command (the benchmarks'
 ``--cpu-dry-run`` or ``--dry-run`` on a tiny GPT, the planner's ``--list``, the lane collected
 without a GPU, the suite collected); the exact GPU command is written beside it. The install is
-never run in a dry run. ``tests/test_gpu_run.py`` runs it.
+never run in a dry run. Its commands are forks of one interpreter that imported torch once
+([Note: The dry run's preloaded interpreter]). ``tests/test_gpu_run.py`` runs it.
 
 This file uses only the standard library: it runs before fsdp is installed.
 """
@@ -51,12 +52,14 @@ This file uses only the standard library: it runs before fsdp is installed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from typing import Callable, Optional, Sequence
 
@@ -67,6 +70,8 @@ TINY = ["--layers", "2", "--d-model", "32", "--n-head", "4", "--vocab", "64", "-
 
 #: ``(limit in seconds) -> argv`` of a step.
 Command = Callable[[float], list[str]]
+#: ``(argv, env, limit, log path) -> (exit code or None on timeout, seconds)``: how a command runs.
+Runner = Callable[[list[str], dict[str, str], float, str], tuple[Optional[int], float]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,7 +197,120 @@ def _run(argv: list[str], env: dict[str, str], limit: float, log_path: str) -> t
     return code, time.monotonic() - start
 
 
-def _import_check(modules: Sequence[str], env: dict[str, str], log_path: str) -> set[str]:
+# [Note: The dry run's preloaded interpreter]
+# Every dry-run step but the install imports torch, which costs seconds of CPU per interpreter
+# (1-3 s each on 2 cores). So a dry run starts one interpreter that imports torch once
+# (:data:`PRELOAD`), and each command is a fork of it, run the way ``python -c`` or ``python -m``
+# runs it (same argv, environment, working directory; its own session, killed as a group after
+# its limit, its exit status reported). A step whose environment names a ``TORCH_`` variable
+# (read when torch is imported, e.g. TORCH_CUDA_SANITIZER) runs in a fresh interpreter. The
+# harness's rank pools fork their ranks from a torch-loaded server the same way
+# (tests/_harness.py). On the GPU every command is a fresh process (:func:`_run`).
+
+#: What the preloaded interpreter imports: torch and the torch packages most steps load (the
+#: benchmarks run torch's FSDP1 beside fsdp; the test collection imports DCP); not fsdp, which the
+#: ``env`` step imports from the repository as the install left it.
+PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.checkpoint")
+_PRELOADED = r"""
+import atexit, importlib, json, os, runpy, sys, traceback
+for name in sys.argv[1:]:  # once, for every command forked below
+    importlib.import_module(name)
+for line in sys.stdin:
+    argv, env, log = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        os.setsid()
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        out = os.open(log, os.O_WRONLY | os.O_APPEND)
+        os.dup2(out, 1)
+        os.dup2(out, 2)
+        os.close(out)
+        os.environ.clear()
+        os.environ.update(env)
+        code = 0
+        try:
+            if argv[1] == "-c":
+                sys.argv = ["-c", *argv[3:]]
+                exec(compile(argv[2], "<string>", "exec"), {"__name__": "__main__"})
+            else:
+                sys.argv = [argv[2], *argv[3:]]
+                runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+            if not isinstance(exc.code, (int, type(None))):
+                print(exc.code, file=sys.stderr)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    print(pid, flush=True)
+    print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
+"""
+
+
+class _Preloaded:
+    """The dry run's preloaded interpreter ([Note: The dry run's preloaded interpreter]); its
+    :meth:`run` is :func:`_run`'s twin."""
+
+    def __init__(self, env: dict[str, str], preload: Sequence[str] = PRELOAD) -> None:
+        self._env = env
+        self._preload = list(preload)
+        self._proc: Optional[subprocess.Popen] = None
+
+    def _send(self, argv: list[str], env: dict[str, str], log_path: str) -> Optional[int]:
+        """Starts ``argv`` as a fork; returns its pid (None: the preloaded interpreter failed)."""
+        if self._proc is None:
+            self._proc = subprocess.Popen([PY, "-c", _PRELOADED, *self._preload], cwd=ROOT, env=self._env, stdin=subprocess.PIPE,
+                                          stdout=subprocess.PIPE, text=True)
+        assert self._proc.stdin is not None and self._proc.stdout is not None
+        try:
+            self._proc.stdin.write(json.dumps([argv, env, log_path]) + "\n")
+            self._proc.stdin.flush()
+            return int(self._proc.stdout.readline())
+        except (OSError, ValueError):
+            self.close()
+            return None
+
+    def run(self, argv: list[str], env: dict[str, str], limit: float, log_path: str) -> tuple[Optional[int], float]:
+        """Runs ``argv`` (``PY -c ...`` or ``PY -m ...``) as a fork of the preloaded interpreter."""
+        if any(k.startswith("TORCH_") for k in env) or argv[1] not in ("-c", "-m"):
+            return _run(argv, env, limit, log_path)
+        start = time.monotonic()
+        with open(log_path, "w") as log:
+            log.write("$ " + " ".join(argv) + "\n")
+        pid = self._send(argv, env, log_path)
+        if pid is None:  # a fresh interpreter then says what fails
+            return _run(argv, env, limit, log_path)
+        stdout = self._proc.stdout  # type: ignore[union-attr]
+        replies: list[str] = []
+        reader = threading.Thread(target=lambda: replies.append(stdout.readline()), daemon=True)  # type: ignore[union-attr]
+        reader.start()
+        reader.join(limit)
+        if reader.is_alive():
+            os.killpg(pid, signal.SIGKILL)
+            reader.join()
+            with open(log_path, "a") as log:
+                log.write(f"\n[gpu_run] killed after its limit of {limit:.0f} s\n")
+            return None, time.monotonic() - start
+        if not replies[0].strip():  # the preloaded interpreter itself died
+            self.close()
+            with open(log_path, "a") as log:
+                log.write("\n[gpu_run] the preloaded interpreter died (see gpu_run's stderr)\n")
+            return 1, time.monotonic() - start
+        return int(replies[0]), time.monotonic() - start
+
+    def close(self) -> None:
+        """Ends the preloaded interpreter (its input closed, it exits)."""
+        if self._proc is not None:
+            with contextlib.suppress(OSError):
+                self._proc.communicate(timeout=30)
+            self._proc = None
+
+
+def _import_check(modules: Sequence[str], env: dict[str, str], log_path: str, run: Runner = _run) -> set[str]:
     """The modules that do not import, each tried in one fresh interpreter (the dry run's first
     check, once for every step: one interpreter start, not one per step)."""
     if not modules:
@@ -204,12 +322,22 @@ def _import_check(modules: Sequence[str], env: dict[str, str], log_path: str) ->
         "    except Exception as exc:\n        print(name, repr(exc))\n        failed.append(name)\n"
         "print('FAILED ' + json.dumps(failed))\n"
     )
-    rc, _ = _run([PY, "-c", code], env, 120, log_path)
+    rc, _ = run([PY, "-c", code], env, 120, log_path)
     with open(log_path) as log:
         lines = [line for line in log.read().splitlines() if line.startswith("FAILED ")]
     if rc != 0 or not lines:
         return set(modules)
     return set(json.loads(lines[-1][len("FAILED "):]))
+
+
+def _checked(not_importing: Optional[set[str]], plan: Sequence[Step], wanted: Sequence[str],
+             env: dict[str, str], out: str, run: Runner) -> set[str]:
+    """``not_importing``, or, the first time (None: a dry run before its first step starts), the
+    modules of every wanted step that do not import (:func:`_import_check`, ``00_imports.log``)."""
+    if not_importing is not None:
+        return not_importing
+    modules = [m for step in plan if step.name in wanted for m in step.modules]
+    return _import_check(modules, env, os.path.join(out, "00_imports.log"), run)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -234,10 +362,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     base_env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     summary: dict[str, object] = {"dry_run": a.dry_run, "budget_s": a.budget_s, "steps": []}
     records: list[dict[str, object]] = summary["steps"]  # type: ignore[assignment]
-    not_importing: set[str] = set()
-    if a.dry_run:
-        modules = [m for step in plan if step.name in wanted for m in step.modules]
-        not_importing = _import_check(modules, base_env, os.path.join(a.out, "00_imports.log"))
+    # The dry run's import check runs once, just before the first step that starts (none may:
+    # a budget too small for every step wanted skips them all, and then it checks nothing).
+    not_importing: Optional[set[str]] = None if a.dry_run else set()
+    preloaded = _Preloaded(base_env) if a.dry_run else None
+    run = preloaded.run if preloaded else _run
     for index, step in enumerate(plan, 1):
         if step.name not in wanted:
             continue
@@ -249,11 +378,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         log = os.path.join(a.out, f"{index:02d}_{step.name}.log")
         if left < step.min_s:
             rec.update(status="skipped", reason=f"{left:.0f} s left, needs {step.min_s:.0f}")
-        elif a.dry_run and not_importing & set(step.modules):
+        elif (not_importing := _checked(not_importing, plan, wanted, base_env, a.out, run)) & set(step.modules):
             rec.update(status="failed", reason="a module it references does not import (see 00_imports.log)")
         else:
             cmd = step.dry(limit) if a.dry_run else gpu_cmd
-            code, seconds = _run(cmd, env, limit, log)
+            code, seconds = run(cmd, env, limit, log)
             passing = step.dry_codes if a.dry_run else (0,)
             status = "timeout" if code is None else ("ok" if code in passing else "failed")
             rec.update(command=" ".join(cmd), exit_code=code, seconds=round(seconds, 1), limit_s=round(limit), status=status)
@@ -262,6 +391,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         with open(os.path.join(a.out, "summary.json.tmp"), "w") as f:
             json.dump(summary, f, indent=1)
         os.replace(os.path.join(a.out, "summary.json.tmp"), os.path.join(a.out, "summary.json"))
+    if preloaded:
+        preloaded.close()
     return 0 if all(r["status"] in ("ok", "skipped") for r in records) else 1
 
 

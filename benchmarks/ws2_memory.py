@@ -4,9 +4,9 @@ Two local ranks share GPU 0 through gloo with CUDA tensors (NCCL refuses two ran
 so step times mean nothing here, but each rank's ``torch.cuda.max_memory_allocated`` does: the
 memory a rank holds when its model is sharded in two. Each implementation (torch FSDP1, then
 fsdp) runs in fresh rank processes ([Note: One process per measured run] in
-``benchmarks/cuda.py``): the example GPT built on the GPU, wrapped FULL_SHARD with bf16 mixed
-precision (:func:`benchmarks.core.wrap`), AdamW, the peak counters reset, then ``--steps``
-training steps. The report gives each rank's peak and fsdp's ratio to torch FSDP1's (the
+``benchmarks/cuda.py``; a dry run's ranks run both in turn): the example GPT built on the GPU,
+wrapped FULL_SHARD with bf16 mixed precision (:func:`benchmarks.core.wrap`), AdamW, the peak
+counters reset, then ``--steps`` training steps. The report gives each rank's peak and fsdp's ratio to torch FSDP1's (the
 target: at most 0.93x). ``--dry-run`` runs the same code on CPU ranks (no memory figures).
 """
 
@@ -34,8 +34,27 @@ IMPLS = ("torch_fsdp1", "fsdp")
 TARGET = 0.93
 
 
+def _train(impl: str, spec: ModelSpec, steps: int, rank: int, device: torch.device) -> dict[str, Any]:
+    """Builds, wraps and trains ``impl`` for ``steps`` steps; its losses and peaks on this rank."""
+    cuda = device.type == "cuda"
+    model = wrap(impl, build_model(spec, device), WrapOptions("FULL_SHARD", device, bf16=True))
+    opt = make_optimizer(model)
+    batches = make_batches(spec, steps, rank, device)
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    losses = [float(train_step(model, opt, batch)) for batch in batches]
+    return {
+        "rank": rank,
+        "impl": impl,
+        "losses": losses,
+        "max_allocated": torch.cuda.max_memory_allocated() if cuda else None,
+        "max_reserved": torch.cuda.max_memory_reserved() if cuda else None,
+    }
+
+
 def _rank(rank: int, payload: dict[str, Any], workdir: str) -> None:
-    """One rank: build, wrap, train ``steps`` steps; writes its peaks and losses."""
+    """One rank: trains each of ``payload["impls"]`` in turn; writes ``{impl: its result}``."""
     spec = ModelSpec(**payload["spec"])
     cuda = not payload["dry_run"]
     if cuda:
@@ -45,21 +64,7 @@ def _rank(rank: int, payload: dict[str, Any], workdir: str) -> None:
         "gloo", init_method=f"file://{os.path.join(workdir, 'rendezvous')}", rank=rank, world_size=WORLD_SIZE
     )
     try:
-        model = wrap(payload["impl"], build_model(spec, device), WrapOptions("FULL_SHARD", device, bf16=True))
-        opt = make_optimizer(model)
-        batches = make_batches(spec, payload["steps"], rank, device)
-        if cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        losses = [float(train_step(model, opt, batch)) for batch in batches]
-        result = {
-            "rank": rank,
-            "impl": payload["impl"],
-            "losses": losses,
-            "max_allocated": torch.cuda.max_memory_allocated() if cuda else None,
-            "max_reserved": torch.cuda.max_memory_reserved() if cuda else None,
-        }
-        write_rank_result(workdir, rank, result)
+        write_rank_result(workdir, rank, {impl: _train(impl, spec, payload["steps"], rank, device) for impl in payload["impls"]})
         dist.barrier()
     finally:
         with contextlib.suppress(Exception):
@@ -93,14 +98,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     spec = ModelSpec("gpt", a.layers, a.d_model, a.n_head, a.batch, a.seq, vocab=a.vocab)
     results: dict[str, Any] = {}
-    for impl in IMPLS:
-        payload = {"spec": dataclasses.asdict(spec), "impl": impl, "steps": a.steps, "dry_run": a.dry_run}
+    # On the GPU each implementation gets fresh ranks ([Note: One process per measured run] in
+    # benchmarks/cuda.py); a dry run has no memory figures to keep apart, so one set of ranks runs
+    # both in turn (two interpreter starts fewer).
+    for impls in [list(IMPLS)] if a.dry_run else [[impl] for impl in IMPLS]:
+        payload = {"spec": dataclasses.asdict(spec), "impls": impls, "steps": a.steps, "dry_run": a.dry_run}
         try:
-            results[impl] = run_local_ranks(_rank, payload, WORLD_SIZE, a.timeout, prog="benchmarks.ws2_memory")
+            ranks = run_local_ranks(_rank, payload, WORLD_SIZE, a.timeout * len(impls), prog="benchmarks.ws2_memory")
+            results.update({impl: [r[impl] for r in ranks] for impl in impls})
         except RuntimeError as e:  # a failed implementation is a result; the other still runs
-            results[impl] = {"error": str(e)}
-        ok = isinstance(results[impl], list)
-        print(f"{impl}: " + (f"losses {[r['losses'] for r in results[impl]]}" if ok else results[impl]["error"]), flush=True)
+            results.update({impl: {"error": str(e)} for impl in impls})
+        for impl in impls:
+            ok = isinstance(results[impl], list)
+            print(f"{impl}: " + (f"losses {[r['losses'] for r in results[impl]]}" if ok else results[impl]["error"]), flush=True)
     ours, theirs = results.get("fsdp"), results.get("torch_fsdp1")
     per_rank = []
     if isinstance(ours, list) and isinstance(theirs, list):

@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from benchmarks import gpu_run
 from benchmarks.config import block_params, gpt_params
 
@@ -28,6 +30,7 @@ def test_dry_run_runs_every_step(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads((out / "summary.json").read_text())
     names = [s.name for s in gpu_run.steps(str(out))]
+    assert (out / "00_imports.log").read_text().rstrip().endswith("FAILED []")  # every step's modules import
     assert [r["step"] for r in summary["steps"]] == names
     for index, rec in enumerate(summary["steps"], 1):
         assert rec["status"] == "ok", rec
@@ -84,6 +87,7 @@ def test_budget_skips_steps_and_unknown_steps_are_an_error(tmp_path: Path) -> No
     recs = json.loads((tmp_path / "summary.json").read_text())["steps"]
     assert [(r["step"], r["status"]) for r in recs] == [("env", "skipped"), ("cpu_suite", "skipped")]
     assert recs[0]["reason"].endswith("needs 5")
+    assert not (tmp_path / "00_imports.log").exists()  # no step started: no import check either
     proc = subprocess.run([sys.executable, "benchmarks/gpu_run.py", "--out", str(tmp_path), "--steps", "nope"],
                           cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 2 and "--steps: unknown ['nope']" in proc.stderr
@@ -98,7 +102,9 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_a_step_over_its_limit_is_killed_with_its_children(tmp_path: Path) -> None:
+@pytest.mark.parametrize("runner", ["fresh", "preloaded"])
+def test_a_step_over_its_limit_is_killed_with_its_children(tmp_path: Path, runner: str) -> None:
+    """A fresh process (the GPU run's) and a fork of the dry run's preloaded interpreter alike."""
     pid_file = tmp_path / "child.pid"
     script = (
         "import subprocess, sys, time\n"
@@ -107,8 +113,16 @@ def test_a_step_over_its_limit_is_killed_with_its_children(tmp_path: Path) -> No
         "time.sleep(300)\n"
     )
     start = time.monotonic()
-    code, seconds = gpu_run._run([sys.executable, "-c", script], dict(os.environ), 3.0, str(tmp_path / "log"))
-    assert code is None and 3.0 <= seconds < 30 and time.monotonic() - start < 30
+    preloaded = gpu_run._Preloaded(dict(os.environ), preload=())  # what it preloads changes nothing here
+    run = gpu_run._run if runner == "fresh" else preloaded.run
+    try:
+        code, seconds = run([sys.executable, "-c", script], dict(os.environ), 3.0, str(tmp_path / "log"))
+        assert code is None and 3.0 <= seconds < 30 and time.monotonic() - start < 30
+        if runner == "preloaded":  # and the next command runs in it as before: its exit status, its output
+            code, _ = run([sys.executable, "-c", "import sys; print('next'); sys.exit(3)"], {}, 60.0, str(tmp_path / "next"))
+            assert code == 3 and (tmp_path / "next").read_text().endswith("\nnext\n")
+    finally:
+        preloaded.close()
     child = int(pid_file.read_text())
     deadline = time.monotonic() + 10
     while _alive(child):
