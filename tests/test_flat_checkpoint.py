@@ -135,26 +135,33 @@ def _count_objects() -> Iterator[dict[str, int]]:
             setattr(dist, name, original)
 
 
-def save_all(directory: str, configs: dict[str, tuple[bool, str, bool, bool, bool]]) -> dict[str, Any]:
-    """Each config: train 2 steps, save_sharded (counted), keep the FULL states to compare."""
+def _save_moving_no_tensor(model: Any, optim: Any, path: str, name: str) -> tuple[dict[str, int], dict[str, int]]:
+    """save_sharded, asserting it issues no tensor collective at all: DCP's planning is object
+    collectives of metadata (the plans gathered to the coordinator and the global plan
+    scattered back, the write results gathered, the metadata's commit broadcast). Returns the
+    data collectives (none) and the object ones."""
     from fsdp.checkpoint import save_sharded
     from tests._comm_count import count_collectives
+
+    with count_collectives() as counts, _count_objects() as objects, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        save_sharded(model, optim, checkpoint_id=path)
+    data = {kind: counts.calls[kind] for kind in _DATA_KINDS if counts.calls[kind]}
+    assert data == {} and counts.total_bytes() == 0, (name, dict(counts.calls), dict(counts.bytes))
+    assert objects == {"gather_object": 2, "scatter_object_list": 1, "all_gather_object": 0, "broadcast_object_list": 1}
+    return data, dict(objects)
+
+
+def save_all(directory: str, configs: dict[str, tuple[bool, str, bool, bool, bool]]) -> dict[str, Any]:
+    """Each config: train 2 steps, save_sharded (counted), keep the FULL states to compare."""
 
     report = {}
     for name, config in configs.items():
         model = _ours(config, seed=5)
         optim = _train(model, 2)
         path = os.path.join(directory, name)
-        with count_collectives() as counts, _count_objects() as objects, warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            save_sharded(model, optim, checkpoint_id=path)
-        data = {kind: counts.calls[kind] for kind in _DATA_KINDS if counts.calls[kind]}
-        # No tensor collective at all; DCP's planning is object collectives of metadata: the
-        # plans gathered to the coordinator and the global plan scattered back, the write
-        # results gathered, the metadata's commit broadcast.
-        assert data == {} and counts.total_bytes() == 0, (name, dict(counts.calls), dict(counts.bytes))
-        assert objects == {"gather_object": 2, "scatter_object_list": 1, "all_gather_object": 0, "broadcast_object_list": 1}
-        report[name] = {"data": data, "objects": dict(objects)}
+        data, objects = _save_moving_no_tensor(model, optim, path, name)
+        report[name] = {"data": data, "objects": objects}
         _check_writers(path, config)
         model_sd, optim_sd = _full(model, optim)
         if dist.get_rank() == 0:
@@ -515,9 +522,9 @@ def _check_tp_chunks(path: str, expected: dict[str, Any]) -> None:
 
 def tp_save(directory: str) -> None:
     """Each TP config on the (2, 2) mesh: one AdamW step (none for the uneven split, which torch
-    TP cannot train: see tests/test_export.py), then save_sharded with no tensor collective."""
-    from fsdp.checkpoint import save_sharded
-    from tests._comm_count import count_collectives
+    TP cannot train: see tests/test_export.py), then save_sharded with no tensor collective, and
+    async_save_sharded writing the same checkpoint."""
+    from fsdp.checkpoint import async_save_sharded
     from tests.test_tensor_parallel import _train
 
     for name, (strategy, nested, orig, hidden) in TP_CONFIGS.items():
@@ -526,17 +533,37 @@ def tp_save(directory: str) -> None:
         if optim is not None:
             _train(model, optim, range(2))
         path = os.path.join(directory, name)
-        with count_collectives() as counts, _count_objects() as objects, warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            save_sharded(model, optim, checkpoint_id=path)
-        data = {kind: counts.calls[kind] for kind in _DATA_KINDS if counts.calls[kind]}
-        assert data == {} and counts.total_bytes() == 0, (name, dict(counts.calls), dict(counts.bytes))
-        assert objects == {"gather_object": 2, "scatter_object_list": 1, "all_gather_object": 0, "broadcast_object_list": 1}
+        _save_moving_no_tensor(model, optim, path, name)
+        # The asynchronous save of the same state writes the same chunks, value for value.
+        async_path = os.path.join(directory, f"{name}-async")
+        async_save_sharded(model, optim, checkpoint_id=async_path).result()
         expected = _tp_expected(model, optim)
         if dist.get_rank() == 0:
             _check_tp_chunks(path, expected)
+            _assert_same_checkpoint(path, async_path, directory, name)
             torch.save(expected, os.path.join(directory, f"{name}.pt"))
         dist.barrier()
+
+
+def _assert_same_checkpoint(path: str, other: str, directory: str, name: str) -> None:
+    """Both DCP checkpoints hold the same keys and, read whole, the same values bit for bit."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    loaded = []
+    for i, folder in enumerate((path, other)):
+        dcp_to_torch_save(folder, os.path.join(directory, f"{name}-whole{i}.pt"))
+        loaded.append(torch.load(os.path.join(directory, f"{name}-whole{i}.pt"), weights_only=False))
+
+    def flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+        if isinstance(tree, dict):
+            return {k: v for key, value in tree.items() for k, v in flat(value, f"{prefix}{key}.").items()}
+        return {prefix: tree}
+
+    first, second = flat(loaded[0]), flat(loaded[1])
+    assert sorted(first) == sorted(second), name
+    for key, value in first.items():
+        same = torch.equal(value, second[key]) if isinstance(value, torch.Tensor) else value == second[key]
+        assert same, (name, key)
 
 
 def _tp_load_plain(path: str, expected: dict[str, Any], name: str, optim: bool) -> None:

@@ -86,24 +86,29 @@ class FlatShardChunks:
         local_shape: Optional[tuple[int, ...]] = None,
         global_offset: Optional[tuple[int, ...]] = None,
     ) -> None:
-        self.shape = torch.Size(shape)
+        boxes = flat_range_boxes(tuple(shape) if local_shape is None else local_shape, start, start + numel)
+        placed = []  # (offsets in the whole tensor, sizes, where the box starts in ``source``)
+        at = offset
+        for box in shifted(boxes, global_offset) if global_offset is not None else boxes:
+            placed.append((torch.Size(box.offsets), torch.Size(box.sizes), at))
+            at += box.numel
+        self._place(torch.Size(shape), source, placed)
+
+    def _place(self, shape: torch.Size, source: torch.Tensor, placed: list[tuple[torch.Size, torch.Size, int]]) -> None:
+        self.shape = shape
         self.dtype = source.dtype
         self.source = source
-        self._range = (offset, start, numel)
-        self.views: dict[torch.Size, torch.Tensor] = {}
-        self.sizes: dict[torch.Size, torch.Size] = {}
-        at = offset
-        boxes = flat_range_boxes(tuple(self.shape) if local_shape is None else local_shape, start, start + numel)
-        for box in shifted(boxes, global_offset) if global_offset is not None else boxes:
-            offsets = torch.Size(box.offsets)
-            self.views[offsets] = _own_storage_view(source, at, box.sizes)
-            self.sizes[offsets] = torch.Size(box.sizes)
-            at += box.numel
+        self._placed = placed
+        self.views: dict[torch.Size, torch.Tensor] = {o: _own_storage_view(source, at, s) for o, s, at in placed}
+        self.sizes: dict[torch.Size, torch.Size] = {o: s for o, s, _ in placed}
 
     def on(self, source: torch.Tensor) -> "FlatShardChunks":
-        """The same boxes, as views of ``source`` instead (a copy of this one's source: a
-        staging buffer, [Note: Async flat-shard saves] in ``fsdp/checkpoint.py``)."""
-        return FlatShardChunks(self.shape, source, *self._range)
+        """The same boxes (placed as this one's, tensor-parallel offsets included), as views of
+        ``source`` instead (a copy of this one's source: a staging buffer, [Note: Async
+        flat-shard saves] in ``fsdp/checkpoint.py``)."""
+        copy = FlatShardChunks.__new__(FlatShardChunks)
+        copy._place(self.shape, source, self._placed)
+        return copy
 
     def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
         """DCP's hook: one SHARD write item per box."""
