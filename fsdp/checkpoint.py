@@ -62,11 +62,28 @@ def save_sharded(
     """
     import torch.distributed.checkpoint as dcp
 
-    _ASYNC.wait_for_in_flight("save_sharded")
+    writer, state = _start_save("save_sharded", model, optim, checkpoint_id, storage_writer, overwrite, ignore_frozen_params)
+    return dcp.save(state, checkpoint_id=checkpoint_id, storage_writer=writer, planner=FlatShardSavePlanner())
+
+
+def _start_save(
+    caller: str,
+    model: nn.Module,
+    optim: Optional[torch.optim.Optimizer],
+    checkpoint_id: Union[str, os.PathLike[str]],
+    storage_writer: Optional[Any],
+    overwrite: bool,
+    ignore_frozen_params: bool,
+) -> tuple[Any, dict[str, Any]]:
+    """What a sync and an async save share before DCP writes: wait for a save in flight, the
+    writer (``FileSystemWriter`` with ``overwrite`` passed explicitly by default), and the
+    flat-shard state dict (box views, no collective)."""
+    import torch.distributed.checkpoint as dcp
+
+    _ASYNC.wait_for_in_flight(caller)
     if storage_writer is None:
         storage_writer = dcp.FileSystemWriter(checkpoint_id, overwrite=overwrite)
-    state = flat_shard_state_dict(model, optim, ignore_frozen_params)
-    return dcp.save(state, checkpoint_id=checkpoint_id, storage_writer=storage_writer, planner=FlatShardSavePlanner())
+    return storage_writer, flat_shard_state_dict(model, optim, ignore_frozen_params)
 
 
 # [Note: Async flat-shard saves]
@@ -232,19 +249,20 @@ def async_save_sharded(
     Raises:
         RuntimeError: The previous asynchronous save failed and its future's outcome was never
             read (nothing is started; the next call saves).
-        NotImplementedError: For tensor-parallel (DTensor) parameters.
+        NotImplementedError: As :func:`save_sharded` (a tensor-parallel parameter whose
+            placements are not ``Shard``/``Replicate``).
     """
     import torch.distributed.checkpoint as dcp
 
-    _ASYNC.wait_for_in_flight("async_save_sharded")
+    writer, state = _start_save(
+        "async_save_sharded", model, optim, checkpoint_id, storage_writer, overwrite, ignore_frozen_params
+    )
     group = _ASYNC.group()
-    if storage_writer is None:
-        storage_writer = dcp.FileSystemWriter(checkpoint_id, overwrite=overwrite)
-    staged = _ASYNC.staging.stage(flat_shard_state_dict(model, optim, ignore_frozen_params))
+    staged = _ASYNC.staging.stage(state)
     future = dcp.async_save(
         staged,
         checkpoint_id=checkpoint_id,
-        storage_writer=storage_writer,
+        storage_writer=writer,
         planner=FlatShardSavePlanner(),
         process_group=group,
         async_stager=_StagedAlready(),
