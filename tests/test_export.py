@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import time
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import pytest
 import torch
@@ -61,6 +61,21 @@ def _steps(model: nn.Module, steps: range, opt: torch.optim.Optimizer) -> None:
         lm_loss(model(local_rows(tokens, rank, ws)), local_rows(targets, rank, ws)).backward()
         opt.step()
         opt.zero_grad()
+
+
+def _assert_buckets(
+    buckets: list[Any], expected: dict[str, torch.Tensor], dtype: Optional[torch.dtype], bucket_bytes: int, what: str
+) -> None:
+    """Every expected name once, each value bit-equal to the expected one cast to ``dtype``
+    (floating point only), and every bucket within ``bucket_bytes`` or one tensor larger."""
+    pairs = list(itertools.chain(*buckets))
+    names = [name for name, _ in pairs]
+    assert len(names) == len(set(names)) and set(names) == set(expected), (what, names)
+    for name, tensor in pairs:
+        want = expected[name].to(dtype) if dtype is not None and expected[name].is_floating_point() else expected[name]
+        assert tensor.dtype == want.dtype and torch.equal(tensor, want), (what, name)
+    for bucket in buckets:  # within the size, or one tensor larger than it
+        assert len(bucket) == 1 or sum(t.numel() * t.element_size() for _, t in bucket) <= bucket_bytes, what
 
 
 def _expected(model: nn.Module, tie: bool) -> dict[str, torch.Tensor]:
@@ -125,14 +140,7 @@ def _check_one(strategy: str, orig: bool, mp: bool, offload: bool, tie: bool) ->
         if rank0_only and dist.get_rank() != 0:
             assert buckets == [], what
         else:
-            pairs = list(itertools.chain(*buckets))
-            names = [name for name, _ in pairs]
-            assert len(names) == len(set(names)) and set(names) == set(expected), (what, names)
-            for name, tensor in pairs:
-                want = expected[name].to(dtype) if dtype is not None and expected[name].is_floating_point() else expected[name]
-                assert tensor.dtype == want.dtype and torch.equal(tensor, want), (what, name)
-            for bucket in buckets:  # within the size, or one tensor larger than it
-                assert len(bucket) == 1 or sum(t.numel() * t.element_size() for _, t in bucket) <= bucket_bytes
+            _assert_buckets(buckets, expected, dtype, bucket_bytes, what)
         units = _units_that_shard(model)
         if rank0_only:  # one gather to rank 0 per unit that shards, nothing else; none in a
             # HYBRID replica group without rank 0 (no rank there receives)
@@ -472,14 +480,7 @@ def tp_stream(configs: list[tuple[str, bool, bool, int]]) -> None:
             if rank0_only and dist.get_rank() != 0:
                 assert buckets == [], what
                 continue
-            pairs = list(itertools.chain(*buckets))
-            names = [name for name, _ in pairs]
-            assert len(names) == len(set(names)) and set(names) == set(expected), (what, names)
-            for name, tensor in pairs:
-                want = expected[name].to(dtype) if dtype is not None and expected[name].is_floating_point() else expected[name]
-                assert tensor.dtype == want.dtype and torch.equal(tensor, want), (what, name)
-            for bucket in buckets:
-                assert len(bucket) == 1 or sum(t.numel() * t.element_size() for _, t in bucket) <= bucket_bytes, what
+            _assert_buckets(buckets, expected, dtype, bucket_bytes, what)
         snapshot: dict[str, torch.Tensor] = {}  # deltas ride on the stream: the first is dense
         for deltas in full_params_delta(model, snapshot, bucket_bytes=500):
             assert all(d.indices is None and torch.equal(d.values, expected[d.name]) for d in deltas)
