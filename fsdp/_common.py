@@ -108,8 +108,9 @@ def _rebuild(fn: Callable[[torch.Tensor], object], container: object) -> object:
 #   and everything they call run eagerly. ``torch.compiler.disable(fn)``.
 #
 # Applying either marker imports all of Dynamo (a second of start-up, tens of MB), so neither
-# is applied when fsdp is imported: a marked function stays plain until ``torch._dynamo`` is
-# imported (``torch.compile`` imports it before it traces anything), then the name that holds
+# is applied when fsdp is imported: a marked function stays plain until the process has built
+# its first unit ([Note: What fsdp changes in torch]) and ``torch._dynamo`` is imported
+# (``torch.compile`` imports it before it traces anything), then the name that holds
 # it, in its module or class, is rebound to the marked function. Callers must call these by
 # that name (a module global or a method), not through a reference taken earlier, and a
 # marker applied outside a ``def`` must be assigned back to that name.

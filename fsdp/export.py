@@ -33,7 +33,7 @@ from torch import nn
 
 from fsdp._comm import _collectives as comm
 from fsdp._common import FLAT_PARAM, clean_fqn
-from fsdp.flat_param._layout import FLATTENED_ATTR
+from fsdp.flat_param._layout import FLATTENED_ATTR, itemsize
 from fsdp.flat_param._recast import adopt_external_cast
 from fsdp.flat_param._shard_map import Box, flat_range_boxes, shifted, tp_piece
 from fsdp.flat_param.flat_param import FlatParamHandle
@@ -199,7 +199,7 @@ class _Stager:
         """Adds an uninitialized tensor to the bucket and returns it for the caller to fill
         (``target = yield from stager.slot(...)``); yields the bucket first when the tensor does
         not fit in it."""
-        nbytes = shape.numel() * torch.empty((), dtype=dtype).element_size()
+        nbytes = shape.numel() * itemsize(dtype)
         if self.bucket and self.used + self._size(nbytes) > self.bucket_bytes:
             yield self.flush()
         device = self.device if self.device is not None else device
@@ -390,11 +390,11 @@ def _staging_bytes(
     the units' parameters come as views and only the tp-split ones are staged."""
     sizes: list[int] = []
     for unit, tp in zip(handles, tps):
-        itemsize = torch.empty((), dtype=_export_dtype(unit.handle._local_shard, dtype)).element_size()
+        element = itemsize(_export_dtype(unit.handle._local_shard, dtype))
         for info, param in zip(unit.handle.param_infos, tp):
             if param is not None or not views:
-                sizes.append(itemsize * (param.global_shape.numel() if param is not None else info.numel))
-    sizes += [t.numel() * torch.empty((), dtype=_export_dtype(t, dtype)).element_size() for _, t in loose]
+                sizes.append(element * (param.global_shape.numel() if param is not None else info.numel))
+    sizes += [t.numel() * itemsize(_export_dtype(t, dtype)) for _, t in loose]
     aligned = [-(-n // _ALIGN_BYTES) * _ALIGN_BYTES for n in sizes]
     return max(min(bucket_bytes, sum(aligned)), max(aligned, default=0))
 

@@ -216,7 +216,8 @@ def policy_targets(
     ignored_params: set[nn.Parameter],
     include_root: bool = False,
 ) -> dict[nn.Module, dict[str, Any]]:
-    """The modules ``policy`` picks (root excluded) with the kwargs each unit is built with.
+    """The modules ``policy`` picks (the root only with ``include_root``) with the kwargs each
+    unit is built with.
 
     Nothing is wrapped or changed here: the constructor wraps the returned modules afterwards
     (:func:`fsdp.init._materialize.materialize_and_wrap`), bottom-up.
@@ -232,7 +233,7 @@ def policy_targets(
             (torch FSDP1 checks frozen parameters on every module its policy object picks).
 
     Returns:
-        ``{module: kwargs}`` for every nested unit.
+        ``{module: kwargs}`` for every nested unit (and the root, last, with ``include_root``).
 
     Raises:
         ValueError: A module in the tree is already an FSDP instance.

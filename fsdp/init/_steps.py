@@ -27,7 +27,8 @@ from fsdp.flat_param.flat_param import FlatParamHandle
 from fsdp.init._auto_wrap import mixed_precision_classes
 from fsdp.init._device import move_modules_to_device, resolve_compute_device
 from fsdp.init._materialize import materialize_and_wrap
-from fsdp.init._process_group import HYBRID_STRATEGIES, resolve_process_groups
+from fsdp.flat_param._policy import HYBRID_STRATEGIES
+from fsdp.init._process_group import resolve_process_groups
 from fsdp.init._sync import sync_buffers
 from fsdp.init._unit_params import (
     mark_tied_owners,
@@ -73,11 +74,6 @@ class UnitArgs:
     def wrap_kwargs(self) -> dict[str, Any]:
         """The keyword arguments a nested unit is built with (the policy may override some)."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
-
-    @property
-    def offload_params(self) -> bool:
-        """Whether sharded parameters live on CPU between uses."""
-        return bool(self.cpu_offload and self.cpu_offload.offload_params)
 
 
 @dataclass

@@ -100,7 +100,7 @@ def warn_construction(
         requested: The ``sharding_strategy`` argument itself.
         world_size: The size of the shard group.
     """
-    from fsdp.init._process_group import HYBRID_STRATEGIES
+    from fsdp.flat_param._policy import HYBRID_STRATEGIES
 
     if world_size == 1 and strategy is not ShardingStrategy.NO_SHARD and strategy not in HYBRID_STRATEGIES:
         # Torch FSDP1's words exactly, attributed (as torch attributes it) to the wrapper's

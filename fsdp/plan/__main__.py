@@ -44,7 +44,8 @@ from fsdp.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrat
 from fsdp.plan import gpt
 from fsdp.plan._api import estimate_memory
 from fsdp.plan._estimate import format_bytes, format_count
-from fsdp.plan._search import HYBRID_STRATEGIES, STRATEGY_COST, Candidate, SearchSpace
+from fsdp.flat_param._policy import HYBRID_STRATEGIES
+from fsdp.plan._search import STRATEGY_COST, Candidate, SearchSpace
 
 
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}

@@ -121,7 +121,7 @@ class _Replay:
         self.act_sizes: dict[int, tuple[int, str]] = {}
         self.held: dict[tuple[int, int], list[int]] = {}  # per-parameter gradients awaiting reduction
         self.held_keys: set[int] = set()
-        self.inflight: Optional[tuple[tuple[int, int], list[tuple[str, int]], Optional[int]]] = None
+        self.inflight: Optional[tuple[tuple[int, int], list[tuple[str, int]]]] = None
         self.ran_pre_backward: set[int] = set()
         self.host_share = 0.0  # of the shards (and optimizer state) on the host, set by run()
         self.forward_order: list[int] = []
@@ -230,12 +230,10 @@ class _Replay:
     def wait_reduction(self) -> None:
         if self.inflight is None:
             return
-        hid, buffers, sharded_reduce_bytes = self.inflight
+        _, buffers = self.inflight
         self.inflight = None
         for kind, nbytes in buffers:
             self.add(kind, -nbytes)
-        if sharded_reduce_bytes is not None:
-            self.accumulate(hid, sharded_reduce_bytes)
 
     def accumulate(self, hid: tuple[int, int], sharded_reduce_bytes: int) -> None:
         """A reduced sharded gradient in reduce_dtype becomes the full-precision sharded grad."""
@@ -308,7 +306,7 @@ class _Replay:
                 if cast_in_flight:
                     self.add(LOW, -unsharded)
                 self.accumulate(hid, reduced)
-                self.inflight = (hid, [(UNSHARDED_GRADS, original)], None)
+                self.inflight = (hid, [(UNSHARDED_GRADS, original)])
             else:
                 full = spec.sharded_numel * _itemsize(spec.precision.full_dtype)
                 offloads = self.units[hid[0]].policy.offload_params
@@ -318,9 +316,9 @@ class _Replay:
                 if cast_in_flight:
                     if kept_apart:
                         self.add(GRADS, -reduced)
-                    self.inflight = (hid, [(UNSHARDED_GRADS, original)], None)
+                    self.inflight = (hid, [(UNSHARDED_GRADS, original)])
                 else:
-                    self.inflight = (hid, [(GRADS, reduced)] if kept_apart else [], None)
+                    self.inflight = (hid, [(GRADS, reduced)] if kept_apart else [])
         else:
             if spec.uses_sharding:
                 self.add(unsharded_kind, -unsharded)

@@ -15,7 +15,7 @@ from fsdp.flat_param._policy import HYBRID_STRATEGIES
 from fsdp.plan._api import PlanCache, estimate_memory
 from fsdp.plan._estimate import MemoryEstimate
 
-__all__ = ["Candidate", "SearchSpace", "search_configurations", "HYBRID_STRATEGIES", "STRATEGY_COST"]
+__all__ = ["Candidate", "SearchSpace", "search_configurations", "STRATEGY_COST"]
 
 # Cheaper first: less communication per step (SHARD_GRAD_OP gathers once, NO_SHARD never).
 STRATEGY_COST = {

@@ -56,7 +56,7 @@ from fsdp.flat_param.flat_param import FlatParamHandle
 from fsdp.runtime._state import is_fsdp, unit_state
 from fsdp.state_dict._optim_keys import ModelView
 
-__all__ = ["FlatShardChunks", "FlatShardSavePlanner", "flat_shard_state_dict"]
+__all__ = ["FlatShardChunks", "FlatShardSavePlanner", "flat_shard_state_dict", "frozen_fqns", "missing_from_checkpoint"]
 
 
 class FlatShardChunks:

@@ -45,6 +45,8 @@ from typing import Any, Iterable, Iterator, NamedTuple, Optional, Union
 
 import torch
 
+from fsdp.flat_param._layout import itemsize
+
 __all__ = [
     "SAFE_WEIGHTS_NAME",
     "SAFE_WEIGHTS_INDEX_NAME",
@@ -93,7 +95,7 @@ class TensorSpec(NamedTuple):
         numel = 1
         for size in self.shape:
             numel *= size
-        return numel * torch.empty((), dtype=self.dtype).element_size()
+        return numel * itemsize(self.dtype)
 
 
 class FilePlan(NamedTuple):
@@ -215,7 +217,7 @@ class _Writer:
             _write_bytes(file, piece, spec.dtype)
             numel += piece.numel()
             del piece
-        if numel * torch.empty((), dtype=spec.dtype).element_size() != spec.nbytes:
+        if numel * itemsize(spec.dtype) != spec.nbytes:
             raise RuntimeError(f"fsdp: safetensors export: {name} came with {numel} elements, not the {tuple(spec.shape)} planned.")
         self.tensor_index += 1
 
@@ -261,7 +263,7 @@ class _Writer:
 def _write_index(path: str, plans: list[FilePlan]) -> None:
     """``model.safetensors.index.json`` as Hugging Face writes it (several files only)."""
     specs = [spec for plan in plans for spec in plan.specs]
-    numels = [spec.nbytes // max(torch.empty((), dtype=spec.dtype).element_size(), 1) for spec in specs]
+    numels = [spec.nbytes // max(itemsize(spec.dtype), 1) for spec in specs]
     index = {
         "metadata": {"total_parameters": sum(numels), "total_size": sum(spec.nbytes for spec in specs)},
         "weight_map": {spec.name: plan.filename for plan in plans for spec in plan.specs},
