@@ -219,7 +219,8 @@ def stream_memory() -> dict[str, Any]:
 
     def spy(*args: Any, **kwargs: Any) -> Any:
         # gloo's worker drops its hold on the previous output a moment after reporting completion
-        # ([Note: A finished collective's thread runs] in fsdp/_comm/_collectives.py): let it.
+        # (its own thread; [Note: On CPU a collective completes where it is launched] in
+        # fsdp/flat_param/_policy.py): let it, so the count is of what the export holds.
         time.sleep(0.02)
         most_alive[0] = max(most_alive[0], sum(r() is not None for r in alive))  # before this gather
         out = original(*args, **kwargs)

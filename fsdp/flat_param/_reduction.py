@@ -380,7 +380,7 @@ class GradReduction:
             if self.storage.offload_params and self.storage.device.type == "cuda":
                 # Both are pinned CPU tensors that non-blocking copies may still be writing; the
                 # CPU add must not read them before the copies are done.
-                torch.cuda.current_stream(self.storage.device).synchronize()
+                _streams.current_stream(self.storage.device).synchronize()
             pending.add_(sharded_grad)
         else:
             self.pending_sharded_grad = sharded_grad
@@ -422,7 +422,7 @@ class GradReduction:
         """
         self.wait()
         if self.storage.offload_params and self.storage.device.type == "cuda":
-            torch.cuda.current_stream(self.storage.device).synchronize()  # offloaded gradient copies
+            _streams.current_stream(self.storage.device).synchronize()  # offloaded gradient copies
         if self.holds_unsynced:
             # no_sync: ``.grad`` stays the accumulated unsharded gradient, any earlier sharded
             # one aside ([Note: The gradient no_sync accumulates]).
@@ -432,7 +432,7 @@ class GradReduction:
         self.pending_sharded_grad = None
         self.sharded_grad_stash = None
         if pending is None and stash is None:
-            self.use_sharded_grad_views()  # no_sync: the held unsharded gradient's views
+            self.use_sharded_grad_views()  # nothing reduced this backward: the views of .grad as it is
             return
         if self.storage.has_unsharded_buffer:
             p_assert(

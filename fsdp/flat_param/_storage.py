@@ -300,7 +300,7 @@ class FlatParamStorage:
         if padded_unsharded is not self.local_shard:
             stream = self.unshard_stream if self.uses_sharding else None
             if stream is not None and not stream_ordered:
-                stream.wait_stream(_streams.current_stream(self.device))
+                self.order_gathers_after_compute()
             with _streams.use_stream(stream):
                 _alloc_storage(padded_unsharded)
                 shard = self.local_shard

@@ -145,7 +145,7 @@ def plan_unit(
     plan = plan_units(
         module, auto_wrap_policy, root_kwargs, ignored_modules, ignored_states, warn_stacklevel=5
     )
-    warn_construction(args.sharding_strategy or ShardingStrategy.FULL_SHARD, args.sharding_strategy, world_size)
+    warn_construction(args.sharding_strategy, world_size)
     if auto_wrap_policy is not None and args.mixed_precision is not None:
         apply_mixed_precision_overrides(module, mixed_precision_classes(root_kwargs))
     wrapped_before = [unit_state(sub) for sub in module.modules() if is_fsdp(sub)]

@@ -26,6 +26,7 @@ from torch import nn
 
 from fsdp._common import clean_fqn
 from fsdp.api import BackwardPrefetch, CPUOffload, ShardingStrategy
+from fsdp.flat_param._policy import effective_strategy
 from fsdp.flat_param.flat_param import FLATTENED_ATTR, FlatParameter
 from fsdp.init._auto_wrap import policy_targets, validate_auto_wrap_policy
 from fsdp.wrap import _Policy
@@ -87,22 +88,17 @@ def warn_container(module: nn.Module) -> None:
         )
 
 
-def warn_construction(
-    strategy: ShardingStrategy,
-    requested: Optional[ShardingStrategy],
-    world_size: int,
-) -> None:
+def warn_construction(requested: Optional[ShardingStrategy], world_size: int) -> None:
     """Emits the strategy warnings torch FSDP1 emits for the same arguments, once the units
     are planned (after the auto-wrap warnings, in torch FSDP1's order).
 
     Args:
-        strategy: The strategy asked for (FULL_SHARD when none was given).
-        requested: The ``sharding_strategy`` argument itself.
+        requested: The ``sharding_strategy`` argument itself (None: FULL_SHARD).
         world_size: The size of the shard group.
     """
-    from fsdp.flat_param._policy import HYBRID_STRATEGIES
-
-    if world_size == 1 and strategy is not ShardingStrategy.NO_SHARD and strategy not in HYBRID_STRATEGIES:
+    strategy = requested or ShardingStrategy.FULL_SHARD
+    switched = effective_strategy(requested, world_size) is ShardingStrategy.NO_SHARD
+    if strategy is not ShardingStrategy.NO_SHARD and switched:
         # Torch FSDP1's words exactly, attributed (as torch attributes it) to the wrapper's
         # constructor rather than its caller: one location, so Python's default filter shows it
         # once per process however many units are built, as torch's shows.

@@ -22,7 +22,6 @@ from fsdp._common import FSDPStateAssertionError
 from fsdp.flat_param._sharding import gradient_divide_factors
 from fsdp._comm import _collectives as comm
 from fsdp.runtime._lazy_init import require_root
-from fsdp.flat_param._policy import HYBRID_STRATEGIES
 
 __all__ = [
     "DefaultState",
@@ -58,7 +57,7 @@ def register_comm_hook(root: nn.Module, state: object, hook: Callable[..., objec
         )
     assert root_state.ctx is not None
     for unit in root_state.ctx.states:
-        if unit.sharding_strategy in HYBRID_STRATEGIES:
+        if unit.policy.is_hybrid:
             raise FSDPStateAssertionError(
                 f"fsdp: Communication hook is not supported for hybrid strategies: "
                 f"{unit.sharding_strategy} (unit '{unit.unit_name}'); use FULL_SHARD, "

@@ -73,7 +73,12 @@ def check_execution_order(state: UnitState, phase: str) -> None:
     if ctx is None:
         return
     if ctx.order_checked:
-        if not ctx.forward_watch.warned and phase == "forward" and _training_forward(state):
+        if (
+            not ctx.forward_watch.warned
+            and phase == "forward"
+            and dist.get_debug_level() == dist.DebugLevel.DETAIL
+            and _training_forward(state)
+        ):
             _watch_forward(ctx, state)
         return
     with collective_phase("first-iteration execution-order check", state):
@@ -129,10 +134,9 @@ def _order_differs(
 
 
 def _watch_forward(ctx: RootContext, state: UnitState) -> None:
-    """[Note: Forward order after the first iteration]: one training forward of a later iteration."""
+    """[Note: Forward order after the first iteration]: one training forward of a later iteration
+    (under ``TORCH_DISTRIBUTED_DEBUG=DETAIL``; the caller checks)."""
     watch = ctx.forward_watch
-    if dist.get_debug_level() != dist.DebugLevel.DETAIL:
-        return
     position = watch.position
     watch.position += 1
     first = watch.first_iteration

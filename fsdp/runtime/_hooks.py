@@ -199,11 +199,11 @@ def _pre_forward(state: UnitState) -> None:
         unshard_unit(state)
         for handle in state.handles:
             handle.use_unsharded_views()
-        _register_early_reduction_wait(state)
+        _register_reduction_input_release(state)
         prefetch_after(state, "forward")
 
 
-def _register_early_reduction_wait(state: UnitState) -> None:
+def _register_reduction_input_release(state: UnitState) -> None:
     """In backward, the assembly of this unit's unsharded gradient first gives back the memory
     of the reduction inputs in flight.
 
@@ -214,10 +214,12 @@ def _register_early_reduction_wait(state: UnitState) -> None:
     concatenation: the unit's compute has overlapped the reduction by then, and releasing the
     input there rather than at the unit's post-backward frees it before this unit's own
     unsharded gradient is allocated, the step's memory peak. One hook per handle, not one per
-    parameter view: it runs once, where the last view's gradient is in
-    (``tests/test_runtime.py``'s ``test_reductions_finished_before_gradient_assembly``).
+    parameter view: it runs once, where the last view's gradient is in (tests/test_streams.py
+    checks each input is released before the next reduction is issued). Without a
+    post-backward stream (CPU) every reduction completes where it is launched, nothing is ever
+    in flight, and no hook is registered.
     """
-    if not torch.is_grad_enabled() or state.ctx is None:
+    if not torch.is_grad_enabled() or state.ctx is None or state.ctx.post_backward_stream is None:
         return
     hook = functools.partial(_release_reduction_inputs_hook, weakref.ref(state.ctx))
     for handle in state.handles:
