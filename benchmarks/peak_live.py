@@ -54,7 +54,7 @@ from benchmarks.cpu import _batches, _wrapped
 from benchmarks.local_ranks import run_local_ranks, write_rank_result
 from benchmarks.memory import MemoryTrace
 
-__all__ = ["Block", "LiveSet", "live_set_at_peak", "main"]
+__all__ = ["Block", "LiveSet", "live_set_at_peak", "live_set_of_window", "main"]
 
 _MARK = "peak_live:"
 # Python frames worth naming an allocation by (the innermost one wins).
@@ -69,7 +69,7 @@ class Block:
     nbytes: int
     ts: float
     op: str  # the innermost op around the allocation
-    frame: str  # the innermost FSDP / optimizer / module Python frame around it
+    frame: str  # the innermost FSDP / optimizer / module Python frames around it (innermost first)
     phase: str  # the step, phase and unit (this tool's markers) when it was allocated
     freed_ts: Optional[float] = None
     freed_by: str = ""  # "main", "off-thread" (matched to an off-thread decrease), "reuse"
@@ -86,11 +86,15 @@ class LiveSet:
     off_thread: int
     matched_off_thread: int
     matched_reuse: int
+    peak_event: str
+    by_phase: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
+        """The live set, grouped by (allocated in, frame, op, size), largest groups first; each
+        block of at least 1 MiB also alone, with its times relative to the peak (microseconds)."""
         groups: dict[tuple[str, str, str, int], int] = collections.Counter()
         for b in self.blocks:
-            groups[(b.phase, b.frame, b.op, b.nbytes)] += 1
+            groups[(b.phase, b.frame.split(" < ")[0], b.op, b.nbytes)] += 1
         rows = sorted(groups.items(), key=lambda kv: -kv[0][3] * kv[1])
         return {
             "peak": self.peak,
@@ -103,6 +107,21 @@ class LiveSet:
                 {"count": n, "bytes": key[3], "allocated_in": key[0], "frame": key[1], "op": key[2]}
                 for key, n in rows
             ],
+            "large": [
+                {
+                    "bytes": b.nbytes,
+                    "allocated_in": b.phase,
+                    "at_us": round(b.ts - self.peak_ts),
+                    "freed_us": None if b.freed_ts is None else round(b.freed_ts - self.peak_ts),
+                    "freed_by": b.freed_by,
+                    "op": b.op,
+                    "frames": b.frame,
+                }
+                for b in sorted(self.blocks, key=lambda b: b.ts)
+                if b.nbytes >= 1 << 20 and b.phase.split(" ")[0].split(":")[0] == self.phase.split(":")[0]
+            ],
+            "peak_event": self.peak_event,
+            "by_phase": self.by_phase,
         }
 
 
@@ -129,16 +148,14 @@ class _Enclosing:
             self._open.append(spans[self._next])
             self._next += 1
         self._close_before(ts)
-        op = frame = ""
+        op, frames = "", []
         for e in reversed(self._open):
             name, cat = e["name"], e.get("cat", "")
-            if not frame and cat == "python_function" and any(k in name for k in _FRAME_KEYS):
-                frame = name
+            if len(frames) < 3 and cat == "python_function" and any(k in name for k in _FRAME_KEYS):
+                frames.append(name.split("/")[-1])
             elif not op and cat in ("cpu_op", "user_annotation") and not name.startswith(_MARK):
                 op = name
-            if op and frame:
-                break
-        return op, frame
+        return op, " < ".join(frames)
 
 
 _Marks = list[tuple[float, float, str]]
@@ -246,7 +263,47 @@ def live_set_at_peak(events: list[dict[str, Any]], window: tuple[float, float], 
         off_thread=peak - sum(b.nbytes for b in alive),
         matched_off_thread=sum(b.freed_by == "off-thread" for b in every),
         matched_reuse=sum(b.freed_by == "reuse" for b in every),
+        peak_event=_describe_event(memory[peak_i], every),
+        by_phase=_phase_maxima([memory[i]["ts"] for i in inside], [totals[i] - base for i in inside], marks, every),
     )
+
+
+def _phase_maxima(times: list[float], lives: list[int], marks: _Marks, every: list[Block]) -> list[dict[str, Any]]:
+    """The largest live total of each phase (step, phase, unit) in time order, with the bytes
+    then alive that another thread frees later (a collective's buffers its work still holds)."""
+    best: dict[str, tuple[int, float]] = {}
+    for ts, live in zip(times, lives):
+        phase = _phase_at(ts, marks)
+        if phase not in best or live > best[phase][0]:
+            best[phase] = (live, ts)
+    rows = []
+    for phase, (live, ts) in sorted(best.items(), key=lambda kv: kv[1][1]):
+        held = sum(
+            b.nbytes
+            for b in every
+            if b.freed_by in ("off-thread", "reuse") and b.ts <= ts and b.freed_ts is not None and b.freed_ts > ts
+        )
+        rows.append({"phase": phase, "peak": live, "freed_off_thread_later": held})
+    return rows
+
+
+def _describe_event(event: dict[str, Any], every: list[Block]) -> str:
+    """The peak's own event: an allocation (its block) or a free."""
+    ts, nbytes = event["ts"], int(event["args"]["Bytes"])
+    block = next((b for b in every if b.ts == ts and b.nbytes == nbytes), None)
+    where = f"{block.op} {block.frame}" if block is not None else ""
+    return f"{nbytes:+,} bytes {where}".strip()
+
+
+def live_set_of_window(trace: MemoryTrace, window: str) -> LiveSet:
+    """The live set at the peak of ``trace``'s window ``window`` (a ``MemoryTrace(keep_trace=True)``
+    that measured every thread; its peak is the one :attr:`MemoryTrace.peaks` reports)."""
+    events = trace.trace_events
+    mark = next(e for e in events if e.get("name") == "fsdp_bench_window:" + window)
+    memory = [e for e in events if e.get("name") == "[memory]"]
+    first = min(memory, key=lambda e: e["ts"])["args"]
+    base = first["Total Allocated"] - first["Bytes"]
+    return live_set_at_peak(events, (mark["ts"], mark["ts"] + mark.get("dur", 0)), base)
 
 
 @contextlib.contextmanager
@@ -308,12 +365,7 @@ def _analyse_impl(cfg: BenchConfig, name: str) -> dict[str, Any]:
         del model, opt, batches
         gc.collect()
         dist.barrier()
-    events = trace.trace_events
-    window = next((e["ts"], e["ts"] + e.get("dur", 0)) for e in events if e.get("name") == "fsdp_bench_window:step")
-    memory = [e for e in events if e.get("name") == "[memory]"]
-    first = min(memory, key=lambda e: e["ts"])["args"]
-    live = live_set_at_peak(events, window, first["Total Allocated"] - first["Bytes"])
-    result = live.summary()
+    result = live_set_of_window(trace, "step").summary()
     result["benchmark_peak"] = trace.peaks["step"]
     return result
 
@@ -345,9 +397,18 @@ def format_live(name: str, rank: int, s: dict[str, Any], top: int = 25) -> str:
         lines.append(
             f"  {g['count']:3d} x {g['bytes']:>11,}  {g['allocated_in']:<28} {g['op'][:34]:<34} {g['frame'][:70]}"
         )
+    lines.append(f"  the peak's event: {s['peak_event']}; this step's blocks of 1 MiB or more, in allocation order:")
+    for b in s["large"]:
+        freed = "" if b["freed_us"] is None else f", freed at {b['freed_us']:+,} us ({b['freed_by']})"
+        lines.append(
+            f"    {b['bytes']:>11,}  at {b['at_us']:+,} us{freed}  {b['allocated_in']}: {b['op'][:30]} {b['frames'][:110]}"
+        )
     rest = s["groups"][top:]
     if rest:
         lines.append(f"  ... {len(rest)} more groups, {sum(g['count'] * g['bytes'] for g in rest):,} bytes")
+    lines.append("  the largest live total of each phase (bytes; of it, blocks another thread frees later):")
+    for row in s["by_phase"]:
+        lines.append(f"    {row['phase']:<36} {row['peak']:>13,}  {row['freed_off_thread_later']:>12,}")
     return "\n".join(lines)
 
 
