@@ -148,7 +148,7 @@ class _Enclosing:
             self._open.append(spans[self._next])
             self._next += 1
         self._close_before(ts)
-        op, frames = "", []
+        op, frames = "", list[str]()
         for e in reversed(self._open):
             name, cat = e["name"], e.get("cat", "")
             if len(frames) < 3 and cat == "python_function" and any(k in name for k in _FRAME_KEYS):
