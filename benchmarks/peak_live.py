@@ -8,6 +8,8 @@ profiler's Python stacks kept, and names what that number is made of:
 * the moment of the peak: the step, its phase (forward, backward, optimizer) and the unit whose
   forward or backward runs (markers this tool places: a record_function around each block's
   forward and a zero-length one when a block's output gradient arrives, i.e. its backward begins);
+  (an FSDP pre-backward hook, on the same output gradient, runs before this tool's marker: what
+  block k's pre-backward allocates, its prefetch of block k - 1 included, reads as block k + 1);
 * the live set there, rebuilt from the allocator's ``[memory]`` events (address, bytes): every
   block the rank's main thread allocated and had not freed, each named by its size, the op and
   the innermost FSDP / optimizer / autograd Python frame around its allocation, and when
