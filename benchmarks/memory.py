@@ -69,8 +69,14 @@ def all_thread_accounting_available() -> bool:
 class MemoryTrace:
     """Context manager: live-bytes timeline of everything allocated inside it, with marked windows."""
 
-    def __init__(self) -> None:
-        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False)
+    def __init__(self, keep_trace: bool = False) -> None:
+        """``keep_trace``: keep the exported trace's events in :attr:`trace_events` (with Python
+        stacks, for ``benchmarks/peak_live.py``); the peaks are measured the same way."""
+        self._prof = profile(
+            activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False, with_stack=keep_trace
+        )
+        self._keep_trace = keep_trace
+        self.trace_events: list[dict[str, Any]] = []
         self._flag = _report_flag()
         self._flag_before = False
         self.all_threads = self._flag is not None
@@ -116,6 +122,8 @@ class MemoryTrace:
             self._prof.export_chrome_trace(path)
             with open(path) as f:
                 trace: list[dict[str, Any]] = json.load(f)["traceEvents"]
+        if self._keep_trace:
+            self.trace_events = trace
         memory_events = sorted(
             (e["ts"], e["args"]["Total Allocated"], e["args"]["Bytes"]) for e in trace if e.get("name") == "[memory]"
         )
