@@ -215,7 +215,7 @@ def stream_memory() -> dict[str, Any]:
         result["floor"] = max(result["floor"], trace.peaks["gathers"] - trace.starts["gathers"])
     alive: list[weakref.ref[torch.Tensor]] = []
     most_alive = [0]
-    original = export.gather
+    original = export._gathered
 
     def spy(*args: Any, **kwargs: Any) -> Any:
         # gloo's worker drops its hold on the previous output a moment after reporting completion
@@ -227,7 +227,15 @@ def stream_memory() -> dict[str, Any]:
         alive.append(weakref.ref(out))
         return out
 
-    export.gather = spy  # type: ignore[assignment]
+    in_place: list[bool] = []  # per all-gather: its input is its output's chunk (the cast went there)
+    all_gather = export.comm.all_gather_flat
+
+    def gather_spy(output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        in_place.append(input.untyped_storage().data_ptr() == output.untyped_storage().data_ptr())
+        return all_gather(output, input, *args, **kwargs)
+
+    export._gathered = spy  # type: ignore[assignment]
+    export.comm.all_gather_flat = gather_spy  # type: ignore[assignment]
     try:
         for reuse in (True, False):
             seen = 0
@@ -247,8 +255,10 @@ def stream_memory() -> dict[str, Any]:
             result[f"extra_{reuse}"] = trace.peaks["export"] - trace.starts["export"]
             result[f"seen_{reuse}"] = seen
     finally:
-        export.gather = original  # type: ignore[assignment]
+        export._gathered = original  # type: ignore[assignment]
+        export.comm.all_gather_flat = all_gather  # type: ignore[assignment]
     result["most_alive"] = most_alive[0]
+    result["in_place"] = in_place
     result["unsharded"] = sum(h.storage.unsharded_storage_nbytes() for h in handles)
     return result
 
@@ -257,6 +267,8 @@ def test_stream_memory_is_one_unit_plus_one_bucket(pool2: RankPool) -> None:
     for r in pool2.run(stream_memory):
         assert r["seen_True"] == r["seen_False"] == 24, r
         assert r["most_alive"] == 1 and r["unsharded"] == 0, r  # one gathered unit; handles untouched
+        # bf16 from fp32 shards: each shard is cast into its chunk of the gathered unit, no copy beside
+        assert r["in_place"] == [True] * 24, r
         # Staging: max(bucket, largest tensor in bf16), allocated once.
         capacity = max(r["bucket_bytes"], 64 * 64 * 2)
         # Beside the gathers alone: at most the bucket (and gloo's late free of one more copy).
