@@ -670,3 +670,31 @@ def test_tp_stream_memory(pool4: RankPool) -> None:
         bound = r["U"] + (r["tp"] + 1) * r["P"] + r["B"]
         assert r["extra"] <= r["floor"] + bound, r
         print("tp stream memory:", r)
+
+
+# ----------------------------------------------------------------------------- the benchmark's floor ratio
+def test_benchmark_times_stream_and_floor_interleaved(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``benchmarks/export.py`` ([Note: The stream and its floor are timed interleaved]): each
+    repetition runs both, the order reversed every other one, and the ratio is the median of the
+    per-repetition ratios of the slowest rank's times, with min and max; the CPU ratio sums the
+    ranks."""
+    import benchmarks.export as bench
+
+    order: list[str] = []
+    monkeypatch.setattr(bench.dist, "barrier", lambda: None)
+    wall, cpu = bench._interleaved({"floor": lambda: order.append("f"), "fsdp_stream": lambda: order.append("s")}, 4)
+    assert order == ["f", "s"] + ["f", "s", "s", "f"] * 2  # warm-ups, then ABBA
+    assert [len(wall["floor"]), len(cpu["fsdp_stream"])] == [4, 4]
+
+    def rank(floor: list[float], stream: list[float], floor_cpu: list[float], stream_cpu: list[float]) -> dict[str, Any]:
+        return {"paired_wall": {"floor": floor, "fsdp_stream": stream}, "paired_cpu": {"floor": floor_cpu, "fsdp_stream": stream_cpu}}
+
+    # Slowest rank per repetition: floor (1.0, 2.0, 4.0), stream (1.5, 2.0, 2.0): ratios 1.5, 1.0, 0.5.
+    ranks = [
+        rank([1.0, 1.0, 4.0], [1.5, 2.0, 1.0], [1.0, 1.0, 1.0], [1.0, 2.0, 3.0]),
+        rank([0.5, 2.0, 1.0], [1.0, 1.0, 2.0], [1.0, 1.0, 1.0], [1.0, 2.0, 3.0]),
+    ]
+    spread, paired, cpu_ratio = bench._ratio_spread(ranks)
+    assert (spread["median"], spread["min"], spread["max"], spread["reps"]) == (1.0, 0.5, 1.5, 3)
+    assert paired == {"floor": 2.0, "fsdp_stream": 2.0}  # the median slowest time of each
+    assert cpu_ratio == 2.0  # ranks summed per repetition: 2/2, 4/2, 6/2
