@@ -7,9 +7,10 @@ consumer: it drops what it gets), timing each way (median of ``--reps``, after o
 measuring its peak extra live bytes per rank (torch's CPU profiler, ``benchmarks.memory``):
 
 - ``floor``: the same units' all-gathers alone, as the stream issues them (each fsdp unit's flat
-  shard, already cast to bf16, into a fresh tensor); ``floor_fp32``: the same of the fp32 shards
-  (what a stream that casts after gathering, like the others here, moves);
+  shard, already cast to bf16 outside the timing, into a fresh tensor); ``floor_fp32``: the same
+  of the fp32 shards (what a stream that casts after gathering, like the others here, moves);
 - ``fsdp_stream``: ``fsdp.export.full_params_stream(dtype=bf16, transient=True)``, every rank;
+  timed interleaved with ``floor`` (below);
 - ``fsdp_stream_rank0``: the same with ``rank0_only=True``;
 - ``fsdp1_summon_walk``: torch FSDP1's ``summon_full_params(unit, recurse=False)`` over every unit
   (the walk TRL uses), casting each parameter;
@@ -21,6 +22,19 @@ The report (``--json``) has ``date``, the figures per world size, and ``targets`
 (at the largest world size): the stream at most 1.2x the floor, no slower than the summon walk, at
 most 0.5x FSDP2's loop; its extra memory at most one unit plus one bucket beside the gathers'
 own (gloo's all-gather stages through a buffer of the output's size).
+
+[Note: The stream and its floor are timed interleaved]
+On a shared machine the bare gathers' time moves by 2x between runs (0.22-0.54 s at 4 ranks on
+2 cores), so a stream and a floor timed a few seconds apart compare two loads. They are timed in
+the same process group on the same model, alternately (floor, stream, stream, floor, ...: a drift
+in load weighs on both alike) for ``--ratio-reps`` repetitions after one warm-up each; each
+repetition's time is the slowest rank's (barrier to barrier), and the target's ratio is the
+median of the per-repetition ratios, with their min and max beside it (``floor_ratio`` in the
+results; ``min``/``max``/``reps`` in the target). The floor stays exactly the units' all-gathers
+in bf16 (the shards cast before timing): the stream's cast is its own work. Each rank's CPU
+seconds (``time.process_time``, gloo's threads included) over the same repetitions give
+``cpu_ratio``, the summed CPU of every rank, stream over floor (median of the per-repetition
+ratios; the seconds are in ``floor_ratio``): reported beside the target, not targeted.
 """
 
 from __future__ import annotations
@@ -168,6 +182,26 @@ def _delta(model: nn.Module, d: int, bucket_bytes: int) -> tuple[Callable[[], No
     return step, run, info
 
 
+def _interleaved(fns: dict[str, Callable[[], None]], reps: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Each of ``fns`` once per repetition, the order reversed every other one, after one warm-up
+    each: wall seconds (barrier to barrier) and this process's CPU seconds, per repetition
+    ([Note: The stream and its floor are timed interleaved])."""
+    for fn in fns.values():
+        fn()  # warm-up
+    wall: dict[str, list[float]] = {name: [] for name in fns}
+    cpu: dict[str, list[float]] = {name: [] for name in fns}
+    names = list(fns)
+    for rep in range(reps):
+        for name in names if rep % 2 == 0 else names[::-1]:
+            dist.barrier()
+            cpu_start, start = time.process_time(), time.perf_counter()
+            fns[name]()
+            dist.barrier()
+            wall[name].append(time.perf_counter() - start)
+            cpu[name].append(time.process_time() - cpu_start)
+    return wall, cpu
+
+
 def _time(fn: Callable[[], None], reps: int) -> float:
     fn()  # warm-up
     samples = []
@@ -204,10 +238,11 @@ def _rank(rank: int, payload: dict[str, Any], workdir: str) -> None:
     with _group(rank, payload["world_size"], workdir):
         result: dict[str, Any] = {"rank": rank, "seconds": {}, "peak_extra_bytes": {}}
         ours = _ours(layers, d)
+        paired = {"floor": _floor(ours, DTYPE), "fsdp_stream": _stream(ours, False, bucket)}
+        result["paired_wall"], result["paired_cpu"] = _interleaved(paired, payload["ratio_reps"])
         ways: list[tuple[str, Callable[[], None]]] = [
             ("floor_fp32", _floor(ours, None)),
-            ("floor", _floor(ours, DTYPE)),
-            ("fsdp_stream", _stream(ours, False, bucket)),
+            *paired.items(),
             ("fsdp_stream_rank0", _stream(ours, True, bucket)),
         ]
         fsdp1 = _fsdp1(layers, d)
@@ -215,7 +250,8 @@ def _rank(rank: int, payload: dict[str, Any], workdir: str) -> None:
         fsdp2 = _fsdp2(layers, d)
         ways.append(("fsdp2_full_tensor", _full_tensor_loop(fsdp2)))
         for name, fn in ways:
-            result["seconds"][name] = _time(fn, reps)
+            if name not in paired:
+                result["seconds"][name] = _time(fn, reps)
             result["peak_extra_bytes"][name] = _peak(fn)
         step, delta, info = _delta(ours, d, bucket)
         step()
@@ -240,8 +276,14 @@ def _targets(ws: int, r: dict[str, Any], bucket_bytes: int) -> list[dict[str, An
         return {"target": f"{target} ({ws} ranks)", "ratio": round(value, 3), "bound": bound, "status": "met" if value <= bound else "NOT met"}
 
     bound = r["unit_bytes"] // 2 + bucket_bytes  # one gathered unit in bf16 plus one bucket
+    spread = r["floor_ratio"]
     return [
-        t("stream time / floor (the same units' all-gathers alone)", stream / s["floor"], 1.2),
+        {
+            **t("stream time / floor (the same units' all-gathers alone; median of interleaved repetitions)", spread["median"], 1.2),
+            "min": round(spread["min"], 3),
+            "max": round(spread["max"], 3),
+            "reps": spread["reps"],
+        },
         t("stream time / torch FSDP1 summon_full_params(recurse=False) walk", stream / s["fsdp1_summon_walk"], 1.0),
         t("stream time / torch FSDP2 full_tensor() loop", stream / s["fsdp2_full_tensor"], 0.5),
         t("stream peak extra memory / (one bf16 unit + one bucket)", mem["fsdp_stream"] / bound, 1.0),
@@ -249,10 +291,35 @@ def _targets(ws: int, r: dict[str, Any], bucket_bytes: int) -> list[dict[str, An
     ]
 
 
+def _ratio_spread(ranks: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, float], float]:
+    """The interleaved repetitions: the per-repetition stream/floor ratios (each side the slowest
+    rank's wall time) as median, min and max; each side's median slowest time; and the summed
+    CPU seconds of every rank, stream over floor (median of the per-repetition ratios)."""
+    wall = {n: [max(x["paired_wall"][n][i] for x in ranks) for i in range(len(ranks[0]["paired_wall"][n]))] for n in ("floor", "fsdp_stream")}
+    cpu = {n: [sum(x["paired_cpu"][n][i] for x in ranks) for i in range(len(ranks[0]["paired_cpu"][n]))] for n in ("floor", "fsdp_stream")}
+    ratios = [s / f for s, f in zip(wall["fsdp_stream"], wall["floor"])]
+    spread = {
+        "median": statistics.median(ratios),
+        "min": min(ratios),
+        "max": max(ratios),
+        "reps": len(ratios),
+        "ratios": [round(x, 4) for x in ratios],
+        "floor_seconds": [round(x, 4) for x in wall["floor"]],
+        "stream_seconds": [round(x, 4) for x in wall["fsdp_stream"]],
+        "floor_cpu_seconds": [round(x, 4) for x in cpu["floor"]],
+        "stream_cpu_seconds": [round(x, 4) for x in cpu["fsdp_stream"]],
+    }
+    cpu_ratio = statistics.median(s / f for s, f in zip(cpu["fsdp_stream"], cpu["floor"]))
+    return spread, {n: statistics.median(v) for n, v in wall.items()}, cpu_ratio
+
+
 def _summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
-    names = ranks[0]["seconds"].keys()
-    slowest = {n: max(x["seconds"][n] for x in ranks) for n in names}
+    spread, paired, cpu_ratio = _ratio_spread(ranks)
+    names = list(ranks[0]["peak_extra_bytes"]) + [n for n in ranks[0]["seconds"] if n not in ranks[0]["peak_extra_bytes"]]
+    slowest = {n: paired[n] if n in paired else max(x["seconds"][n] for x in ranks) for n in names}
     return {
+        "floor_ratio": spread,
+        "cpu_ratio": cpu_ratio,
         "seconds_slowest": slowest,
         "seconds_per_gb": {n: v / (ranks[0]["export_bytes"] / 1e9) for n, v in slowest.items()},
         "peak_extra_bytes_max": {n: max(x["peak_extra_bytes"][n] for x in ranks) for n in ranks[0]["peak_extra_bytes"]},
@@ -271,6 +338,11 @@ def _print(ws: int, r: dict[str, Any]) -> None:
         mem_s = f"{mem / 2**20:9.1f} MiB (rank 0 {r['peak_extra_bytes_rank0'][name] / 2**20:.1f})" if mem is not None else ""
         print(f"  {name:<24} {sec:8.3f} s  {sec / gb:8.3f} s/GB  peak extra {mem_s}")
     print(f"  delta after one AdamW step: {r['delta_bytes'] / 1e9:.3f} GB sent")
+    f = r["floor_ratio"]
+    print(
+        f"  stream / floor over {f['reps']} interleaved repetitions: median {f['median']:.3f}x (min {f['min']:.3f}, "
+        f"max {f['max']:.3f}); CPU seconds of every rank, stream / floor: {r['cpu_ratio']:.3f}x; load {r['loadavg']}"
+    )
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -279,6 +351,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--d", type=int, default=2048)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--ratio-reps", type=int, default=9, help="interleaved repetitions of the floor and the stream")
     p.add_argument("--bucket-mib", type=int, default=64)
     p.add_argument("--timeout", type=float, default=1200.0)
     p.add_argument("--json", dest="json_out", default=None)
@@ -294,9 +367,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "targets": [],
     }
     for ws in a.world_sizes:
-        payload = {"layers": a.layers, "d": a.d, "reps": a.reps, "bucket_bytes": bucket, "world_size": ws}
+        payload = {"layers": a.layers, "d": a.d, "reps": a.reps, "ratio_reps": a.ratio_reps, "bucket_bytes": bucket, "world_size": ws}
+        load_before = os.getloadavg()
         ranks = run_local_ranks(_rank, payload, ws, a.timeout, prog="benchmarks.export")
         summary = _summarize(ranks)
+        summary["loadavg"] = {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in os.getloadavg()]}
         out["results"][str(ws)] = summary
         _print(ws, summary)
         out["targets"] += _targets(ws, summary, bucket)

@@ -151,9 +151,25 @@ def _gathered(
     if not handle.shard_layout.uses_sharding:
         keeps = not rank0_only or _global_rank() in _rank0_receivers(tp)
         return shard.to(target) if keeps else None
+    if dst is None:
+        return _all_gathered(handle, shard, target)
     # CPU offload of parameters: communicate on the device.
-    shard = shard.to(handle.device, target)
-    return gather(shard, handle.process_group, handle.rank, handle.world_size, dst)
+    return gather(shard.to(handle.device, target), handle.process_group, handle.rank, handle.world_size, dst)
+
+
+def _all_gathered(handle: FlatParamHandle, shard: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The all-gather of ``shard`` (the handle's local shard) in ``dtype`` on the handle's
+    device: a shard that needs a cast or a move is cast straight into its own chunk of the
+    gathered tensor, which is the collective's input ([Note: Export streams one unit at a
+    time])."""
+    numel = shard.numel()
+    padded_unsharded = torch.empty(handle.world_size * numel, dtype=dtype, device=handle.device)
+    own_chunk = shard
+    if (shard.dtype, shard.device) != (dtype, handle.device):
+        own_chunk = padded_unsharded.narrow(0, handle.rank * numel, numel)
+        own_chunk.copy_(shard)
+    comm.all_gather_flat(padded_unsharded, own_chunk, handle.process_group)
+    return padded_unsharded
 
 
 # [Note: Export streams one unit at a time]
@@ -166,6 +182,13 @@ def _gathered(
 # each parameter's view of it into the bucket being filled; the gathered unit is dropped before
 # the next one is gathered. The handle itself is never unsharded and its state never changes, so
 # a training step after an export is the step without it, bit for bit.
+#
+# The all-gather's input is this rank's own chunk of the gathered tensor (an in-place
+# all-gather, as FSDP2's: gloo and NCCL both take an input that is the output's chunk of the
+# caller's rank): the cast (and, with CPU offload, the move to the device) writes the shard
+# straight where the gather would put it, so a cast export allocates no separate shard copy and
+# the stream's work beyond the collective is that one cast. A shard already in the export dtype
+# on the device is the input as it is (copying it into the chunk would be a copy more).
 #
 # Memory: at any moment the stream holds at most one gathered unit plus the bucket it is filling.
 # With ``transient=True`` nothing is copied where nothing has to be: a bucket's parameters are

@@ -215,7 +215,7 @@ def stream_memory() -> dict[str, Any]:
         result["floor"] = max(result["floor"], trace.peaks["gathers"] - trace.starts["gathers"])
     alive: list[weakref.ref[torch.Tensor]] = []
     most_alive = [0]
-    original = export.gather
+    original = export._gathered
 
     def spy(*args: Any, **kwargs: Any) -> Any:
         # gloo's worker drops its hold on the previous output a moment after reporting completion
@@ -227,7 +227,15 @@ def stream_memory() -> dict[str, Any]:
         alive.append(weakref.ref(out))
         return out
 
-    export.gather = spy  # type: ignore[assignment]
+    in_place: list[bool] = []  # per all-gather: its input is its output's chunk (the cast went there)
+    all_gather = export.comm.all_gather_flat
+
+    def gather_spy(output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        in_place.append(input.untyped_storage().data_ptr() == output.untyped_storage().data_ptr())
+        return all_gather(output, input, *args, **kwargs)
+
+    export._gathered = spy  # type: ignore[assignment]
+    export.comm.all_gather_flat = gather_spy  # type: ignore[assignment]
     try:
         for reuse in (True, False):
             seen = 0
@@ -247,8 +255,10 @@ def stream_memory() -> dict[str, Any]:
             result[f"extra_{reuse}"] = trace.peaks["export"] - trace.starts["export"]
             result[f"seen_{reuse}"] = seen
     finally:
-        export.gather = original  # type: ignore[assignment]
+        export._gathered = original  # type: ignore[assignment]
+        export.comm.all_gather_flat = all_gather  # type: ignore[assignment]
     result["most_alive"] = most_alive[0]
+    result["in_place"] = in_place
     result["unsharded"] = sum(h.storage.unsharded_storage_nbytes() for h in handles)
     return result
 
@@ -257,6 +267,8 @@ def test_stream_memory_is_one_unit_plus_one_bucket(pool2: RankPool) -> None:
     for r in pool2.run(stream_memory):
         assert r["seen_True"] == r["seen_False"] == 24, r
         assert r["most_alive"] == 1 and r["unsharded"] == 0, r  # one gathered unit; handles untouched
+        # bf16 from fp32 shards: each shard is cast into its chunk of the gathered unit, no copy beside
+        assert r["in_place"] == [True] * 24, r
         # Staging: max(bucket, largest tensor in bf16), allocated once.
         capacity = max(r["bucket_bytes"], 64 * 64 * 2)
         # Beside the gathers alone: at most the bucket (and gloo's late free of one more copy).
@@ -658,3 +670,31 @@ def test_tp_stream_memory(pool4: RankPool) -> None:
         bound = r["U"] + (r["tp"] + 1) * r["P"] + r["B"]
         assert r["extra"] <= r["floor"] + bound, r
         print("tp stream memory:", r)
+
+
+# ----------------------------------------------------------------------------- the benchmark's floor ratio
+def test_benchmark_times_stream_and_floor_interleaved(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``benchmarks/export.py`` ([Note: The stream and its floor are timed interleaved]): each
+    repetition runs both, the order reversed every other one, and the ratio is the median of the
+    per-repetition ratios of the slowest rank's times, with min and max; the CPU ratio sums the
+    ranks."""
+    import benchmarks.export as bench
+
+    order: list[str] = []
+    monkeypatch.setattr(bench.dist, "barrier", lambda: None)
+    wall, cpu = bench._interleaved({"floor": lambda: order.append("f"), "fsdp_stream": lambda: order.append("s")}, 4)
+    assert order == ["f", "s"] + ["f", "s", "s", "f"] * 2  # warm-ups, then ABBA
+    assert [len(wall["floor"]), len(cpu["fsdp_stream"])] == [4, 4]
+
+    def rank(floor: list[float], stream: list[float], floor_cpu: list[float], stream_cpu: list[float]) -> dict[str, Any]:
+        return {"paired_wall": {"floor": floor, "fsdp_stream": stream}, "paired_cpu": {"floor": floor_cpu, "fsdp_stream": stream_cpu}}
+
+    # Slowest rank per repetition: floor (1.0, 2.0, 4.0), stream (1.5, 2.0, 2.0): ratios 1.5, 1.0, 0.5.
+    ranks = [
+        rank([1.0, 1.0, 4.0], [1.5, 2.0, 1.0], [1.0, 1.0, 1.0], [1.0, 2.0, 3.0]),
+        rank([0.5, 2.0, 1.0], [1.0, 1.0, 2.0], [1.0, 1.0, 1.0], [1.0, 2.0, 3.0]),
+    ]
+    spread, paired, cpu_ratio = bench._ratio_spread(ranks)
+    assert (spread["median"], spread["min"], spread["max"], spread["reps"]) == (1.0, 0.5, 1.5, 3)
+    assert paired == {"floor": 2.0, "fsdp_stream": 2.0}  # the median slowest time of each
+    assert cpu_ratio == 2.0  # ranks summed per repetition: 2/2, 4/2, 6/2
