@@ -20,10 +20,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp.api import StateDictType
-from fsdp.fully_sharded_data_parallel import FullyShardedDataParallel
 from fsdp.state_dict._commit_writer import CommitWriter, checkpoint_exists
-from fsdp.state_dict._flat_checkpoint import FlatShardSavePlanner, flat_shard_state_dict, missing_from_checkpoint
+from fsdp.state_dict._flat_checkpoint import (
+    FlatShardLoadPlanner,
+    FlatShardSavePlanner,
+    apply_loaded,
+    flat_shard_load_target,
+    flat_shard_state_dict,
+    missing_from_checkpoint,
+)
 from fsdp.state_dict._safetensors import sharded_to_safetensors
 from fsdp.state_dict._staging import HostStaging
 
@@ -315,23 +320,18 @@ def load_sharded(
     if storage_reader is None:
         storage_reader = dcp.FileSystemReader(checkpoint_id)
     saved_keys = set(storage_reader.read_metadata().state_dict_metadata)
-    FSDP = FullyShardedDataParallel
-    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
-        state: dict[str, Any] = {"model": model.state_dict()}
-        frozen, others = missing_from_checkpoint(model, state["model"], saved_keys)
-        _check_missing(checkpoint_id, frozen, others, ignore_frozen_params)
-        for key in frozen:
-            del state["model"][key]
+    frozen, others = missing_from_checkpoint(model, flat_shard_load_target(model)["model"], saved_keys)
+    _check_missing(checkpoint_id, frozen, others, ignore_frozen_params)  # before anything changes
+    if optim is not None and not optim.state:
+        _init_optim_state(optim)
+    state = flat_shard_load_target(model, optim)
+    for key in frozen:
+        del state["model"][key]
         if optim is not None:
-            if not optim.state:
-                _init_optim_state(optim)
-            state["optim"] = FSDP.optim_state_dict(model, optim)
-            for key in frozen:
-                state["optim"]["state"].pop(key, None)
-        dcp.load(state, checkpoint_id=checkpoint_id, storage_reader=storage_reader)
-        model.load_state_dict(state["model"], strict=not frozen)
-        if optim is not None:
-            optim.load_state_dict(FSDP.optim_state_dict_to_load(model, optim, state["optim"]))
+            state["optim"]["state"].pop(key, None)
+    with torch.no_grad():
+        dcp.load(state, checkpoint_id=checkpoint_id, storage_reader=storage_reader, planner=FlatShardLoadPlanner())
+        apply_loaded(model, optim, state)
 
 
 def _check_missing(checkpoint_id: Any, frozen: list[str], others: list[str], ignore_frozen_params: bool) -> None:
