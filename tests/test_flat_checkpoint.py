@@ -568,12 +568,12 @@ def _assert_same_checkpoint(path: str, other: str, directory: str, name: str) ->
         assert same, (name, key)
 
 
-def _tp_load_plain(path: str, expected: dict[str, Any], name: str, optim: bool) -> None:
-    """Into a plain model (full tensors) through DCP."""
+def _tp_load_plain(path: str, expected: dict[str, Any], name: str, optim: bool, hidden: int | None = None) -> None:
+    """Into a plain model (full tensors) through DCP (hidden size: ``name``'s config's)."""
     import torch.distributed.checkpoint as dcp
     from tests.test_tensor_parallel import _make_model
 
-    plain = _make_model(hidden=TP_CONFIGS[name][3])
+    plain = _make_model(hidden=hidden or TP_CONFIGS[name][3])
     state: dict[str, Any] = {"model": plain.state_dict()}
     if optim:
         zeros = {"exp_avg": torch.zeros_like, "exp_avg_sq": torch.zeros_like}

@@ -198,7 +198,7 @@ class FlatShardLoadPlanner(DefaultLoadPlanner):
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         obj = self.state_dict.get(index.fqn)
         if isinstance(obj, FlatShardChunks):
-            return obj.views[torch.Size(index.offset)]
+            return obj.views[torch.Size(index.offset if index.offset is not None else [0] * len(obj.shape))]
         return super().lookup_tensor(index)
 
 

@@ -1,0 +1,96 @@
+"""load_sharded into a tensor-parallel model whose split is uneven (issue 33).
+
+A SHARDED state dict of a model whose tp split is uneven (hidden 11 over 2 or 4 tp ranks, 6
+over 4, where the last tp rank holds nothing) aborts gloo in DTensor's redistribution over dp,
+torch FSDP1's too; load_sharded reads straight into the flat shards' boxes instead ([Note:
+Flat-shard loads] in fsdp/state_dict/_flat_checkpoint.py), so it loads there:
+
+- from an even-split checkpoint (fsdp without tensor parallelism, trained 2 AdamW steps at 4
+  ranks) into uneven (dp, tp) = (2, 2) and (1, 4) models (flat and use_orig_params, nested and
+  not), model and AdamW state;
+- from the checkpoint such an uneven model saves, into another uneven mesh ((1, 4) at 4 ranks,
+  (1, 2) at 2 ranks), into tp degree 1 ((2, 1)) and into fsdp without tensor parallelism;
+- each time bit for bit against the full state of the model that saved the source (torch's DCP
+  state-dict API, full_state_dict=True), which a plain model (no fsdp, no TP) also reads from
+  every checkpoint involved.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tests._harness import get_pool
+from tests.test_flat_checkpoint import _tp_expected, _tp_load_plain, _tp_ours
+
+_HIDDEN = 11  # 6 + 5 over tp 2, 3 + 3 + 3 + 2 over tp 4
+_EMPTY_HIDDEN = 6  # 2 + 2 + 2 + 0 over tp 4: the last tp rank holds an empty piece
+
+
+def _loaded_equal(model: Any, optim: Any, expected: dict[str, Any], what: str) -> None:
+    loaded = _tp_expected(model, optim)
+    for key in ("model", "optim"):
+        assert sorted(loaded[key]) == sorted(expected[key]), (what, key)
+        for k, value in expected[key].items():
+            assert torch.equal(loaded[key][k], value), (what, key, k)
+
+
+def _load_into(model: Any, path: str, expected: dict[str, Any], what: str) -> Any:
+    """load_sharded into ``model`` with a fresh AdamW (given state by load_sharded), compared."""
+    from fsdp.checkpoint import load_sharded
+
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        load_sharded(model, optim, checkpoint_id=path)
+    _loaded_equal(model, optim, expected, what)
+    return optim
+
+
+def uneven_save_and_load(directory: str) -> None:
+    """At 4 ranks: even-split checkpoints (fsdp without TP, trained), loaded into uneven (2, 2)
+    and (1, 4) models; the (2, 2) model's own save loaded into (1, 4) and fsdp without TP."""
+    from fsdp.checkpoint import save_sharded
+    from tests.test_tensor_parallel import _plain_fsdp, _train
+
+    for hidden in (_HIDDEN, _EMPTY_HIDDEN):
+        source = _plain_fsdp("ours", hidden)
+        source_optim = torch.optim.AdamW(source.parameters(), lr=0.01)
+        _train(source, source_optim, range(2))
+        even = os.path.join(directory, f"even_{hidden}")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            save_sharded(source, source_optim, checkpoint_id=even)
+        expected = _tp_expected(source, source_optim)
+        if dist.get_rank() == 0:
+            torch.save(expected, os.path.join(directory, f"expected_{hidden}.pt"))
+        _tp_load_plain(even, expected, f"even {hidden}", True, hidden)
+        shapes = [(2, 2), (1, 4)] if hidden == _HIDDEN else [(1, 4)]
+        for shape, (strategy, nested, orig) in zip(shapes, [("FULL_SHARD", True, False), ("SHARD_GRAD_OP", False, True)]):
+            model = _tp_ours(strategy, nested, orig, hidden, shape)
+            optim = _load_into(model, even, expected, f"even -> tp {shape} hidden {hidden}")
+            if shape == (2, 2):  # the uneven model's own checkpoint
+                uneven = os.path.join(directory, f"uneven_{hidden}")
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    save_sharded(model, optim, checkpoint_id=uneven)
+                _tp_load_plain(uneven, expected, f"uneven {hidden}", True, hidden)
+                _load_into(_tp_ours("SHARD_GRAD_OP", False, True, hidden, (1, 4)), uneven, expected, "uneven (2, 2) -> (1, 4)")
+                _load_into(_plain_fsdp("ours", hidden), uneven, expected, "uneven (2, 2) -> fsdp without tp")
+
+
+def uneven_load_at_2(directory: str) -> None:
+    """At 2 ranks: the uneven (2, 2) checkpoint into (1, 2) (6 + 5) and (2, 1) models."""
+    expected = torch.load(os.path.join(directory, f"expected_{_HIDDEN}.pt"), weights_only=False)
+    path = os.path.join(directory, f"uneven_{_HIDDEN}")
+    _load_into(_tp_ours("FULL_SHARD", True, False, _HIDDEN, (1, 2)), path, expected, "uneven (2, 2) -> (1, 2)")
+    _load_into(_tp_ours("SHARD_GRAD_OP", False, True, _HIDDEN, (2, 1)), path, expected, "uneven (2, 2) -> (2, 1)")
+
+
+def test_load_into_uneven_tensor_parallel(tmp_path: Any) -> None:
+    get_pool(4).run(uneven_save_and_load, str(tmp_path), _timeout=300)
+    get_pool(2).run(uneven_load_at_2, str(tmp_path), _timeout=300)
