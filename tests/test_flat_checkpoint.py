@@ -602,13 +602,9 @@ def tp_load(directory: str, shapes: list[tuple[int, int]], plain_fsdp: bool) -> 
         expected = torch.load(os.path.join(directory, f"{name}.pt"), weights_only=False)
         with_optim = hidden % 2 == 0
         targets = []
-        for shape in shapes:
-            # The uneven model only where tp splits it evenly (tp 1): a SHARDED state dict of
-            # uneven tp pieces (load_sharded's DCP target) aborts in DTensor's redistribution,
-            # torch FSDP1's too (docs/checkpoints.md).
-            if hidden % shape[1] == 0:
-                other = "SHARD_GRAD_OP" if strategy == "FULL_SHARD" else "FULL_SHARD"
-                targets.append((f"tp {shape}", _tp_ours(other, not nested, not orig, hidden, shape)))
+        for shape in shapes:  # uneven splits too (tests/test_tp_checkpoint_load.py)
+            other = "SHARD_GRAD_OP" if strategy == "FULL_SHARD" else "FULL_SHARD"
+            targets.append((f"tp {shape}", _tp_ours(other, not nested, not orig, hidden, shape)))
         if plain_fsdp:
             targets.append(("fsdp without tp", _plain_fsdp("ours", hidden)))
         for what, model in targets:
