@@ -297,7 +297,10 @@ def load_sharded(
     ignore_frozen_params: bool = False,
 ) -> None:
     """Loads a sharded DCP checkpoint (from :func:`save_sharded` or a SHARDED state dict with
-    the same keys) into ``model`` (and ``optim``), resharding as DCP reads.
+    the same keys) into ``model`` (and ``optim``), resharding as DCP reads: each rank reads the
+    boxes its flat shards hold (and its optimizer states shaped like them) straight into them, in
+    place, with no SHARDED state dict ([Note: Flat-shard loads]); so a tensor-parallel model whose
+    split is uneven loads too.
 
     Args:
         model: The root FSDP module, at any world size and wrap plan.

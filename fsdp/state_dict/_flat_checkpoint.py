@@ -21,7 +21,7 @@ on every rank, which DCP writes once (it deduplicates replicated entries).
 The files hold the keys a SHARDED state dict has (``model.<fqn>``, ``optim.state.<fqn>.<name>``,
 ``optim.param_groups``), full shapes and dtypes; DCP reshards on read, so the checkpoint loads at
 any world size and wrap plan, into torch FSDP1 / FSDP2 and into a plain model. Loading into fsdp
-goes through the SHARDED state dict as DCP's target (:func:`load`).
+reads the same boxes straight into the flat shards ([Note: Flat-shard loads]).
 
 [Note: Flat-shard checkpoints of tensor-parallel parameters]
 Under tensor parallelism (a 2-D (dp, tp) mesh) a flat shard holds ranges of each DTensor
