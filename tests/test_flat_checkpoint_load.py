@@ -1,4 +1,9 @@
-"""load_sharded into a tensor-parallel model whose split is uneven (issue 33).
+"""load_sharded's reads straight into the flat shards (issue 33; [Note: Flat-shard loads]).
+
+Mixed-precision buffers (kept at full precision), ignored parameters, the optimizer's param
+groups and scalar states load as a state-dict load gives them, bit for bit.
+
+Into a tensor-parallel model whose split is uneven:
 
 A SHARDED state dict of a model whose tp split is uneven (hidden 11 over 2 or 4 tp ranks, 6
 over 4, where the last tp rank holds nothing) aborts gloo in DTensor's redistribution over dp,
@@ -94,3 +99,70 @@ def uneven_load_at_2(directory: str) -> None:
 def test_load_into_uneven_tensor_parallel(tmp_path: Any) -> None:
     get_pool(4).run(uneven_save_and_load, str(tmp_path), _timeout=300)
     get_pool(2).run(uneven_load_at_2, str(tmp_path), _timeout=300)
+
+
+def _bn_model(seed: int) -> Any:
+    """Linear + BatchNorm units, mixed precision with bf16 buffers, one ignored Linear."""
+    from torch import nn
+
+    from fsdp import FullyShardedDataParallel as FSDP, MixedPrecision
+    from fsdp.wrap import ModuleWrapPolicy
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Sequential(nn.Linear(6, 5), nn.BatchNorm1d(5)))
+            self.side = nn.Linear(3, 3)  # ignored (not run in forward: its parameter is changed by hand)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.body(x)
+
+    torch.manual_seed(seed)
+    net = Net()
+    mp = MixedPrecision(param_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16, _module_classes_to_ignore=())
+    return FSDP(net, auto_wrap_policy=ModuleWrapPolicy({nn.Sequential}), mixed_precision=mp, ignored_modules=[net.side])
+
+
+def _bn_steps(model: Any, optim: Any, seed: int) -> None:
+    torch.manual_seed(seed)  # the same batch on every rank: buffers (BatchNorm stats) agree
+    for _ in range(2):
+        model(torch.randn(6, 4)).float().sum().backward()
+        optim.step()
+        optim.zero_grad()
+
+
+def buffers_groups_load(directory: str) -> None:
+    """Save after two steps; change everything (two more steps, another lr); load: the FULL
+    state dict (full-precision buffer values), the ignored parameter, the optimizer's FULL state
+    and its param groups are the saved ones, bit for bit, and the buffers in use are their
+    bf16 casts again."""
+    from fsdp.checkpoint import load_sharded, save_sharded
+    from tests.test_flat_checkpoint import _assert_equal, _full
+
+    model = _bn_model(3)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    _bn_steps(model, optim, 1)
+    path = os.path.join(directory, "bn")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        save_sharded(model, optim, checkpoint_id=path)
+        expected = _full(model, optim)
+        buffers = {n: b.clone() for n, b in model.named_buffers()}
+        _bn_steps(model, optim, 2)
+        with torch.no_grad():
+            model.side.weight.add_(1.0)
+        optim.param_groups[0]["lr"] = 0.5
+        assert not torch.equal(_full(model, optim)[0]["body.1.running_mean"], expected[0]["body.1.running_mean"])
+        load_sharded(model, optim, checkpoint_id=path)
+        loaded = _full(model, optim)
+    _assert_equal(loaded[0], expected[0], "model with bf16 buffers and an ignored Linear")
+    _assert_equal(loaded[1], expected[1], "AdamW state")
+    assert "side.weight" in expected[0] and any(b.dtype == torch.bfloat16 for b in buffers.values())
+    assert expected[0]["body.1.running_mean"].dtype == torch.float32
+    assert optim.param_groups[0]["lr"] == 1e-2 and optim.param_groups[0]["weight_decay"] == 0.1
+    for name, buffer in model.named_buffers():
+        assert buffer.dtype == buffers[name].dtype and torch.equal(buffer, buffers[name]), name
+
+
+def test_load_buffers_ignored_params_and_param_groups(tmp_path: Any) -> None:
+    get_pool(2).run(buffers_groups_load, str(tmp_path), _timeout=300)
