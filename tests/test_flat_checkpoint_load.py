@@ -1,7 +1,10 @@
 """load_sharded's reads straight into the flat shards (issue 33; [Note: Flat-shard loads]).
 
-Mixed-precision buffers (kept at full precision), ignored parameters, the optimizer's param
-groups and scalar states load as a state-dict load gives them, bit for bit.
+Every rank that holds a part reads it: a checkpoint loads bit for bit into each strategy (both
+replicas of HYBRID_SHARD and _HYBRID_SHARD_ZERO2, every rank of NO_SHARD, SHARD_GRAD_OP with CPU
+offload, mixed precision; use_orig_params both ways). Mixed-precision buffers (kept at full
+precision), ignored parameters, the optimizer's param groups and scalar states load as a
+state-dict load gives them, bit for bit.
 
 Into a tensor-parallel model whose split is uneven:
 
@@ -166,3 +169,42 @@ def buffers_groups_load(directory: str) -> None:
 
 def test_load_buffers_ignored_params_and_param_groups(tmp_path: Any) -> None:
     get_pool(2).run(buffers_groups_load, str(tmp_path), _timeout=300)
+
+
+# name -> _ours config (use_orig_params, strategy, mixed precision, cpu offload, hybrid mesh)
+_TARGETS = {
+    "hybrid_orig": (True, "HYBRID_SHARD", False, False, True),
+    "hybrid_zero2_flat": (False, "_HYBRID_SHARD_ZERO2", False, False, True),
+    "no_shard_flat": (False, "NO_SHARD", False, False, False),
+    "zero2_offload_orig": (True, "SHARD_GRAD_OP", False, True, False),
+    "mp_flat": (False, "FULL_SHARD", True, False, False),
+}
+
+
+def load_into_every_strategy(directory: str) -> list[str]:
+    """A FULL_SHARD checkpoint of 4 ranks into each strategy at 4 ranks, bit for bit."""
+    from fsdp.checkpoint import load_sharded, save_sharded
+    from tests.test_flat_checkpoint import _assert_equal, _full, _ours, _train
+
+    source = _ours((False, "FULL_SHARD", False, False, False), seed=5)
+    source_optim = _train(source, 2)
+    path = os.path.join(directory, "full_shard")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        save_sharded(source, source_optim, checkpoint_id=path)
+        expected = _full(source, source_optim)
+        done = []
+        for name, config in _TARGETS.items():
+            model = _ours(config, seed=9)
+            optim = _train(model, 1, lr=0.5)
+            load_sharded(model, optim, checkpoint_id=path)
+            loaded = _full(model, optim)
+            _assert_equal(loaded[0], expected[0], f"model into {name}")
+            _assert_equal(loaded[1], expected[1], f"optim into {name}")
+            done.append(name)
+    return done
+
+
+def test_load_into_every_strategy(tmp_path: Any) -> None:
+    reports = get_pool(4).run(load_into_every_strategy, str(tmp_path), _timeout=300)
+    assert reports == [list(_TARGETS)] * 4
