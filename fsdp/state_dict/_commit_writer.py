@@ -47,6 +47,7 @@ two jobs on one folder, not a kill, and the load fails loudly rather than readin
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import pickle
@@ -126,7 +127,10 @@ class CommitWriter(FileSystemWriter):
             _fsync_dir(os.path.dirname(final))
 
     def _remove_unnamed(self, folder: str, named: set[str]) -> None:
-        """Removes the data files no longer named (the replaced checkpoint's, a killed save's)."""
+        """Removes the data files no longer named (the replaced checkpoint's, a killed save's).
+        Best effort: the checkpoint is committed already, so a file that cannot be removed now
+        stays (loads ignore it) for the next save's commit, instead of failing this save."""
         for name in sorted(os.listdir(folder)):
             if _DATA_FILE.match(name) and name not in named:
-                os.remove(os.path.join(folder, name))
+                with contextlib.suppress(OSError):
+                    os.remove(os.path.join(folder, name))
