@@ -33,8 +33,11 @@ import os
 import warnings
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
+
+from torch.distributed.checkpoint.api import CheckpointException
 
 from tests._harness import get_pool
 from tests.test_flat_checkpoint import _tp_expected, _tp_load_plain, _tp_ours
@@ -169,6 +172,15 @@ def buffers_groups_load(directory: str) -> None:
     assert optim.param_groups[0]["lr"] == 1e-2 and optim.param_groups[0]["weight_decay"] == 0.1
     for name, buffer in model.named_buffers():
         assert buffer.dtype == buffers[name].dtype and torch.equal(buffer, buffers[name]), name
+    params = [p for n, p in model.named_parameters() if "side" not in n]  # the flat ones (side had no gradient)
+    two_groups = torch.optim.AdamW([{"params": params[:1]}, {"params": params[1:]}])
+    _bn_steps(model, optim, 3)  # away from the checkpoint, so that a read would show
+    before = _full(model, optim)[0]
+    with pytest.raises(CheckpointException, match=r"Missing key in checkpoint state_dict: optim\.param_groups\.1\."):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            load_sharded(model, two_groups, checkpoint_id=path)  # refused at planning: nothing read
+    _assert_equal(_full(model, optim)[0], before, "a refused load changed nothing")
 
 
 def test_load_buffers_ignored_params_and_param_groups(tmp_path: Any) -> None:

@@ -399,10 +399,7 @@ def apply_loaded(model: nn.Module, optim: Optional[torch.optim.Optimizer], state
             for key, value in loaded["state"].get(fqn, {}).items():
                 if not torch.is_tensor(value) and not isinstance(value, FlatShardChunks):
                     entry[key] = value
-    if len(loaded["param_groups"]) != len(optim.param_groups):
-        raise ValueError(
-            f"fsdp: the checkpoint's optimizer has {len(loaded['param_groups'])} param groups, this one "
-            f"{len(optim.param_groups)}; load it into an optimizer built with the same param groups."
-        )
+    # DCP flattens the param groups key by key (``optim.param_groups.<i>.<name>``): a group the
+    # checkpoint lacks is refused at planning, before anything is read.
     for group, saved in zip(optim.param_groups, loaded["param_groups"]):
         group.update({key: value for key, value in saved.items() if key != "params"})
