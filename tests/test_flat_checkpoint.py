@@ -602,7 +602,7 @@ def tp_load(directory: str, shapes: list[tuple[int, int]], plain_fsdp: bool) -> 
         expected = torch.load(os.path.join(directory, f"{name}.pt"), weights_only=False)
         with_optim = hidden % 2 == 0
         targets = []
-        for shape in shapes:  # uneven splits too (tests/test_tp_checkpoint_load.py)
+        for shape in shapes:  # uneven splits too (tests/test_flat_checkpoint_load.py)
             other = "SHARD_GRAD_OP" if strategy == "FULL_SHARD" else "FULL_SHARD"
             targets.append((f"tp {shape}", _tp_ours(other, not nested, not orig, hidden, shape)))
         if plain_fsdp:
