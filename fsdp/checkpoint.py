@@ -20,9 +20,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp.api import StateDictType
-from fsdp.fully_sharded_data_parallel import FullyShardedDataParallel
-from fsdp.state_dict._flat_checkpoint import FlatShardSavePlanner, flat_shard_state_dict, missing_from_checkpoint
+from fsdp.state_dict._commit_writer import CommitWriter, checkpoint_exists
+from fsdp.state_dict._flat_checkpoint import (
+    FlatShardLoadPlanner,
+    FlatShardSavePlanner,
+    apply_loaded,
+    flat_shard_load_target,
+    flat_shard_state_dict,
+    missing_from_checkpoint,
+)
 from fsdp.state_dict._safetensors import sharded_to_safetensors
 from fsdp.state_dict._staging import HostStaging
 
@@ -45,10 +51,12 @@ def save_sharded(
         model: The root FSDP module (every rank calls this, outside forward/backward).
         optim: Its optimizer, or None to save the model only.
         checkpoint_id: The checkpoint folder.
-        storage_writer: A DCP ``StorageWriter``; default ``FileSystemWriter(checkpoint_id,
-            overwrite=overwrite)``.
-        overwrite: Whether a save into an existing checkpoint folder replaces its files (passed
-            to DCP's writer explicitly, so the result does not depend on DCP's default).
+        storage_writer: A DCP ``StorageWriter``, used as it is (``overwrite`` is then its own
+            business). Default: a ``FileSystemWriter`` whose re-save into an existing
+            checkpoint is kill-safe ([Note: Kill-safe re-saves]).
+        overwrite: Whether a save into a folder holding a checkpoint replaces it (the old one
+            stays loadable until the new one is committed, whatever DCP's writer default is).
+            With ``False``, such a folder raises before anything is written.
         ignore_frozen_params: Leave out parameters with ``requires_grad=False`` (a frozen base)
             and their optimizer state ([Note: Trainable-only checkpoints]).
 
@@ -56,6 +64,8 @@ def save_sharded(
         DCP's ``Metadata`` of the checkpoint.
 
     Raises:
+        RuntimeError: ``overwrite=False`` and ``checkpoint_id`` holds a checkpoint (on every
+            rank, before anything is written).
         NotImplementedError: A tensor-parallel (DTensor) parameter whose placements are not
             ``Shard``/``Replicate`` (those are written as boxes of the full parameter, [Note:
             Flat-shard checkpoints of tensor-parallel parameters]).
@@ -76,13 +86,18 @@ def _start_save(
     ignore_frozen_params: bool,
 ) -> tuple[Any, dict[str, Any]]:
     """What a sync and an async save share before DCP writes: wait for a save in flight, the
-    writer (``FileSystemWriter`` with ``overwrite`` passed explicitly by default), and the
-    flat-shard state dict (box views, no collective)."""
-    import torch.distributed.checkpoint as dcp
-
+    writer (by default our ``CommitWriter``, after the ``overwrite=False`` check: [Note:
+    Kill-safe re-saves]), and the flat-shard state dict (box views, no collective)."""
     _ASYNC.wait_for_in_flight(caller)
     if storage_writer is None:
-        storage_writer = dcp.FileSystemWriter(checkpoint_id, overwrite=overwrite)
+        if not overwrite and checkpoint_exists(checkpoint_id):
+            raise RuntimeError(
+                f"Checkpoint already exists and self.overwrite=False. fsdp: {caller} found a complete "
+                f"checkpoint in {str(checkpoint_id)!r} (its .metadata) and, with overwrite=False, wrote "
+                "nothing. Pass overwrite=True to replace it (kill-safe: the old checkpoint stays loadable "
+                "until the new one is committed) or save into another folder."
+            )
+        storage_writer = CommitWriter(checkpoint_id)
     return storage_writer, flat_shard_state_dict(model, optim, ignore_frozen_params)
 
 
@@ -107,13 +122,13 @@ def _start_save(
 # callers): on the training's group they could interleave with the training loop's collectives,
 # which gloo and NCCL both require to be issued in the same order on every rank.
 #
-# Kill safety: DCP's file writer renames ``.metadata`` into place last, after every rank's data
-# files are written; a folder without it is not a checkpoint (``load_sharded`` refuses it). A
-# process killed at any moment of a background write therefore leaves the folder it was writing
-# incomplete and every other folder as it was: keep the previous checkpoint in its own folder
-# (a folder per step) until the new save's future has completed. A re-save into the previous
-# checkpoint's own folder overwrites its data files in place (as DCP's synchronous save does), so
-# a kill during it loses both.
+# Kill safety: the default writer commits a checkpoint by one atomic rename of ``.metadata``, on
+# the coordinator after every rank's data files are written, and never writes into a file a
+# committed ``.metadata`` names ([Note: Kill-safe re-saves] in
+# ``fsdp/state_dict/_commit_writer.py``). A process killed at any moment of a background write
+# (or of a synchronous one) leaves at the path the previous checkpoint or the new one, complete,
+# also for a re-save into the previous checkpoint's own folder; a first save into a new folder
+# that is killed leaves no ``.metadata`` there (``load_sharded`` refuses such a folder).
 class _AsyncSaves:
     """The process's staging buffers, its checkpoint process group and the save in flight."""
 
@@ -228,16 +243,16 @@ def async_save_sharded(
 
     One save at a time per process: a call while a save is still in flight first waits for it
     (and raises a ``RuntimeError`` if it failed), as do :func:`save_sharded` and
-    :func:`load_sharded`. A process killed during the background write leaves that checkpoint's
-    folder without DCP's ``.metadata`` (not loadable) and every other folder untouched: save each
-    checkpoint into a folder of its own and keep the previous one until this future is done.
+    :func:`load_sharded`. A process killed during the background write leaves at
+    ``checkpoint_id`` the checkpoint that was there (if any) or the new one, complete, with the
+    default writer, also when the previous checkpoint is in the same folder ([Note: Kill-safe
+    re-saves]).
 
     Args:
         model: The root FSDP module (every rank calls this, outside forward/backward).
         optim: Its optimizer, or None to save the model only.
         checkpoint_id: The checkpoint folder.
-        storage_writer: A DCP ``StorageWriter``; default ``FileSystemWriter(checkpoint_id,
-            overwrite=overwrite)``.
+        storage_writer: As in :func:`save_sharded`.
         overwrite: As in :func:`save_sharded`.
         ignore_frozen_params: As in :func:`save_sharded`.
 
@@ -248,7 +263,8 @@ def async_save_sharded(
 
     Raises:
         RuntimeError: The previous asynchronous save failed and its future's outcome was never
-            read (nothing is started; the next call saves).
+            read (nothing is started; the next call saves); or as :func:`save_sharded`
+            (``overwrite=False`` into a checkpoint).
         NotImplementedError: As :func:`save_sharded` (a tensor-parallel parameter whose
             placements are not ``Shard``/``Replicate``).
     """
@@ -281,7 +297,10 @@ def load_sharded(
     ignore_frozen_params: bool = False,
 ) -> None:
     """Loads a sharded DCP checkpoint (from :func:`save_sharded` or a SHARDED state dict with
-    the same keys) into ``model`` (and ``optim``), resharding as DCP reads.
+    the same keys) into ``model`` (and ``optim``), resharding as DCP reads: each rank reads the
+    boxes its flat shards hold (and its optimizer states shaped like them) straight into them, in
+    place, with no SHARDED state dict ([Note: Flat-shard loads]); so a tensor-parallel model whose
+    split is uneven loads too.
 
     Args:
         model: The root FSDP module, at any world size and wrap plan.
@@ -304,23 +323,18 @@ def load_sharded(
     if storage_reader is None:
         storage_reader = dcp.FileSystemReader(checkpoint_id)
     saved_keys = set(storage_reader.read_metadata().state_dict_metadata)
-    FSDP = FullyShardedDataParallel
-    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
-        state: dict[str, Any] = {"model": model.state_dict()}
-        frozen, others = missing_from_checkpoint(model, state["model"], saved_keys)
-        _check_missing(checkpoint_id, frozen, others, ignore_frozen_params)
-        for key in frozen:
-            del state["model"][key]
+    frozen, others = missing_from_checkpoint(model, flat_shard_load_target(model)["model"], saved_keys)
+    _check_missing(checkpoint_id, frozen, others, ignore_frozen_params)  # before anything changes
+    if optim is not None and not optim.state:
+        _init_optim_state(optim)
+    state = flat_shard_load_target(model, optim)
+    for key in frozen:
+        del state["model"][key]
         if optim is not None:
-            if not optim.state:
-                _init_optim_state(optim)
-            state["optim"] = FSDP.optim_state_dict(model, optim)
-            for key in frozen:
-                state["optim"]["state"].pop(key, None)
-        dcp.load(state, checkpoint_id=checkpoint_id, storage_reader=storage_reader)
-        model.load_state_dict(state["model"], strict=not frozen)
-        if optim is not None:
-            optim.load_state_dict(FSDP.optim_state_dict_to_load(model, optim, state["optim"]))
+            state["optim"]["state"].pop(key, None)
+    with torch.no_grad():
+        dcp.load(state, checkpoint_id=checkpoint_id, storage_reader=storage_reader, planner=FlatShardLoadPlanner())
+        apply_loaded(model, optim, state)
 
 
 def _check_missing(checkpoint_id: Any, frozen: list[str], others: list[str], ignore_frozen_params: bool) -> None:

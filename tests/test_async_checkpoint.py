@@ -8,9 +8,12 @@
   hold exactly the written shards' bytes.
 - One save in flight: a save started while one is in flight waits for it; a failed save whose
   future nobody read is raised by the next save (which starts nothing), a read one is not.
-- A rank killed at any moment of a background write (named points of DCP's writer, and a timed
-  moment) leaves the previous checkpoint loadable bit for bit; the folder being written is
-  either incomplete (no ``.metadata``, refused) or complete and equal to the new state.
+- A rank killed at any moment of a write (named points of the writer, and a timed moment)
+  leaves the previous checkpoint loadable bit for bit; a folder written anew is either
+  incomplete (no ``.metadata``, refused) or complete and equal to the new state; a re-save into
+  the previous checkpoint's own folder (sync and async) leaves there exactly one complete
+  checkpoint, the previous state or the new one, bit for bit through load_sharded and a plain
+  dcp.load, at the moment itself and after; the next save removes what the kill left.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from fsdp.state_dict._commit_writer import CommitWriter
 from tests._harness import get_pool
 from tests.test_flat_checkpoint import CONFIGS_2, _assert_equal, _full, _ours, _train, _train_more, load_all
 
@@ -159,26 +163,37 @@ def test_one_save_in_flight(tmp_path: Any) -> None:
     get_pool(2).run(in_flight_rules, str(tmp_path), _timeout=300)
 
 
-# ---------------------------------------------------------------- kills during a background write
-# Each scenario: a complete checkpoint of step 2 in ``prev`` (its FULL state in prev.pt), two
-# more steps (their state in new.pt), then an async save into ``new`` during which a rank kills
-# itself (SIGKILL) at a named point of DCP's writer in the background thread, or at a timed
-# moment after the call returned (one: each scenario restarts the pool twice). Then, in a fresh
-# pool, ``prev`` must load bit for bit, and ``new`` is either refused as incomplete or equal to
-# new.pt.
+# ---------------------------------------------------------------- kills during a write
+# Each scenario: a complete checkpoint of step 2 (its FULL state in prev.pt), two more steps
+# (their state in new.pt), then a save during which a rank kills itself (SIGKILL) at a named
+# point of the writer (fsdp's default, CommitWriter: [Note: Kill-safe re-saves]) or at a timed
+# moment after the call returned (one: each scenario restarts the pool twice). Modes:
+# ``async_new``: an async save into another folder ``new`` (``prev`` must load bit for bit, ``new``
+# is refused as incomplete or equals new.pt); ``async_same`` / ``sync_same``: a re-save into the
+# previous checkpoint's own folder, which must then load, through load_sharded and a plain
+# dcp.load, bit for bit the previous state or the new one (which one is fixed by the point). The
+# sweep below interrupts every point, sync and async, in one job.
 
 
-class KillingWriter(dcp.FileSystemWriter):
-    """DCP's file writer that SIGKILLs this process at ``point`` of the background write."""
+class KillingWriter(CommitWriter):
+    """fsdp's default writer that SIGKILLs this process (or, with ``raising``, raises
+    :class:`Died` there, leaving the files as a kill would) at ``point`` of a write; ``seen``
+    records what a plain single-process ``dcp.load`` of the folder reads at that moment."""
 
-    def __init__(self, path: str, point: str) -> None:
-        super().__init__(path, overwrite=True)
+    def __init__(self, path: str, point: str, raising: bool = False) -> None:
+        super().__init__(path)
         self.point, _, only = point.partition("@")
         self.armed = not only or int(only) == dist.get_rank()
+        self.raising = raising
+        self.seen: dict[str, Any] = {}
 
     def _die(self, point: str) -> None:
-        if self.armed and self.point == point:
+        if not (self.armed and self.point == point):
+            return
+        if not self.raising:
             os.kill(os.getpid(), signal.SIGKILL)
+        self.seen[point] = _plain_read(str(self.path))
+        raise Died(point)
 
     def write_data(self, plan: Any, planner: Any) -> Any:
         future = super().write_data(plan, planner)
@@ -189,10 +204,46 @@ class KillingWriter(dcp.FileSystemWriter):
     def finish(self, metadata: Any, results: Any) -> None:
         self._die("before_metadata")  # the coordinator: every rank's data is written
         super().finish(metadata, results)
-        self._die("after_metadata")
+        self._die("after_metadata")  # complete, the replaced files removed
+
+    def _commit(self, tmp: str, final: str) -> None:
+        self._die("before_commit")  # the new .metadata.tmp is written and fsynced
+        super()._commit(tmp, final)
+        self._die("after_commit")  # the replaced checkpoint's files are still there
+
+    def _remove_unnamed(self, folder: str, named: set[str]) -> None:
+        if self.point == "during_removal":
+            stale = sorted(n for n in os.listdir(folder) if n.endswith(".distcp") and n not in named)
+            assert len(stale) >= 2, stale  # both ranks' files of the replaced checkpoint
+            os.remove(os.path.join(folder, stale[0]))
+            self._die("during_removal")
+        super()._remove_unnamed(folder, named)
 
 
-def kill_save(directory: str, point: str, delay_s: float) -> None:
+class Died(BaseException):
+    """A simulated kill (BaseException, as DCP's wrappers catch it and nothing cleans up)."""
+
+
+def _plain_read(path: str) -> dict[str, torch.Tensor] | None:
+    """What a plain ``dcp.load`` into a plain model reads from ``path`` in this process alone
+    (no collective): its model state dict, or None where the folder is not a checkpoint."""
+    from tests._models import make_toy
+
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        return None
+    state = {"model": make_toy(seed=9).state_dict()}
+    dcp.load(state, checkpoint_id=path, no_dist=True)
+    return state["model"]
+
+
+def _expect_files_named(path: str) -> None:
+    """The folder's data files are exactly those its .metadata names (no garbage left)."""
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    named = {info.relative_path for info in metadata.storage_data.values()}
+    assert {n for n in os.listdir(path) if n.endswith(".distcp")} == named, (sorted(os.listdir(path)), named)
+
+
+def kill_save(directory: str, mode: str, point: str, delay_s: float) -> None:
     from fsdp.checkpoint import async_save_sharded, save_sharded
 
     model = _ours(CONFIGS_2["flat"], seed=5)
@@ -208,7 +259,10 @@ def kill_save(directory: str, point: str, delay_s: float) -> None:
             torch.save(prev, os.path.join(directory, "prev.pt"))
             torch.save(new, os.path.join(directory, "new.pt"))
         dist.barrier()
-        path = os.path.join(directory, "new")
+        path = os.path.join(directory, "new" if mode == "async_new" else "prev")
+        if mode == "sync_same":
+            save_sharded(model, optim, checkpoint_id=path, storage_writer=KillingWriter(path, point))
+            time.sleep(60)  # the other rank: until the harness sees the death
         future = async_save_sharded(model, optim, checkpoint_id=path, storage_writer=KillingWriter(path, point))
         if point == "staged" or delay_s > 0:
             time.sleep(delay_s)
@@ -218,11 +272,23 @@ def kill_save(directory: str, point: str, delay_s: float) -> None:
     time.sleep(60)  # after_metadata: the kill comes from the background thread
 
 
-def check_after_kill(directory: str, point: str) -> str:
-    from fsdp.checkpoint import load_sharded
+def _holds(model_sd: dict[str, Any], optim_sd: Any, directory: str, what: str) -> str:
+    """Which of prev.pt / new.pt the loaded state equals bit for bit (one must)."""
+    for name in ("prev", "new"):
+        expected = torch.load(os.path.join(directory, f"{name}.pt"), weights_only=False)
+        if all(torch.equal(v, expected[0][k]) for k, v in model_sd.items()):
+            _assert_equal(model_sd, expected[0], f"{name} model {what}")
+            if optim_sd is not None:
+                _assert_equal(optim_sd, expected[1], f"{name} optim {what}")
+            return name
+    raise AssertionError(f"{what}: the folder holds neither the previous nor the new state")
+
+
+def check_after_kill(directory: str, mode: str, point: str) -> str:
+    from fsdp.checkpoint import load_sharded, save_sharded
 
     outcome = ""
-    for name in ("prev", "new"):
+    for name in ("prev", "new") if mode == "async_new" else ("prev",):
         model = _ours(CONFIGS_2["flat"], seed=9)
         optim = _train(model, 1, lr=0.5)
         path = os.path.join(directory, name)
@@ -234,33 +300,108 @@ def check_after_kill(directory: str, point: str) -> str:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             load_sharded(model, optim, checkpoint_id=path)
-        model_sd, optim_sd = _full(model, optim)
-        expected = torch.load(os.path.join(directory, f"{name}.pt"), weights_only=False)
-        _assert_equal(model_sd, expected[0], f"{name} model after a kill at {point}")
-        _assert_equal(optim_sd, expected[1], f"{name} optim after a kill at {point}")
-        outcome += f"{name} loaded; "
+        held = _holds(*_full(model, optim), directory, f"{name} after a kill at {point}")
+        if mode == "async_new":
+            assert held == name, (name, held)
+            outcome += f"{name} loaded; "
+            continue
+        plain = _plain_read(path)  # a plain dcp.load reads the same checkpoint
+        assert plain is not None and _holds(plain, None, directory, f"plain dcp.load after {point}") == held
+        # What the kill left beside it (a killed save's files, or the replaced one's) goes at
+        # the next save's commit.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            save_sharded(model, optim, checkpoint_id=path)
+        if dist.get_rank() == 0:
+            _expect_files_named(path)
+        return f"prev folder holds {held}"
     return outcome + "new complete"
 
 
 @pytest.mark.parametrize(
-    "point,delay_s,new_complete",
+    "mode,point,delay_s,holds",
     [
-        ("staged", 0.0, False),  # right after the call returned: nothing written yet
-        ("data_written@1", 0.0, False),  # one rank killed after its files
-        ("before_metadata", 0.0, False),  # the coordinator, with every result gathered
-        ("after_metadata", 0.0, True),  # the coordinator, once the checkpoint is complete
-        ("", 0.1, None),  # a timed moment of the write (either outcome)
+        ("async_new", "staged", 0.0, "new incomplete"),  # right after the call returned
+        ("async_new", "after_metadata", 0.0, "new complete"),  # the coordinator, once complete
+        ("async_same", "data_written@1", 0.0, "prev"),  # one rank killed after its files
+        ("async_same", "before_commit", 0.0, "prev"),  # the coordinator, new .metadata.tmp written
+        ("async_same", "", 0.1, None),  # a timed moment of the write (either outcome)
+        ("sync_same", "before_metadata", 0.0, "prev"),  # every rank's data written
+        ("sync_same", "after_commit", 0.0, "new"),  # committed, the old files not yet removed
     ],
 )
-def test_kill_during_background_write_leaves_previous_loadable(tmp_path: Any, point: str, delay_s: float, new_complete: Any) -> None:
+def test_kill_during_write_leaves_one_complete_checkpoint(tmp_path: Any, mode: str, point: str, delay_s: float, holds: Any) -> None:
     from tests._harness import RankError
 
     directory = str(tmp_path)
     with pytest.raises(RankError, match="died|failed"):
-        get_pool(2).run(kill_save, directory, point, delay_s, _timeout=120)
-    outcome = get_pool(2).run(check_after_kill, directory, point, _timeout=120)
+        get_pool(2).run(kill_save, directory, mode, point, delay_s, _timeout=120)
+    outcome = get_pool(2).run(check_after_kill, directory, mode, point, _timeout=120)
     assert outcome[0] == outcome[1]
-    assert outcome[0].startswith("prev loaded; "), outcome
-    if new_complete is not None:
-        assert outcome[0].endswith("new complete" if new_complete else "new incomplete"), (point, outcome)
+    if mode == "async_new":
+        assert outcome[0].startswith("prev loaded; "), outcome
+        assert outcome[0].endswith(holds), (point, outcome)
+    else:
+        assert outcome[0] in ("prev folder holds prev", "prev folder holds new"), outcome
+        if holds is not None:
+            assert outcome[0] == f"prev folder holds {holds}", (mode, point, outcome)
     shutil.rmtree(directory, ignore_errors=True)
+
+
+# Every point of a re-save into the same folder, sync and async, interrupted in one job: the
+# interrupted rank raises where a kill would stop it (nothing runs after it that touches the
+# files: DCP catches the error and reports it), so the folder is what a kill leaves. At the
+# point itself a plain single-process dcp.load of the folder reads the state the folder must
+# hold; afterwards load_sharded reads it bit for bit, and the next save leaves no garbage.
+_RESAVE_POINTS = {
+    "data_written@1": "prev",
+    "before_metadata": "prev",
+    "before_commit": "prev",
+    "after_commit": "new",
+    "during_removal": "new",
+    "after_metadata": "new",
+}
+
+
+def resave_interrupted(directory: str) -> dict[str, str]:
+    from fsdp.checkpoint import async_save_sharded, load_sharded, save_sharded
+
+    models = {}  # the previous state and the new one, each a model and its optimizer
+    for name, steps in (("prev", 2), ("new", 3)):
+        model = _ours(CONFIGS_2["flat"], seed=5)
+        models[name] = (model, _train(model, steps))
+        full = _full(*models[name])
+        if dist.get_rank() == 0:
+            torch.save(full, os.path.join(directory, f"{name}.pt"))
+    dist.barrier()
+    reader = _ours(CONFIGS_2["flat"], seed=9)
+    reader_optim = _train(reader, 1, lr=0.5)
+    path = os.path.join(directory, "ckpt")
+    report, holding = {}, ""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for mode in ("sync", "async"):
+            for point, holds in _RESAVE_POINTS.items():
+                if holding != "prev":
+                    save_sharded(*models["prev"], checkpoint_id=path)  # the folder holds prev
+                writer = KillingWriter(path, point, raising=True)
+                with pytest.raises(CheckpointException, match=f"Died: {point.partition('@')[0]}"):
+                    if mode == "sync":
+                        save_sharded(*models["new"], checkpoint_id=path, storage_writer=writer)
+                    else:
+                        async_save_sharded(*models["new"], checkpoint_id=path, storage_writer=writer).result(timeout=120)
+                what = f"{mode} re-save interrupted at {point}"
+                for at, seen in writer.seen.items():  # a plain dcp.load at that moment
+                    assert seen is not None and _holds(seen, None, directory, f"plain dcp.load at {at}") == holds, what
+                load_sharded(reader, reader_optim, checkpoint_id=path)
+                holding = report[f"{mode} {point}"] = _holds(*_full(reader, reader_optim), directory, what)
+                assert holding == holds, (what, report)
+        save_sharded(*models["new"], checkpoint_id=path)
+        if dist.get_rank() == 0:
+            _expect_files_named(path)
+    return report
+
+
+def test_resave_interrupted_at_every_point(tmp_path: Any) -> None:
+    reports = get_pool(2).run(resave_interrupted, str(tmp_path), _timeout=300)
+    assert reports[0] == reports[1] == {f"{m} {p}": h for m in ("sync", "async") for p, h in _RESAVE_POINTS.items()}

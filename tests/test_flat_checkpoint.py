@@ -11,8 +11,8 @@
   first replica under HYBRID_SHARD (read from the checkpoint's metadata).
 - Configurations: use_orig_params both ways, FULL_SHARD, SHARD_GRAD_OP with CPU offload,
   NO_SHARD, mixed precision, HYBRID_SHARD on a (2, 2) mesh (only the first replica writes).
-- A re-save into the same folder replaces the checkpoint whatever DCP's writer default is
-  (``overwrite=True`` passed explicitly); ``overwrite=False`` refuses as DCP does.
+- A re-save into the same folder replaces the checkpoint whatever DCP's writer default is;
+  ``overwrite=False`` refuses with DCP's sentence before anything is written.
 - Trainable-only (``ignore_frozen_params=True``): the frozen base is not written; loading needs
   the flag (the base from elsewhere), and without it the error names the missing parameters.
 
@@ -321,9 +321,9 @@ def test_flat_checkpoint_hybrid_4_to_2(tmp_path: Any) -> None:
 def resave(directory: str) -> None:
     """A re-save into the same folder replaces the checkpoint under either default of DCP's
     ``FileSystemWriter(overwrite=...)`` (torch PR #191478 flips it to False): save_sharded
-    passes ``overwrite=True`` itself. ``overwrite=False`` refuses with DCP's error."""
+    writes with a writer of its own ([Note: Kill-safe re-saves]). ``overwrite=False`` refuses
+    before anything is written."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
 
     from fsdp.checkpoint import load_sharded, save_sharded
 
@@ -345,9 +345,11 @@ def resave(directory: str) -> None:
                 save_sharded(model, optim, checkpoint_id=path)
                 _train_more(model, optim)  # new parameters and optimizer state to re-save
                 save_sharded(model, optim, checkpoint_id=path)  # the re-save
-                # DCP's refusal, on every rank (after its planning, so no rank is left waiting).
-                with pytest.raises(CheckpointException, match="Checkpoint already exists and self.overwrite=False"):
+                # Refused on every rank before anything is written (DCP's sentence, and the fix).
+                before = {name: os.stat(os.path.join(path, name)).st_mtime_ns for name in os.listdir(path)}
+                with pytest.raises(RuntimeError, match=r"Checkpoint already exists and self.overwrite=False\. fsdp: save_sharded found a complete checkpoint in '.*resaved'.*wrote nothing\. Pass overwrite=True"):
                     save_sharded(model, optim, checkpoint_id=path, overwrite=False)
+                assert {name: os.stat(os.path.join(path, name)).st_mtime_ns for name in os.listdir(path)} == before
         finally:
             dcp.FileSystemWriter = original  # type: ignore[misc]
         expected = _full(model, optim)
@@ -566,12 +568,12 @@ def _assert_same_checkpoint(path: str, other: str, directory: str, name: str) ->
         assert same, (name, key)
 
 
-def _tp_load_plain(path: str, expected: dict[str, Any], name: str, optim: bool) -> None:
-    """Into a plain model (full tensors) through DCP."""
+def _tp_load_plain(path: str, expected: dict[str, Any], name: str, optim: bool, hidden: int | None = None) -> None:
+    """Into a plain model (full tensors) through DCP (hidden size: ``name``'s config's)."""
     import torch.distributed.checkpoint as dcp
     from tests.test_tensor_parallel import _make_model
 
-    plain = _make_model(hidden=TP_CONFIGS[name][3])
+    plain = _make_model(hidden=hidden or TP_CONFIGS[name][3])
     state: dict[str, Any] = {"model": plain.state_dict()}
     if optim:
         zeros = {"exp_avg": torch.zeros_like, "exp_avg_sq": torch.zeros_like}
@@ -600,13 +602,9 @@ def tp_load(directory: str, shapes: list[tuple[int, int]], plain_fsdp: bool) -> 
         expected = torch.load(os.path.join(directory, f"{name}.pt"), weights_only=False)
         with_optim = hidden % 2 == 0
         targets = []
-        for shape in shapes:
-            # The uneven model only where tp splits it evenly (tp 1): a SHARDED state dict of
-            # uneven tp pieces (load_sharded's DCP target) aborts in DTensor's redistribution,
-            # torch FSDP1's too (docs/checkpoints.md).
-            if hidden % shape[1] == 0:
-                other = "SHARD_GRAD_OP" if strategy == "FULL_SHARD" else "FULL_SHARD"
-                targets.append((f"tp {shape}", _tp_ours(other, not nested, not orig, hidden, shape)))
+        for shape in shapes:  # uneven splits too (tests/test_flat_checkpoint_load.py)
+            other = "SHARD_GRAD_OP" if strategy == "FULL_SHARD" else "FULL_SHARD"
+            targets.append((f"tp {shape}", _tp_ours(other, not nested, not orig, hidden, shape)))
         if plain_fsdp:
             targets.append(("fsdp without tp", _plain_fsdp("ours", hidden)))
         for what, model in targets:

@@ -21,7 +21,7 @@ on every rank, which DCP writes once (it deduplicates replicated entries).
 The files hold the keys a SHARDED state dict has (``model.<fqn>``, ``optim.state.<fqn>.<name>``,
 ``optim.param_groups``), full shapes and dtypes; DCP reshards on read, so the checkpoint loads at
 any world size and wrap plan, into torch FSDP1 / FSDP2 and into a plain model. Loading into fsdp
-goes through the SHARDED state dict as DCP's target (:func:`load`).
+reads the same boxes straight into the flat shards ([Note: Flat-shard loads]).
 
 [Note: Flat-shard checkpoints of tensor-parallel parameters]
 Under tensor parallelism (a 2-D (dp, tp) mesh) a flat shard holds ranges of each DTensor
@@ -46,17 +46,27 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from fsdp._common import clean_fqn
 from fsdp.flat_param._shard_map import flat_range_boxes, shifted, tp_piece
 from fsdp.flat_param.flat_param import FlatParamHandle
+from fsdp.runtime._mixed_precision import refresh_cast_buffers
 from fsdp.runtime._state import is_fsdp, unit_state
 from fsdp.state_dict._optim_keys import ModelView
 
-__all__ = ["FlatShardChunks", "FlatShardSavePlanner", "flat_shard_state_dict", "frozen_fqns", "missing_from_checkpoint"]
+__all__ = [
+    "FlatShardChunks",
+    "FlatShardSavePlanner",
+    "FlatShardLoadPlanner",
+    "flat_shard_state_dict",
+    "flat_shard_load_target",
+    "apply_loaded",
+    "frozen_fqns",
+    "missing_from_checkpoint",
+]
 
 
 class FlatShardChunks:
@@ -110,6 +120,14 @@ class FlatShardChunks:
         copy._place(self.shape, source, self._placed)
         return copy
 
+    def size(self) -> torch.Size:
+        """The whole tensor's shape (DCP's load planner checks it against the checkpoint's)."""
+        return self.shape
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        """DCP's read-side hook: the boxes this rank holds, each read into its view."""
+        return [ChunkStorageMetadata(offsets=o, sizes=s) for o, s in self.sizes.items()]
+
     def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
         """DCP's hook: one SHARD write item per box."""
         items = []
@@ -160,6 +178,28 @@ class FlatShardSavePlanner(DefaultSavePlanner):
             offsets = index.offset if index.offset is not None else torch.Size([0] * len(obj.shape))
             return obj.views[torch.Size(offsets)]
         return super().lookup_object(index)
+
+
+class FlatShardLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, that reads a :class:`FlatShardChunks`' boxes into its views
+    (the live flat shards: [Note: Flat-shard loads])."""
+
+    def set_up_planner(self, state_dict: dict[str, Any], metadata: Any = None, is_coordinator: bool = False) -> None:
+        """As DCP's, without its meta-device pass, which knows only tensors and would replace
+        every :class:`FlatShardChunks` by None (the target holds no meta tensors or
+        ShardedTensors)."""
+        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+        self.original_state_dict = state_dict
+        self.state_dict, self.mappings = flatten_state_dict(state_dict)
+        self.metadata = metadata
+        self.is_coordinator = is_coordinator
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        obj = self.state_dict.get(index.fqn)
+        if isinstance(obj, FlatShardChunks):
+            return obj.views[torch.Size(index.offset if index.offset is not None else [0] * len(obj.shape))]
+        return super().lookup_tensor(index)
 
 
 def _writes(handle: FlatParamHandle, state: Any) -> bool:
@@ -303,3 +343,63 @@ def missing_from_checkpoint(model: nn.Module, template: dict[str, Any], saved_ke
     frozen = set(frozen_fqns(ModelView(model)))
     missing = [key for key in template if f"model.{key}" not in saved_keys]
     return [k for k in missing if k in frozen], [k for k in missing if k not in frozen]
+
+
+# [Note: Flat-shard loads]
+# ``load_sharded`` reads a checkpoint straight into the flat shards, the mirror of the save: the
+# target DCP reads into is the save's state dict built for every rank that holds a part (under
+# hybrid strategies every replica, for NO_SHARD every rank), each managed parameter a
+# :class:`FlatShardChunks` whose boxes are views of the live flat shard, each optimizer state
+# shaped like the shard the same boxes of the live state tensor. DCP's load planner asks each
+# target for its chunks (``__create_chunk_list__``: the boxes, shifted by the tp-local tensor's
+# global offset under tensor parallelism), reads from the stored chunks exactly the overlaps
+# (resharding: the checkpoint may come from any world size, wrap plan, tp degree, or from torch
+# FSDP1's row-cut SHARDED state dict), and copies each into the view (``lookup_tensor``): the
+# bytes land in the flat shard in place, with no SHARDED state dict, no DTensor or ShardedTensor,
+# no collective beyond DCP's planning. That is also why an uneven tensor-parallel split loads: a
+# SHARDED state dict of such a model redistributes uneven tp pieces over dp and aborts gloo (torch
+# FSDP1's too), while a box is a box whatever its size.
+# The rest is loaded into plain tensors: buffers and ignored parameters in place (a buffer mixed
+# precision casts into a full-precision copy, then copied into the buffer and kept as its
+# full-precision value, as a state-dict load does), scalar optimizer states (``step``) in place;
+# non-tensor values (the param groups' hyperparameters, non-tensor states) come back from DCP as
+# objects and :func:`apply_loaded` sets them.
+def flat_shard_load_target(model: nn.Module, optim: Optional[torch.optim.Optimizer] = None) -> dict[str, Any]:
+    """What ``load_sharded`` hands DCP to read into ([Note: Flat-shard loads]): the save's keys,
+    managed parameters and shard-shaped states as :class:`FlatShardChunks` on the live shards of
+    every rank that holds them; no collective."""
+    view = ModelView(model)
+    everyone = {id(handle): True for handle in view.handles}
+    result: dict[str, Any] = {"model": _model_entries(model, view, everyone)}
+    if optim is not None:
+        result["optim"] = _optim_entries(optim, view, everyone)
+    return result
+
+
+def apply_loaded(model: nn.Module, optim: Optional[torch.optim.Optimizer], state: dict[str, Any]) -> None:
+    """After DCP read into :func:`flat_shard_load_target`'s ``state``: the mixed-precision buffers
+    and the non-tensor optimizer values, which were not read in place."""
+    states = [unit_state(m) for m in model.modules() if is_fsdp(m)]
+    names = {id(module): name for name, module in model.named_modules()}
+    for unit in states:
+        for record in unit.cast_buffers:
+            name = names.get(id(record.module))
+            fqn = clean_fqn(f"{name}.{record.name}" if name else record.name) if name is not None else None
+            value = state["model"].get(fqn) if fqn is not None else None
+            buffer = record.module._buffers[record.name]
+            if torch.is_tensor(value) and buffer is not None:
+                buffer.copy_(value)
+    refresh_cast_buffers(model, states, state["model"])
+    if optim is None:
+        return
+    view = ModelView(model)
+    loaded = state["optim"]
+    for param, entry in optim.state.items():
+        for fqn in view.param_to_fqns[id(param)]:
+            for key, value in loaded["state"].get(fqn, {}).items():
+                if not torch.is_tensor(value) and not isinstance(value, FlatShardChunks):
+                    entry[key] = value
+    # DCP flattens the param groups key by key (``optim.param_groups.<i>.<name>``): a group the
+    # checkpoint lacks is refused at planning, before anything is read.
+    for group, saved in zip(optim.param_groups, loaded["param_groups"]):
+        group.update({key: value for key, value in saved.items() if key != "params"})
