@@ -1,10 +1,11 @@
-"""``python -m benchmarks.export``: weight export, fsdp's stream beside torch's ways, CPU/gloo.
+"""``python -m benchmarks.export``: weight export, fsdp's stream beside torch's ways, CPU/gloo or CUDA.
 
 For each world size (local ranks, gloo), one process per rank builds the same model (``--layers``
 units of ``Linear(d, d)``, about 100M parameters by default) under fsdp, torch FSDP1 and torch
 FSDP2 (FULL_SHARD, one unit per Linear), and exports every parameter in bf16 to a sink (the
 consumer: it drops what it gets), timing each way (median of ``--reps``, after one warm-up) and
-measuring its peak extra live bytes per rank (torch's CPU profiler, ``benchmarks.memory``):
+measuring its peak extra live bytes per rank (torch's CPU profiler, ``benchmarks.memory``; on
+CUDA ``torch.cuda.max_memory_allocated`` above what was allocated before, its peak reset first):
 
 - ``floor``: the same units' all-gathers alone, as the stream issues them (each fsdp unit's flat
   shard, already cast to bf16 outside the timing, into a fresh tensor); ``floor_fp32``: the same
@@ -23,6 +24,9 @@ The report (``--json``) has ``date``, the figures per world size, and ``targets`
 most 0.5x FSDP2's loop; its extra memory at most one unit plus one bucket beside the gathers'
 own (gloo's all-gather stages through a buffer of the output's size).
 
+``--device cuda`` ([Note: The export benchmark on a GPU]): the same code on ``cuda:<rank>``, NCCL,
+world size 1 and 15 units of ``Linear(8192, 8192)`` (1.007B parameters) by default.
+
 [Note: The stream and its floor are timed interleaved]
 On a shared machine the bare gathers' time moves by 2x between runs (0.22-0.54 s at 4 ranks on
 2 cores), so a stream and a floor timed a few seconds apart compare two loads. They are timed in
@@ -35,6 +39,24 @@ in bf16 (the shards cast before timing): the stream's cast is its own work. Each
 seconds (``time.process_time``, gloo's threads included) over the same repetitions give
 ``cpu_ratio``, the summed CPU of every rank, stream over floor (median of the per-repetition
 ratios; the seconds are in ``floor_ratio``): reported beside the target, not targeted.
+
+[Note: The export benchmark on a GPU]
+Only the device differs: the models are built on ``cuda:<rank>`` (each rank one GPU, NCCL), every
+timer is read after ``torch.cuda.synchronize`` (then the barrier), and a way's peak extra memory is
+``torch.cuda.max_memory_allocated`` after it minus ``torch.cuda.memory_allocated`` before it, the
+peak reset in between. The default shape is 15 units of ``Linear(8192, 8192)``: 1.007B parameters,
+67M per unit, a Llama-3.2-1B decoder block's size (16 blocks of 61M). fsdp, torch FSDP1 and torch
+FSDP2 are built side by side (4 GB of fp32 parameters each) and AdamW's state for the delta adds
+12 GB (gradients and two moments): about 30 GB with the bf16 floor shards and the FULL state dict,
+within an 80 GB GPU. The GPU run (``benchmarks/gpu_run.py``'s ``export`` step) has one GPU, so
+world size 1: there both FSDP1 designs run NO_SHARD (torch warns), the stream issues no collective
+and its work is the cast of each unit to bf16, the floor's all-gather is a local copy of the
+already-cast unit, and torch FSDP2's ``full_tensor()`` an all-gather over one rank. The floor
+ratio then measures the stream's own work (a cast reads 4 bytes and writes 2 per element, the
+copy reads 2) and is no target; the targets are the stream against the summon walk and the
+``full_tensor()`` loop and its extra memory (the JSON's ``config`` says so). The delta's host
+side (the copy to the host, the comparison with the snapshot, SHA-1) runs on one thread, as on
+CPU ranks (``torch.set_num_threads(1)``): about 2 GB of bf16 per export at 1B.
 """
 
 from __future__ import annotations
@@ -58,37 +80,47 @@ from benchmarks.memory import MemoryTrace
 __all__ = ["main"]
 
 DTYPE = torch.bfloat16
+CPU = torch.device("cpu")
+#: The default shapes per device type: (world sizes, layers, d) ([Note: The export benchmark on a GPU]).
+DEFAULTS: dict[str, tuple[list[int], int, int]] = {"cpu": ([2, 4], 24, 2048), "cuda": ([1], 15, 8192)}
 
 
-def _model(layers: int, d: int) -> nn.Module:
+def _model(layers: int, d: int, device: torch.device) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(*[nn.Linear(d, d) for _ in range(layers)])
+    with device:
+        return nn.Sequential(*[nn.Linear(d, d) for _ in range(layers)])
+
+
+def _sync(device: torch.device) -> None:
+    """Waits for the device's queued work (before a timer or a memory counter is read)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _sink(tensor: torch.Tensor) -> None:
     del tensor
 
 
-def _ours(layers: int, d: int) -> nn.Module:
+def _ours(layers: int, d: int, device: torch.device) -> nn.Module:
     from fsdp import FullyShardedDataParallel as FSDP
     from fsdp.wrap import ModuleWrapPolicy
 
-    return FSDP(_model(layers, d), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
+    return FSDP(_model(layers, d, device), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), device_id=device)
 
 
-def _fsdp1(layers: int, d: int) -> nn.Module:
+def _fsdp1(layers: int, d: int, device: torch.device) -> nn.Module:
     from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-    return TorchFSDP(_model(layers, d), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), device_id=torch.device("cpu"))
+    return TorchFSDP(_model(layers, d, device), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), device_id=device)
 
 
-def _fsdp2(layers: int, d: int) -> nn.Module:
+def _fsdp2(layers: int, d: int, device: torch.device) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    model = _model(layers, d)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    model = _model(layers, d, device)
     for layer in model:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -159,7 +191,7 @@ def _full_tensor_loop(model: nn.Module) -> Callable[[], None]:
     return run
 
 
-def _delta(model: nn.Module, d: int, bucket_bytes: int) -> tuple[Callable[[], None], Callable[[], None], dict[str, Any]]:
+def _delta(model: nn.Module, d: int, bucket_bytes: int, device: torch.device) -> tuple[Callable[[], None], Callable[[], None], dict[str, Any]]:
     from fsdp.export import full_params_delta
 
     snapshot: dict[str, torch.Tensor] = {}
@@ -175,14 +207,16 @@ def _delta(model: nn.Module, d: int, bucket_bytes: int) -> tuple[Callable[[], No
         info["delta_bytes"] = sent
 
     def step() -> None:
-        model(torch.randn(8, d)).sum().backward()
+        model(torch.randn(8, d, device=device)).sum().backward()
         opt.step()
         opt.zero_grad()
 
     return step, run, info
 
 
-def _interleaved(fns: dict[str, Callable[[], None]], reps: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+def _interleaved(
+    fns: dict[str, Callable[[], None]], reps: int, device: torch.device = CPU
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
     """Each of ``fns`` once per repetition, the order reversed every other one, after one warm-up
     each: wall seconds (barrier to barrier) and this process's CPU seconds, per repetition
     ([Note: The stream and its floor are timed interleaved])."""
@@ -193,29 +227,43 @@ def _interleaved(fns: dict[str, Callable[[], None]], reps: int) -> tuple[dict[st
     names = list(fns)
     for rep in range(reps):
         for name in names if rep % 2 == 0 else names[::-1]:
+            _sync(device)
             dist.barrier()
             cpu_start, start = time.process_time(), time.perf_counter()
             fns[name]()
+            _sync(device)
             dist.barrier()
             wall[name].append(time.perf_counter() - start)
             cpu[name].append(time.process_time() - cpu_start)
     return wall, cpu
 
 
-def _time(fn: Callable[[], None], reps: int) -> float:
+def _time(fn: Callable[[], None], reps: int, device: torch.device) -> float:
     fn()  # warm-up
     samples = []
     for _ in range(reps):
+        _sync(device)
         dist.barrier()
         start = time.perf_counter()
         fn()
+        _sync(device)
         dist.barrier()
         samples.append(time.perf_counter() - start)
     return statistics.median(samples)
 
 
-def _peak(fn: Callable[[], None]) -> int:
+def _peak(fn: Callable[[], None], device: torch.device) -> int:
+    """Peak live bytes above those live before, while ``fn`` runs (on this rank's device)."""
+    _sync(device)
     dist.barrier()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        start = torch.cuda.memory_allocated(device)
+        fn()
+        _sync(device)
+        peak = torch.cuda.max_memory_allocated(device) - start
+        dist.barrier()
+        return peak
     with MemoryTrace() as trace, trace.window("w"):
         fn()
     dist.barrier()
@@ -223,8 +271,11 @@ def _peak(fn: Callable[[], None]) -> int:
 
 
 @contextlib.contextmanager
-def _group(rank: int, world_size: int, workdir: str) -> Iterator[None]:
-    dist.init_process_group("gloo", init_method=f"file://{os.path.join(workdir, 'rendezvous')}", rank=rank, world_size=world_size)
+def _group(rank: int, world_size: int, workdir: str, device: torch.device) -> Iterator[None]:
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL's barrier runs on the current device
+    dist.init_process_group(backend, init_method=f"file://{os.path.join(workdir, 'rendezvous')}", rank=rank, world_size=world_size)
     try:
         yield
     finally:
@@ -235,34 +286,37 @@ def _group(rank: int, world_size: int, workdir: str) -> Iterator[None]:
 def _rank(rank: int, payload: dict[str, Any], workdir: str) -> None:
     torch.set_num_threads(1)
     layers, d, reps, bucket = payload["layers"], payload["d"], payload["reps"], payload["bucket_bytes"]
-    with _group(rank, payload["world_size"], workdir):
+    device = torch.device("cuda", rank) if payload["device"] == "cuda" else CPU  # one GPU per rank
+    with _group(rank, payload["world_size"], workdir, device):
         result: dict[str, Any] = {"rank": rank, "seconds": {}, "peak_extra_bytes": {}}
-        ours = _ours(layers, d)
+        ours = _ours(layers, d, device)
         paired = {"floor": _floor(ours, DTYPE), "fsdp_stream": _stream(ours, False, bucket)}
-        result["paired_wall"], result["paired_cpu"] = _interleaved(paired, payload["ratio_reps"])
+        result["paired_wall"], result["paired_cpu"] = _interleaved(paired, payload["ratio_reps"], device)
         ways: list[tuple[str, Callable[[], None]]] = [
             ("floor_fp32", _floor(ours, None)),
             *paired.items(),
             ("fsdp_stream_rank0", _stream(ours, True, bucket)),
         ]
-        fsdp1 = _fsdp1(layers, d)
+        fsdp1 = _fsdp1(layers, d, device)
         ways += [("fsdp1_summon_walk", _summon_walk(fsdp1)), ("fsdp1_full_state_dict", _full_state_dict(fsdp1))]
-        fsdp2 = _fsdp2(layers, d)
+        fsdp2 = _fsdp2(layers, d, device)
         ways.append(("fsdp2_full_tensor", _full_tensor_loop(fsdp2)))
         for name, fn in ways:
             if name not in paired:
-                result["seconds"][name] = _time(fn, reps)
-            result["peak_extra_bytes"][name] = _peak(fn)
-        step, delta, info = _delta(ours, d, bucket)
+                result["seconds"][name] = _time(fn, reps, device)
+            result["peak_extra_bytes"][name] = _peak(fn, device)
+        step, delta, info = _delta(ours, d, bucket, device)
         step()
+        _sync(device)
         dist.barrier()
         start = time.perf_counter()
         delta()  # once: a second run would find nothing changed
+        _sync(device)
         dist.barrier()
         result["seconds"]["fsdp_delta_after_step"] = time.perf_counter() - start
         result["delta_bytes"] = info["delta_bytes"]
         result["unit_bytes"] = max(h.shard_layout.padded_unsharded_numel * 4 for m in type(ours).fsdp_modules(ours) for h in m._fsdp_state.handles)
-        result["export_bytes"] = sum(p.numel() for p in _model(1, d).parameters()) * layers * 2
+        result["export_bytes"] = layers * (d * d + d) * 2
         write_rank_result(workdir, rank, result)
         dist.barrier()
 
@@ -277,13 +331,16 @@ def _targets(ws: int, r: dict[str, Any], bucket_bytes: int) -> list[dict[str, An
 
     bound = r["unit_bytes"] // 2 + bucket_bytes  # one gathered unit in bf16 plus one bucket
     spread = r["floor_ratio"]
-    return [
+    floor = [
         {
             **t("stream time / floor (the same units' all-gathers alone; median of interleaved repetitions)", spread["median"], 1.2),
             "min": round(spread["min"], 3),
             "max": round(spread["max"], 3),
             "reps": spread["reps"],
-        },
+        }
+    ]
+    # At one rank nothing is gathered: the floor is a copy ([Note: The export benchmark on a GPU]).
+    return floor[: ws > 1] + [
         t("stream time / torch FSDP1 summon_full_params(recurse=False) walk", stream / s["fsdp1_summon_walk"], 1.0),
         t("stream time / torch FSDP2 full_tensor() loop", stream / s["fsdp2_full_tensor"], 0.5),
         t("stream peak extra memory / (one bf16 unit + one bucket)", mem["fsdp_stream"] / bound, 1.0),
@@ -345,29 +402,53 @@ def _print(ws: int, r: dict[str, Any]) -> None:
     )
 
 
+def _config(device: str, world_sizes: list[int]) -> dict[str, Any]:
+    """The run's device and backend, and what a world size of 1 measures."""
+    config: dict[str, Any] = {
+        "device": device,
+        "backend": "nccl" if device == "cuda" else "gloo",
+        "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None,
+        "world_sizes": world_sizes,
+        "memory": "torch.cuda.max_memory_allocated minus memory_allocated before, peak reset" if device == "cuda" else "benchmarks.memory.MemoryTrace (every thread's CPU allocations)",
+    }
+    if 1 in world_sizes:
+        config["world_size_1"] = (
+            "nothing is gathered: fsdp and torch FSDP1 run NO_SHARD, the stream issues no collective and casts each unit to "
+            "bf16, the floor's all-gather is a local copy of the already-cast unit, so the floor ratio measures the stream's "
+            "own work (a cast against a copy) and is not a target; torch FSDP2's full_tensor() is an all-gather over one rank"
+        )
+    return config
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.export", description=__doc__.split("\n")[0])
-    p.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
-    p.add_argument("--layers", type=int, default=24)
-    p.add_argument("--d", type=int, default=2048)
+    p.add_argument("--device", choices=sorted(DEFAULTS), default="cpu", help="cuda: one GPU per rank, NCCL")
+    p.add_argument("--world-sizes", type=int, nargs="+", default=None, help="default: 2 4 on cpu, 1 on cuda")
+    p.add_argument("--layers", type=int, default=None, help="default: 24 on cpu, 15 on cuda")
+    p.add_argument("--d", type=int, default=None, help="default: 2048 on cpu, 8192 on cuda")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--ratio-reps", type=int, default=9, help="interleaved repetitions of the floor and the stream")
     p.add_argument("--bucket-mib", type=int, default=64)
     p.add_argument("--timeout", type=float, default=1200.0)
     p.add_argument("--json", dest="json_out", default=None)
     a = p.parse_args(argv)
+    default_world_sizes, default_layers, default_d = DEFAULTS[a.device]
+    world_sizes: list[int] = a.world_sizes or default_world_sizes
+    layers: int = a.layers if a.layers is not None else default_layers
+    d: int = a.d if a.d is not None else default_d
     bucket = a.bucket_mib << 20
     out: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__,
-        "model": {"layers": a.layers, "d": a.d, "params": a.layers * (a.d * a.d + a.d)},
+        "config": _config(a.device, world_sizes),
+        "model": {"layers": layers, "d": d, "params": layers * (d * d + d)},
         "bucket_bytes": bucket,
         "cpu_count": os.cpu_count(),
         "results": {},
         "targets": [],
     }
-    for ws in a.world_sizes:
-        payload = {"layers": a.layers, "d": a.d, "reps": a.reps, "ratio_reps": a.ratio_reps, "bucket_bytes": bucket, "world_size": ws}
+    for ws in world_sizes:
+        payload = {"layers": layers, "d": d, "reps": a.reps, "ratio_reps": a.ratio_reps, "bucket_bytes": bucket, "world_size": ws, "device": a.device}
         load_before = os.getloadavg()
         ranks = run_local_ranks(_rank, payload, ws, a.timeout, prog="benchmarks.export")
         summary = _summarize(ranks)

@@ -31,13 +31,27 @@ beside it):
 8. ``offload_walk``: fsdp's fractional offload at 0/25/50/75/100% of a 1B GPT (step time, max
    allocated, each point against its floor), the copy and host AdamW rates beside
    (``benchmarks/offload_walk.py``);
-9. ``cpu_suite``: whatever time is left, the CPU suite on the GPU machine's torch.
+9. ``export``: issue 34's weight export at world size 1 on NCCL, 1.007B parameters in 15 units
+   (``benchmarks/export.py --device cuda``): fsdp's stream beside torch FSDP1's summon walk and
+   FULL_STATE_DICT and torch FSDP2's ``full_tensor()`` loop, seconds per GB and peak extra
+   ``max_memory_allocated``, the delta after one AdamW step (about 40-60 s: spawn, three 1B
+   models, about 50 exports, two SHA-1'd host copies for the delta; at most 120 s);
+10. ``cpu_suite``: whatever time is left, the CPU suite on the GPU machine's torch.
 
 A step starts only while at least its minimum time is left; its limit is the smaller of its cap
 and the time left, and a step over its limit is killed with its whole process group. After each
 step ``$OUT/summary.json`` is rewritten (step, command, exit code, seconds, status), so a run
 cut short still says what it did. ``--steps a,b`` runs a subset (to split the run over two device
-calls: one command may run at most 10 minutes, hence the default budget of 540 s).
+calls: one command may run at most 10 minutes, hence the default budget of 540 s). The steps no
+longer fit one call; the split (step seconds from the H200 run of 2026-11-28)::
+
+    --steps install,env,cuda_lane,lane_sanitizer,scale,plan_gpu,export      # about 4+11+40+100+180+75+60
+    --steps ws2_memory,bench_eager,bench_compile,offload,offload_walk,cpu_suite   # about 42+109+136+73+150
+
+``export`` goes in the first call, last (``--budget-s 530``): the second is already full, and in
+the first, with the other steps as long as on 2026-11-28 and ``scale`` (not yet run on a GPU) at
+its 180 s cap, about 120 s are left for it. Where the first call's ``summary.json`` says
+``export`` was skipped, add it to the second.
 
 ``--dry-run`` runs the same orchestration on CPU: every step's modules are imported in one fresh
 interpreter, and each step runs a quick CPU equivalent of its command (the benchmarks'
@@ -174,6 +188,12 @@ def steps(out: str) -> list[Step]:
              lambda limit: [PY, "-m", "benchmarks.offload_walk", "--cpu-dry-run", *TINY, "--warmup-steps", "0",
                             "--steps", "1", "--json", os.path.join(out, "offload_walk.json")],
              ("benchmarks.offload_walk",)),
+        Step("export", 120, 60,
+             lambda limit: [PY, "-m", "benchmarks.export", "--device", "cuda", "--timeout", f"{max(20.0, limit - 10):.0f}",
+                            "--json", os.path.join(out, "export.json")],
+             lambda limit: [PY, "-m", "benchmarks.export", "--device", "cpu", "--world-sizes", "1", "--layers", "2", "--d", "64",
+                            "--reps", "1", "--ratio-reps", "1", "--bucket-mib", "1", "--json", os.path.join(out, "export.json")],
+             ("benchmarks.export",)),
         Step("cpu_suite", 10_000, 60, _pytest(out, "cpu_suite", "tests"),
              _pytest(out, "cpu_suite", "--collect-only", "tests"), ("tests",)),
     ]

@@ -79,6 +79,8 @@ def test_dry_run_runs_every_step(tmp_path: Path) -> None:
     assert all(pt["step_s"] > 0 and pt["floor_s"] > 0 for pt in knob["points"])
     ws2 = json.loads((out / "ws2_memory.json").read_text())["results"]
     assert [r["losses"] for r in ws2["fsdp"]] == [r["losses"] for r in ws2["torch_fsdp1"]]
+    export = json.loads((out / "export.json").read_text())  # issue 34's export, world size 1 (on CPU here)
+    assert "date" in export and export["targets"] and "world_size_1" in export["config"] and "--device cuda" in gpu["export"]
     assert (out / "cpu_suite.xml").exists() and (out / "cuda_lane.xml").exists()
 
 
