@@ -22,7 +22,12 @@ from torch import nn
 
 from fsdp.api import StateDictType
 from fsdp.fully_sharded_data_parallel import FullyShardedDataParallel
-from fsdp.state_dict._flat_checkpoint import FlatShardSavePlanner, flat_shard_state_dict, missing_from_checkpoint
+from fsdp.state_dict._flat_checkpoint import (
+    FlatShardSavePlanner,
+    collector_paused,
+    flat_shard_state_dict,
+    missing_from_checkpoint,
+)
 from fsdp.state_dict._safetensors import sharded_to_safetensors
 from fsdp.state_dict._staging import HostStaging
 
@@ -63,7 +68,8 @@ def save_sharded(
     import torch.distributed.checkpoint as dcp
 
     writer, state = _start_save("save_sharded", model, optim, checkpoint_id, storage_writer, overwrite, ignore_frozen_params)
-    return dcp.save(state, checkpoint_id=checkpoint_id, storage_writer=writer, planner=FlatShardSavePlanner())
+    with collector_paused():  # [Note: No cyclic garbage collection during a save]
+        return dcp.save(state, checkpoint_id=checkpoint_id, storage_writer=writer, planner=FlatShardSavePlanner())
 
 
 def _start_save(
