@@ -258,6 +258,7 @@ def _summary(per_rank: list[dict[str, Any]], dim: int) -> dict[str, Any]:
             "bytes_sent_per_rank_max": max(r["bytes_sent"] for r in ranks),
             "object_collectives_per_save": ranks[0]["object_collectives"],
             "save_peak_over_train_peak_bytes_max": max(r["save_peak_bytes"] - r["train_peak_bytes"] for r in ranks),
+            "save_peak_over_train_peak_bytes_by_rank": [r["save_peak_bytes"] - r["train_peak_bytes"] for r in ranks],
         }
     ranks = [r["fsdp_async"] for r in per_rank]
     over = [r["save_peak_bytes"] - r["train_peak_bytes"] for r in ranks]

@@ -172,7 +172,9 @@ def save_all(directory: str, configs: dict[str, tuple[bool, str, bool, bool, boo
 
 def _check_writers(path: str, config: tuple[bool, str, bool, bool, bool]) -> None:
     """Parameter and optimizer-state chunks come only from the ranks that write them: a hybrid
-    model's first replica (global ranks 0 and 1 of the (2, 2) mesh), NO_SHARD's rank 0."""
+    model's first replica (global ranks 0 and 1 of the (2, 2) mesh), NO_SHARD's rank 0. What
+    every rank holds alike is planned once ([Note: A save's per-value work]): buffers and param
+    groups by rank 0, a parameter's ``step`` by one of the ranks that write its chunks."""
     import torch.distributed.checkpoint as dcp
 
     if dist.get_rank() != 0:
@@ -186,9 +188,13 @@ def _check_writers(path: str, config: tuple[bool, str, bool, bool, bool]) -> Non
         name = index.fqn.removeprefix("model.").removeprefix("optim.state.")
         for suffix in (".exp_avg", ".exp_avg_sq"):
             name = name.removesuffix(suffix)
+        writer = int(info.relative_path.split("_")[2])  # __<rank>_<n>.distcp
         if name in params:
-            writer = int(info.relative_path.split("_")[2])  # __<rank>_<n>.distcp
             seen.add(writer)
+        elif name.removesuffix(".step") in params:
+            assert writer in writers, (config, index.fqn, writer)
+        else:  # buffers, optim.param_groups' entries
+            assert writer == 0 and index.fqn.startswith(("model.", "optim.param_groups")), (config, index.fqn, writer)
     assert seen == writers, (config, seen, writers)
 
 
