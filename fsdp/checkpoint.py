@@ -25,6 +25,7 @@ from fsdp.state_dict._flat_checkpoint import (
     FlatShardLoadPlanner,
     FlatShardSavePlanner,
     apply_loaded,
+    collector_paused,
     flat_shard_load_target,
     flat_shard_state_dict,
     missing_from_checkpoint,
@@ -73,7 +74,8 @@ def save_sharded(
     import torch.distributed.checkpoint as dcp
 
     writer, state = _start_save("save_sharded", model, optim, checkpoint_id, storage_writer, overwrite, ignore_frozen_params)
-    return dcp.save(state, checkpoint_id=checkpoint_id, storage_writer=writer, planner=FlatShardSavePlanner())
+    with collector_paused():  # [Note: No cyclic garbage collection during a save]
+        return dcp.save(state, checkpoint_id=checkpoint_id, storage_writer=writer, planner=FlatShardSavePlanner())
 
 
 def _start_save(

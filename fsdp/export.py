@@ -35,7 +35,7 @@ from fsdp._comm import _collectives as comm
 from fsdp._common import FLAT_PARAM, clean_fqn
 from fsdp.flat_param._layout import FLATTENED_ATTR, itemsize
 from fsdp.flat_param._recast import adopt_external_cast
-from fsdp.flat_param._shard_map import Box, flat_range_boxes, shifted, tp_piece
+from fsdp.flat_param._shard_map import Box, layout_param_boxes, tp_piece
 from fsdp.flat_param.flat_param import FlatParamHandle
 from fsdp.runtime._state import HandleTrainingState, named_fsdp_states
 from fsdp.state_dict._safetensors import TensorSpec, write_safetensors
@@ -545,14 +545,12 @@ def shard_map(module: nn.Module) -> list[ShardMapEntry]:
     for prefix, _, state in named_fsdp_states(module):
         for handle_index, handle in enumerate(state.handles):
             layout = handle.shard_layout
+            boxes = layout_param_boxes(layout)  # [Note: A parameter's boxes, once]
             for index, (info, piece) in enumerate(zip(handle.param_infos, layout.shard_slices)):
                 if piece is None or piece.numel == 0:
                     continue
-                shape = tuple(layout.param_shapes[index])
-                boxes = flat_range_boxes(shape, piece.offset_in_param, piece.offset_in_param + piece.numel)
-                tp = tp_piece(info.dtensor_spec) if info.dtensor_spec is not None else None
-                offset = tp.box.offsets if tp is not None else (0,) * len(shape)
-                where = (piece.offset_in_param, piece.numel, piece.offset_in_shard, handle.dtype, torch.Size(shape))
+                b = boxes[index]
+                where = (piece.offset_in_param, piece.numel, piece.offset_in_shard, handle.dtype, torch.Size(b.shape))
                 entries.append(
                     ShardMapEntry(
                         _join(prefix, info.fqn),
@@ -560,11 +558,11 @@ def shard_map(module: nn.Module) -> list[ShardMapEntry]:
                         handle_index,
                         index,
                         *where,
-                        tuple(boxes),
-                        torch.Size(tp.global_shape if tp is not None else shape),
-                        offset,
-                        tp.placements if tp is not None else None,
-                        tuple(shifted(boxes, offset)),
+                        b.boxes,
+                        torch.Size(b.global_shape),
+                        b.global_offset,
+                        b.placements,
+                        b.global_boxes,
                     )
                 )
     return entries

@@ -172,7 +172,9 @@ def save_all(directory: str, configs: dict[str, tuple[bool, str, bool, bool, boo
 
 def _check_writers(path: str, config: tuple[bool, str, bool, bool, bool]) -> None:
     """Parameter and optimizer-state chunks come only from the ranks that write them: a hybrid
-    model's first replica (global ranks 0 and 1 of the (2, 2) mesh), NO_SHARD's rank 0."""
+    model's first replica (global ranks 0 and 1 of the (2, 2) mesh), NO_SHARD's rank 0. What
+    every rank holds alike is planned once ([Note: A save's per-value work]): buffers and param
+    groups by rank 0, a parameter's ``step`` by one of the ranks that write its chunks."""
     import torch.distributed.checkpoint as dcp
 
     if dist.get_rank() != 0:
@@ -186,9 +188,13 @@ def _check_writers(path: str, config: tuple[bool, str, bool, bool, bool]) -> Non
         name = index.fqn.removeprefix("model.").removeprefix("optim.state.")
         for suffix in (".exp_avg", ".exp_avg_sq"):
             name = name.removesuffix(suffix)
+        writer = int(info.relative_path.split("_")[2])  # __<rank>_<n>.distcp
         if name in params:
-            writer = int(info.relative_path.split("_")[2])  # __<rank>_<n>.distcp
             seen.add(writer)
+        elif name.removesuffix(".step") in params:
+            assert writer in writers, (config, index.fqn, writer)
+        else:  # buffers, optim.param_groups' entries
+            assert writer == 0 and index.fqn.startswith(("model.", "optim.param_groups")), (config, index.fqn, writer)
     assert seen == writers, (config, seen, writers)
 
 
@@ -624,3 +630,43 @@ def test_flat_checkpoint_tensor_parallel(tmp_path: Any) -> None:
     get_pool(4).run(tp_save, str(tmp_path), _timeout=300)
     get_pool(4).run(tp_load, str(tmp_path), [(2, 2), (1, 4)], True, _timeout=300)
     get_pool(2).run(tp_load, str(tmp_path), [(1, 2), (2, 1)], False, _timeout=300)
+
+
+# ----------------------------------------------------------------------------- boxes, once
+def test_param_boxes_once_per_layout() -> None:
+    """[Note: A parameter's boxes, once]: ``param_boxes`` is the flat range's boxes, placed by
+    the tp-local tensor's global offset (the note's worked example: a (4, 6) weight, Shard(1)
+    over 2 tp ranks, tp rank 1's range [2, 8) of its (4, 3) tensor); a placement that is not a
+    box raises even where the range is empty (every rank alike); ``layout_param_boxes``
+    computes a layout's once and hands out the same answer after."""
+    from types import SimpleNamespace
+
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    from fsdp.flat_param._shard_map import Box, flat_range_boxes, layout_param_boxes, param_boxes
+    from fsdp.flat_param._sharding import ParamShardSlice
+
+    def spec(placement: Any, shape: tuple[int, ...]) -> Any:
+        mesh = SimpleNamespace(shape=(2,), get_coordinate=lambda: [1])
+        return SimpleNamespace(placements=(placement,), shape=torch.Size(shape), mesh=mesh)
+
+    plain = param_boxes((3, 4), 2, 11)
+    assert plain.boxes == plain.global_boxes == tuple(flat_range_boxes((3, 4), 2, 11))
+    assert (plain.shape, plain.global_shape, plain.global_offset, plain.placements) == ((3, 4), (3, 4), (0, 0), None)
+    tp = param_boxes((4, 3), 2, 8, spec(Shard(1), (4, 6)))
+    assert tp.boxes == (Box((0, 2), (1, 1)), Box((1, 0), (1, 3)), Box((2, 0), (1, 2)))
+    assert tp.global_boxes == (Box((0, 5), (1, 1)), Box((1, 3), (1, 3)), Box((2, 3), (1, 2)))
+    assert (tp.global_shape, tp.global_offset) == ((4, 6), (0, 3))
+    assert param_boxes((4, 6), 0, 24, spec(Replicate(), (4, 6))).global_boxes == (Box((0, 0), (4, 6)),)
+    with pytest.raises(NotImplementedError, match="not a box"):
+        param_boxes((4, 6), 0, 0, spec(Partial(), (4, 6)))
+
+    class Layout:  # what layout_param_boxes reads of a ShardLayout
+        param_shapes = (torch.Size([3, 4]), torch.Size([5]))
+        shard_slices = [ParamShardSlice(0, 2, 9, 0), None]
+        dtensor_specs = (None, None)
+
+    layout = Layout()
+    first = layout_param_boxes(layout)
+    assert first == (plain, param_boxes((5,), 0, 0)) and first[1].boxes == ()
+    assert layout_param_boxes(layout) is first

@@ -18,6 +18,7 @@ group and is unit-tested on one process (``tests/test_flat_param_sharding.py``).
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, NamedTuple, Optional, Sequence
 
 __all__ = [
@@ -30,6 +31,9 @@ __all__ = [
     "tp_local_box",
     "tp_piece",
     "shifted",
+    "ParamBoxes",
+    "param_boxes",
+    "layout_param_boxes",
 ]
 
 
@@ -202,3 +206,73 @@ def shifted(boxes: Sequence[Box], offsets: Sequence[int]) -> list[Box]:
     """``boxes`` of a tp-local tensor as boxes of the full parameter, the local tensor at global
     ``offsets`` ([Note: Tensor-parallel pieces are boxes])."""
     return [Box(tuple(b + o for b, o in zip(box.offsets, offsets)), box.sizes) for box in boxes]
+
+
+# [Note: A parameter's boxes, once]
+# The checkpoint's chunks (``fsdp/state_dict/_flat_checkpoint.py``), the export's shard map
+# (``fsdp/export.py``) and its views all need the same thing of each parameter a flat shard
+# holds: its range as boxes, and for a tensor-parallel parameter those boxes placed in the full
+# one. ``param_boxes`` is that answer for one parameter, and ``layout_param_boxes`` gives every
+# parameter's answer for a handle's ``ShardLayout``, computed on first use and kept as long as
+# the layout lives: the layout, the parameters' shapes and their DTensor specs are fixed at
+# construction, so a save computes no box (and an optimizer state reuses its parameter's).
+class ParamBoxes(NamedTuple):
+    """One parameter's range in a flat shard as boxes ([Note: A flat range is a few boxes]),
+    placed in the full parameter ([Note: Tensor-parallel pieces are boxes]).
+
+    Attributes:
+        shape: The shape of the tensor the range is of: the parameter's, or for a
+            tensor-parallel (DTensor) parameter its tp-local tensor's.
+        boxes: The boxes of ``shape`` the range covers, in order (none for an empty range).
+        global_shape: The full (TP-unsharded) parameter's shape; ``shape`` for a plain one.
+        global_offset: Where the tensor of ``shape`` starts in the full parameter, per dim
+            (zeros for a plain one).
+        placements: The DTensor placements on the tp mesh, None for a plain parameter.
+        global_boxes: ``boxes`` as boxes of the full parameter (``boxes`` for a plain one).
+    """
+
+    shape: tuple[int, ...]
+    boxes: tuple[Box, ...]
+    global_shape: tuple[int, ...]
+    global_offset: tuple[int, ...]
+    placements: Optional[tuple[Any, ...]]
+    global_boxes: tuple[Box, ...]
+
+
+def param_boxes(shape: Sequence[int], start: int, end: int, spec: Optional[Any] = None) -> ParamBoxes:
+    """The :class:`ParamBoxes` of the row-major range ``[start, end)`` of a parameter of local
+    ``shape``, ``spec`` its DTensor spec (None for a plain parameter). No communication.
+
+    Raises:
+        NotImplementedError: ``spec`` has a placement other than Shard/Replicate (whether or not
+            the range is empty: every rank says so alike).
+    """
+    local = tuple(shape)
+    boxes = tuple(flat_range_boxes(local, start, end))
+    if spec is None:
+        return ParamBoxes(local, boxes, local, (0,) * len(local), None, boxes)
+    tp = tp_piece(spec)
+    offset = tp.box.offsets
+    return ParamBoxes(local, boxes, tp.global_shape, offset, tp.placements, tuple(shifted(boxes, offset)))
+
+
+_BY_LAYOUT: "weakref.WeakKeyDictionary[Any, tuple[ParamBoxes, ...]]" = weakref.WeakKeyDictionary()
+
+
+def layout_param_boxes(layout: Any) -> tuple[ParamBoxes, ...]:
+    """Each parameter's :class:`ParamBoxes` in a handle's ``ShardLayout`` (``param_shapes``,
+    ``shard_slices``, ``dtensor_specs``), in flat order, empty ``boxes`` where this rank holds
+    none of it; computed once per layout ([Note: A parameter's boxes, once]).
+
+    Raises:
+        NotImplementedError: As :func:`param_boxes`.
+    """
+    cached = _BY_LAYOUT.get(layout)
+    if cached is None:
+        specs = layout.dtensor_specs or (None,) * len(layout.param_shapes)
+        result = []
+        for shape, piece, spec in zip(layout.param_shapes, layout.shard_slices, specs):
+            start, end = (0, 0) if piece is None else (piece.offset_in_param, piece.offset_in_param + piece.numel)
+            result.append(param_boxes(shape, start, end, spec))
+        cached = _BY_LAYOUT[layout] = tuple(result)
+    return cached

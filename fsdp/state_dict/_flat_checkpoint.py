@@ -40,18 +40,22 @@ written.
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from typing import Any, Optional
+import dataclasses
+import gc
+import weakref
+from typing import Any, Iterator, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from fsdp._common import clean_fqn
-from fsdp.flat_param._shard_map import flat_range_boxes, shifted, tp_piece
+from fsdp.flat_param._shard_map import layout_param_boxes
 from fsdp.flat_param.flat_param import FlatParamHandle
 from fsdp.runtime._mixed_precision import refresh_cast_buffers
 from fsdp.runtime._state import is_fsdp, unit_state
@@ -61,6 +65,7 @@ __all__ = [
     "FlatShardChunks",
     "FlatShardSavePlanner",
     "FlatShardLoadPlanner",
+    "collector_paused",
     "flat_shard_state_dict",
     "flat_shard_load_target",
     "apply_loaded",
@@ -69,56 +74,84 @@ __all__ = [
 ]
 
 
+class _ParamChunks(NamedTuple):
+    """One parameter's boxes in a flat shard as DCP chunk metadata, made once per (handle,
+    parameter) and shared by every value shaped like it: the parameter and each optimizer state
+    ([Note: A save's per-value work]).
+
+    Attributes:
+        size: The whole tensor's shape (a tensor-parallel parameter's full one).
+        chunks: One ``ChunkStorageMetadata`` per box, in the range's order, its offsets in the
+            whole tensor.
+        starts: Where each box starts in the range (elements).
+    """
+
+    size: torch.Size
+    chunks: tuple[ChunkStorageMetadata, ...]
+    starts: tuple[int, ...]
+
+
+_CHUNKS: "weakref.WeakKeyDictionary[Any, tuple[_ParamChunks, ...]]" = weakref.WeakKeyDictionary()
+
+
+def _layout_chunks(layout: Any) -> tuple[_ParamChunks, ...]:
+    """Each parameter's :class:`_ParamChunks` in a handle's ``ShardLayout`` (its
+    :func:`layout_param_boxes`), computed once per layout."""
+    cached = _CHUNKS.get(layout)
+    if cached is None:
+        result = []
+        for boxes in layout_param_boxes(layout):
+            chunks, starts, at = [], [], 0
+            for local, box in zip(boxes.boxes, boxes.global_boxes):
+                chunks.append(ChunkStorageMetadata(offsets=torch.Size(box.offsets), sizes=torch.Size(box.sizes)))
+                starts.append(at)
+                at += local.numel
+            result.append(_ParamChunks(torch.Size(boxes.global_shape), tuple(chunks), tuple(starts)))
+        cached = _CHUNKS[layout] = tuple(result)
+    return cached
+
+
+_PROPERTIES: dict[tuple[torch.dtype, bool], TensorProperties] = {}
+
+
+def _properties(dtype: torch.dtype, pinned: bool) -> TensorProperties:
+    """One ``TensorProperties`` per dtype (and pinning) for every write item: what
+    ``TensorProperties.create_from_tensor`` gives a detached contiguous box, shared."""
+    key = (dtype, pinned)
+    found = _PROPERTIES.get(key)
+    if found is None:
+        found = _PROPERTIES[key] = TensorProperties(dtype=dtype, pin_memory=pinned)
+    return found
+
+
 class FlatShardChunks:
     """One tensor's boxes held by this rank, as views of a flat shard (a state-dict leaf that
     only :class:`FlatShardSavePlanner` writes).
 
     Args:
-        shape: The whole tensor's shape (a tensor-parallel parameter's full, TP-unsharded one).
+        chunks: The boxes' chunk metadata (:class:`_ParamChunks`, shared by the values of one
+            parameter), or None for a value this rank does not write.
         source: This rank's flat tensor (a local shard, or a state shaped like it).
-        offset: Where the tensor's range starts in ``source``.
-        start: The range's first element in the row-major order of the tensor the range is of:
-            the whole tensor, or ``local_shape``'s.
-        numel: The range's length (0: nothing to write).
-        local_shape: For a tensor-parallel parameter, its tp-local tensor's shape (the range is
-            of it); None: ``shape``.
-        global_offset: Where that tp-local tensor starts in the whole one ([Note:
-            Tensor-parallel pieces are boxes]); None: at 0.
+        offset: Where the range starts in ``source``.
+        size: The whole tensor's shape (only read when ``chunks`` is None).
     """
 
-    def __init__(
-        self,
-        shape: torch.Size,
-        source: torch.Tensor,
-        offset: int,
-        start: int,
-        numel: int,
-        local_shape: Optional[tuple[int, ...]] = None,
-        global_offset: Optional[tuple[int, ...]] = None,
-    ) -> None:
-        boxes = flat_range_boxes(tuple(shape) if local_shape is None else local_shape, start, start + numel)
-        placed = []  # (offsets in the whole tensor, sizes, where the box starts in ``source``)
-        at = offset
-        for box in shifted(boxes, global_offset) if global_offset is not None else boxes:
-            placed.append((torch.Size(box.offsets), torch.Size(box.sizes), at))
-            at += box.numel
-        self._place(torch.Size(shape), source, placed)
-
-    def _place(self, shape: torch.Size, source: torch.Tensor, placed: list[tuple[torch.Size, torch.Size, int]]) -> None:
-        self.shape = shape
+    def __init__(self, chunks: Optional[_ParamChunks], source: torch.Tensor, offset: int, size: torch.Size) -> None:
+        self.shape = chunks.size if chunks is not None else size
         self.dtype = source.dtype
         self.source = source
-        self._placed = placed
-        self.views: dict[torch.Size, torch.Tensor] = {o: _own_storage_view(source, at, s) for o, s, at in placed}
-        self.sizes: dict[torch.Size, torch.Size] = {o: s for o, s, _ in placed}
+        self._chunks = chunks
+        self._offset = offset
+        self.views: dict[torch.Size, torch.Tensor] = {}
+        if chunks is not None:
+            for chunk, start in zip(chunks.chunks, chunks.starts):
+                self.views[chunk.offsets] = _own_storage_view(source, offset + start, chunk.sizes)
 
     def on(self, source: torch.Tensor) -> "FlatShardChunks":
         """The same boxes (placed as this one's, tensor-parallel offsets included), as views of
         ``source`` instead (a copy of this one's source: a staging buffer, [Note: Async
         flat-shard saves] in ``fsdp/checkpoint.py``)."""
-        copy = FlatShardChunks.__new__(FlatShardChunks)
-        copy._place(self.shape, source, self._placed)
-        return copy
+        return FlatShardChunks(self._chunks, source, self._offset, self.shape)
 
     def size(self) -> torch.Size:
         """The whole tensor's shape (DCP's load planner checks it against the checkpoint's)."""
@@ -126,25 +159,21 @@ class FlatShardChunks:
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
         """DCP's read-side hook: the boxes this rank holds, each read into its view."""
-        return [ChunkStorageMetadata(offsets=o, sizes=s) for o, s in self.sizes.items()]
+        return list(self._chunks.chunks) if self._chunks is not None else []
 
     def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
         """DCP's hook: one SHARD write item per box."""
-        items = []
-        for offsets, sizes in self.sizes.items():
-            view = self.views[offsets]
-            items.append(
-                WriteItem(
-                    index=MetadataIndex(fqn, offsets),
-                    type=WriteItemType.SHARD,
-                    tensor_data=TensorWriteData(
-                        chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
-                        properties=TensorProperties.create_from_tensor(view),
-                        size=self.shape,
-                    ),
-                )
+        if self._chunks is None:
+            return []
+        properties = _properties(self.dtype, self.source.is_pinned())
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, chunk.offsets),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(chunk=chunk, properties=properties, size=self.shape),
             )
-        return items
+            for chunk in self._chunks.chunks
+        ]
 
 
 # [Note: Box views with their own storage]
@@ -169,8 +198,81 @@ def _own_storage_view(source: torch.Tensor, at: int, sizes: tuple[int, ...]) -> 
     return torch.empty(0, dtype=source.dtype, device=source.device).set_(storage, 0, sizes, strides)
 
 
+# [Note: A save's per-value work]
+# No parameter or optimizer byte moves in a flat-shard save, so what is left of its cost is
+# Python per value and per write item, and the coordinator's share of it grows with the world
+# size: it unpickles every rank's plan, deduplicates, builds the metadata, pickles every rank's
+# final plan and unpickles every rank's write results, O(chunks of all ranks). So:
+# - every box's chunk metadata is made once per (handle, parameter) and kept with the layout
+#   ([Note: A parameter's boxes, once] in ``fsdp/flat_param/_shard_map.py``); the optimizer
+#   states of a parameter reuse its chunk objects, and every item of a dtype shares one
+#   ``TensorProperties``, so a plan pickles (and the coordinator unpickles) each of them once
+#   (pickle memoizes objects by identity) instead of once per write item;
+# - the values every rank holds alike are planned once, not once per rank (DCP's default
+#   plans them on every rank and the coordinator's deduplication drops all but one copy): the
+#   model's plain values (buffers, unmanaged parameters) and the param groups' entries, which
+#   every rank has under the same keys, by the coordinator only; an optimizer state of a managed
+#   parameter that is not shaped like its shard (a scalar ``step``) by the ranks that write
+#   boxes of that parameter only (with ``use_orig_params`` a rank that holds none of a
+#   parameter may have no state for it, so the coordinator cannot stand in for them); one such
+#   rank exists for every parameter with elements, and a parameter without any keeps them on
+#   every rank;
+# - the deduplication left is of SHARD items that several ranks plan alike (the boxes of a
+#   ``Replicate`` tensor-parallel parameter, an unmanaged DTensor): one pass keyed by
+#   (fqn, offsets), the lowest rank keeping each (DCP's ``dedup_save_to_lowest_rank``), where
+#   DCP's default hashes its ``MetadataIndex`` dataclasses several times per item to balance
+#   the bytes of replicated values across ranks.
+# The files are the same kind as before: the same keys, chunks and metadata; only which rank
+# writes a replicated value differs.
+# [Note: No cyclic garbage collection during a save]
+# A save allocates tens of thousands of small objects that live until it ends (write items,
+# every rank's plans unpickled on the coordinator, the metadata, the write results), so
+# Python's cyclic collector runs its older generations again and again during it, and each
+# such pass walks every object of the process (torch's modules, the model): measured on the
+# 32-unit benchmark, half of a save's CPU time at 16 ranks, on every rank. None of these
+# objects is in a reference cycle (reference counting frees them), so a synchronous save turns
+# the collector off while it runs and back on after (if it was on), as ``timeit`` does; a cycle
+# made meanwhile by another thread waits for the next collection. The asynchronous save leaves
+# it alone: its planning runs in a background thread while training goes on.
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Turns Python's cyclic garbage collector off for the block, if it was on ([Note: No
+    cyclic garbage collection during a save])."""
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
+
+
 class FlatShardSavePlanner(DefaultSavePlanner):
-    """DCP's default save planner, that also finds the box views of :class:`FlatShardChunks`."""
+    """DCP's default save planner, that also finds the box views of :class:`FlatShardChunks`,
+    and plans replicated values on the coordinator only ([Note: A save's per-value work])."""
+
+    def create_local_plan(self) -> SavePlan:
+        plan = super().create_local_plan()
+        if not self.is_coordinator:  # the model's plain values and the param groups: alike everywhere
+            shards = [i for i in plan.items if i.type == WriteItemType.SHARD or i.index.fqn.startswith("optim.state.")]
+            if len(shards) != len(plan.items):
+                plan = self.plan = dataclasses.replace(plan, items=shards)
+        return plan
+
+    def _dedup_save_plans(self, all_plans: list[SavePlan]) -> list[SavePlan]:
+        """DCP's hook (``DefaultSavePlanner._create_global_plan`` calls it): each (fqn,
+        offsets) planned by several ranks is kept by the lowest one."""
+        seen: set[tuple[str, Any]] = set()
+        result = []
+        for plan in all_plans:
+            kept = []
+            for item in plan.items:
+                key = (item.index.fqn, item.index.offset)
+                if key not in seen:
+                    seen.add(key)
+                    kept.append(item)
+            result.append(plan if len(kept) == len(plan.items) else dataclasses.replace(plan, items=kept))
+        return result
 
     def lookup_object(self, index: MetadataIndex) -> Any:
         obj = self.state_dict.get(index.fqn)
@@ -216,17 +318,11 @@ def _chunks(handle: FlatParamHandle, index: int, source: torch.Tensor, orig_valu
     tensor-parallel parameter's boxes are of its full shape, placed by its tp-local tensor's
     global offset ([Note: Flat-shard checkpoints of tensor-parallel parameters])."""
     layout = handle.shard_layout
-    info = handle.param_infos[index]
-    tp = tp_piece(info.dtensor_spec) if info.dtensor_spec is not None else None
-    shape = torch.Size(tp.global_shape) if tp is not None else info.shape
+    chunks = _layout_chunks(layout)[index]  # every rank: a placement that is not a box raises
     piece = layout.shard_slices[index]
-    if piece is None or not writes:
-        return FlatShardChunks(shape, source, 0, 0, 0)
-    offset = 0 if orig_value else piece.offset_in_shard
-    if tp is None:
-        return FlatShardChunks(shape, source.reshape(-1), offset, piece.offset_in_param, piece.numel)
-    local = tuple(info.shape)
-    return FlatShardChunks(shape, source.reshape(-1), offset, piece.offset_in_param, piece.numel, local, tp.box.offsets)
+    if piece is None or not writes or not chunks.chunks:
+        return FlatShardChunks(None, source, 0, chunks.size)
+    return FlatShardChunks(chunks, source.reshape(-1), 0 if orig_value else piece.offset_in_shard, chunks.size)
 
 
 def _model_entries(model: nn.Module, view: ModelView, writes: dict[int, bool]) -> dict[str, Any]:
@@ -287,10 +383,19 @@ def _optim_entries(optim: torch.optim.Optimizer, view: ModelView, writes: dict[i
 def _state_values(
     entry: dict[str, Any], param: torch.Tensor, handle: FlatParamHandle, index: int, orig: bool, writes: bool
 ) -> dict[str, Any]:
+    """Parameter ``index``'s optimizer states: those shaped like the shard as boxes, the others
+    (a scalar ``step``) only where this rank writes boxes of the parameter, or, for a parameter
+    without elements, everywhere ([Note: A save's per-value work])."""
+    layout = handle.shard_layout
+    chunks = _layout_chunks(layout)[index]
+    holds = writes and layout.shard_slices[index] is not None and bool(chunks.chunks)
+    plans_others = holds or chunks.size.numel() == 0
     values: dict[str, Any] = {}
     for name, value in entry.items():
         if torch.is_tensor(value) and value.dim() > 0 and value.shape == param.shape:
             values[name] = _chunks(handle, index, value.detach(), orig, writes)
+        elif not plans_others:
+            continue
         elif torch.is_tensor(value):
             values[name] = value.detach()
         else:
