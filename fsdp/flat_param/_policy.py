@@ -180,11 +180,16 @@ class UnitPolicy:
         return self.strategy in HYBRID_STRATEGIES
 
     @property
+    def strategy_shards(self) -> bool:
+        """Whether the strategy shards parameters (every one but NO_SHARD); whether the unit's
+        handles take the sharded path also depends on the group and offload
+        (:attr:`uses_sharding`)."""
+        return self.strategy is not ShardingStrategy.NO_SHARD
+
+    @property
     def uses_sharding(self) -> bool:
         """Whether the unit's handles take the sharded path (``handle_uses_sharding``)."""
-        return handle_uses_sharding(
-            self.strategy is not ShardingStrategy.NO_SHARD, self.shard_world_size, self.offload_params
-        )
+        return handle_uses_sharding(self.strategy_shards, self.shard_world_size, self.offload_params)
 
     @property
     def reshards_after_forward(self) -> bool:
@@ -197,7 +202,7 @@ class UnitPolicy:
         its backward (SHARD_GRAD_OP, _HYBRID_SHARD_ZERO2): the names keep the unsharded views
         in between, as torch FSDP1's do ([Note: Original parameters between forward and
         backward] in ``runtime/_hooks.py``)."""
-        return not self.reshards_after_forward and self.strategy is not ShardingStrategy.NO_SHARD
+        return not self.reshards_after_forward and self.strategy_shards
 
     def frees_after_forward(self, is_root: bool, has_unsharded_buffer: bool) -> bool:
         """Whether post-forward frees the unit's unsharded copies when a backward follows.
@@ -212,7 +217,7 @@ class UnitPolicy:
         """
         if self.reshards_after_forward:
             return not is_root
-        return self.strategy is ShardingStrategy.NO_SHARD and has_unsharded_buffer
+        return not self.strategy_shards and has_unsharded_buffer
 
     def reshards_after_backward(self, sync_gradients: bool) -> bool:
         """Whether the unsharded parameters are freed once the unit's backward is done.

@@ -220,7 +220,7 @@ def build_handles(
                 module,
                 setup.device,
                 setup.groups.shard,
-                uses_sharding=setup.policy.strategy is not ShardingStrategy.NO_SHARD,
+                uses_sharding=setup.policy.strategy_shards,
                 unit_name=type(module).__name__,
                 replicate_group=setup.groups.replicate,
                 sync_module_states=args.sync_module_states,
