@@ -9,6 +9,7 @@ import pytest
 
 from fsdp.api import BackwardPrefetch, CPUOffload, ShardingStrategy as S
 from fsdp.flat_param._policy import HYBRID_STRATEGIES, UnitPolicy, effective_strategy
+from tests._harness import RankPool
 
 
 def test_effective_strategy() -> None:
@@ -42,3 +43,56 @@ def test_rules(strategy: S, world_size: int) -> None:
         # Every reduction on a stream stays in flight; without one, none ([Note: On CPU a
         # collective completes where it is launched]); a communication hook changes nothing.
         assert policy.reduction_stays_in_flight(stream) is stream
+
+
+def test_from_kwargs_omitted_take_the_constructors_defaults() -> None:
+    """The planner's one call: kwargs a user omitted take resolve's defaults, which are the
+    constructor's (nothing restates them); given ones are passed under the same names."""
+    import inspect
+
+    from fsdp import FullyShardedDataParallel
+
+    assert UnitPolicy.from_kwargs({}, 4) == UnitPolicy.resolve(None, 4)
+    constructor = inspect.signature(FullyShardedDataParallel.__init__).parameters
+    resolve = inspect.signature(UnitPolicy.resolve).parameters
+    for name in ("cpu_offload", "backward_prefetch", "forward_prefetch", "limit_all_gathers"):
+        assert resolve[name].default == constructor[name].default, name
+    offload = CPUOffload(offload_params=True)
+    kwargs = {"sharding_strategy": S._HYBRID_SHARD_ZERO2, "cpu_offload": offload, "backward_prefetch": None,
+              "forward_prefetch": True, "limit_all_gathers": False, "use_orig_params": True}
+    assert UnitPolicy.from_kwargs(kwargs, 4, 2) == UnitPolicy.resolve(S._HYBRID_SHARD_ZERO2, 4, 2, offload, None, True, False)
+
+
+def _count_resolutions() -> tuple[int, int, int]:
+    """(units, UnitPolicy.resolve calls, effective_strategy calls) while a 3-unit model is built."""
+    import sys
+
+    import torch
+    from torch import nn
+
+    from fsdp import FullyShardedDataParallel as FSDP
+    from fsdp.flat_param import _policy
+    from fsdp.wrap import ModuleWrapPolicy
+
+    codes = {_policy.UnitPolicy.resolve.__func__.__code__: 0, _policy.effective_strategy.__code__: 0}
+
+    def count(frame: object, event: str, arg: object) -> None:
+        code = getattr(frame, "f_code", None)
+        if event == "call" and code in codes:
+            codes[code] += 1
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    sys.setprofile(count)
+    try:
+        wrapped = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), device_id=torch.device("cpu"))
+    finally:
+        sys.setprofile(None)
+    resolves, effective = codes.values()
+    return len(FSDP.fsdp_modules(wrapped)), resolves, effective
+
+
+def test_each_unit_resolves_its_policy_once(pool1: RankPool) -> None:
+    """Construction resolves each unit's UnitPolicy once (the strategy in effect included), and
+    every later step reads that record."""
+    units, resolves, effective = pool1.run(_count_resolutions)[0]
+    assert units == 3 and resolves == units and effective == units, (units, resolves, effective)

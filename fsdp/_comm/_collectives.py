@@ -8,9 +8,10 @@ so tests that patch ``torch.distributed.<collective>`` see every call.
 
 A collective that fails or times out, here or in the ``wait()`` of the work it returned, raises
 the same exception type again with the unit, the phase, the collective and the group's ranks
-([Note: Collective errors] in ``_errors.py``); that costs a ``try`` on the hot path. Each one is
-also counted per group and marked while a thread is inside it, for the watcher that reports
-blocked collectives ([Note: Blocked collectives] in ``_watch.py``): a dict update and a pop.
+([Note: Collective errors] in ``_errors.py``). Each one is also counted per group and marked
+while a thread is inside it, for the watcher that reports blocked collectives ([Note: Blocked
+collectives] in ``_watch.py``). Both are one ``with _Watched(...)`` around every launch and
+every wait; on the hot path that costs one small object, a dict update and a pop.
 """
 
 from __future__ import annotations
@@ -29,6 +30,35 @@ from fsdp._comm._errors import raise_collective_error
 T = TypeVar("T")
 
 
+class _Watched:
+    """``with _Watched(collective, group[, number]):`` around a collective's launch or its
+    work's ``wait()``: marks this thread as inside it for the watcher ([Note: Blocked
+    collectives] in ``_watch.py``) and re-raises a ``RuntimeError`` it raises with FSDP's
+    context ([Note: Collective errors] in ``_errors.py``), then unmarks the thread.
+
+    ``number`` is the collective's number among the FSDP collectives issued on ``group``: given
+    where the caller needs it again (an asynchronous launch hands it to its work's ``wait()``),
+    else counted here. A plain class, not a generator: one small object per collective.
+    """
+
+    __slots__ = ("_collective", "_group", "_number", "_mark")
+
+    def __init__(self, collective: str, group: Optional[dist.ProcessGroup], number: Optional[int] = None) -> None:
+        self._collective = collective
+        self._group = group
+        self._number = _watch.issue(group) if number is None else number
+
+    def __enter__(self) -> None:
+        self._mark = _watch.begin(self._group, self._number, self._collective)
+
+    def __exit__(self, exc_type: object, exc: Optional[BaseException], tb: object) -> None:
+        try:
+            if isinstance(exc, RuntimeError):
+                raise_collective_error(exc, self._collective, self._group)
+        finally:
+            _watch.end(self._mark)
+
+
 def all_gather_flat(
     output: torch.Tensor,
     input: torch.Tensor,
@@ -41,13 +71,8 @@ def all_gather_flat(
     """
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     number = _watch.issue(group)
-    mark = _watch.begin(group, number, "all-gather")
-    try:
+    with _Watched("all-gather", group, number):
         work = fn(output, input, group=group, async_op=async_op)
-    except RuntimeError as err:
-        raise_collective_error(err, "all-gather", group)
-    finally:
-        _watch.end(mark)
     return _checked(work, "all-gather", group, number)
 
 
@@ -65,13 +90,8 @@ def reduce_scatter_flat(
     """
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     number = _watch.issue(group)
-    mark = _watch.begin(group, number, "reduce-scatter")
-    try:
+    with _Watched("reduce-scatter", group, number):
         work = fn(output, input, group=group, async_op=async_op)
-    except RuntimeError as err:
-        raise_collective_error(err, "reduce-scatter", group)
-    finally:
-        _watch.end(mark)
     return _checked(work, "reduce-scatter", group, number)
 
 
@@ -96,13 +116,8 @@ def gather_flat_to(
     output_splits = [numel if rank == dst else 0] * world_size
     input_splits = [numel if peer == dst else 0 for peer in range(world_size)]
     number = _watch.issue(group)
-    mark = _watch.begin(group, number, "gather")
-    try:
+    with _Watched("gather", group, number):
         work = dist.all_to_all_single(received, input, output_splits, input_splits, group=group, async_op=async_op)
-    except RuntimeError as err:
-        raise_collective_error(err, "gather", group)
-    finally:
-        _watch.end(mark)
     return _checked(work, "gather", group, number)
 
 
@@ -144,14 +159,8 @@ class CheckedWork:
 
     def wait(self, timeout: Optional[timedelta] = None) -> bool:
         """``dist.Work.wait``: blocks until the collective is done (or ``timeout``)."""
-        mark = _watch.begin(self._group, self._number, self._collective)
-        try:
-            done = self._work.wait() if timeout is None else self._work.wait(timeout)
-        except RuntimeError as err:
-            raise_collective_error(err, self._collective, self._group)
-        finally:
-            _watch.end(mark)
-        return done
+        with _Watched(self._collective, self._group, self._number):
+            return self._work.wait() if timeout is None else self._work.wait(timeout)
 
     # Any: forwards whatever else dist.Work has (is_completed, get_future, ...), typed by torch.
     def __getattr__(self, name: str) -> Any:
@@ -167,47 +176,27 @@ def _checked(
 
 def all_reduce_sum(tensor: torch.Tensor, group: Optional[dist.ProcessGroup]) -> None:
     """Sum-reduces ``tensor`` in place across ranks."""
-    mark = _watch.begin(group, _watch.issue(group), "all-reduce")
-    try:
+    with _Watched("all-reduce", group):
         dist.all_reduce(tensor, group=group)
-    except RuntimeError as err:
-        raise_collective_error(err, "all-reduce", group)
-    finally:
-        _watch.end(mark)
 
 
 def all_reduce_max(tensor: torch.Tensor, group: Optional[dist.ProcessGroup]) -> None:
     """Max-reduces ``tensor`` in place across ranks."""
-    mark = _watch.begin(group, _watch.issue(group), "all-reduce (max)")
-    try:
+    with _Watched("all-reduce (max)", group):
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
-    except RuntimeError as err:
-        raise_collective_error(err, "all-reduce (max)", group)
-    finally:
-        _watch.end(mark)
 
 
 def broadcast_from_rank0(tensor: torch.Tensor, group: Optional[dist.ProcessGroup]) -> None:
     """Overwrites ``tensor`` with the value of group-rank 0."""
-    mark = _watch.begin(group, _watch.issue(group), "broadcast")
-    try:
+    with _Watched("broadcast", group):
         dist.broadcast(tensor, group=group, group_src=0)
-    except RuntimeError as err:
-        raise_collective_error(err, "broadcast", group)
-    finally:
-        _watch.end(mark)
 
 
 def all_gather_tensors(tensor: torch.Tensor, group: Optional[dist.ProcessGroup]) -> list[torch.Tensor]:
     """Every rank's ``tensor`` (same shape and dtype everywhere), in rank order."""
     out = [torch.empty_like(tensor) for _ in range(group_size(group))]
-    mark = _watch.begin(group, _watch.issue(group), "all-gather")
-    try:
+    with _Watched("all-gather", group):
         dist.all_gather(out, tensor, group=group)
-    except RuntimeError as err:
-        raise_collective_error(err, "all-gather", group)
-    finally:
-        _watch.end(mark)
     return out
 
 
@@ -215,28 +204,16 @@ def all_gather_object(obj: T, group: Optional[dist.ProcessGroup], device: torch.
     """Every rank's picklable ``obj``, in rank order, staged on the unit's compute ``device``
     where the group stages objects on CUDA ([Note: Object collectives' device])."""
     out = [obj] * group_size(group)  # placeholders, every entry overwritten
-    mark = _watch.begin(group, _watch.issue(group), "all-gather (objects)")
-    try:
-        with _object_device(device):
-            dist.all_gather_object(out, obj, group=group)
-    except RuntimeError as err:
-        raise_collective_error(err, "all-gather (objects)", group)
-    finally:
-        _watch.end(mark)
+    with _Watched("all-gather (objects)", group), _object_device(device):
+        dist.all_gather_object(out, obj, group=group)
     return out
 
 
 def broadcast_object_from_rank0(obj: T, group: Optional[dist.ProcessGroup], device: torch.device) -> T:
     """Group-rank 0's picklable ``obj`` on every rank (staged as :func:`all_gather_object`)."""
     box = [obj]
-    mark = _watch.begin(group, _watch.issue(group), "broadcast (objects)")
-    try:
-        with _object_device(device):
-            dist.broadcast_object_list(box, group=group, group_src=0)
-    except RuntimeError as err:
-        raise_collective_error(err, "broadcast (objects)", group)
-    finally:
-        _watch.end(mark)
+    with _Watched("broadcast (objects)", group), _object_device(device):
+        dist.broadcast_object_list(box, group=group, group_src=0)
     return box[0]
 
 

@@ -3,7 +3,7 @@
 [Note: Collective phase]
 A failed or timed-out collective's message ([Note: Collective errors] in ``_errors.py``) and a
 blocked collective's report ([Note: Blocked collectives] in ``_watch.py``) name the FSDP phase
-("forward unshard", "backward reduce (within end of backward)", "state_dict", ...) and the unit
+("forward unshard", "backward reduce", "state_dict", ...) and the unit
 ("of FSDP unit 'blocks.1'"). This layer cannot know either: its callers do. So each caller says
 it, explicitly, around the code that communicates:
 
@@ -12,6 +12,11 @@ it, explicitly, around the code that communicates:
   the unit where the phase belongs to one (``collective_phase("clip_grad_norm_", state)``);
 * the object that owns a unit's communication (a ``FlatParamHandle`` gathering, a
   ``GradReduction`` reducing) names itself with ``collective_phase(None, self)``.
+
+Only code that runs a collective (a launch in ``_collectives.py``, or the ``wait()`` of the work
+an asynchronous one returned) is read: a wait on a stream's event (completing a reduction in
+flight or a prefetched gather, at the end of backward, in the recovery from an interrupted
+backward, when a dropped model is released) runs none, and says no phase.
 
 Each thread keeps one stack. The phase said is the innermost one, followed by the enclosing
 ones that differ ("backward prefetch (within backward unshard)"); the unit is the innermost one

@@ -18,7 +18,7 @@ the planner passes what it plans and the runtime what it sees.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from torch import nn
 
@@ -33,6 +33,10 @@ HYBRID_STRATEGIES = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHA
 
 #: The strategies that free a unit's unsharded parameters between its forward and its backward.
 _RESHARD_AFTER_FORWARD = (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
+
+#: The constructor's keyword arguments :meth:`UnitPolicy.resolve` reads, besides
+#: ``sharding_strategy`` (its first argument), under the same names.
+_CONSTRUCTOR_KWARGS = ("cpu_offload", "backward_prefetch", "forward_prefetch", "limit_all_gathers")
 
 
 def effective_strategy(requested: Optional[ShardingStrategy], shard_world_size: int) -> ShardingStrategy:
@@ -160,17 +164,32 @@ class UnitPolicy:
             limit_all_gathers=bool(limit_all_gathers),
         )
 
+    @classmethod
+    def from_kwargs(
+        cls, kwargs: Mapping[str, Any], shard_world_size: int, replicate_world_size: int = 1
+    ) -> "UnitPolicy":
+        """:meth:`resolve` for a unit built with the constructor keyword arguments ``kwargs``
+        (the memory planner's units): those a user omitted take :meth:`resolve`'s defaults,
+        which are the constructor's, so no caller restates them."""
+        given = {name: kwargs[name] for name in _CONSTRUCTOR_KWARGS if name in kwargs}
+        return cls.resolve(kwargs.get("sharding_strategy"), shard_world_size, replicate_world_size, **given)
+
     @property
     def is_hybrid(self) -> bool:
         """Shards inside a group and all-reduces across replicas."""
         return self.strategy in HYBRID_STRATEGIES
 
     @property
+    def strategy_shards(self) -> bool:
+        """Whether the strategy shards parameters (every one but NO_SHARD); whether the unit's
+        handles take the sharded path also depends on the group and offload
+        (:attr:`uses_sharding`)."""
+        return self.strategy is not ShardingStrategy.NO_SHARD
+
+    @property
     def uses_sharding(self) -> bool:
         """Whether the unit's handles take the sharded path (``handle_uses_sharding``)."""
-        return handle_uses_sharding(
-            self.strategy is not ShardingStrategy.NO_SHARD, self.shard_world_size, self.offload_params
-        )
+        return handle_uses_sharding(self.strategy_shards, self.shard_world_size, self.offload_params)
 
     @property
     def reshards_after_forward(self) -> bool:
@@ -183,7 +202,7 @@ class UnitPolicy:
         its backward (SHARD_GRAD_OP, _HYBRID_SHARD_ZERO2): the names keep the unsharded views
         in between, as torch FSDP1's do ([Note: Original parameters between forward and
         backward] in ``runtime/_hooks.py``)."""
-        return not self.reshards_after_forward and self.strategy is not ShardingStrategy.NO_SHARD
+        return not self.reshards_after_forward and self.strategy_shards
 
     def frees_after_forward(self, is_root: bool, has_unsharded_buffer: bool) -> bool:
         """Whether post-forward frees the unit's unsharded copies when a backward follows.
@@ -198,7 +217,7 @@ class UnitPolicy:
         """
         if self.reshards_after_forward:
             return not is_root
-        return self.strategy is ShardingStrategy.NO_SHARD and has_unsharded_buffer
+        return not self.strategy_shards and has_unsharded_buffer
 
     def reshards_after_backward(self, sync_gradients: bool) -> bool:
         """Whether the unsharded parameters are freed once the unit's backward is done.
@@ -209,10 +228,13 @@ class UnitPolicy:
         """
         return sync_gradients or self.reshards_after_forward
 
-    def reduction_stays_in_flight(self, has_stream: bool) -> bool:
+    @staticmethod
+    def reduction_stays_in_flight(has_stream: bool) -> bool:
         """Whether a gradient reduction stays in flight past the post-backward hook (its buffers
         alive until the compute stream waits for it): on a post-backward stream (CUDA), every
-        one; without a stream, none ([Note: On CPU a collective completes where it is launched])."""
+        one; without a stream, none ([Note: On CPU a collective completes where it is launched]).
+        No strategy changes it, so the reduction itself asks (``GradReduction.reduce``, with
+        whether it has a stream) and the planner replays the same answer."""
         return has_stream
 
 

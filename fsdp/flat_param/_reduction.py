@@ -22,6 +22,7 @@ from fsdp._comm import _collectives as comm
 from fsdp._comm._phase import collective_phase
 from fsdp._common import group_size, p_assert
 from fsdp.flat_param._layout import ShardLayout
+from fsdp.flat_param._policy import UnitPolicy
 from fsdp.flat_param._sharding import gradient_divide_factors
 from fsdp.flat_param import _streams
 from fsdp.flat_param._storage import FlatParamStorage
@@ -147,11 +148,11 @@ class GradReduction:
         comm_hook: Optional[Callable[..., object]],
         comm_hook_state: object,
         full_precision: bool,
-        in_flight: bool,
     ) -> None:
         """Launches the reduction of the unsharded gradient autograd just accumulated (see
-        the class docstring for the postcondition). ``in_flight``: it stays in flight past this
-        call (the unit's ``UnitPolicy.reduction_stays_in_flight``, [Note: One schedule]).
+        the class docstring for the postcondition). It stays in flight past this call where
+        ``UnitPolicy.reduction_stays_in_flight`` says so for this handle's post-backward stream
+        (or its absence): [Note: One schedule], the rule the planner replays.
 
         [Note: One reduction path]
         Every strategy, backend and world size takes this path: the cast to ``reduce_dtype``,
@@ -177,6 +178,7 @@ class GradReduction:
             return
         p_assert(self.inflight is None, f"unit '{self.unit_name}': two reductions in flight")
         stream = self.storage.post_backward_stream
+        in_flight = UnitPolicy.reduction_stays_in_flight(stream is not None)
         p_assert(not in_flight or stream is not None, f"unit '{self.unit_name}': a reduction in flight needs a stream")
         # The input as the compute stream made it stays referenced while the post-backward
         # stream may read it ([Note: The reduction's input outlives its readers], release_input).

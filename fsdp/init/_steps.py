@@ -22,12 +22,11 @@ from torch.utils.weak import WeakIdKeyDictionary
 from fsdp._comm._groups import ProcessGroupType, ShardingGroups
 from fsdp._common import group_backend, group_rank, group_size, run_first_wrap_callbacks
 from fsdp.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
-from fsdp.flat_param._policy import UnitPolicy, effective_strategy, offloaded_units
+from fsdp.flat_param._policy import HYBRID_STRATEGIES, UnitPolicy
 from fsdp.flat_param.flat_param import FlatParamHandle
 from fsdp.init._auto_wrap import mixed_precision_classes
 from fsdp.init._device import move_modules_to_device, resolve_compute_device
 from fsdp.init._materialize import materialize_and_wrap
-from fsdp.flat_param._policy import HYBRID_STRATEGIES
 from fsdp.init._process_group import resolve_process_groups
 from fsdp.init._sync import sync_buffers
 from fsdp.init._unit_params import (
@@ -37,7 +36,14 @@ from fsdp.init._unit_params import (
     unit_params,
     validate_unit_params,
 )
-from fsdp.init._validate import UnitPlan, plan_units, validate_init_args, warn_construction, warn_container
+from fsdp.init._validate import (
+    UnitPlan,
+    plan_units,
+    resolve_unit_offload,
+    validate_init_args,
+    warn_construction,
+    warn_container,
+)
 from fsdp.runtime._hooks import register_flat_param_hooks
 from fsdp.runtime._mixed_precision import (
     apply_mixed_precision_overrides,
@@ -81,31 +87,24 @@ class UnitSetup:
     """What step 1 worked out, before anything changed.
 
     Attributes:
-        strategy: The strategy in effect (NO_SHARD at world size 1, as torch FSDP1).
+        policy: The unit's schedule policy, resolved once here ([Note: One schedule] in
+            ``flat_param/_policy.py``): the strategy in effect (NO_SHARD at world size 1, as
+            torch FSDP1), the group sizes, whether it offloads ([Note: Fractional offload]: the
+            nested units' kwargs in ``plan.targets`` carry their resolved ``cpu_offload``),
+            prefetch.
         groups: The shard group (and for hybrid strategies the replicate group).
         device: The compute device.
         rank: This rank in the shard group.
-        world_size: The shard group's size.
         plan: The nested units, ignored states and tied-parameter owners.
         wrapped_before: The states of the units already nested in the module (wrapped by hand).
-        cpu_offload: This unit's resolved ``CPUOffload`` ([Note: Fractional offload]): the
-            constructor's when it offloads every unit or none, else ``CPUOffload(offload_params=
-            chosen)`` (the nested units' kwargs in ``plan.targets`` carry theirs).
     """
 
-    strategy: ShardingStrategy
+    policy: UnitPolicy
     groups: ShardingGroups
     device: torch.device
     rank: int
-    world_size: int
     plan: UnitPlan
     wrapped_before: list[UnitState]
-    cpu_offload: Optional[CPUOffload] = None
-
-    @property
-    def offload_params(self) -> bool:
-        """Whether this unit's shard and gradient live on the host."""
-        return bool(self.cpu_offload is not None and self.cpu_offload.offload_params)
 
 
 def plan_unit(
@@ -138,54 +137,26 @@ def plan_unit(
     rank, world_size = group_rank(groups.shard), group_size(groups.shard)
     device = resolve_compute_device(module, args.device_id, group_backend(groups.shard), rank)
     warn_container(module)
-    strategy = effective_strategy(strategy, world_size)  # NO_SHARD on one rank, as torch FSDP1
-    if strategy in HYBRID_STRATEGIES:
+    if strategy in HYBRID_STRATEGIES:  # (a hybrid strategy stays in effect at any world size)
         _refuse_hybrid_tensor_parallel(module, strategy)
     root_kwargs = args.wrap_kwargs()
     plan = plan_units(
         module, auto_wrap_policy, root_kwargs, ignored_modules, ignored_states, warn_stacklevel=5
     )
-    warn_construction(args.sharding_strategy, world_size)
+    policy = UnitPolicy.resolve(  # once per unit ([Note: One schedule])
+        args.sharding_strategy,
+        world_size,
+        group_size(groups.replicate) if groups.replicate is not None else 1,
+        resolve_unit_offload(module, plan, args.cpu_offload),
+        args.backward_prefetch,
+        args.forward_prefetch,
+        args.limit_all_gathers,
+    )
+    warn_construction(args.sharding_strategy, policy)
     if auto_wrap_policy is not None and args.mixed_precision is not None:
         apply_mixed_precision_overrides(module, mixed_precision_classes(root_kwargs))
     wrapped_before = [unit_state(sub) for sub in module.modules() if is_fsdp(sub)]
-    cpu_offload = resolve_unit_offload(module, plan, args.cpu_offload)
-    return UnitSetup(strategy, groups, device, rank, world_size, plan, wrapped_before, cpu_offload)
-
-
-def resolve_unit_offload(module: nn.Module, plan: UnitPlan, root_offload: Optional[CPUOffload]) -> Optional[CPUOffload]:
-    """Resolves which planned units offload ([Note: Fractional offload]); the memory planner
-    calls this too, so both choose the same units.
-
-    A nested unit's ``cpu_offload`` in ``plan.targets`` that selects units becomes
-    ``CPUOffload(offload_params=chosen)`` (what the nested constructor then runs); configs that
-    offload all units or none are left as they are.
-
-    Returns:
-        The root's resolved config (the constructor's unless it selects units).
-    """
-    configs = {unit: kwargs.get("cpu_offload") for unit, kwargs in plan.targets.items()}
-    configs[module] = root_offload
-    if not any(c is not None and c.selects_units for c in configs.values()):
-        return root_offload
-    units = [m for m in module.modules() if m in configs]  # pre-order, the root first
-
-    numels: list[int] = []
-    with mark_tied_owners(plan.tied_owner):
-        for unit in units:
-
-            def is_other_unit(m: nn.Module, unit: nn.Module = unit) -> bool:
-                return (m in configs and m is not unit) or is_fsdp(m) or m in plan.ignored_modules
-
-            params = unit_params(unit, is_other_unit, plan.ignored_params)
-            numels.append(sum(p.numel() for p in {id(p[3]): p[3] for p in params}.values()))
-    chosen = offloaded_units([(unit, configs[unit], numel) for unit, numel in zip(units, numels)])
-    resolved = {unit: CPUOffload(offload_params=c) for unit, c in zip(units, chosen)}
-    for unit, kwargs in plan.targets.items():
-        config = kwargs.get("cpu_offload")
-        if config is not None and config.selects_units:
-            kwargs["cpu_offload"] = resolved[unit]
-    return resolved[module] if root_offload is not None and root_offload.selects_units else root_offload
+    return UnitSetup(policy, groups, device, rank, plan, wrapped_before)
 
 
 def _refuse_hybrid_tensor_parallel(module: nn.Module, strategy: ShardingStrategy) -> None:
@@ -249,14 +220,14 @@ def build_handles(
                 module,
                 setup.device,
                 setup.groups.shard,
-                uses_sharding=setup.strategy is not ShardingStrategy.NO_SHARD,
+                uses_sharding=setup.policy.strategy_shards,
                 unit_name=type(module).__name__,
                 replicate_group=setup.groups.replicate,
                 sync_module_states=args.sync_module_states,
                 use_orig_params=args.use_orig_params,
-                offload_params=setup.offload_params,
+                offload_params=setup.policy.offload_params,
                 mixed_precision=args.mixed_precision,
-                sharding_strategy=setup.strategy,
+                sharding_strategy=setup.policy.strategy,
             )
             for handle_params in split_by_requires_grad(params, args.use_orig_params)
         ]
@@ -282,16 +253,8 @@ def new_unit_state(
         process_group=setup.groups.shard,
         replicate_group=setup.groups.replicate,
         rank=setup.rank,
-        world_size=setup.world_size,
-        policy=UnitPolicy.resolve(
-            setup.strategy,
-            setup.world_size,
-            group_size(setup.groups.replicate) if setup.groups.replicate is not None else 1,
-            setup.cpu_offload,
-            args.backward_prefetch,
-            args.forward_prefetch,
-            args.limit_all_gathers,
-        ),
+        world_size=setup.policy.shard_world_size,
+        policy=setup.policy,
         compute_device=setup.device,
         unit_name=type(module).__name__,
         mixed_precision=mixed_precision,

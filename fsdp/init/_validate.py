@@ -26,7 +26,7 @@ from torch import nn
 
 from fsdp._common import clean_fqn
 from fsdp.api import BackwardPrefetch, CPUOffload, ShardingStrategy
-from fsdp.flat_param._policy import effective_strategy
+from fsdp.flat_param._policy import UnitPolicy, offloaded_units
 from fsdp.flat_param.flat_param import FLATTENED_ATTR, FlatParameter
 from fsdp.init._auto_wrap import policy_targets, validate_auto_wrap_policy
 from fsdp.wrap import _Policy
@@ -34,6 +34,7 @@ from fsdp.init._materialize import check_materializable, validate_param_init_fn
 from fsdp.init._unit_params import (
     UnitParam,
     check_not_flattened_elsewhere,
+    mark_tied_owners,
     unit_params,
     validate_unit_params,
 )
@@ -88,16 +89,16 @@ def warn_container(module: nn.Module) -> None:
         )
 
 
-def warn_construction(requested: Optional[ShardingStrategy], world_size: int) -> None:
+def warn_construction(requested: Optional[ShardingStrategy], policy: UnitPolicy) -> None:
     """Emits the strategy warnings torch FSDP1 emits for the same arguments, once the units
     are planned (after the auto-wrap warnings, in torch FSDP1's order).
 
     Args:
         requested: The ``sharding_strategy`` argument itself (None: FULL_SHARD).
-        world_size: The size of the shard group.
+        policy: The unit's resolved policy (the strategy in effect, the shard group's size).
     """
     strategy = requested or ShardingStrategy.FULL_SHARD
-    switched = effective_strategy(requested, world_size) is ShardingStrategy.NO_SHARD
+    switched = policy.strategy is ShardingStrategy.NO_SHARD
     if strategy is not ShardingStrategy.NO_SHARD and switched:
         # Torch FSDP1's words exactly, attributed (as torch attributes it) to the wrapper's
         # constructor rather than its caller: one location, so Python's default filter shows it
@@ -106,7 +107,7 @@ def warn_construction(requested: Optional[ShardingStrategy], world_size: int) ->
             f"FSDP is switching to use `NO_SHARD` instead of {strategy} since the world size is 1.",
             stacklevel=3,  # FullyShardedDataParallel.__init__ -> build step -> here
         )
-    elif world_size > 1 and requested is ShardingStrategy.NO_SHARD:
+    elif policy.shard_world_size > 1 and requested is ShardingStrategy.NO_SHARD:
         warnings.warn(
             "fsdp: the NO_SHARD sharding strategy is deprecated in torch FSDP1 (which "
             "recommends DistributedDataParallel instead); fsdp keeps supporting it.",
@@ -415,3 +416,39 @@ def plan_units(
         elif inner_params:
             kwargs["ignored_states"] = inner_params
     return plan
+
+
+def resolve_unit_offload(module: nn.Module, plan: UnitPlan, root_offload: Optional[CPUOffload]) -> Optional[CPUOffload]:
+    """Resolves which planned units offload ([Note: Fractional offload] in
+    ``flat_param/_policy.py``): the constructor (``init/_steps.py``) and the memory planner
+    (``plan/_units.py``) both call this, after :func:`plan_units`, so both choose the same units.
+
+    A nested unit's ``cpu_offload`` in ``plan.targets`` that selects units becomes
+    ``CPUOffload(offload_params=chosen)`` (what the nested constructor then runs); configs that
+    offload all units or none are left as they are.
+
+    Returns:
+        The root's resolved config (the constructor's unless it selects units).
+    """
+    configs = {unit: kwargs.get("cpu_offload") for unit, kwargs in plan.targets.items()}
+    configs[module] = root_offload
+    if not any(c is not None and c.selects_units for c in configs.values()):
+        return root_offload
+    units = [m for m in module.modules() if m in configs]  # pre-order, the root first
+
+    numels: list[int] = []
+    with mark_tied_owners(plan.tied_owner):
+        for unit in units:
+
+            def is_other_unit(m: nn.Module, unit: nn.Module = unit) -> bool:
+                return (m in configs and m is not unit) or is_fsdp(m) or m in plan.ignored_modules
+
+            params = unit_params(unit, is_other_unit, plan.ignored_params)
+            numels.append(sum(p.numel() for p in {id(p[3]): p[3] for p in params}.values()))
+    chosen = offloaded_units([(unit, configs[unit], numel) for unit, numel in zip(units, numels)])
+    resolved = {unit: CPUOffload(offload_params=c) for unit, c in zip(units, chosen)}
+    for unit, kwargs in plan.targets.items():
+        config = kwargs.get("cpu_offload")
+        if config is not None and config.selects_units:
+            kwargs["cpu_offload"] = resolved[unit]
+    return resolved[module] if root_offload is not None and root_offload.selects_units else root_offload

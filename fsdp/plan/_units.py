@@ -16,13 +16,11 @@ from typing import Any, Callable, Iterable, Optional, Union
 import torch
 from torch import nn
 
-from fsdp.api import BackwardPrefetch
 from fsdp.flat_param._policy import UnitPolicy
 from fsdp.flat_param._precision import HandlePrecision
 from fsdp.flat_param._sharding import FlatLayout, aligned_numel, flat_layout, padded_unsharded_numel
-from fsdp.init._steps import resolve_unit_offload
 from fsdp.init._unit_params import mark_tied_owners, split_by_requires_grad, unit_params
-from fsdp.init._validate import plan_units
+from fsdp.init._validate import plan_units, resolve_unit_offload
 
 __all__ = ["HandleSpec", "UnitSpec", "UnitLayout", "plan_unit_layouts", "size_unit_specs", "plan_unit_specs"]
 
@@ -167,19 +165,6 @@ def plan_unit_layouts(
     return layouts, plan.ignored_modules, plan.ignored_params
 
 
-def unit_policy(kwargs: dict[str, Any], shard_world_size: int, replicate_world_size: int) -> UnitPolicy:
-    """The :class:`UnitPolicy` a unit built with ``kwargs`` resolves (as ``init/_steps.py``)."""
-    return UnitPolicy.resolve(
-        kwargs.get("sharding_strategy"),
-        shard_world_size,
-        replicate_world_size,
-        kwargs.get("cpu_offload"),
-        kwargs.get("backward_prefetch", BackwardPrefetch.BACKWARD_PRE),
-        bool(kwargs.get("forward_prefetch")),
-        kwargs.get("limit_all_gathers", True),
-    )
-
-
 def size_unit_specs(layouts: list[UnitLayout], shard_world_size: int, replicate_world_size: int = 1) -> list[UnitSpec]:
     """Sizes every FlatParameter of the planned units for one shard world size.
 
@@ -192,7 +177,7 @@ def size_unit_specs(layouts: list[UnitLayout], shard_world_size: int, replicate_
     """
     specs: list[UnitSpec] = []
     for layout in layouts:
-        policy = unit_policy(layout.kwargs, shard_world_size, replicate_world_size)
+        policy = UnitPolicy.from_kwargs(layout.kwargs, shard_world_size, replicate_world_size)
         uses_sharding = policy.uses_sharding
         use_orig_params = bool(layout.kwargs.get("use_orig_params"))
         handles: list[HandleSpec] = []

@@ -127,12 +127,11 @@ def _recover_if_backward_interrupted(state: UnitState) -> None:
         stacklevel=4,
     )
     ctx.inflight_reductions.clear()
-    with collective_phase("recovery from an interrupted backward", state):  # reductions complete
-        for unit in ctx.states:
-            for handle in unit.handles:
-                handle.abandon_backward()
-            unit.ran_pre_backward = False
-            unit.training_state = HandleTrainingState.IDLE
+    for unit in ctx.states:  # (reductions in flight complete by event waits: no collective)
+        for handle in unit.handles:
+            handle.abandon_backward()
+        unit.ran_pre_backward = False
+        unit.training_state = HandleTrainingState.IDLE
     ctx.final_callback_queued = False
 
 
@@ -270,15 +269,15 @@ def finish_inflight_reductions(ctx: RootContext, only: Optional[FlatParamHandle]
 
     The one place reductions are completed ([Note: Overlapped gradient reduction]): the end of
     backward; a unit with optimizers in backward where its input is released; a handle about
-    to reduce again in the same backward.
+    to reduce again in the same backward. The collectives ran in ``reduce``; completing one
+    is the compute stream's wait on its event, so no collective runs here.
     """
-    with collective_phase("backward reduce"):  # the reduction names its unit
-        for handle in list(ctx.inflight_reductions):
-            if only is not None and handle is not only:
-                continue
-            ctx.inflight_reductions.remove(handle)
-            handle.grads.wait()
-            _step_optimizers_in_backward(handle)
+    for handle in list(ctx.inflight_reductions):
+        if only is not None and handle is not only:
+            continue
+        ctx.inflight_reductions.remove(handle)
+        handle.grads.wait()
+        _step_optimizers_in_backward(handle)
 
 
 @eager_only  # FSDP bookkeeping runs eagerly; the module's own forward compiles
@@ -439,7 +438,6 @@ def _post_backward_hook(
             state.comm_hook,
             state.comm_hook_state,
             full_precision=state.forward_in_full_precision,
-            in_flight=state.policy.reduction_stays_in_flight(handle.storage.post_backward_stream is not None),
         )
         if handle.grads.inflight is not None:
             ctx.inflight_reductions.append(handle)
@@ -476,32 +474,32 @@ def _final_callback(ctx: RootContext) -> None:
     """End of backward: reshard what is still unsharded, set sharded grads, reset states.
 
     Units whose gradient never arrived (unused outputs, frozen parameters) are resharded here,
-    and keep ``.grad`` as it was.
+    and keep ``.grad`` as it was. No collective runs here: completing the reductions in flight
+    and a prefetched gather are the compute stream's waits on their events.
     """
-    with collective_phase("end of backward"):
-        finish_inflight_reductions(ctx)
-        for state in ctx.states:
-            for handle in state.handles:
-                handle.views.drop_recorded_views()
-                if handle.is_unsharded and state.reshards_after_backward():
-                    handle.reshard()
-                elif handle.use_orig_params:
-                    # Kept unsharded (no_sync, SHARD_GRAD_OP's root, ...): the names hold this
-                    # backward's views; register the original Parameters back, as torch FSDP1 does,
-                    # so the optimizer and named_parameters() see them between steps.
-                    handle.views.use_sharded()
-                    if handle.grads.holds_unsynced:
-                        handle.grads.use_sharded_grad_views()  # no_sync: the accumulated unsharded views
-                else:
-                    handle.show_local_shard()  # kept unsharded: [Note: A kept unit shows its local shard]
-                if handle.grads.stepped_in_backward:
-                    handle.grads.stepped_in_backward = False  # finalized and consumed already
-                elif not handle.is_unsharded or not handle.has_unsharded_buffer:
-                    handle.grads.finalize()
-            state.ran_pre_backward = False
-            state.training_state = HandleTrainingState.IDLE
-        ctx.final_callback_queued = False
-        ctx.kept_unit_pending = None  # resharded above if this backward never reached it
+    finish_inflight_reductions(ctx)
+    for state in ctx.states:
+        for handle in state.handles:
+            handle.views.drop_recorded_views()
+            if handle.is_unsharded and state.reshards_after_backward():
+                handle.reshard()
+            elif handle.use_orig_params:
+                # Kept unsharded (no_sync, SHARD_GRAD_OP's root, ...): the names hold this
+                # backward's views; register the original Parameters back, as torch FSDP1 does,
+                # so the optimizer and named_parameters() see them between steps.
+                handle.views.use_sharded()
+                if handle.grads.holds_unsynced:
+                    handle.grads.use_sharded_grad_views()  # no_sync: the accumulated unsharded views
+            else:
+                handle.show_local_shard()  # kept unsharded: [Note: A kept unit shows its local shard]
+            if handle.grads.stepped_in_backward:
+                handle.grads.stepped_in_backward = False  # finalized and consumed already
+            elif not handle.is_unsharded or not handle.has_unsharded_buffer:
+                handle.grads.finalize()
+        state.ran_pre_backward = False
+        state.training_state = HandleTrainingState.IDLE
+    ctx.final_callback_queued = False
+    ctx.kept_unit_pending = None  # resharded above if this backward never reached it
     finish_first_iteration(ctx)
 
 

@@ -16,8 +16,9 @@ breaks every cycle and lets reference counting free the rest at once. A unit the
 holds is left as before lazy initialization, so its next forward makes it a root of its own.
 A root dropped between its forward and its backward (``FSDP(model)(x).sum().backward()``) is
 not dead yet: the hooks on the forward's outputs hold it until the graph is freed.
-Collectives an interrupted backward left in flight are waited for first (a gloo transfer whose
-work object is destroyed mid-flight leaves the connection unusable for the next model).
+Collectives an interrupted backward left in flight on a side stream (CUDA) are waited for
+first, so their buffers are not freed under them; on CPU none is in flight ([Note: On CPU a
+collective completes where it is launched] in ``flat_param/_policy.py``).
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from typing import Optional
 
 from torch import nn
 
-from fsdp._comm._phase import collective_phase
 from fsdp.flat_param import _streams
 from fsdp.runtime._state import RootContext, UnitState, check_idle, named_fsdp_states, unit_state
 
@@ -115,19 +115,18 @@ def _check_units(units: list[tuple[str, UnitState]]) -> None:
 def _release_context(ctx: RootContext) -> None:
     """Unlinks the units of a deleted root's tree from ``ctx`` (see the note above).
 
-    Collectives a failed backward left in flight (a prefetched all-gather, a reduction) are
-    completed first: a gloo work destroyed while its transfer runs leaves the connection to the
-    peer unusable, and the next collective of the group, another model's, hangs. Where the peer
-    never takes part, the wait ends at the group's timeout with a warning.
+    Collectives a failed backward left in flight (a prefetched all-gather, a reduction: on CUDA
+    only, on a side stream) are completed first: the compute stream waits on their events, so
+    no buffer they use is freed under them. These are event waits, not collectives: no phase
+    to name ([Note: Collective phase]).
     """
     for unit in ctx.states:
         if unit.ctx is not ctx:  # re-initialized under another root since
             continue
         for handle in unit.handles:
             try:
-                with collective_phase(None, handle):  # no phase: a failure here never waits
-                    handle.storage.wait_unshard()
-                    handle.grads.wait()
+                handle.storage.wait_unshard()
+                handle.grads.wait()
             except Exception as err:  # a finalizer cannot raise: say so, free the rest
                 warnings.warn(
                     f"fsdp: finishing a collective of the dropped model's unit '{unit.unit_name}' "
