@@ -126,11 +126,17 @@ def mismatched_collectives() -> list[tuple[float, str]]:
     said_before = len(_watch.DIAGNOSES)
     dist.barrier()
     start = time.monotonic()
-    with pytest.raises(RuntimeError, match="Timed out"):
+    # Each rank fails at its own timeout, or at once when the other rank's timeout fired first
+    # and closed the connection ([Note: A connection closed after a mismatch was said]).
+    with pytest.raises(RuntimeError) as info:
         if dist.get_rank() == 0:
             comm.all_reduce_sum(torch.ones(4), group)
         else:
             comm.broadcast_from_rank0(torch.ones(4), group)
+    failure = str(info.value)
+    if "Timed out" not in failure:
+        assert "gave up on the same mismatch (it did not crash). What was said: fsdp: rank" in failure, failure
+        assert "most likely exited" not in failure, failure
     dist.barrier()  # the default group still works; the scenario's group is abandoned
     return [(when - start, message) for when, message in _watch.DIAGNOSES[said_before:]]
 
@@ -170,6 +176,28 @@ def test_lost_peer_is_not_called_a_timeout(words: str) -> None:
     assert "the connection to rank 1 closed: that process most likely exited or crashed" in message, message
     assert "did not wait for a timeout" in message, message
     assert "waited for the process group's timeout" not in message, message
+
+
+def test_closed_connection_after_a_said_mismatch_is_not_called_a_crash() -> None:
+    """A peer that gave up on a mismatch the watcher said closes its connection: the hint repeats
+    the mismatch (once), not the crash hint."""
+    from fsdp._comm._errors import note_mismatch, raise_collective_error
+
+    said = "fsdp: rank 0 waits in all-reduce (FSDP collective #1 ...) while rank 1 waits in broadcast"
+    messages = []
+    for _ in range(2):
+        if not messages:
+            note_mismatch(None, said)
+        with pytest.raises(RuntimeError) as info:
+            try:
+                raise RuntimeError("Connection closed by peer [127.0.0.1]:41234")
+            except RuntimeError as err:
+                raise_collective_error(err, "all-reduce", None, peer=1)
+        messages.append(str(info.value))
+    assert "rank 1 most likely reached the group's timeout first and gave up on the same mismatch" in messages[0]
+    assert messages[0].endswith("What was said: " + said), messages[0]
+    assert "most likely exited" not in messages[0], messages[0]
+    assert "the connection to rank 1 closed: that process most likely exited or crashed" in messages[1]
 
 
 def test_timeout_hint_kept_for_timeouts() -> None:

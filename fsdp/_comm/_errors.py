@@ -90,7 +90,9 @@ from fsdp._comm._phase import describe_current, describe_thread
 __all__ = [
     "check_interrupted_backward_agreed",
     "describe_blocked_thread",
+    "group_key",
     "group_timeout",
+    "note_mismatch",
     "publish_phase",
     "raise_collective_error",
 ]
@@ -110,6 +112,29 @@ _CONTEXT_ATTR = "_fsdp_collective_context"
 # [Note: A backward that raised on some ranks]: one key per group, global rank and recovery.
 _RECOVERY_KEY = "fsdp/interrupted_backward/group{}/rank{}/{}"
 _RECOVERIES: dict[str, int] = {}  # group name -> recoveries this process ran (the keys' last part)
+
+
+# [Note: A connection closed after a mismatch was said]
+# When the ranks of a group issued different collectives, each rank's watcher says so within
+# seconds ([Note: Blocked collectives] in ``_watch.py``), and both ranks wait until the group's
+# timeout. The rank whose timeout fires first closes its connections; a peer still waiting then
+# fails at once with gloo's "Connection closed by peer", not with its own timeout. That peer did
+# not exit or crash: it gave up on the same mismatch. So the watcher records what it said per
+# group (``note_mismatch``), and a failure on that group that follows takes the record (once): a
+# closed connection then repeats the mismatch instead of the crash hint.
+_MISMATCH_SAID: dict[str, str] = {}  # group_key -> the watcher's message
+
+
+def group_key(group: Optional[dist.ProcessGroup]) -> str:
+    """The name a group goes by in fsdp's records: collectives given ``None`` (the default
+    group) are counted apart from those given the default group itself, on every rank alike."""
+    return "<default>" if group is None else group.group_name
+
+
+def note_mismatch(group: Optional[dist.ProcessGroup], message: str) -> None:
+    """Records the watcher's mismatch message for ``group``'s next failure ([Note: A connection
+    closed after a mismatch was said])."""
+    _MISMATCH_SAID[group_key(group)] = message
 
 
 def raise_collective_error(
@@ -169,10 +194,18 @@ def _describe(
         return message
     timeout = _group_timeout(group)
     suspect = f"rank {peer}" if peer is not None else "another rank of the group"
+    mismatch = _MISMATCH_SAID.pop(group_key(group), None)
     # Only a failure inside an FSDP phase reaches the user; one outside (completing a dropped
     # model's collectives) must not spend the exchange's wait.
     phases = _phases_of_ranks(group, f"{collective}{where}", timeout) if phase else None
-    if not any(word in lowered for word in ("timed out", "timeout")):  # gloo: "timeout caused pair closure"
+    if mismatch is not None and not any(word in lowered for word in ("timed out", "timeout")):
+        message += (
+            f"\nfsdp hint: the connection to {suspect} closed after this rank's watcher said that "
+            f"the ranks issued different collectives: {suspect} most likely reached the group's "
+            f"timeout first and gave up on the same mismatch (it did not crash). What was said: "
+            f"{mismatch}"
+        )
+    elif not any(word in lowered for word in ("timed out", "timeout")):  # gloo: "timeout caused pair closure"
         message += (
             f"\nfsdp hint: the connection to {suspect} closed: that process most likely exited "
             f"or crashed (this rank did not wait for a timeout); look at its output for its own "

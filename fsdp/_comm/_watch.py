@@ -78,7 +78,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch.distributed as dist
 
-from fsdp._comm._errors import describe_blocked_thread, group_timeout, publish_phase
+from fsdp._comm._errors import describe_blocked_thread, group_key, group_timeout, note_mismatch, publish_phase
 
 # How often the watcher looks at the collectives in progress ([Note: Blocked collectives]): a
 # block is reported after one to two of these; the watcher's own cost is a wake-up each.
@@ -222,7 +222,7 @@ def _look(seen: _Seen) -> None:
     group, number, collective = record
     ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
     where = describe_blocked_thread(ident)
-    report = "|".join([_key_name(group), ",".join(map(str, ranks)), str(number), collective, where])
+    report = "|".join([group_key(group), ",".join(map(str, ranks)), str(number), collective, where])
     if report != seen.published:
         store.set(key, report)
         seen.published = report
@@ -236,7 +236,7 @@ def _diagnose(store: dist.Store, record: tuple[Any, int, str], ranks: list[int],
     different collectives and wait for each other until the group's timeout, which no thread
     can interrupt ([Note: Blocked collectives]). Returns whether it said so."""
     group, number, collective = record
-    me, name = dist.get_rank(), _key_name(group)
+    me, name = dist.get_rank(), group_key(group)
     for rank in ranks:
         report = _blocked_report(store, rank) if rank != me else None
         if report is None or report[0] != name or report[2] != number or report[3] == collective:
@@ -252,6 +252,7 @@ def _diagnose(store: dist.Store, record: tuple[Any, int, str], ranks: list[int],
             f"nor a forward or backward skipped on some)."
         )
         DIAGNOSES.append((time.monotonic(), message))
+        note_mismatch(group, message)
         print(message, file=sys.stderr, flush=True)
         return True
     return False
@@ -267,15 +268,9 @@ def _blocked_report(store: dist.Store, rank: int) -> Optional[tuple[str, list[in
     return name, [int(r) for r in ranks.split(",")], int(number), collective, where
 
 
-def _key_name(group: Optional[dist.ProcessGroup]) -> str:
-    """The name a group's count goes by: collectives given ``None`` (the default group) are
-    counted apart from those given the default group itself, on every rank alike."""
-    return "<default>" if group is None else group.group_name
-
-
 def _issued_by_name() -> dict[str, int]:
-    counts = {_key_name(group): count for group, count in list(_ISSUED.items())}
-    counts[_key_name(None)] = _ISSUED_DEFAULT[0]
+    counts = {group_key(group): count for group, count in list(_ISSUED.items())}
+    counts[group_key(None)] = _ISSUED_DEFAULT[0]
     return counts
 
 
