@@ -221,8 +221,11 @@ def _run(argv: list[str], env: dict[str, str], limit: float, log_path: str) -> t
 # Every dry-run step but the install imports torch, which costs seconds of CPU per interpreter
 # (1-3 s each on 2 cores). So a dry run starts one interpreter that imports torch once
 # (:data:`PRELOAD`), and each command is a fork of it, run the way ``python -c`` or ``python -m``
-# runs it (same argv, environment, working directory; its own session, killed as a group after
-# its limit, its exit status reported). A step whose environment names a ``TORCH_`` variable
+# runs it (same argv, environment, working directory; its own process group, killed as a group
+# after its limit, its exit status reported). Not its own session: with the kernel's autogroup
+# scheduling (on by default) every session gets an equal share of the CPUs, so on a busy machine
+# a fork in a session of its own would run at a speed set by how many other sessions run, not
+# at its caller's (tests/test_example_train.py forks the trainer this way too). A step whose environment names a ``TORCH_`` variable
 # (read when torch is imported, e.g. TORCH_CUDA_SANITIZER) runs in a fresh interpreter. The
 # harness's rank pools fork their ranks from a torch-loaded server the same way
 # (tests/_harness.py). On the GPU every command is a fresh process (:func:`_run`).
@@ -236,15 +239,18 @@ import atexit, importlib, json, os, runpy, sys, traceback
 for name in sys.argv[1:]:  # once, for every command forked below
     importlib.import_module(name)
 for line in sys.stdin:
-    argv, env, log = json.loads(line)
+    argv, env, log, err_log = json.loads(line)
     pid = os.fork()
     if pid == 0:
-        os.setsid()
+        os.setpgid(0, 0)  # its own process group, not session: see the Note
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
         out = os.open(log, os.O_WRONLY | os.O_APPEND)
+        err = os.open(err_log, os.O_WRONLY | os.O_APPEND) if err_log else out
         os.dup2(out, 1)
-        os.dup2(out, 2)
+        os.dup2(err, 2)
         os.close(out)
+        if err != out:
+            os.close(err)
         os.environ.clear()
         os.environ.update(env)
         code = 0
@@ -280,28 +286,34 @@ class _Preloaded:
         self._preload = list(preload)
         self._proc: Optional[subprocess.Popen] = None
 
-    def _send(self, argv: list[str], env: dict[str, str], log_path: str) -> Optional[int]:
+    def _send(self, argv: list[str], env: dict[str, str], log_path: str, err_path: Optional[str]) -> Optional[int]:
         """Starts ``argv`` as a fork; returns its pid (None: the preloaded interpreter failed)."""
         if self._proc is None:
             self._proc = subprocess.Popen([PY, "-c", _PRELOADED, *self._preload], cwd=ROOT, env=self._env, stdin=subprocess.PIPE,
                                           stdout=subprocess.PIPE, text=True)
         assert self._proc.stdin is not None and self._proc.stdout is not None
         try:
-            self._proc.stdin.write(json.dumps([argv, env, log_path]) + "\n")
+            self._proc.stdin.write(json.dumps([argv, env, log_path, err_path]) + "\n")
             self._proc.stdin.flush()
             return int(self._proc.stdout.readline())
         except (OSError, ValueError):
             self.close()
             return None
 
-    def run(self, argv: list[str], env: dict[str, str], limit: float, log_path: str) -> tuple[Optional[int], float]:
-        """Runs ``argv`` (``PY -c ...`` or ``PY -m ...``) as a fork of the preloaded interpreter."""
+    def run(
+        self, argv: list[str], env: dict[str, str], limit: float, log_path: str, err_path: Optional[str] = None
+    ) -> tuple[Optional[int], float]:
+        """Runs ``argv`` (``PY -c ...`` or ``PY -m ...``) as a fork of the preloaded interpreter;
+        its stderr goes to ``err_path`` when given (created empty), else (and in the fresh
+        interpreter a ``TORCH_`` variable or a failed fork falls back to) to ``log_path`` too."""
         if any(k.startswith("TORCH_") for k in env) or argv[1] not in ("-c", "-m"):
             return _run(argv, env, limit, log_path)
         start = time.monotonic()
         with open(log_path, "w") as log:
             log.write("$ " + " ".join(argv) + "\n")
-        pid = self._send(argv, env, log_path)
+        if err_path:
+            open(err_path, "w").close()
+        pid = self._send(argv, env, log_path, err_path)
         if pid is None:  # a fresh interpreter then says what fails
             return _run(argv, env, limit, log_path)
         stdout = self._proc.stdout  # type: ignore[union-attr]

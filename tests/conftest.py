@@ -34,6 +34,7 @@ import gc
 import os
 
 import pytest
+import torch
 
 from tests._harness import RankPool, get_pool, shutdown_all
 
@@ -59,7 +60,20 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     gc.freeze()
 
 
+#: What every process a test starts inherits unless the environment says otherwise: one
+#: OpenMP/MKL thread, as the pools' ranks run (tests/_harness.py). The tests' tools, examples and
+#: fresh interpreters train tiny models, whose ops gain nothing from a second thread; with two,
+#: OpenMP's waiting thread spins for its next region, which on a 2-core machine doubles their
+#: CPU time (benchmarks.scale's CPU run: 21 s of CPU with two threads, 5 s with one) and takes
+#: the core from the ranks they run beside. This process keeps torch's default: torch reads these
+#: variables when first asked for its thread count, which :func:`pytest_configure` asks first.
+SUBPROCESS_THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    torch.get_num_threads()  # fixed now, before the variables below are set
+    for name, value in SUBPROCESS_THREADS.items():
+        os.environ.setdefault(name, value)
     if test_device() not in TEST_DEVICES:
         raise pytest.UsageError(
             f"FSDP_TEST_DEVICE={os.environ['FSDP_TEST_DEVICE']!r} is not one of {list(TEST_DEVICES)} "

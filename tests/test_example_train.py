@@ -12,11 +12,38 @@ import os
 import re
 import subprocess
 import sys
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import pytest
 
+from benchmarks.gpu_run import _Preloaded
 from tests._harness import get_pool
+
+#: How one trainer command line runs: ``python -m examples.train --batch-size 4 ARGS``.
+Trainer = Callable[..., subprocess.CompletedProcess]
+
+
+@pytest.fixture(scope="module")
+def train(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trainer]:
+    """Runs the trainer's command line as a fork of one interpreter that imported torch and fsdp
+    once ([Note: The dry run's preloaded interpreter] in benchmarks/gpu_run.py): each command
+    then runs as ``python -m`` runs it (argv, environment, working directory, its own stdout and
+    stderr, exit status), less the seconds of CPU each fresh interpreter spends importing them.
+    The ranks it spawns are fresh interpreters, as they are for a user."""
+    preloaded = _Preloaded(dict(os.environ), preload=("torch", "torch.distributed", "torch.distributed.checkpoint", "fsdp"))
+    logs = tmp_path_factory.mktemp("trainer")
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "examples.train", "--batch-size", "4", *args]
+        out, err = str(logs / "stdout"), str(logs / "stderr")
+        code, _ = preloaded.run(cmd, dict(os.environ), 300.0, out, err)
+        with open(out) as f:
+            stdout = f.read().split("\n", 1)[1]  # after the command line the log starts with
+        with open(err) as f:
+            return subprocess.CompletedProcess(cmd, -1 if code is None else code, stdout, f.read())
+
+    yield run
+    preloaded.close()
 
 
 def _assert_loss_fell(stdout: str) -> None:
@@ -26,7 +53,7 @@ def _assert_loss_fell(stdout: str) -> None:
     assert last < first
 
 
-def test_trainer_command_line_bf16() -> None:
+def test_trainer_command_line_bf16(train: Trainer) -> None:
     """bf16 mixed precision, no checkpoints, a chosen collective timeout (full precision with
     checkpoints and the default timeout: the first run of the checkpoint test below).
 
@@ -36,28 +63,21 @@ def test_trainer_command_line_bf16() -> None:
     same loop on torch FSDP1 gives the same losses as fsdp to the bit there, and with AVX512-BF16
     or AVX2 kernels both go on falling. That is the CPU's bf16 kernels, not the trainer.
     """
-    cmd = [
-        sys.executable, "-m", "examples.train", "--steps", "4", "--batch-size", "4",
-        "--log-every", "2", "--checkpoint-dir", "", "--mixed-precision", "bf16", "--timeout", "90",
-    ]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    run = train("--steps", "4", "--log-every", "2", "--checkpoint-dir", "", "--mixed-precision", "bf16", "--timeout", "90")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "collective timeout 90 s (--timeout): a rank stuck longer" in run.stdout, run.stdout[:2000]
     _assert_loss_fell(run.stdout)
 
 
-def _train(*args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "examples.train", "--batch-size", "4", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-
-
-def test_trainer_checkpoint_dir_resume_and_refusal(tmp_path: object, capsys: pytest.CaptureFixture[str]) -> None:
+def test_trainer_checkpoint_dir_resume_and_refusal(
+    train: Trainer, tmp_path: object, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Where checkpoints go is said; a second run into the same directory without --resume is
     refused before any rank starts; a resume at another world size says how the global batch
     changes; progress lines carry a percentage."""
     ckpt = str(tmp_path)
     # Full precision, the default collective timeout, checkpoints.
-    first = _train("--steps", "8", "--checkpoint-dir", ckpt, "--checkpoint-every", "4", "--log-every", "4")
+    first = train("--steps", "8", "--checkpoint-dir", ckpt, "--checkpoint-every", "4", "--log-every", "4")
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert f"checkpoints: {ckpt} every 4 steps and at the end (keeping the newest 3)" in first.stdout
     assert re.search(r"step +8/8 \(100%", first.stdout), first.stdout[-2000:]
@@ -100,7 +120,7 @@ def test_trainer_checkpoint_dir_resume_and_refusal(tmp_path: object, capsys: pyt
         assert message in refused.err and refused.err.count("\n") == 1, (flags, refused.err)
         assert refused.out == "", refused.out  # nothing trained, no OK line
 
-    resumed = _train("--steps", "10", "--checkpoint-dir", ckpt, "--resume", "--nprocs", "1")
+    resumed = train("--steps", "10", "--checkpoint-dir", ckpt, "--resume", "--nprocs", "1")
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     # Said before the ranks start (their first line is the model's description).
     assert resumed.stdout.startswith(
@@ -136,7 +156,7 @@ def test_trainer_checkpoint_dir_resume_and_refusal(tmp_path: object, capsys: pyt
     for shard in glob.glob(os.path.join(latest, "*.distcp")):
         with open(shard, "r+b") as f:
             f.truncate(os.path.getsize(shard) // 2)
-    broken = _train("--steps", "12", "--checkpoint-dir", ckpt, "--resume", "--nprocs", "2")
+    broken = train("--steps", "12", "--checkpoint-dir", ckpt, "--resume", "--nprocs", "2")
     assert broken.returncode == 2, broken.stdout[-3000:] + broken.stderr[-3000:]
     assert "Traceback" not in broken.stderr + broken.stdout, broken.stderr[-3000:]
     advice = broken.stderr.strip().splitlines()
@@ -148,7 +168,7 @@ def test_trainer_checkpoint_dir_resume_and_refusal(tmp_path: object, capsys: pyt
     ), advice
     assert advice[1] == "  (--debug prints the reader's traceback)"
     assert "summary" not in broken.stdout and "total wall time" not in broken.stdout
-    debug = _train("--steps", "12", "--checkpoint-dir", ckpt, "--resume", "--nprocs", "1", "--debug")
+    debug = train("--steps", "12", "--checkpoint-dir", ckpt, "--resume", "--nprocs", "1", "--debug")
     assert debug.returncode == 2, debug.stdout[-3000:] + debug.stderr[-3000:]
     assert "Traceback (most recent call last)" in debug.stderr and debug.stderr.strip().endswith(advice[1])
 

@@ -1,8 +1,8 @@
 """A stalled rank: its peers' collectives time out with FSDP's context ([Note: Collective errors]).
 
-Each scenario makes a fresh gloo group with a 2 s timeout and wraps a model on it; rank 1 then
-stalls (alive, but it skips the step and waits at a barrier of the default group) while rank 0
-runs the step. Rank 0 must get, within seconds, an exception of the type gloo raised (the
+Each scenario makes a fresh gloo group and wraps a model on it; rank 1 then stalls (alive, but
+it skips the step and waits at a barrier of the default group) while rank 0, its group's timeout
+now 0.5 s, runs the step. Rank 0 must get, within seconds, an exception of the type gloo raised (the
 original chained as ``__cause__``) that names the collective, the group's global ranks, the
 phase, the unit, the rank it waited for (point to point) and how to set the timeout. A timed-out
 gloo group is unusable afterwards, so each scenario abandons its group; the default group, which
@@ -24,9 +24,14 @@ from torch import nn
 from tests._harness import RankPool
 from tests._models import Block, global_batch, lm_loss, local_rows, make_toy
 
-_GROUP_TIMEOUT = timedelta(seconds=2)
-# The error must come after the group's 2 s timeout, not the default group's 30 minutes; the
-# margin is for process scheduling (every collective of one scenario shares the one timeout).
+# Both ranks build and prepare under a timeout no scheduling delay reaches; then rank 0's group
+# times out after 0.5 s: what rank 0 then runs waits for rank 1, which is in a barrier of another
+# group until rank 0 gave up, so the timeout is certain to trip, and its length only sets how long
+# each scenario waits (the phase exchange that follows waits its floor of 1 s regardless).
+_PREPARE_TIMEOUT = timedelta(seconds=60)
+_GROUP_TIMEOUT = timedelta(seconds=0.5)
+# The error must come after the group's timeout, not the default group's 30 minutes; the margin
+# is for process scheduling (every collective of one scenario shares the one timeout).
 _WITHIN_S = 15.0
 
 
@@ -68,11 +73,12 @@ def _stall(
 
     Returns on rank 0 what it caught: type names, message, cause, seconds waited.
     """
-    group = dist.new_group(backend="gloo", timeout=_GROUP_TIMEOUT)
+    group = dist.new_group(backend="gloo", timeout=_PREPARE_TIMEOUT)
     model = _wrap(group, strategy)
     prepared = prepare(model)
     caught: dict[str, object] = {}
     if dist.get_rank() == 0:
+        dist.distributed_c10d._set_pg_timeout(_GROUP_TIMEOUT, group)
         start = time.monotonic()
         with pytest.raises(RuntimeError) as info:
             act(model, prepared)
@@ -133,7 +139,7 @@ def stalled_peer() -> dict[str, dict[str, object]]:
 
 _HINT = (
     r"fsdp hint: (rank 1|another rank of the group) probably stalled .* or died, and this rank "
-    r"waited for the process group's timeout \(0:00:02 for this group\).*"
+    r"waited for the process group's timeout \(" + re.escape(str(_GROUP_TIMEOUT)) + r" for this group\).*"
     r"dist\.init_process_group\(timeout=datetime\.timedelta\(seconds=\.\.\.\)\)"
 )
 
@@ -165,7 +171,7 @@ _EXPECTED = {
 # in a barrier of another group) is waited for up to the group's timeout, then named.
 _STATE_DICT_NOT_ENTERED = (
     "fsdp: state_dict() was called on rank 0 but not on every rank of the process group of global "
-    "ranks [0, 1]: rank 1 did not enter it within the group's timeout (0:00:02) and reported no "
+    "ranks [0, 1]: rank 1 did not enter it within the group's timeout (0:00:00.500000) and reported no "
     "blocked FSDP collective (busy, stalled, or blocked outside FSDP). State dicts are collectives"
 )
 
@@ -175,7 +181,7 @@ def test_stalled_rank_times_out_with_context(pool2: RankPool) -> None:
     assert sorted(caught) == sorted([*_EXPECTED, "state_dict"])
     state_dict = caught["state_dict"]
     assert str(state_dict["message"]).startswith(_STATE_DICT_NOT_ENTERED), state_dict
-    assert state_dict["type"] is RuntimeError and 2.0 <= float(state_dict["seconds"]) < _WITHIN_S, state_dict  # type: ignore[arg-type]
+    assert state_dict["type"] is RuntimeError and _GROUP_TIMEOUT.total_seconds() <= float(state_dict["seconds"]) < _WITHIN_S, state_dict  # type: ignore[arg-type]
     for scenario, pattern in _EXPECTED.items():
         seen = caught[scenario]
         message = str(seen["message"])
