@@ -249,6 +249,7 @@ def run_on_both_backends(
     torch_args: List[str],
     fsdp_args: Callable[[str], List[str]],
     out_created_by_script: bool = False,
+    preload: Sequence[str] = (),
 ) -> BackendRuns:
     """Runs ``script`` on torch's FSDP1, then (the script unchanged) on fsdp.
 
@@ -260,14 +261,15 @@ def run_on_both_backends(
             from its checkpoints).
         out_created_by_script: Pass each run an ``--out`` folder that does not exist yet (the
             script must create it).
+        preload: :func:`run_example`'s, for both runs.
     """
     stem = os.path.splitext(script)[0]
     torch_out = str(tmp_path_factory.mktemp(f"{stem}-torch"))
     fsdp_out = str(tmp_path_factory.mktemp(f"{stem}-fsdp"))
     if out_created_by_script:
         torch_out, fsdp_out = os.path.join(torch_out, "out"), os.path.join(fsdp_out, "out")
-    torch_result = run_example(script, torch_args, backend="torch", out_dir=torch_out)
-    fsdp_result = run_example(script, fsdp_args(torch_out), backend="fsdp", out_dir=fsdp_out)
+    torch_result = run_example(script, torch_args, backend="torch", out_dir=torch_out, preload=preload)
+    fsdp_result = run_example(script, fsdp_args(torch_out), backend="fsdp", out_dir=fsdp_out, preload=preload)
     return BackendRuns(torch_result, fsdp_result, torch_out, fsdp_out)
 
 
