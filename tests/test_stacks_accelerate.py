@@ -59,7 +59,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> BackendRuns:
     torch_out = str(tmp_path_factory.mktemp("accelerate_fsdp1-torch"))
     fsdp_out = str(tmp_path_factory.mktemp("accelerate_fsdp1-fsdp"))
     torch_result = run_example(
-        SCRIPT, ["--cpu", "--steps", STEPS, "--state-dict-types", "SHARDED_STATE_DICT"], backend="torch", out_dir=torch_out
+        SCRIPT, ["--cpu", "--steps", STEPS, "--state-dict-types", "SHARDED_STATE_DICT"], backend="torch", out_dir=torch_out,
+        preload=("accelerate",),  # its ranks forked from one interpreter that imported accelerate
     )
     cmd, _ = _documented_command(fsdp_out)
     cmd += ["--steps", STEPS, "--resume-from", os.path.join(torch_out, "sharded_state_dict")]

@@ -20,6 +20,7 @@ Each resumed run must repeat the straight run's losses exactly (same state, same
 
 from __future__ import annotations
 
+import concurrent.futures
 from typing import Any, Dict, Tuple
 
 import pytest
@@ -33,23 +34,32 @@ pytest.importorskip(
 
 SCRIPT = "lightning_fsdp.py"
 STEPS = "3"
+PRELOAD = ("lightning", "lightning.fabric.strategies", "lightning.pytorch.strategies")
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Tuple[Dict[str, Any], Dict[str, Any]]:
-    reference = run_example(
-        SCRIPT,
-        ["--steps", STEPS, "--strategy", "ddp"],
-        backend="torch",
-        out_dir=str(tmp_path_factory.mktemp("lightning-ddp")),
-    )
-    ours = run_example(
-        SCRIPT,
-        ["--steps", STEPS, "--strategy", "fsdp"],
-        backend="fsdp",
-        out_dir=str(tmp_path_factory.mktemp("lightning-fsdp")),
-    )
-    return reference, ours
+    # The two runs are independent (own folders, own ports): they run at the same time, each
+    # with its ranks forked from one interpreter that imported Lightning once ([Note: Stack ranks
+    # forked from a preloaded interpreter] in tests/_stacks.py), two imports instead of four.
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        reference = pool.submit(
+            run_example,
+            SCRIPT,
+            ["--steps", STEPS, "--strategy", "ddp"],
+            backend="torch",
+            out_dir=str(tmp_path_factory.mktemp("lightning-ddp")),
+            preload=PRELOAD,
+        )
+        ours = pool.submit(
+            run_example,
+            SCRIPT,
+            ["--steps", STEPS, "--strategy", "fsdp"],
+            backend="fsdp",
+            out_dir=str(tmp_path_factory.mktemp("lightning-fsdp")),
+            preload=PRELOAD,
+        )
+        return reference.result(), ours.result()
 
 
 def test_fsdp_strategy_wraps_with_fsdp(runs: Tuple[Dict[str, Any], Dict[str, Any]]) -> None:

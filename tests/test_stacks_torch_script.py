@@ -37,6 +37,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> BackendRuns:
         ["--steps", STEPS, "--no-offload-to-cpu"],
         lambda torch_out: ["--steps", STEPS, "--resume-from", torch_out],
         out_created_by_script=True,  # the script makes its --out folder, as a user's run needs
+        # Each run's ranks forked from one interpreter that imported torch's distributed
+        # packages once ([Note: Stack ranks forked from a preloaded interpreter]).
+        preload=("torch.distributed", "torch.distributed.checkpoint"),
     )
 
 
