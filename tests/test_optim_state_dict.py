@@ -231,13 +231,20 @@ CASES = [
 ]
 
 
-def _full_and_sharded_match_torch() -> int:
+# The cases _load_checks also runs (indices into CASES).
+_LOAD_CASES = (*range(6), 7)
+
+
+def _full_and_sharded_match_torch(loading: bool) -> tuple[int, int]:
+    """Per case, one trained pair (ours, torch FSDP1's): the saved optimizer state dicts match
+    torch's, and (``loading``, the cases of _LOAD_CASES) the loaders too (_load_checks). Returns
+    how many cases each compared."""
     from fsdp import FullyShardedDataParallel as FSDP, ShardedOptimStateDictConfig, StateDictType
     from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
     from torch.distributed.fsdp import ShardedOptimStateDictConfig as TSOC, StateDictType as TSDT
 
-    checked = 0
-    for strategy, uop, optim, extra in CASES:
+    checked = loaded = 0
+    for index, (strategy, uop, optim, extra) in enumerate(CASES):
         where = f"{strategy} uop={uop} {optim} {extra}"
         (m1, o1), (m2, o2) = _pair(strategy, uop, optim, **dict(extra))
         before = _snapshot(o1)
@@ -254,6 +261,9 @@ def _full_and_sharded_match_torch() -> int:
         _assert_osd_equal(FSDP.sharded_optim_state_dict(m1, o1), TorchFSDP.sharded_optim_state_dict(m2, o2), "legacy sharded " + where)
         checked += 1
         _assert_osd_equal(o1.state_dict(), before, "optimizer after saving " + where)
+        if loading and index in _LOAD_CASES:  # the same pair: loading reads, it changes nothing here
+            _load_checks(m1, o1, m2, o2, uop, where)
+            loaded += 1
     # DTensor: torch FSDP1 uses DTensor when built with a device_mesh.
     for uop in (False, True):
         (m1, o1), (m2, o2) = _pair("FULL_SHARD", uop, "adam", mesh=True)
@@ -263,12 +273,23 @@ def _full_and_sharded_match_torch() -> int:
             theirs = TorchFSDP.optim_state_dict(m2, o2)
         _assert_osd_equal(ours, theirs, f"dtensor uop={uop}")
         checked += 1
-    return checked
+    return checked, loaded
+
+
+# world size -> each rank's (cases saved, cases loaded): one job per world size runs the saving
+# and the loading checks on the same trained pairs (each case's pair built and trained once).
+_SAVE_AND_LOAD: dict[int, list[tuple[int, int]]] = {}
+
+
+def _save_and_load(pool: RankPool) -> list[tuple[int, int]]:
+    if pool.world_size not in _SAVE_AND_LOAD:
+        _SAVE_AND_LOAD[pool.world_size] = [tuple(r) for r in pool.run(_full_and_sharded_match_torch, pool.world_size > 1)]
+    return _SAVE_AND_LOAD[pool.world_size]
 
 
 @pytest.mark.parametrize("dist_pool", [1, 2, 4], indirect=True)
 def test_optim_state_dict_full_and_sharded_match_torch(dist_pool: RankPool) -> None:
-    assert dist_pool.run(_full_and_sharded_match_torch) == [len(CASES) + 2] * dist_pool.world_size
+    assert [saved for saved, _ in _save_and_load(dist_pool)] == [len(CASES) + 2] * dist_pool.world_size
 
 
 def _rank0_only_and_offload() -> None:
@@ -351,7 +372,7 @@ def _assert_loads_back(out: dict, optim: torch.optim.Optimizer, where: str) -> N
     _assert_osd_equal(out, optim.state_dict(), where, ordered=False)
 
 
-def _load_matches_torch() -> int:
+def _load_checks(m1: nn.Module, o1: torch.optim.Optimizer, m2: nn.Module, o2: torch.optim.Optimizer, uop: bool, where: str) -> None:
     """optim_state_dict_to_load and the legacy loaders give what torch's give, from either side.
 
     The per-rank results must equal torch's bit for bit, with use_orig_params too (the same
@@ -362,71 +383,66 @@ def _load_matches_torch() -> int:
     from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
     from torch.distributed.fsdp import OptimStateKeyType as TKey, StateDictType as TSDT
 
-    checked = 0
-    for strategy, uop, optim, extra in CASES[:6] + [CASES[7]]:
-        where = f"{strategy} uop={uop} {optim} {extra}"
-        (m1, o1), (m2, o2) = _pair(strategy, uop, optim, **dict(extra))
-        full1, full2 = FSDP.optim_state_dict(m1, o1), _torch_full(m2, o2, uop)
-        rank0_src = full1 if dist.get_rank() == 0 else None
-        loaded = [
-            ("to_load", FSDP.optim_state_dict_to_load(m1, o1, full1)),
-            ("shard_full", FSDP.shard_full_optim_state_dict(full1, m1, optim=o1)),
-            ("scatter_full", FSDP.scatter_full_optim_state_dict(rank0_src, m1, optim=o1)),
-        ]
-        for name, out in loaded:
-            _assert_loads_back(out, o1, f"{name} {where}")
-        with FSDP.state_dict_type(m1, StateDictType.SHARDED_STATE_DICT), TorchFSDP.state_dict_type(m2, TSDT.SHARDED_STATE_DICT):
-            sh1, sh2 = FSDP.optim_state_dict(m1, o1), TorchFSDP.optim_state_dict(m2, o2)
-            _assert_loads_back(FSDP.optim_state_dict_to_load(m1, o1, sh1), o1, "sharded to_load " + where)
-        _assert_loads_back(FSDP.flatten_sharded_optim_state_dict(sh1, m1, o1), o1, "flatten_sharded " + where)
-        for src in (full1, full2):
-            _assert_osd_equal(
-                FSDP.optim_state_dict_to_load(m1, o1, src),
-                TorchFSDP.optim_state_dict_to_load(m2, o2, src),
-                "to_load vs torch " + where, ordered=False,
-            )
-            _assert_osd_equal(
-                FSDP.shard_full_optim_state_dict(src, m1, optim=o1),
-                TorchFSDP.shard_full_optim_state_dict(src, m2, optim=o2),
-                "shard_full vs torch " + where, ordered=False,
-            )
-            rank0_src = src if dist.get_rank() == 0 else None
-            _assert_osd_equal(
-                FSDP.scatter_full_optim_state_dict(rank0_src, m1, optim=o1),
-                TorchFSDP.scatter_full_optim_state_dict(rank0_src, m2, optim=o2),
-                "scatter_full vs torch " + where, ordered=False,
-            )
+    full1, full2 = FSDP.optim_state_dict(m1, o1), _torch_full(m2, o2, uop)
+    rank0_src = full1 if dist.get_rank() == 0 else None
+    loaded = [
+        ("to_load", FSDP.optim_state_dict_to_load(m1, o1, full1)),
+        ("shard_full", FSDP.shard_full_optim_state_dict(full1, m1, optim=o1)),
+        ("scatter_full", FSDP.scatter_full_optim_state_dict(rank0_src, m1, optim=o1)),
+    ]
+    for name, out in loaded:
+        _assert_loads_back(out, o1, f"{name} {where}")
+    with FSDP.state_dict_type(m1, StateDictType.SHARDED_STATE_DICT), TorchFSDP.state_dict_type(m2, TSDT.SHARDED_STATE_DICT):
+        sh1, sh2 = FSDP.optim_state_dict(m1, o1), TorchFSDP.optim_state_dict(m2, o2)
+        _assert_loads_back(FSDP.optim_state_dict_to_load(m1, o1, sh1), o1, "sharded to_load " + where)
+    _assert_loads_back(FSDP.flatten_sharded_optim_state_dict(sh1, m1, o1), o1, "flatten_sharded " + where)
+    for src in (full1, full2):
         _assert_osd_equal(
-            FSDP.flatten_sharded_optim_state_dict(sh1, m1, o1),
-            TorchFSDP.flatten_sharded_optim_state_dict(sh2, m2, o2),
-            "flatten_sharded vs torch " + where, ordered=False,
+            FSDP.optim_state_dict_to_load(m1, o1, src),
+            TorchFSDP.optim_state_dict_to_load(m2, o2, src),
+            "to_load vs torch " + where, ordered=False,
         )
-        # torch's full state dict loads through ours to our own state.
         _assert_osd_equal(
-            FSDP.optim_state_dict_to_load(m1, o1, full2),
-            FSDP.optim_state_dict_to_load(m1, o1, full1),
-            "torch's state through ours " + where, ordered=False,
+            FSDP.shard_full_optim_state_dict(src, m1, optim=o1),
+            TorchFSDP.shard_full_optim_state_dict(src, m2, optim=o2),
+            "shard_full vs torch " + where, ordered=False,
         )
-        # rekey: names <-> IDs, for the wrapped model (the optimizer's IDs) and an unwrapped one.
-        if uop:
-            ids1 = FSDP.rekey_optim_state_dict(full1, OptimStateKeyType.PARAM_ID, m1, optim=o1)
-            ids2 = TorchFSDP.rekey_optim_state_dict(full2, TKey.PARAM_ID, m2, optim=o2)
-            _assert_osd_equal(ids1, ids2, "rekey to IDs " + where)
-            names1 = FSDP.rekey_optim_state_dict(ids1, OptimStateKeyType.PARAM_NAME, m1, optim=o1)
-            names2 = TorchFSDP.rekey_optim_state_dict(ids2, TKey.PARAM_NAME, m2, optim=o2)
-            _assert_osd_equal(names1, names2, "rekey to names " + where)
-        plain = make_toy()
-        ids1 = FSDP.rekey_optim_state_dict(full1, OptimStateKeyType.PARAM_ID, plain)
-        ids2 = TorchFSDP.rekey_optim_state_dict(full2, TKey.PARAM_ID, plain)
-        _assert_osd_equal(ids1, ids2, "rekey unwrapped " + where)
-        assert FSDP.rekey_optim_state_dict(full1, OptimStateKeyType.PARAM_NAME, m1) is full1
-        checked += 1
-    return checked
+        rank0_src = src if dist.get_rank() == 0 else None
+        _assert_osd_equal(
+            FSDP.scatter_full_optim_state_dict(rank0_src, m1, optim=o1),
+            TorchFSDP.scatter_full_optim_state_dict(rank0_src, m2, optim=o2),
+            "scatter_full vs torch " + where, ordered=False,
+        )
+    _assert_osd_equal(
+        FSDP.flatten_sharded_optim_state_dict(sh1, m1, o1),
+        TorchFSDP.flatten_sharded_optim_state_dict(sh2, m2, o2),
+        "flatten_sharded vs torch " + where, ordered=False,
+    )
+    # torch's full state dict loads through ours to our own state.
+    _assert_osd_equal(
+        FSDP.optim_state_dict_to_load(m1, o1, full2),
+        FSDP.optim_state_dict_to_load(m1, o1, full1),
+        "torch's state through ours " + where, ordered=False,
+    )
+    # rekey: names <-> IDs, for the wrapped model (the optimizer's IDs) and an unwrapped one.
+    if uop:
+        ids1 = FSDP.rekey_optim_state_dict(full1, OptimStateKeyType.PARAM_ID, m1, optim=o1)
+        ids2 = TorchFSDP.rekey_optim_state_dict(full2, TKey.PARAM_ID, m2, optim=o2)
+        _assert_osd_equal(ids1, ids2, "rekey to IDs " + where)
+        names1 = FSDP.rekey_optim_state_dict(ids1, OptimStateKeyType.PARAM_NAME, m1, optim=o1)
+        names2 = TorchFSDP.rekey_optim_state_dict(ids2, TKey.PARAM_NAME, m2, optim=o2)
+        _assert_osd_equal(names1, names2, "rekey to names " + where)
+    plain = make_toy()
+    ids1 = FSDP.rekey_optim_state_dict(full1, OptimStateKeyType.PARAM_ID, plain)
+    ids2 = TorchFSDP.rekey_optim_state_dict(full2, TKey.PARAM_ID, plain)
+    _assert_osd_equal(ids1, ids2, "rekey unwrapped " + where)
+    assert FSDP.rekey_optim_state_dict(full1, OptimStateKeyType.PARAM_NAME, m1) is full1
 
 
 @pytest.mark.parametrize("dist_pool", [2, 4], indirect=True)
 def test_loading_matches_torch(dist_pool: RankPool) -> None:
-    assert dist_pool.run(_load_matches_torch) == [7] * dist_pool.world_size
+    """_load_checks on CASES[:6] and CASES[7], run in the saving test's job (_save_and_load)."""
+    assert [loaded for _, loaded in _save_and_load(dist_pool)] == [len(_LOAD_CASES)] * dist_pool.world_size
 
 
 def _round_trip(strategy: str, uop: bool, optim: str, lib_save: str, lib_load: str, rank0_only: bool) -> None:
