@@ -231,19 +231,20 @@ CASES = [
 ]
 
 
-# The cases _load_checks also runs (indices into CASES).
+# The cases _load_checks also runs (indices into CASES), and _rank0_checks (FULL_SHARD, True, adamw).
 _LOAD_CASES = (*range(6), 7)
+_RANK0_CASE = 1
 
 
-def _full_and_sharded_match_torch(loading: bool) -> tuple[int, int]:
+def _full_and_sharded_match_torch(loading: bool) -> tuple[int, int, int]:
     """Per case, one trained pair (ours, torch FSDP1's): the saved optimizer state dicts match
-    torch's, and (``loading``, the cases of _LOAD_CASES) the loaders too (_load_checks). Returns
-    how many cases each compared."""
+    torch's, and (``loading``) the loaders too (_load_checks, the cases of _LOAD_CASES) and the
+    rank0_only / offload configs (_rank0_checks, _RANK0_CASE). Returns how many cases each compared."""
     from fsdp import FullyShardedDataParallel as FSDP, ShardedOptimStateDictConfig, StateDictType
     from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
     from torch.distributed.fsdp import ShardedOptimStateDictConfig as TSOC, StateDictType as TSDT
 
-    checked = loaded = 0
+    checked = loaded = rank0 = 0
     for index, (strategy, uop, optim, extra) in enumerate(CASES):
         where = f"{strategy} uop={uop} {optim} {extra}"
         (m1, o1), (m2, o2) = _pair(strategy, uop, optim, **dict(extra))
@@ -264,6 +265,9 @@ def _full_and_sharded_match_torch(loading: bool) -> tuple[int, int]:
         if loading and index in _LOAD_CASES:  # the same pair: loading reads, it changes nothing here
             _load_checks(m1, o1, m2, o2, uop, where)
             loaded += 1
+        if loading and index == _RANK0_CASE:  # test_rank0_only_and_offload_configs_match_torch's uop=True pair
+            _rank0_checks((m1, o1), (m2, o2), uop)
+            rank0 += 1
     # DTensor: torch FSDP1 uses DTensor when built with a device_mesh.
     for uop in (False, True):
         (m1, o1), (m2, o2) = _pair("FULL_SHARD", uop, "adam", mesh=True)
@@ -273,15 +277,15 @@ def _full_and_sharded_match_torch(loading: bool) -> tuple[int, int]:
             theirs = TorchFSDP.optim_state_dict(m2, o2)
         _assert_osd_equal(ours, theirs, f"dtensor uop={uop}")
         checked += 1
-    return checked, loaded
+    return checked, loaded, rank0
 
 
-# world size -> each rank's (cases saved, cases loaded): one job per world size runs the saving
-# and the loading checks on the same trained pairs (each case's pair built and trained once).
-_SAVE_AND_LOAD: dict[int, list[tuple[int, int]]] = {}
+# world size -> each rank's (cases saved, cases loaded, rank0 cases): one job per world size runs
+# the saving, loading and rank0_only checks on the same trained pairs (each built and trained once).
+_SAVE_AND_LOAD: dict[int, list[tuple[int, ...]]] = {}
 
 
-def _save_and_load(pool: RankPool) -> list[tuple[int, int]]:
+def _save_and_load(pool: RankPool) -> list[tuple[int, ...]]:
     if pool.world_size not in _SAVE_AND_LOAD:
         _SAVE_AND_LOAD[pool.world_size] = [tuple(r) for r in pool.run(_full_and_sharded_match_torch, pool.world_size > 1)]
     return _SAVE_AND_LOAD[pool.world_size]
@@ -289,45 +293,54 @@ def _save_and_load(pool: RankPool) -> list[tuple[int, int]]:
 
 @pytest.mark.parametrize("dist_pool", [1, 2, 4], indirect=True)
 def test_optim_state_dict_full_and_sharded_match_torch(dist_pool: RankPool) -> None:
-    assert [saved for saved, _ in _save_and_load(dist_pool)] == [len(CASES) + 2] * dist_pool.world_size
+    assert [saved for saved, _, _ in _save_and_load(dist_pool)] == [len(CASES) + 2] * dist_pool.world_size
 
 
-def _rank0_only_and_offload() -> None:
+def _rank0_only_and_offload(uops: tuple[bool, ...]) -> None:
+    for uop in uops:
+        _rank0_checks(*_pair("FULL_SHARD", uop, "adamw"), uop)
+
+
+def _rank0_checks(ours_pair: tuple[Any, Any], torch_pair: tuple[Any, Any], uop: bool) -> None:
+    """FULL optimizer state dicts with rank0_only and offload_to_cpu both ways, the SHARDED one
+    without offload, equal torch's; the saved copy does not alias the optimizer's state."""
     from fsdp import FullOptimStateDictConfig, FullyShardedDataParallel as FSDP, ShardedOptimStateDictConfig, StateDictType
     from torch.distributed.fsdp import FullOptimStateDictConfig as TFOC, FullyShardedDataParallel as TorchFSDP
     from torch.distributed.fsdp import ShardedOptimStateDictConfig as TSOC, StateDictType as TSDT
 
-    for uop in (False, True):
-        (m1, o1), (m2, o2) = _pair("FULL_SHARD", uop, "adamw")
-        for rank0_only in (False, True):
-            for offload in (False, True):
-                with FSDP.state_dict_type(m1, StateDictType.FULL_STATE_DICT, None, FullOptimStateDictConfig(offload_to_cpu=offload, rank0_only=rank0_only)):
-                    ours = FSDP.optim_state_dict(m1, o1)
-                # torch with use_orig_params must not offload on CPU (see _torch_full).
-                torch_offload = offload and not uop
-                with TorchFSDP.state_dict_type(m2, TSDT.FULL_STATE_DICT, None, TFOC(offload_to_cpu=torch_offload, rank0_only=rank0_only)):
-                    theirs = TorchFSDP.optim_state_dict(m2, o2)
-                _assert_osd_equal(ours, theirs, f"uop={uop} rank0_only={rank0_only} offload={offload}")
-                if rank0_only and dist.get_rank() != 0:
-                    assert ours == {}
-        with FSDP.state_dict_type(m1, StateDictType.SHARDED_STATE_DICT, None, ShardedOptimStateDictConfig(offload_to_cpu=False)):
-            ours = FSDP.optim_state_dict(m1, o1)
-        with TorchFSDP.state_dict_type(m2, TSDT.SHARDED_STATE_DICT, None, TSOC(offload_to_cpu=False)):
-            theirs = TorchFSDP.optim_state_dict(m2, o2)
-        _assert_osd_equal(ours, theirs, f"sharded no offload uop={uop}")
-        # The state dict does not alias the optimizer's state.
-        before = _snapshot(o1)
-        full = FSDP.optim_state_dict(m1, o1)
-        for entry in full["state"].values():
-            for value in entry.values():
-                if isinstance(value, torch.Tensor):
-                    value.add_(1000.0)
-        _assert_osd_equal(o1.state_dict(), before, "optimizer after mutating the saved copy")
+    (m1, o1), (m2, o2) = ours_pair, torch_pair
+    for rank0_only in (False, True):
+        for offload in (False, True):
+            with FSDP.state_dict_type(m1, StateDictType.FULL_STATE_DICT, None, FullOptimStateDictConfig(offload_to_cpu=offload, rank0_only=rank0_only)):
+                ours = FSDP.optim_state_dict(m1, o1)
+            # torch with use_orig_params must not offload on CPU (see _torch_full).
+            torch_offload = offload and not uop
+            with TorchFSDP.state_dict_type(m2, TSDT.FULL_STATE_DICT, None, TFOC(offload_to_cpu=torch_offload, rank0_only=rank0_only)):
+                theirs = TorchFSDP.optim_state_dict(m2, o2)
+            _assert_osd_equal(ours, theirs, f"uop={uop} rank0_only={rank0_only} offload={offload}")
+            if rank0_only and dist.get_rank() != 0:
+                assert ours == {}
+    with FSDP.state_dict_type(m1, StateDictType.SHARDED_STATE_DICT, None, ShardedOptimStateDictConfig(offload_to_cpu=False)):
+        ours = FSDP.optim_state_dict(m1, o1)
+    with TorchFSDP.state_dict_type(m2, TSDT.SHARDED_STATE_DICT, None, TSOC(offload_to_cpu=False)):
+        theirs = TorchFSDP.optim_state_dict(m2, o2)
+    _assert_osd_equal(ours, theirs, f"sharded no offload uop={uop}")
+    # The state dict does not alias the optimizer's state.
+    before = _snapshot(o1)
+    full = FSDP.optim_state_dict(m1, o1)
+    for entry in full["state"].values():
+        for value in entry.values():
+            if isinstance(value, torch.Tensor):
+                value.add_(1000.0)
+    _assert_osd_equal(o1.state_dict(), before, "optimizer after mutating the saved copy")
 
 
 @pytest.mark.parametrize("dist_pool", [2, 4], indirect=True)
 def test_rank0_only_and_offload_configs_match_torch(dist_pool: RankPool) -> None:
-    dist_pool.run(_rank0_only_and_offload)
+    """use_orig_params=False here; True on CASES[1]'s pair (the same FULL_SHARD AdamW pair) in
+    the saving test's job (_save_and_load)."""
+    dist_pool.run(_rank0_only_and_offload, (False,))
+    assert [rank0 for _, _, rank0 in _save_and_load(dist_pool)] == [1] * dist_pool.world_size
 
 
 def _hybrid_rank0_only() -> None:
@@ -442,7 +455,7 @@ def _load_checks(m1: nn.Module, o1: torch.optim.Optimizer, m2: nn.Module, o2: to
 @pytest.mark.parametrize("dist_pool", [2, 4], indirect=True)
 def test_loading_matches_torch(dist_pool: RankPool) -> None:
     """_load_checks on CASES[:6] and CASES[7], run in the saving test's job (_save_and_load)."""
-    assert [loaded for _, loaded in _save_and_load(dist_pool)] == [len(_LOAD_CASES)] * dist_pool.world_size
+    assert [loaded for _, loaded, _ in _save_and_load(dist_pool)] == [len(_LOAD_CASES)] * dist_pool.world_size
 
 
 def _round_trip(strategy: str, uop: bool, optim: str, lib_save: str, lib_load: str, rank0_only: bool) -> None:
