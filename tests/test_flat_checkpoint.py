@@ -491,6 +491,13 @@ TP_CONFIGS = {
     "tp_flat": ("SHARD_GRAD_OP", False, False, 12),
     "tp_uneven": ("FULL_SHARD", True, False, 11),
 }
+# tp_uneven's (2, 2) layout (FULL_SHARD, nested, flat, hidden 11) is the one
+# tests/test_flat_checkpoint_load.py's uneven test saves (with AdamW state) and loads into
+# SHARD_GRAD_OP use_orig_params at (1, 4) and (2, 1) and into fsdp without tp, the targets tp_load
+# gives it here: those loads run there only (model and optimizer); here tp_uneven keeps its
+# model-only save (no tensor collective, async alike, chunks tiling) and its model-only loads
+# into (2, 2), (1, 2) and a plain model.
+_TP_LOADED_ELSEWHERE = {"tp_uneven": {(1, 4), (2, 1), "fsdp without tp"}}
 
 
 def _tp_ours(strategy: str, nested: bool, orig: bool, hidden: int, shape: tuple[int, int]) -> nn.Module:
@@ -607,11 +614,13 @@ def tp_load(directory: str, shapes: list[tuple[int, int]], plain_fsdp: bool) -> 
         path = os.path.join(directory, name)
         expected = torch.load(os.path.join(directory, f"{name}.pt"), weights_only=False)
         with_optim = hidden % 2 == 0
+        elsewhere = _TP_LOADED_ELSEWHERE.get(name, set())
         targets = []
         for shape in shapes:  # uneven splits too (tests/test_flat_checkpoint_load.py)
             other = "SHARD_GRAD_OP" if strategy == "FULL_SHARD" else "FULL_SHARD"
-            targets.append((f"tp {shape}", _tp_ours(other, not nested, not orig, hidden, shape)))
-        if plain_fsdp:
+            if shape not in elsewhere:
+                targets.append((f"tp {shape}", _tp_ours(other, not nested, not orig, hidden, shape)))
+        if plain_fsdp and "fsdp without tp" not in elsewhere:
             targets.append(("fsdp without tp", _plain_fsdp("ours", hidden)))
         for what, model in targets:
             optim = torch.optim.AdamW(model.parameters(), lr=0.01) if with_optim else None

@@ -25,6 +25,9 @@ Flat-shard loads] in fsdp/state_dict/_flat_checkpoint.py), so it loads there:
 - each time bit for bit against the full state of the model that saved the source (torch's DCP
   state-dict API, full_state_dict=True), which a plain model (no fsdp, no TP) also reads from
   every checkpoint involved.
+
+(tests/test_flat_checkpoint.py's tp_uneven, the same (2, 2) layout saved model-only, loads into the
+targets not loaded here: (2, 2) and (1, 2) with SHARD_GRAD_OP use_orig_params.)
 """
 
 from __future__ import annotations

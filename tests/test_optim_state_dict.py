@@ -231,13 +231,21 @@ CASES = [
 ]
 
 
-def _full_and_sharded_match_torch() -> int:
+# The cases _load_checks also runs (indices into CASES), and _rank0_checks (FULL_SHARD, True, adamw).
+_LOAD_CASES = (*range(6), 7)
+_RANK0_CASE = 1
+
+
+def _full_and_sharded_match_torch(loading: bool) -> tuple[int, int, int]:
+    """Per case, one trained pair (ours, torch FSDP1's): the saved optimizer state dicts match
+    torch's, and (``loading``) the loaders too (_load_checks, the cases of _LOAD_CASES) and the
+    rank0_only / offload configs (_rank0_checks, _RANK0_CASE). Returns how many cases each compared."""
     from fsdp import FullyShardedDataParallel as FSDP, ShardedOptimStateDictConfig, StateDictType
     from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
     from torch.distributed.fsdp import ShardedOptimStateDictConfig as TSOC, StateDictType as TSDT
 
-    checked = 0
-    for strategy, uop, optim, extra in CASES:
+    checked = loaded = rank0 = 0
+    for index, (strategy, uop, optim, extra) in enumerate(CASES):
         where = f"{strategy} uop={uop} {optim} {extra}"
         (m1, o1), (m2, o2) = _pair(strategy, uop, optim, **dict(extra))
         before = _snapshot(o1)
@@ -254,6 +262,12 @@ def _full_and_sharded_match_torch() -> int:
         _assert_osd_equal(FSDP.sharded_optim_state_dict(m1, o1), TorchFSDP.sharded_optim_state_dict(m2, o2), "legacy sharded " + where)
         checked += 1
         _assert_osd_equal(o1.state_dict(), before, "optimizer after saving " + where)
+        if loading and index in _LOAD_CASES:  # the same pair: loading reads, it changes nothing here
+            _load_checks(m1, o1, m2, o2, uop, where)
+            loaded += 1
+        if loading and index == _RANK0_CASE:  # test_rank0_only_and_offload_configs_match_torch's uop=True pair
+            _rank0_checks((m1, o1), (m2, o2), uop)
+            rank0 += 1
     # DTensor: torch FSDP1 uses DTensor when built with a device_mesh.
     for uop in (False, True):
         (m1, o1), (m2, o2) = _pair("FULL_SHARD", uop, "adam", mesh=True)
@@ -263,50 +277,70 @@ def _full_and_sharded_match_torch() -> int:
             theirs = TorchFSDP.optim_state_dict(m2, o2)
         _assert_osd_equal(ours, theirs, f"dtensor uop={uop}")
         checked += 1
-    return checked
+    return checked, loaded, rank0
+
+
+# world size -> each rank's (cases saved, cases loaded, rank0 cases): one job per world size runs
+# the saving, loading and rank0_only checks on the same trained pairs (each built and trained once).
+_SAVE_AND_LOAD: dict[int, list[tuple[int, ...]]] = {}
+
+
+def _save_and_load(pool: RankPool) -> list[tuple[int, ...]]:
+    if pool.world_size not in _SAVE_AND_LOAD:
+        _SAVE_AND_LOAD[pool.world_size] = [tuple(r) for r in pool.run(_full_and_sharded_match_torch, pool.world_size > 1)]
+    return _SAVE_AND_LOAD[pool.world_size]
 
 
 @pytest.mark.parametrize("dist_pool", [1, 2, 4], indirect=True)
 def test_optim_state_dict_full_and_sharded_match_torch(dist_pool: RankPool) -> None:
-    assert dist_pool.run(_full_and_sharded_match_torch) == [len(CASES) + 2] * dist_pool.world_size
+    assert [saved for saved, _, _ in _save_and_load(dist_pool)] == [len(CASES) + 2] * dist_pool.world_size
 
 
-def _rank0_only_and_offload() -> None:
+def _rank0_only_and_offload(uops: tuple[bool, ...]) -> None:
+    for uop in uops:
+        _rank0_checks(*_pair("FULL_SHARD", uop, "adamw"), uop)
+
+
+def _rank0_checks(ours_pair: tuple[Any, Any], torch_pair: tuple[Any, Any], uop: bool) -> None:
+    """FULL optimizer state dicts with rank0_only and offload_to_cpu both ways, the SHARDED one
+    without offload, equal torch's; the saved copy does not alias the optimizer's state."""
     from fsdp import FullOptimStateDictConfig, FullyShardedDataParallel as FSDP, ShardedOptimStateDictConfig, StateDictType
     from torch.distributed.fsdp import FullOptimStateDictConfig as TFOC, FullyShardedDataParallel as TorchFSDP
     from torch.distributed.fsdp import ShardedOptimStateDictConfig as TSOC, StateDictType as TSDT
 
-    for uop in (False, True):
-        (m1, o1), (m2, o2) = _pair("FULL_SHARD", uop, "adamw")
-        for rank0_only in (False, True):
-            for offload in (False, True):
-                with FSDP.state_dict_type(m1, StateDictType.FULL_STATE_DICT, None, FullOptimStateDictConfig(offload_to_cpu=offload, rank0_only=rank0_only)):
-                    ours = FSDP.optim_state_dict(m1, o1)
-                # torch with use_orig_params must not offload on CPU (see _torch_full).
-                torch_offload = offload and not uop
-                with TorchFSDP.state_dict_type(m2, TSDT.FULL_STATE_DICT, None, TFOC(offload_to_cpu=torch_offload, rank0_only=rank0_only)):
-                    theirs = TorchFSDP.optim_state_dict(m2, o2)
-                _assert_osd_equal(ours, theirs, f"uop={uop} rank0_only={rank0_only} offload={offload}")
-                if rank0_only and dist.get_rank() != 0:
-                    assert ours == {}
-        with FSDP.state_dict_type(m1, StateDictType.SHARDED_STATE_DICT, None, ShardedOptimStateDictConfig(offload_to_cpu=False)):
-            ours = FSDP.optim_state_dict(m1, o1)
-        with TorchFSDP.state_dict_type(m2, TSDT.SHARDED_STATE_DICT, None, TSOC(offload_to_cpu=False)):
-            theirs = TorchFSDP.optim_state_dict(m2, o2)
-        _assert_osd_equal(ours, theirs, f"sharded no offload uop={uop}")
-        # The state dict does not alias the optimizer's state.
-        before = _snapshot(o1)
-        full = FSDP.optim_state_dict(m1, o1)
-        for entry in full["state"].values():
-            for value in entry.values():
-                if isinstance(value, torch.Tensor):
-                    value.add_(1000.0)
-        _assert_osd_equal(o1.state_dict(), before, "optimizer after mutating the saved copy")
+    (m1, o1), (m2, o2) = ours_pair, torch_pair
+    for rank0_only in (False, True):
+        for offload in (False, True):
+            with FSDP.state_dict_type(m1, StateDictType.FULL_STATE_DICT, None, FullOptimStateDictConfig(offload_to_cpu=offload, rank0_only=rank0_only)):
+                ours = FSDP.optim_state_dict(m1, o1)
+            # torch with use_orig_params must not offload on CPU (see _torch_full).
+            torch_offload = offload and not uop
+            with TorchFSDP.state_dict_type(m2, TSDT.FULL_STATE_DICT, None, TFOC(offload_to_cpu=torch_offload, rank0_only=rank0_only)):
+                theirs = TorchFSDP.optim_state_dict(m2, o2)
+            _assert_osd_equal(ours, theirs, f"uop={uop} rank0_only={rank0_only} offload={offload}")
+            if rank0_only and dist.get_rank() != 0:
+                assert ours == {}
+    with FSDP.state_dict_type(m1, StateDictType.SHARDED_STATE_DICT, None, ShardedOptimStateDictConfig(offload_to_cpu=False)):
+        ours = FSDP.optim_state_dict(m1, o1)
+    with TorchFSDP.state_dict_type(m2, TSDT.SHARDED_STATE_DICT, None, TSOC(offload_to_cpu=False)):
+        theirs = TorchFSDP.optim_state_dict(m2, o2)
+    _assert_osd_equal(ours, theirs, f"sharded no offload uop={uop}")
+    # The state dict does not alias the optimizer's state.
+    before = _snapshot(o1)
+    full = FSDP.optim_state_dict(m1, o1)
+    for entry in full["state"].values():
+        for value in entry.values():
+            if isinstance(value, torch.Tensor):
+                value.add_(1000.0)
+    _assert_osd_equal(o1.state_dict(), before, "optimizer after mutating the saved copy")
 
 
 @pytest.mark.parametrize("dist_pool", [2, 4], indirect=True)
 def test_rank0_only_and_offload_configs_match_torch(dist_pool: RankPool) -> None:
-    dist_pool.run(_rank0_only_and_offload)
+    """use_orig_params=False here; True on CASES[1]'s pair (the same FULL_SHARD AdamW pair) in
+    the saving test's job (_save_and_load)."""
+    dist_pool.run(_rank0_only_and_offload, (False,))
+    assert [rank0 for _, _, rank0 in _save_and_load(dist_pool)] == [1] * dist_pool.world_size
 
 
 def _hybrid_rank0_only() -> None:
@@ -351,7 +385,7 @@ def _assert_loads_back(out: dict, optim: torch.optim.Optimizer, where: str) -> N
     _assert_osd_equal(out, optim.state_dict(), where, ordered=False)
 
 
-def _load_matches_torch() -> int:
+def _load_checks(m1: nn.Module, o1: torch.optim.Optimizer, m2: nn.Module, o2: torch.optim.Optimizer, uop: bool, where: str) -> None:
     """optim_state_dict_to_load and the legacy loaders give what torch's give, from either side.
 
     The per-rank results must equal torch's bit for bit, with use_orig_params too (the same
@@ -362,71 +396,66 @@ def _load_matches_torch() -> int:
     from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
     from torch.distributed.fsdp import OptimStateKeyType as TKey, StateDictType as TSDT
 
-    checked = 0
-    for strategy, uop, optim, extra in CASES[:6] + [CASES[7]]:
-        where = f"{strategy} uop={uop} {optim} {extra}"
-        (m1, o1), (m2, o2) = _pair(strategy, uop, optim, **dict(extra))
-        full1, full2 = FSDP.optim_state_dict(m1, o1), _torch_full(m2, o2, uop)
-        rank0_src = full1 if dist.get_rank() == 0 else None
-        loaded = [
-            ("to_load", FSDP.optim_state_dict_to_load(m1, o1, full1)),
-            ("shard_full", FSDP.shard_full_optim_state_dict(full1, m1, optim=o1)),
-            ("scatter_full", FSDP.scatter_full_optim_state_dict(rank0_src, m1, optim=o1)),
-        ]
-        for name, out in loaded:
-            _assert_loads_back(out, o1, f"{name} {where}")
-        with FSDP.state_dict_type(m1, StateDictType.SHARDED_STATE_DICT), TorchFSDP.state_dict_type(m2, TSDT.SHARDED_STATE_DICT):
-            sh1, sh2 = FSDP.optim_state_dict(m1, o1), TorchFSDP.optim_state_dict(m2, o2)
-            _assert_loads_back(FSDP.optim_state_dict_to_load(m1, o1, sh1), o1, "sharded to_load " + where)
-        _assert_loads_back(FSDP.flatten_sharded_optim_state_dict(sh1, m1, o1), o1, "flatten_sharded " + where)
-        for src in (full1, full2):
-            _assert_osd_equal(
-                FSDP.optim_state_dict_to_load(m1, o1, src),
-                TorchFSDP.optim_state_dict_to_load(m2, o2, src),
-                "to_load vs torch " + where, ordered=False,
-            )
-            _assert_osd_equal(
-                FSDP.shard_full_optim_state_dict(src, m1, optim=o1),
-                TorchFSDP.shard_full_optim_state_dict(src, m2, optim=o2),
-                "shard_full vs torch " + where, ordered=False,
-            )
-            rank0_src = src if dist.get_rank() == 0 else None
-            _assert_osd_equal(
-                FSDP.scatter_full_optim_state_dict(rank0_src, m1, optim=o1),
-                TorchFSDP.scatter_full_optim_state_dict(rank0_src, m2, optim=o2),
-                "scatter_full vs torch " + where, ordered=False,
-            )
+    full1, full2 = FSDP.optim_state_dict(m1, o1), _torch_full(m2, o2, uop)
+    rank0_src = full1 if dist.get_rank() == 0 else None
+    loaded = [
+        ("to_load", FSDP.optim_state_dict_to_load(m1, o1, full1)),
+        ("shard_full", FSDP.shard_full_optim_state_dict(full1, m1, optim=o1)),
+        ("scatter_full", FSDP.scatter_full_optim_state_dict(rank0_src, m1, optim=o1)),
+    ]
+    for name, out in loaded:
+        _assert_loads_back(out, o1, f"{name} {where}")
+    with FSDP.state_dict_type(m1, StateDictType.SHARDED_STATE_DICT), TorchFSDP.state_dict_type(m2, TSDT.SHARDED_STATE_DICT):
+        sh1, sh2 = FSDP.optim_state_dict(m1, o1), TorchFSDP.optim_state_dict(m2, o2)
+        _assert_loads_back(FSDP.optim_state_dict_to_load(m1, o1, sh1), o1, "sharded to_load " + where)
+    _assert_loads_back(FSDP.flatten_sharded_optim_state_dict(sh1, m1, o1), o1, "flatten_sharded " + where)
+    for src in (full1, full2):
         _assert_osd_equal(
-            FSDP.flatten_sharded_optim_state_dict(sh1, m1, o1),
-            TorchFSDP.flatten_sharded_optim_state_dict(sh2, m2, o2),
-            "flatten_sharded vs torch " + where, ordered=False,
+            FSDP.optim_state_dict_to_load(m1, o1, src),
+            TorchFSDP.optim_state_dict_to_load(m2, o2, src),
+            "to_load vs torch " + where, ordered=False,
         )
-        # torch's full state dict loads through ours to our own state.
         _assert_osd_equal(
-            FSDP.optim_state_dict_to_load(m1, o1, full2),
-            FSDP.optim_state_dict_to_load(m1, o1, full1),
-            "torch's state through ours " + where, ordered=False,
+            FSDP.shard_full_optim_state_dict(src, m1, optim=o1),
+            TorchFSDP.shard_full_optim_state_dict(src, m2, optim=o2),
+            "shard_full vs torch " + where, ordered=False,
         )
-        # rekey: names <-> IDs, for the wrapped model (the optimizer's IDs) and an unwrapped one.
-        if uop:
-            ids1 = FSDP.rekey_optim_state_dict(full1, OptimStateKeyType.PARAM_ID, m1, optim=o1)
-            ids2 = TorchFSDP.rekey_optim_state_dict(full2, TKey.PARAM_ID, m2, optim=o2)
-            _assert_osd_equal(ids1, ids2, "rekey to IDs " + where)
-            names1 = FSDP.rekey_optim_state_dict(ids1, OptimStateKeyType.PARAM_NAME, m1, optim=o1)
-            names2 = TorchFSDP.rekey_optim_state_dict(ids2, TKey.PARAM_NAME, m2, optim=o2)
-            _assert_osd_equal(names1, names2, "rekey to names " + where)
-        plain = make_toy()
-        ids1 = FSDP.rekey_optim_state_dict(full1, OptimStateKeyType.PARAM_ID, plain)
-        ids2 = TorchFSDP.rekey_optim_state_dict(full2, TKey.PARAM_ID, plain)
-        _assert_osd_equal(ids1, ids2, "rekey unwrapped " + where)
-        assert FSDP.rekey_optim_state_dict(full1, OptimStateKeyType.PARAM_NAME, m1) is full1
-        checked += 1
-    return checked
+        rank0_src = src if dist.get_rank() == 0 else None
+        _assert_osd_equal(
+            FSDP.scatter_full_optim_state_dict(rank0_src, m1, optim=o1),
+            TorchFSDP.scatter_full_optim_state_dict(rank0_src, m2, optim=o2),
+            "scatter_full vs torch " + where, ordered=False,
+        )
+    _assert_osd_equal(
+        FSDP.flatten_sharded_optim_state_dict(sh1, m1, o1),
+        TorchFSDP.flatten_sharded_optim_state_dict(sh2, m2, o2),
+        "flatten_sharded vs torch " + where, ordered=False,
+    )
+    # torch's full state dict loads through ours to our own state.
+    _assert_osd_equal(
+        FSDP.optim_state_dict_to_load(m1, o1, full2),
+        FSDP.optim_state_dict_to_load(m1, o1, full1),
+        "torch's state through ours " + where, ordered=False,
+    )
+    # rekey: names <-> IDs, for the wrapped model (the optimizer's IDs) and an unwrapped one.
+    if uop:
+        ids1 = FSDP.rekey_optim_state_dict(full1, OptimStateKeyType.PARAM_ID, m1, optim=o1)
+        ids2 = TorchFSDP.rekey_optim_state_dict(full2, TKey.PARAM_ID, m2, optim=o2)
+        _assert_osd_equal(ids1, ids2, "rekey to IDs " + where)
+        names1 = FSDP.rekey_optim_state_dict(ids1, OptimStateKeyType.PARAM_NAME, m1, optim=o1)
+        names2 = TorchFSDP.rekey_optim_state_dict(ids2, TKey.PARAM_NAME, m2, optim=o2)
+        _assert_osd_equal(names1, names2, "rekey to names " + where)
+    plain = make_toy()
+    ids1 = FSDP.rekey_optim_state_dict(full1, OptimStateKeyType.PARAM_ID, plain)
+    ids2 = TorchFSDP.rekey_optim_state_dict(full2, TKey.PARAM_ID, plain)
+    _assert_osd_equal(ids1, ids2, "rekey unwrapped " + where)
+    assert FSDP.rekey_optim_state_dict(full1, OptimStateKeyType.PARAM_NAME, m1) is full1
 
 
 @pytest.mark.parametrize("dist_pool", [2, 4], indirect=True)
 def test_loading_matches_torch(dist_pool: RankPool) -> None:
-    assert dist_pool.run(_load_matches_torch) == [7] * dist_pool.world_size
+    """_load_checks on CASES[:6] and CASES[7], run in the saving test's job (_save_and_load)."""
+    assert [loaded for _, loaded, _ in _save_and_load(dist_pool)] == [len(_LOAD_CASES)] * dist_pool.world_size
 
 
 def _round_trip(strategy: str, uop: bool, optim: str, lib_save: str, lib_load: str, rank0_only: bool) -> None:

@@ -165,34 +165,45 @@ def sharded_types_sweep(configs: list[tuple[str, bool, bool, bool]], **model_kw:
     """Per ``(strategy, use_orig_params, offload_to_cpu, device_mesh)``: our SHARDED model and
     optimizer state dicts are torch FSDP1's (types, layout, values); ours load back into a fresh
     fsdp model (its next state dicts equal the saved ones) and, in memory, into torch FSDP1 (and
-    torch's into ours), which then train on identically."""
+    torch's into ours), which then train on identically.
+
+    The configs that differ only in ``offload_to_cpu`` share one trained pair of models (the
+    option is the state-dict config's, not the model's: the same build and step either way);
+    each still takes its own state dicts and loads them into fresh models of its own."""
     import torch.distributed.fsdp as torch_fsdp
 
     import fsdp
 
+    offloads: dict[tuple[str, bool, bool], list[bool]] = {}
     for strategy, orig, offload, mesh in configs:
-        where = f"{strategy} orig={orig} offload={offload} mesh={mesh}"
+        offloads.setdefault((strategy, orig, mesh), []).append(offload)
+    for (strategy, orig, mesh), offload_values in offloads.items():
         ours, ours_opt = _build(fsdp, strategy, orig, mesh, **model_kw)
         theirs, theirs_opt = _build(torch_fsdp, strategy, orig, mesh, **model_kw)
         _step(ours, ours_opt)
         _step(theirs, theirs_opt)
-        saved, torch_saved = _sharded(fsdp, ours, ours_opt, offload), _sharded(torch_fsdp, theirs, theirs_opt, offload)
-        _assert_same_dicts(saved, torch_saved, where)
-        # Ours into a fresh fsdp model, torch's into another, ours into a fresh torch FSDP1.
-        fresh, fresh_opt = _build(fsdp, strategy, orig, mesh, seed=1, **model_kw)
-        _load(fsdp, fresh, fresh_opt, saved)
-        _assert_same_dicts(_sharded(fsdp, fresh, fresh_opt, offload), torch_saved, f"{where} reloaded")
-        from_torch, from_torch_opt = _build(fsdp, strategy, orig, mesh, seed=1, **model_kw)
-        _load(fsdp, from_torch, from_torch_opt, torch_saved)
-        torch_fresh, torch_fresh_opt = _build(torch_fsdp, strategy, orig, mesh, seed=1, **model_kw)
-        _load(torch_fsdp, torch_fresh, torch_fresh_opt, saved)
-        for model, opt in ((fresh, fresh_opt), (from_torch, from_torch_opt), (torch_fresh, torch_fresh_opt)):
-            _step(model, opt)
+        stepped = []
+        for offload in offload_values:
+            where = f"{strategy} orig={orig} offload={offload} mesh={mesh}"
+            saved, torch_saved = _sharded(fsdp, ours, ours_opt, offload), _sharded(torch_fsdp, theirs, theirs_opt, offload)
+            _assert_same_dicts(saved, torch_saved, where)
+            # Ours into a fresh fsdp model, torch's into another, ours into a fresh torch FSDP1.
+            fresh, fresh_opt = _build(fsdp, strategy, orig, mesh, seed=1, **model_kw)
+            _load(fsdp, fresh, fresh_opt, saved)
+            _assert_same_dicts(_sharded(fsdp, fresh, fresh_opt, offload), torch_saved, f"{where} reloaded")
+            from_torch, from_torch_opt = _build(fsdp, strategy, orig, mesh, seed=1, **model_kw)
+            _load(fsdp, from_torch, from_torch_opt, torch_saved)
+            torch_fresh, torch_fresh_opt = _build(torch_fsdp, strategy, orig, mesh, seed=1, **model_kw)
+            _load(torch_fsdp, torch_fresh, torch_fresh_opt, saved)
+            for model, opt in ((fresh, fresh_opt), (from_torch, from_torch_opt), (torch_fresh, torch_fresh_opt)):
+                _step(model, opt)
+            stepped.append((where, ((fresh, fsdp), (from_torch, fsdp), (torch_fresh, torch_fsdp))))
         _step(theirs, theirs_opt)
         expected = _full_params(theirs, torch_fsdp.FullyShardedDataParallel)
-        for model, cls in ((fresh, fsdp), (from_torch, fsdp), (torch_fresh, torch_fsdp)):
-            got = _full_params(model, cls.FullyShardedDataParallel)
-            assert all(torch.equal(got[n], p) for n, p in expected.items()), (where, cls.__name__)
+        for where, models in stepped:
+            for model, cls in models:
+                got = _full_params(model, cls.FullyShardedDataParallel)
+                assert all(torch.equal(got[n], p) for n, p in expected.items()), (where, cls.__name__)
 
 
 _STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"]
