@@ -170,7 +170,10 @@ def steps(out: str) -> list[Step]:
                             "--json", os.path.join(out, "ws2_memory.json")],
              ("benchmarks.ws2_memory",)),
         Step("bench_eager", 150, 60, _bench(out, "bench_eager", "--rounds", "3"),
-             _bench(out, "bench_eager", "--cpu-dry-run", *TINY, "--rounds", "1", "--warmup-steps", "1", "--steps", "1"),
+             # Two rounds of two steps and the profile: tests/test_gpu_run.py asserts the
+             # benchmark's CPU run end to end on this step's JSON and log (one run, not two).
+             _bench(out, "bench_eager", "--cpu-dry-run", *TINY, "--rounds", "2", "--warmup-steps", "1", "--steps", "2",
+                    "--profile"),
              ("benchmarks.__main__", "benchmarks.cuda")),
         Step("bench_compile", 180, 90,
              _bench(out, "bench_compile", "--compile", "--only", "fsdp,torch_fsdp1,local", "--rounds", "1",
