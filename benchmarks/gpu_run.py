@@ -154,9 +154,12 @@ def steps(out: str) -> list[Step]:
         Step("scale", 180, 90,
              lambda limit: [PY, "-m", "benchmarks.scale", "--device", "cuda", "--json", os.path.join(out, "scale.json"),
                             "--time-budget", f"{max(30.0, limit - 75):.0f}"],
-             lambda limit: [PY, "-m", "benchmarks.scale", "--cpu-dry-run", "--model", "tiny", "--world-size", "8",
-                            "--batch", "2", "--seq", "16", "--no-plan", "--warmup", "1", "--steps", "1",
-                            "--rounds", "1", "--json", os.path.join(out, "scale.json")],
+             # Rank 3 of 16 over two nodes, FULL_SHARD and HYBRID_SHARD: tests/test_gpu_run.py
+             # asserts the CPU run's collectives and modelled seconds on this step's JSON and log.
+             lambda limit: [PY, "-m", "benchmarks.scale", "--cpu-dry-run", "--model", "tiny", "--rank", "3",
+                            "--world-size", "16", "--fabric", "ib", "--strategies", "FULL_SHARD,HYBRID_SHARD",
+                            "--batch", "2", "--seq", "16", "--warmup", "1", "--steps", "1", "--rounds", "1",
+                            "--no-plan", "--json", os.path.join(out, "scale.json")],
              ("benchmarks.scale",)),
         Step("plan_gpu", 75, 40,
              lambda limit: [PY, "-m", "benchmarks.validate_plan", "--device", "cuda", "--max-total", "60GiB",

@@ -18,6 +18,7 @@ import torch
 from benchmarks import gpu_run
 from benchmarks.config import block_params, gpt_params
 from benchmarks.report import flops_per_token
+from benchmarks.scale import LLAMAS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -153,6 +154,39 @@ def test_bench_eager_step_is_the_benchmark_end_to_end_on_cpu(dry_run: Path) -> N
     assert "== fsdp profile: 3 steps" in log and "== GPU benchmark: cpu (dry run)" in log
     assert log.rstrip().endswith(f"wrote {json_path}")
     assert "targets:" in log and "fsdp max allocated <= torch_fsdp2's" in log
+
+
+def test_scale_step_is_the_cpu_run_pricing_the_same_bytes(dry_run: Path) -> None:
+    """The dry run's ``scale`` step (``benchmarks/scale.py --cpu-dry-run``): fsdp, torch FSDP1 and
+    FSDP2 train as rank 3 of 16 (FULL_SHARD, and HYBRID_SHARD with 8 ranks per node); fsdp issues
+    torch FSDP1's collectives but one all-gather (the last block stays gathered from forward into
+    backward: [Note: The first backward unit stays gathered]), so its modelled seconds are lower by
+    that gather's; the JSON carries its date and targets."""
+    out = dry_run / "scale.json"
+    log = next(dry_run.glob("*_scale.log")).read_text()  # the command's stdout and stderr
+    assert "not modelled: NCCL kernels sharing SMs" in log
+    doc = json.loads(out.read_text())
+    assert doc["date"] and doc["timed"] is False
+    assert [r["config"]["strategy"] for r in doc["results"]] == ["FULL_SHARD", "HYBRID_SHARD"]
+    for result in doc["results"]:
+        strategy = result["config"]["strategy"]
+        assert result["config"]["world_size"] == 16 and result["config"]["rank"] == 3
+        rows = {r["impl"]: r for r in result["rows"]}
+        assert list(rows) == ["fsdp", "torch_fsdp1", "torch_fsdp2"]
+        assert all(r["modelled_comm_s"] > 0 and r["step_peak_above_start"] > 0 for r in rows.values())
+        units = LLAMAS["tiny"].layers + 1  # one per block, and the root
+        # torch FSDP1: every unit gathered in forward, again in backward but the root (kept).
+        replicated = {"all_reduce": units} if strategy == "HYBRID_SHARD" else {}
+        theirs = {"all_gather": 2 * units - 1, "reduce_scatter": units, **replicated}
+        assert rows["torch_fsdp1"]["collectives"] == theirs
+        assert rows["fsdp"]["collectives"] == {**theirs, "all_gather": 2 * units - 2}
+        assert rows["fsdp"]["modelled_comm_s"] < rows["torch_fsdp1"]["modelled_comm_s"]
+    assert [t["status"] for t in doc["targets"]] == ["met", "met"]
+    assert all(t["ratio"] < 1.0 for t in doc["targets"])
+    # HYBRID keeps its shards in the node (NVLink) and all-reduces across nodes (InfiniBand):
+    # the same bytes cost less than FULL_SHARD's all-gathers over 16 ranks of two nodes.
+    full, hybrid = (r["rows"][0]["modelled_comm_s"] for r in doc["results"])
+    assert hybrid < full
 
 
 def test_budget_skips_steps_and_unknown_steps_are_an_error(tmp_path: Path) -> None:
