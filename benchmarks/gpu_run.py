@@ -154,9 +154,12 @@ def steps(out: str) -> list[Step]:
         Step("scale", 180, 90,
              lambda limit: [PY, "-m", "benchmarks.scale", "--device", "cuda", "--json", os.path.join(out, "scale.json"),
                             "--time-budget", f"{max(30.0, limit - 75):.0f}"],
-             lambda limit: [PY, "-m", "benchmarks.scale", "--cpu-dry-run", "--model", "tiny", "--world-size", "8",
-                            "--batch", "2", "--seq", "16", "--no-plan", "--warmup", "1", "--steps", "1",
-                            "--rounds", "1", "--json", os.path.join(out, "scale.json")],
+             # Rank 3 of 16 over two nodes, FULL_SHARD and HYBRID_SHARD: tests/test_gpu_run.py
+             # asserts the CPU run's collectives and modelled seconds on this step's JSON and log.
+             lambda limit: [PY, "-m", "benchmarks.scale", "--cpu-dry-run", "--model", "tiny", "--rank", "3",
+                            "--world-size", "16", "--fabric", "ib", "--strategies", "FULL_SHARD,HYBRID_SHARD",
+                            "--batch", "2", "--seq", "16", "--warmup", "1", "--steps", "1", "--rounds", "1",
+                            "--no-plan", "--json", os.path.join(out, "scale.json")],
              ("benchmarks.scale",)),
         Step("plan_gpu", 75, 40,
              lambda limit: [PY, "-m", "benchmarks.validate_plan", "--device", "cuda", "--max-total", "60GiB",
@@ -170,7 +173,10 @@ def steps(out: str) -> list[Step]:
                             "--json", os.path.join(out, "ws2_memory.json")],
              ("benchmarks.ws2_memory",)),
         Step("bench_eager", 150, 60, _bench(out, "bench_eager", "--rounds", "3"),
-             _bench(out, "bench_eager", "--cpu-dry-run", *TINY, "--rounds", "1", "--warmup-steps", "1", "--steps", "1"),
+             # Two rounds of two steps and the profile: tests/test_gpu_run.py asserts the
+             # benchmark's CPU run end to end on this step's JSON and log (one run, not two).
+             _bench(out, "bench_eager", "--cpu-dry-run", *TINY, "--rounds", "2", "--warmup-steps", "1", "--steps", "2",
+                    "--profile"),
              ("benchmarks.__main__", "benchmarks.cuda")),
         Step("bench_compile", 180, 90,
              _bench(out, "bench_compile", "--compile", "--only", "fsdp,torch_fsdp1,local", "--rounds", "1",

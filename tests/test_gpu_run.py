@@ -5,6 +5,7 @@ the time budget skips steps; a step over its limit is killed with its children."
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -12,9 +13,12 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks import gpu_run
 from benchmarks.config import block_params, gpt_params
+from benchmarks.report import flops_per_token
+from benchmarks.scale import LLAMAS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,11 +27,18 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": ""}  # the script puts the repository root there itself
 
 
-def test_dry_run_runs_every_step(tmp_path: Path) -> None:
-    out = tmp_path / "out"
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The whole dry run, once for the tests below; its output folder."""
+    out = tmp_path_factory.mktemp("gpu_run") / "out"
     cmd = [sys.executable, "benchmarks/gpu_run.py", "--dry-run", "--out", str(out), "--budget-s", "1500"]
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=1600, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    return out
+
+
+def test_dry_run_runs_every_step(dry_run: Path) -> None:
+    out = dry_run
     summary = json.loads((out / "summary.json").read_text())
     names = [s.name for s in gpu_run.steps(str(out))]
     assert (out / "00_imports.log").read_text().rstrip().endswith("FAILED []")  # every step's modules import
@@ -82,6 +93,100 @@ def test_dry_run_runs_every_step(tmp_path: Path) -> None:
     export = json.loads((out / "export.json").read_text())  # issue 34's export, world size 1 (on CPU here)
     assert "date" in export and export["targets"] and "world_size_1" in export["config"] and "--device cuda" in gpu["export"]
     assert (out / "cpu_suite.xml").exists() and (out / "cuda_lane.xml").exists()
+
+
+def test_bench_eager_step_is_the_benchmark_end_to_end_on_cpu(dry_run: Path) -> None:
+    """``python -m benchmarks --device cuda --cpu-dry-run`` (the dry run's ``bench_eager`` step,
+    two rounds of two steps with ``--profile``): the GPU benchmark's measurement code end to end
+    on CPU, JSON included (its folder's creation: tests/test_bench_cuda.py)."""
+    json_path = dry_run / "bench_eager.json"
+    log = next(dry_run.glob("*_bench_eager.log")).read_text()
+    assert [f.name for f in dry_run.glob("bench_eager.json*")] == ["bench_eager.json"]  # rewritten after each run, whole
+    doc = json.loads(json_path.read_text())
+    assert doc["schema"] == "benchmarks.cuda/1"
+    assert set(doc) == {"schema", "date", "env", "config", "model", "runs", "summary", "targets", "profile"}
+    assert doc["date"][:4].isdigit() and "T" in doc["date"]  # the benchmark JSON contract: dated
+    assert doc["model"] == dict(zip(("params", "matmul_params"), gpt_params(2, 32, 64, 16)))
+    assert set(doc["env"]) >= {"device_name", "torch", "cuda", "date", "nccl"}
+    assert doc["env"]["device_name"] == "cpu (dry run)" and doc["env"]["torch"] == torch.__version__
+    assert doc["config"]["layers"] == 2 and doc["config"]["batch"] == 2 and doc["config"]["cpu_dry_run"] is True
+
+    impls = ["fsdp", "torch_fsdp1", "torch_fsdp2", "local"]
+    runs = doc["runs"]
+    assert sorted((r["round"], r["impl"]) for r in runs) == sorted((rnd, i) for rnd in range(2) for i in impls)
+    # Alternating order, rotated each round; the first round measures the torch baselines
+    # before fsdp (should fsdp break the GPU, their numbers are in).
+    assert [r["impl"] for r in runs if r["round"] == 0] == impls[1:] + impls[:1]
+    assert [r["impl"] for r in runs if r["round"] == 1] == impls[2:] + impls[:2]
+    for r in runs:
+        assert r["status"] == "ok", r
+        assert len(r["step_s"]) == 2 and all(x > 0 for x in r["step_s"])
+        assert r["host_step_s"] == r["step_s"]  # on CPU both are the same perf_counter marks
+        assert len(r["losses"]) == 3 and all(math.isfinite(x) for x in r["losses"])
+        assert r["max_allocated"] is None and r["max_reserved"] is None  # no GPU counters on CPU
+    losses = {r["impl"]: r["losses"] for r in runs if r["round"] == 0}
+    # fsdp, torch FSDP1 (both NO_SHARD at world size 1) and torch FSDP2 do the same arithmetic:
+    # fp32 parameters cast to bf16 for forward and backward, bf16 gradients cast to fp32 and
+    # "reduced" over one rank (a copy), the same elementwise AdamW per element: equal bits.
+    assert losses["fsdp"] == losses["torch_fsdp1"] == losses["torch_fsdp2"]
+    # Every round starts from the same weights and data, so rounds repeat exactly.
+    assert [r["losses"] for r in runs if r["impl"] == "fsdp"][0] == [r["losses"] for r in runs if r["impl"] == "fsdp"][1]
+    # The unwrapped model under autocast keeps LayerNorm and the residual stream in fp32, so it
+    # is not bit-equal; its first loss differs only by bf16 rounding (relative 2^-8) of logits
+    # that are below 1 in magnitude at this initialization, and cross entropy moves by at most
+    # twice the largest logit change: well within 2 * 2^-8 * (a few roundings) < 0.05.
+    assert abs(losses["local"][0] - losses["fsdp"][0]) < 0.05
+    # The first loss of an untrained model is close to ln(vocab) (logits near 0).
+    assert abs(losses["fsdp"][0] - math.log(64)) < 0.1
+
+    s = doc["summary"]
+    assert s["flops_per_token"] == flops_per_token(2, 32, 64, 16) and s["peak_flops"] is None
+    assert s["loss_max_abs_diff"] == 0.0
+    for impl in impls:
+        e = s["impls"][impl]
+        assert e["status"] == "ok" and e["rounds"] == 2 and e["mfu"] is None
+        assert e["tokens_per_s"] == pytest.approx(32 / e["step_s"], rel=1e-12)
+    assert s["impls"]["torch_fsdp1"]["ratios"]["tokens_per_s"] == 1.0
+    assert [t["status"] for t in doc["targets"]][2:] == ["n/a"]  # no memory counters on CPU
+    assert doc["profile"]["steps"] == 3 and 0 < len(doc["profile"]["rows"]) <= 25
+    assert any(row["name"] == "aten::addmm" and row["count"] > 0 for row in doc["profile"]["rows"])
+
+    assert "== fsdp profile: 3 steps" in log and "== GPU benchmark: cpu (dry run)" in log
+    assert log.rstrip().endswith(f"wrote {json_path}")
+    assert "targets:" in log and "fsdp max allocated <= torch_fsdp2's" in log
+
+
+def test_scale_step_is_the_cpu_run_pricing_the_same_bytes(dry_run: Path) -> None:
+    """The dry run's ``scale`` step (``benchmarks/scale.py --cpu-dry-run``): fsdp, torch FSDP1 and
+    FSDP2 train as rank 3 of 16 (FULL_SHARD, and HYBRID_SHARD with 8 ranks per node); fsdp issues
+    torch FSDP1's collectives but one all-gather (the last block stays gathered from forward into
+    backward: [Note: The first backward unit stays gathered]), so its modelled seconds are lower by
+    that gather's; the JSON carries its date and targets."""
+    out = dry_run / "scale.json"
+    log = next(dry_run.glob("*_scale.log")).read_text()  # the command's stdout and stderr
+    assert "not modelled: NCCL kernels sharing SMs" in log
+    doc = json.loads(out.read_text())
+    assert doc["date"] and doc["timed"] is False
+    assert [r["config"]["strategy"] for r in doc["results"]] == ["FULL_SHARD", "HYBRID_SHARD"]
+    for result in doc["results"]:
+        strategy = result["config"]["strategy"]
+        assert result["config"]["world_size"] == 16 and result["config"]["rank"] == 3
+        rows = {r["impl"]: r for r in result["rows"]}
+        assert list(rows) == ["fsdp", "torch_fsdp1", "torch_fsdp2"]
+        assert all(r["modelled_comm_s"] > 0 and r["step_peak_above_start"] > 0 for r in rows.values())
+        units = LLAMAS["tiny"].layers + 1  # one per block, and the root
+        # torch FSDP1: every unit gathered in forward, again in backward but the root (kept).
+        replicated = {"all_reduce": units} if strategy == "HYBRID_SHARD" else {}
+        theirs = {"all_gather": 2 * units - 1, "reduce_scatter": units, **replicated}
+        assert rows["torch_fsdp1"]["collectives"] == theirs
+        assert rows["fsdp"]["collectives"] == {**theirs, "all_gather": 2 * units - 2}
+        assert rows["fsdp"]["modelled_comm_s"] < rows["torch_fsdp1"]["modelled_comm_s"]
+    assert [t["status"] for t in doc["targets"]] == ["met", "met"]
+    assert all(t["ratio"] < 1.0 for t in doc["targets"])
+    # HYBRID keeps its shards in the node (NVLink) and all-reduces across nodes (InfiniBand):
+    # the same bytes cost less than FULL_SHARD's all-gathers over 16 ranks of two nodes.
+    full, hybrid = (r["rows"][0]["modelled_comm_s"] for r in doc["results"])
+    assert hybrid < full
 
 
 def test_budget_skips_steps_and_unknown_steps_are_an_error(tmp_path: Path) -> None:
