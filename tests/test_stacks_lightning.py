@@ -42,23 +42,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Tuple[Dict[str, Any], Dict
     # The two runs are independent (own folders, own ports): they run at the same time, each
     # with its ranks forked from one interpreter that imported Lightning once ([Note: Stack ranks
     # forked from a preloaded interpreter] in tests/_stacks.py), two imports instead of four.
+    def start(pool: concurrent.futures.ThreadPoolExecutor, strategy: str, backend: str) -> Any:
+        out_dir = str(tmp_path_factory.mktemp(f"lightning-{strategy}"))
+        argv = ["--steps", STEPS, "--strategy", strategy]
+        return pool.submit(run_example, SCRIPT, argv, backend=backend, out_dir=out_dir, preload=PRELOAD)
+
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        reference = pool.submit(
-            run_example,
-            SCRIPT,
-            ["--steps", STEPS, "--strategy", "ddp"],
-            backend="torch",
-            out_dir=str(tmp_path_factory.mktemp("lightning-ddp")),
-            preload=PRELOAD,
-        )
-        ours = pool.submit(
-            run_example,
-            SCRIPT,
-            ["--steps", STEPS, "--strategy", "fsdp"],
-            backend="fsdp",
-            out_dir=str(tmp_path_factory.mktemp("lightning-fsdp")),
-            preload=PRELOAD,
-        )
+        reference, ours = start(pool, "ddp", "torch"), start(pool, "fsdp", "fsdp")
         return reference.result(), ours.result()
 
 
