@@ -497,9 +497,11 @@ def train_worker(
         except CheckpointReadError as exc:
             if rank == 0:
                 _say_unreadable(exc, args.debug)
+            # Every rank raises it ([Note: An unreadable checkpoint]): leave together, as below.
+            dist.barrier()
             raise
-        # Leave together: rank 0 hosts the rendezvous store, and tearing gloo down while a
-        # peer is still finishing its last collective can abort the process at exit.
+        # Leave together: tearing gloo down while a peer is still finishing its last collective
+        # can abort the process at exit ("terminate called without an active exception").
         dist.barrier()
         return fell
     finally:
