@@ -187,6 +187,7 @@ def _describe(
         others = [r for r in ranks if r != dist.get_rank()]
         peer = others[0] if len(others) == 1 else None
     waiting = f", waiting for rank {peer}" if peer is not None else ""
+    mismatch = _MISMATCH_SAID.pop(group_key(group), None)  # any failure on the group takes it
     original = str(err).strip()
     message = f"fsdp: {collective} over the process group of global ranks {ranks} failed{where}{waiting}: {original}"
     lowered = original.lower()
@@ -194,7 +195,6 @@ def _describe(
         return message
     timeout = _group_timeout(group)
     suspect = f"rank {peer}" if peer is not None else "another rank of the group"
-    mismatch = _MISMATCH_SAID.pop(group_key(group), None)
     # Only a failure inside an FSDP phase reaches the user; one outside (completing a dropped
     # model's collectives) must not spend the exchange's wait.
     phases = _phases_of_ranks(group, f"{collective}{where}", timeout) if phase else None
