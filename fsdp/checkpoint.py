@@ -29,6 +29,7 @@ from fsdp.state_dict._flat_checkpoint import (
     flat_shard_load_target,
     flat_shard_state_dict,
     missing_from_checkpoint,
+    optim_load_target,
 )
 from fsdp.state_dict._safetensors import sharded_to_safetensors
 from fsdp.state_dict._staging import HostStaging
@@ -325,11 +326,13 @@ def load_sharded(
     if storage_reader is None:
         storage_reader = dcp.FileSystemReader(checkpoint_id)
     saved_keys = set(storage_reader.read_metadata().state_dict_metadata)
-    frozen, others = missing_from_checkpoint(model, flat_shard_load_target(model)["model"], saved_keys)
+    state = flat_shard_load_target(model)
+    frozen, others = missing_from_checkpoint(model, state["model"], saved_keys)
     _check_missing(checkpoint_id, frozen, others, ignore_frozen_params)  # before anything changes
-    if optim is not None and not optim.state:
-        _init_optim_state(optim)
-    state = flat_shard_load_target(model, optim)
+    if optim is not None:
+        if not optim.state:
+            _init_optim_state(optim)
+        state["optim"] = optim_load_target(model, optim)
     for key in frozen:
         del state["model"][key]
         if optim is not None:

@@ -268,3 +268,53 @@ def test_load_allocates_one_chunk_at_a_time(tmp_path: Any) -> None:
     own state (about 1.5 MB): nothing the size of a shard is allocated."""
     for extra, largest, state in get_pool(2).run(load_memory, str(tmp_path), _timeout=300):
         assert 0 < extra <= 2 * largest < state, (extra, largest, state)
+
+
+class _SmallFirst(torch.nn.Module):
+    """One unit whose first parameter (4 elements) lies wholly in rank 0's half of the flat
+    parameter (4 + 100 elements over 2 ranks): rank 1 holds none of it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.randn(4))
+        self.b = torch.nn.Parameter(torch.randn(10, 10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x @ self.b).sum() + self.a.sum()
+
+
+def scalar_states_on_every_rank(directory: str) -> list[float]:
+    """Saves after 3 AdamW steps, loads into a fresh model and optimizer (``load_sharded`` gives
+    it state first, on every rank, for every parameter): each rank's ``step`` of each parameter
+    is the checkpoint's, also on the rank that holds none of ``a`` (where the save writes no
+    ``step`` of it: [Note: A save's per-value work])."""
+    from fsdp import FullyShardedDataParallel as FSDP
+    from fsdp.checkpoint import load_sharded, save_sharded
+
+    def build() -> tuple[Any, Any]:
+        torch.manual_seed(0)
+        model = FSDP(_SmallFirst(), use_orig_params=True)
+        return model, torch.optim.AdamW(model.parameters(), lr=0.01)
+
+    def steps(model: Any, optim: Any, n: int) -> None:
+        for _ in range(n):
+            model(torch.ones(3, 10)).backward()
+            optim.step()
+            optim.zero_grad()
+
+    path = os.path.join(directory, "scalars")
+    model, optim = build()
+    steps(model, optim, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        save_sharded(model, optim, checkpoint_id=path)
+    fresh, fresh_optim = build()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        load_sharded(fresh, fresh_optim, checkpoint_id=path)
+    return [float(state["step"]) for state in fresh_optim.state.values()]
+
+
+def test_scalar_states_load_on_ranks_that_hold_none_of_the_parameter(tmp_path: Any) -> None:
+    for rank, loaded in enumerate(get_pool(2).run(scalar_states_on_every_rank, str(tmp_path), _timeout=300)):
+        assert loaded == [3.0, 3.0], (rank, loaded)  # a and b, three steps each

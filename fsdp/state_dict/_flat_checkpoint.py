@@ -68,6 +68,7 @@ __all__ = [
     "collector_paused",
     "flat_shard_state_dict",
     "flat_shard_load_target",
+    "optim_load_target",
     "apply_loaded",
     "frozen_fqns",
     "missing_from_checkpoint",
@@ -349,20 +350,25 @@ def _model_entries(model: nn.Module, view: ModelView, writes: dict[int, bool]) -
     return entries
 
 
-def _optim_entries(optim: torch.optim.Optimizer, view: ModelView, writes: dict[int, bool]) -> dict[str, Any]:
+def _optim_entries(
+    optim: torch.optim.Optimizer, view: ModelView, writes: dict[int, bool], every_value: bool = False
+) -> dict[str, Any]:
     """The optimizer's entries, keyed as a SHARDED optimizer state dict: ``state`` by FQN and
-    state name, ``param_groups`` listing FQNs."""
+    state name, ``param_groups`` listing FQNs. ``every_value``: a load's target, where every
+    rank reads each parameter's scalar states (``step``), also a rank that holds none of it."""
     states: dict[str, dict[str, Any]] = {}
     for param, entry in optim.state.items():
         if id(param) in view.flat_to_handle:
             h = view.flat_to_handle[id(param)]
             handle = view.handles[h]
             for index, fqn in enumerate(view.handle_fqns[h]):
-                states[fqn] = _state_values(entry, param, handle, index, False, writes[id(handle)])
+                states[fqn] = _state_values(entry, param, handle, index, False, writes[id(handle)], every_value)
         elif id(param) in view.orig_to_slot:
             h, index = view.orig_to_slot[id(param)]
             handle = view.handles[h]
-            states[view.handle_fqns[h][index]] = _state_values(entry, param, handle, index, True, writes[id(handle)])
+            states[view.handle_fqns[h][index]] = _state_values(
+                entry, param, handle, index, True, writes[id(handle)], every_value
+            )
         else:
             fqn = view.param_to_fqns[id(param)][0]
             states[fqn] = {k: v.detach() if torch.is_tensor(v) else v for k, v in entry.items()}
@@ -381,15 +387,22 @@ def _optim_entries(optim: torch.optim.Optimizer, view: ModelView, writes: dict[i
 
 
 def _state_values(
-    entry: dict[str, Any], param: torch.Tensor, handle: FlatParamHandle, index: int, orig: bool, writes: bool
+    entry: dict[str, Any],
+    param: torch.Tensor,
+    handle: FlatParamHandle,
+    index: int,
+    orig: bool,
+    writes: bool,
+    every_value: bool = False,
 ) -> dict[str, Any]:
     """Parameter ``index``'s optimizer states: those shaped like the shard as boxes, the others
     (a scalar ``step``) only where this rank writes boxes of the parameter, or, for a parameter
-    without elements, everywhere ([Note: A save's per-value work])."""
+    without elements, everywhere ([Note: A save's per-value work]); with ``every_value`` (a
+    load), everywhere."""
     layout = handle.shard_layout
     chunks = _layout_chunks(layout)[index]
     holds = writes and layout.shard_slices[index] is not None and bool(chunks.chunks)
-    plans_others = holds or chunks.size.numel() == 0
+    plans_others = every_value or holds or chunks.size.numel() == 0
     values: dict[str, Any] = {}
     for name, value in entry.items():
         if torch.is_tensor(value) and value.dim() > 0 and value.shape == param.shape:
@@ -469,16 +482,19 @@ def missing_from_checkpoint(model: nn.Module, template: dict[str, Any], saved_ke
 # full-precision value, as a state-dict load does), scalar optimizer states (``step``) in place;
 # non-tensor values (the param groups' hyperparameters, non-tensor states) come back from DCP as
 # objects and :func:`apply_loaded` sets them.
-def flat_shard_load_target(model: nn.Module, optim: Optional[torch.optim.Optimizer] = None) -> dict[str, Any]:
-    """What ``load_sharded`` hands DCP to read into ([Note: Flat-shard loads]): the save's keys,
-    managed parameters and shard-shaped states as :class:`FlatShardChunks` on the live shards of
-    every rank that holds them; no collective."""
+def flat_shard_load_target(model: nn.Module) -> dict[str, Any]:
+    """What ``load_sharded`` hands DCP to read the model into ([Note: Flat-shard loads]): the
+    save's keys, managed parameters as :class:`FlatShardChunks` on the live shards of every rank
+    that holds them; no collective. :func:`optim_load_target` adds the optimizer's."""
     view = ModelView(model)
-    everyone = {id(handle): True for handle in view.handles}
-    result: dict[str, Any] = {"model": _model_entries(model, view, everyone)}
-    if optim is not None:
-        result["optim"] = _optim_entries(optim, view, everyone)
-    return result
+    return {"model": _model_entries(model, view, {id(handle): True for handle in view.handles})}
+
+
+def optim_load_target(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's part of the load target (``state["optim"]``): shard-shaped states as
+    :class:`FlatShardChunks` on the live states, every scalar state on every rank."""
+    view = ModelView(model)
+    return _optim_entries(optim, view, {id(handle): True for handle in view.handles}, every_value=True)
 
 
 def apply_loaded(model: nn.Module, optim: Optional[torch.optim.Optimizer], state: dict[str, Any]) -> None:
