@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Optional, Union
 
 import torch
@@ -31,6 +31,7 @@ from fsdp.state_dict._flat_checkpoint import (
     missing_from_checkpoint,
     optim_load_target,
 )
+from fsdp.state_dict._flat_save import save_without_global_plan
 from fsdp.state_dict._safetensors import sharded_to_safetensors
 from fsdp.state_dict._staging import HostStaging
 
@@ -63,7 +64,10 @@ def save_sharded(
             and their optimizer state ([Note: Trainable-only checkpoints]).
 
     Returns:
-        DCP's ``Metadata`` of the checkpoint.
+        DCP's ``Metadata`` of the checkpoint on rank 0; None on the other ranks with the default
+        writer (which saves without a global plan: [Note: A save without a global plan] in
+        ``fsdp/state_dict/_flat_save.py``), DCP's on every rank with a ``storage_writer`` of the
+        caller's.
 
     Raises:
         RuntimeError: ``overwrite=False`` and ``checkpoint_id`` holds a checkpoint (on every
@@ -76,6 +80,8 @@ def save_sharded(
 
     writer, state = _start_save("save_sharded", model, optim, checkpoint_id, storage_writer, overwrite, ignore_frozen_params)
     with collector_paused():  # [Note: No cyclic garbage collection during a save]
+        if isinstance(writer, CommitWriter):  # [Note: A save without a global plan]
+            return save_without_global_plan(state, writer, FlatShardSavePlanner())
         return dcp.save(state, checkpoint_id=checkpoint_id, storage_writer=writer, planner=FlatShardSavePlanner())
 
 
@@ -110,8 +116,10 @@ def _start_save(
 # (box views, no collective), and copy every tensor it writes into host staging buffers that
 # are allocated at the first save and reused by every later one (``HostStaging``: pinned host
 # memory when the shards are on a GPU, so the copy is a DMA; on CPU, one memcpy per flat shard and
-# optimizer state). Then DCP's own ``async_save`` runs the same DCP save as ``save_sharded``, on
-# the staged state dict (our stager hands it over as is), in a background thread.
+# optimizer state). Then the same save as ``save_sharded`` runs on the staged state dict in a
+# background thread (one per process, kept): with the default writer the save without a global
+# plan ([Note: A save without a global plan]), with a writer of the caller's DCP's own
+# ``async_save`` (our stager hands it the staged state dict as is).
 #
 # The staging copy is the snapshot: training may step the optimizer as soon as the call returns,
 # the write reads only the buffers. Therefore one save at a time per process: the next save (or
@@ -119,10 +127,10 @@ def _start_save(
 # the buffers the writer is reading; a failed previous save whose future nobody read is raised
 # there, once, so that no failure goes unseen.
 #
-# The background thread's DCP planning collectives (gather/scatter of plans, the result
-# gather, the commit broadcast) run on a process group of their own, created once on the first
-# call with every rank (``dist.new_group(backend="gloo")``, as torch's async_save asks of its
-# callers): on the training's group they could interleave with the training loop's collectives,
+# The background thread's object collectives (the gather of what the metadata needs, the
+# outcome's broadcast; DCP's planning with a caller's writer) run on a process group of their
+# own, created once on the first call with every rank (``dist.new_group(backend="gloo")``, as
+# torch's async_save asks of its callers): on the training's group they could interleave with the training loop's collectives,
 # which gloo and NCCL both require to be issued in the same order on every rank.
 #
 # Kill safety: the default writer commits a checkpoint by one atomic rename of ``.metadata``, on
@@ -141,7 +149,14 @@ class _AsyncSaves:
         self.in_flight_id = ""
         self._group: Optional[dist.ProcessGroup] = None
         self._group_world: Optional[dist.ProcessGroup] = None
+        self._executor: Optional[ThreadPoolExecutor] = None
         self._lock = threading.Lock()
+
+    def executor(self) -> ThreadPoolExecutor:
+        """The background writes' thread (one: one save in flight at a time), made on first use."""
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdp_async_save")
+        return self._executor
 
     def group(self) -> dist.ProcessGroup:
         """The background writes' process group (every rank of the default group, gloo), made
@@ -261,8 +276,8 @@ def async_save_sharded(
 
     Returns:
         An :class:`AsyncSaveFuture`, a ``concurrent.futures.Future`` as DCP's ``async_save``
-        returns, whose ``result()`` waits for the write and gives DCP's ``Metadata``, or raises
-        the write's error.
+        returns, whose ``result()`` waits for the write and gives what :func:`save_sharded`
+        returns, or raises the write's error.
 
     Raises:
         RuntimeError: The previous asynchronous save failed and its future's outcome was never
@@ -278,15 +293,19 @@ def async_save_sharded(
     )
     group = _ASYNC.group()
     staged = _ASYNC.staging.stage(state)
-    future = dcp.async_save(
-        staged,
-        checkpoint_id=checkpoint_id,
-        storage_writer=writer,
-        planner=FlatShardSavePlanner(),
-        process_group=group,
-        async_stager=_StagedAlready(),
-    )
-    handle = AsyncSaveFuture(future)  # type: ignore[arg-type]
+    future: Future[Any]
+    if isinstance(writer, CommitWriter):  # [Note: A save without a global plan]
+        future = _ASYNC.executor().submit(save_without_global_plan, staged, writer, FlatShardSavePlanner(), group)
+    else:
+        future = dcp.async_save(  # type: ignore[assignment]
+            staged,
+            checkpoint_id=checkpoint_id,
+            storage_writer=writer,
+            planner=FlatShardSavePlanner(),
+            process_group=group,
+            async_stager=_StagedAlready(),
+        )
+    handle = AsyncSaveFuture(future)
     _ASYNC.start(handle, checkpoint_id)
     return handle
 

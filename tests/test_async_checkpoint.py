@@ -201,9 +201,9 @@ class KillingWriter(CommitWriter):
         self._die("data_written")
         return future
 
-    def finish(self, metadata: Any, results: Any) -> None:
+    def commit(self, metadata: Any) -> None:
         self._die("before_metadata")  # the coordinator: every rank's data is written
-        super().finish(metadata, results)
+        super().commit(metadata)
         self._die("after_metadata")  # complete, the replaced files removed
 
     def _commit(self, tmp: str, final: str) -> None:

@@ -22,6 +22,7 @@ Save and load run in pools of different sizes that share the directory, each its
 from __future__ import annotations
 
 import contextlib
+import collections
 import os
 import warnings
 from typing import Any, Iterator
@@ -136,10 +137,10 @@ def _count_objects() -> Iterator[dict[str, int]]:
 
 
 def _save_moving_no_tensor(model: Any, optim: Any, path: str, name: str) -> tuple[dict[str, int], dict[str, int]]:
-    """save_sharded, asserting it issues no tensor collective at all: DCP's planning is object
-    collectives of metadata (the plans gathered to the coordinator and the global plan
-    scattered back, the write results gathered, the metadata's commit broadcast). Returns the
-    data collectives (none) and the object ones."""
+    """save_sharded, asserting it issues no tensor collective at all, and of object collectives
+    only one gather of what the metadata needs and one broadcast of the outcome ([Note: A save
+    without a global plan]: no plan travels). Returns the data collectives (none) and the
+    object ones."""
     from fsdp.checkpoint import save_sharded
     from tests._comm_count import count_collectives
 
@@ -148,7 +149,7 @@ def _save_moving_no_tensor(model: Any, optim: Any, path: str, name: str) -> tupl
         save_sharded(model, optim, checkpoint_id=path)
     data = {kind: counts.calls[kind] for kind in _DATA_KINDS if counts.calls[kind]}
     assert data == {} and counts.total_bytes() == 0, (name, dict(counts.calls), dict(counts.bytes))
-    assert objects == {"gather_object": 2, "scatter_object_list": 1, "all_gather_object": 0, "broadcast_object_list": 1}
+    assert objects == {"gather_object": 1, "scatter_object_list": 0, "all_gather_object": 0, "broadcast_object_list": 1}
     return data, dict(objects)
 
 
@@ -163,6 +164,8 @@ def save_all(directory: str, configs: dict[str, tuple[bool, str, bool, bool, boo
         data, objects = _save_moving_no_tensor(model, optim, path, name)
         report[name] = {"data": data, "objects": objects}
         _check_writers(path, config)
+        if name == next(iter(configs)):
+            _assert_metadata_as_dcp_builds_it(model, optim, path)
         model_sd, optim_sd = _full(model, optim)
         if dist.get_rank() == 0:
             torch.save({"model": model_sd, "optim": optim_sd}, os.path.join(directory, f"{name}.pt"))
@@ -170,11 +173,34 @@ def save_all(directory: str, configs: dict[str, tuple[bool, str, bool, bool, boo
     return report
 
 
+def _assert_metadata_as_dcp_builds_it(model: Any, optim: Any, path: str) -> None:
+    """[Note: A save without a global plan]: the metadata the coordinator builds from the ranks'
+    reports is what DCP's own protocol builds of the same state dict (``save_sharded`` with a
+    plain ``FileSystemWriter`` runs ``dcp.save``): the same keys, tensor properties, shapes and
+    chunks in the same order, flattening paths and storage entries; the coordinator returns it,
+    the other ranks None."""
+    import torch.distributed.checkpoint as dcp
+    from fsdp.checkpoint import save_sharded
+
+    dist.barrier()  # rank 0 has checked the first save's files
+    ours = save_sharded(model, optim, checkpoint_id=path)
+    theirs_path = path + "-dcp"
+    theirs = save_sharded(model, optim, checkpoint_id=theirs_path, storage_writer=dcp.FileSystemWriter(theirs_path))
+    if dist.get_rank() != 0:
+        assert ours is None
+        return
+    assert ours is not None and ours.state_dict_metadata == theirs.state_dict_metadata
+    assert ours.planner_data == theirs.planner_data
+    assert set(ours.storage_data) == set(theirs.storage_data)  # (fqn, offsets): the index hint is not compared
+    assert dcp.FileSystemReader(path).read_metadata().state_dict_metadata == ours.state_dict_metadata
+
+
 def _check_writers(path: str, config: tuple[bool, str, bool, bool, bool]) -> None:
     """Parameter and optimizer-state chunks come only from the ranks that write them: a hybrid
     model's first replica (global ranks 0 and 1 of the (2, 2) mesh), NO_SHARD's rank 0. What
-    every rank holds alike is planned once ([Note: A save's per-value work]): buffers and param
-    groups by rank 0, a parameter's ``step`` by one of the ranks that write its chunks."""
+    every rank holds alike is written once ([Note: Who writes a replicated value]): buffers and
+    param groups by rank 0, a parameter's ``step`` by the rank that writes its first element.
+    Nothing is written twice: each data file holds exactly the bytes the metadata names."""
     import torch.distributed.checkpoint as dcp
 
     if dist.get_rank() != 0:
@@ -184,18 +210,34 @@ def _check_writers(path: str, config: tuple[bool, str, bool, bool, bool]) -> Non
     params = {n for n, _ in make_toy().named_parameters()}
     metadata = dcp.FileSystemReader(path).read_metadata()
     seen: set[int] = set()
+    origin: dict[str, int] = {}
+    steps: dict[str, int] = {}
     for index, info in metadata.storage_data.items():
         name = index.fqn.removeprefix("model.").removeprefix("optim.state.")
         for suffix in (".exp_avg", ".exp_avg_sq"):
             name = name.removesuffix(suffix)
-        writer = int(info.relative_path.split("_")[2])  # __<rank>_<n>.distcp
+        writer = int(info.relative_path.split("_")[2])  # __<rank>_<tag>_<n>.distcp
         if name in params:
             seen.add(writer)
+            if index.fqn.startswith("model.") and not any(index.offset):
+                origin[name] = writer
         elif name.removesuffix(".step") in params:
-            assert writer in writers, (config, index.fqn, writer)
+            steps[name.removesuffix(".step")] = writer
         else:  # buffers, optim.param_groups' entries
             assert writer == 0 and index.fqn.startswith(("model.", "optim.param_groups")), (config, index.fqn, writer)
     assert seen == writers, (config, seen, writers)
+    assert steps and all(origin[name] == writer for name, writer in steps.items()), (config, steps, origin)
+    _assert_files_hold_only_named_bytes(path, metadata)
+
+
+def _assert_files_hold_only_named_bytes(path: str, metadata: Any) -> None:
+    """Nothing is written twice: each data file's size is the sum of the lengths the metadata
+    names in it (a value planned by two ranks would leave an unnamed copy in one file)."""
+    named: collections.Counter[str] = collections.Counter()
+    for info in metadata.storage_data.values():
+        named[info.relative_path] += info.length
+    on_disk = {f: os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".distcp")}
+    assert dict(named) == on_disk, (path, dict(named), on_disk)
 
 
 def load_all(directory: str, configs: dict[str, tuple[bool, str, bool, bool, bool]]) -> None:
@@ -518,11 +560,14 @@ def _tp_expected(model: nn.Module, optim: torch.optim.Optimizer | None) -> dict[
 
 
 def _check_tp_chunks(path: str, expected: dict[str, Any]) -> None:
-    """Every parameter's and state's chunks tile its full shape exactly once."""
+    """Every parameter's and state's chunks tile its full shape exactly once, and each is written
+    once: the tp replicas of a ``Replicate`` or plain parameter leave it to the first ([Note: Who
+    writes a replicated value]), so each data file holds exactly the bytes the metadata names."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     metadata = dcp.FileSystemReader(path).read_metadata()
+    _assert_files_hold_only_named_bytes(path, metadata)
     for key, meta in metadata.state_dict_metadata.items():
         if not isinstance(meta, TensorStorageMetadata) or not meta.size:
             continue

@@ -229,6 +229,10 @@ class ParamBoxes(NamedTuple):
             (zeros for a plain one).
         placements: The DTensor placements on the tp mesh, None for a plain parameter.
         global_boxes: ``boxes`` as boxes of the full parameter (``boxes`` for a plain one).
+        first_replica: For a tensor-parallel parameter, whether this rank's mesh coordinate is 0
+            along every mesh dim its placements replicate over (its copy is the first of those
+            the tp ranks hold alike: [Note: Who writes a replicated value]); True for a plain
+            one (whose tp replicas, if any, the caller knows of).
     """
 
     shape: tuple[int, ...]
@@ -237,8 +241,18 @@ class ParamBoxes(NamedTuple):
     global_offset: tuple[int, ...]
     placements: Optional[tuple[Any, ...]]
     global_boxes: tuple[Box, ...]
+    first_replica: bool = True
 
 
+# [Note: Who writes a replicated value]
+# A flat-shard checkpoint writes each value once, and which rank writes it follows from static
+# facts every rank knows alike, so no rank needs another's plan ([Note: A save without a global
+# plan] in ``fsdp/state_dict/_flat_save.py``). Ranks that hold the same bytes: the replicas of a
+# hybrid strategy (the first replica writes), the ranks of a NO_SHARD unit (its rank 0), and under
+# tensor parallelism the tp ranks of a parameter's ``Replicate`` mesh dims and, for a plain
+# parameter of a model with tensor-parallel ones, of every mesh dim of their mesh: of those, the
+# rank at coordinate 0 writes (``first_replica``), the lowest rank, as DCP's deduplication would
+# choose.
 def param_boxes(shape: Sequence[int], start: int, end: int, spec: Optional[Any] = None) -> ParamBoxes:
     """The :class:`ParamBoxes` of the row-major range ``[start, end)`` of a parameter of local
     ``shape``, ``spec`` its DTensor spec (None for a plain parameter). No communication.
@@ -253,7 +267,9 @@ def param_boxes(shape: Sequence[int], start: int, end: int, spec: Optional[Any] 
         return ParamBoxes(local, boxes, local, (0,) * len(local), None, boxes)
     tp = tp_piece(spec)
     offset = tp.box.offsets
-    return ParamBoxes(local, boxes, tp.global_shape, offset, tp.placements, tuple(shifted(boxes, offset)))
+    coordinate = spec.mesh.get_coordinate()
+    first = not any(c for c, p in zip(coordinate, tp.placements) if p.is_replicate())
+    return ParamBoxes(local, boxes, tp.global_shape, offset, tp.placements, tuple(shifted(boxes, offset)), first)
 
 
 _BY_LAYOUT: "weakref.WeakKeyDictionary[Any, tuple[ParamBoxes, ...]]" = weakref.WeakKeyDictionary()

@@ -12,12 +12,12 @@ both checkpoints are lost.
 :class:`CommitWriter` (the default writer of ``save_sharded`` / ``async_save_sharded``) keeps the
 previous checkpoint intact until the new one is complete, in the same folder:
 
-1. Data files get names no checkpoint in the folder has: the coordinator's global plan adds a
-   random tag per save, ``__<rank>_<tag>_<n>.distcp`` (one prefix per rank, scattered with the
-   plan, so all ranks agree). No file the current ``.metadata`` names is ever opened for writing.
-2. The commit is one atomic ``os.replace`` of ``.metadata``: DCP calls ``finish`` on the
-   coordinator after every rank's data files are written and fsynced (their write results are
-   gathered first; the other ranks wait in that collective until ``finish`` returns). The new
+1. Data files get names no checkpoint in the folder has: each rank draws a random tag per save,
+   ``__<rank>_<tag>_<n>.distcp``. No file the current ``.metadata`` names is ever opened for
+   writing.
+2. The commit is one atomic ``os.replace`` of ``.metadata``: the coordinator calls ``commit``
+   after every rank's data files are written and fsynced (their write results are gathered
+   first; the other ranks wait in the outcome's broadcast until it returns). The new
    metadata is written to ``.metadata.tmp`` and fsynced, then replaces the old one (no removal
    first, so ``.metadata`` never disappears), and the folder is fsynced so the rename is durable.
 3. After the commit the coordinator removes every data file (``__*.distcp``) the new
@@ -55,8 +55,9 @@ import re
 import uuid
 from typing import Any
 
+import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StoragePrefix
 
 __all__ = ["CommitWriter", "checkpoint_exists", "METADATA_FILE"]
 
@@ -88,26 +89,35 @@ class CommitWriter(FileSystemWriter):
     def __init__(self, path: str | os.PathLike[str]) -> None:
         super().__init__(path, overwrite=True)
 
-    def prepare_local_plan(self, plan: Any) -> Any:
-        """Creates the folder; no "existing checkpoint" check or warning (``save_sharded`` checks
-        ``overwrite`` itself before planning, and a replacement is safe)."""
-        self.fs.mkdir(self.path)
-        return plan
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
+        if self.rank is None:  # a DCP protocol that passes no rank
+            self.rank = dist.get_rank() if dist.is_initialized() else 0
 
-    def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
-        """DCP's per-rank file prefixes ``__<rank>_``, with this save's tag appended."""
-        tag = uuid.uuid4().hex[:12]
-        plans = super().prepare_global_plan(plans)
-        return [
-            dataclasses.replace(p, storage_data=dataclasses.replace(p.storage_data, prefix=f"{p.storage_data.prefix}{tag}_"))
-            for p in plans
-        ]
+    def prepare_local_plan(self, plan: Any) -> Any:
+        """Creates the folder and names this rank's files ``__<rank>_<tag>_``, a tag drawn per
+        rank and save, so no file a committed ``.metadata`` names is written and the plan needs
+        no global step to be final ([Note: A save without a global plan] in ``_flat_save.py``).
+        No "existing checkpoint" check or warning (``save_sharded`` checks ``overwrite`` itself
+        before planning, and a replacement is safe)."""
+        self.fs.mkdir(self.path)
+        return dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{self.rank}_{uuid.uuid4().hex[:12]}_"))
 
     def finish(self, metadata: Any, results: list[list[Any]]) -> None:
-        """On the coordinator, once every rank's files are written: commit ``.metadata`` by an
-        atomic rename, then remove the data files it does not name."""
+        """DCP's commit hook (when DCP's own protocol drives this writer): the write results'
+        storage entries, the lowest rank's first, then :meth:`commit`."""
+        storage: dict[Any, Any] = {}
+        for rank in results:
+            for result in rank:
+                storage.setdefault(result.index, result.storage_data)
+        metadata.storage_data = storage
+        self.commit(metadata)
+
+    def commit(self, metadata: Any) -> None:
+        """On the coordinator, once every rank's files are written and ``metadata`` names them
+        (its ``storage_data``): commit ``.metadata`` by an atomic rename, then remove the data
+        files it does not name."""
         metadata.version = CURRENT_DCP_VERSION
-        metadata.storage_data = {result.index: result.storage_data for rank in results for result in rank}
         metadata.storage_meta = self.storage_meta()
         folder = str(self.path)
         tmp = os.path.join(folder, METADATA_FILE + ".tmp")

@@ -85,11 +85,18 @@ class _ParamChunks(NamedTuple):
         chunks: One ``ChunkStorageMetadata`` per box, in the range's order, its offsets in the
             whole tensor.
         starts: Where each box starts in the range (elements).
+        first_replica: A tensor-parallel parameter's ``ParamBoxes.first_replica``.
+        plain: Whether the parameter is a plain tensor (no DTensor).
+        origin: Whether a box starts at the whole tensor's first element (this rank writes the
+            parameter's scalar optimizer states, if it writes its boxes).
     """
 
     size: torch.Size
     chunks: tuple[ChunkStorageMetadata, ...]
     starts: tuple[int, ...]
+    first_replica: bool
+    plain: bool
+    origin: bool
 
 
 _CHUNKS: "weakref.WeakKeyDictionary[Any, tuple[_ParamChunks, ...]]" = weakref.WeakKeyDictionary()
@@ -107,7 +114,17 @@ def _layout_chunks(layout: Any) -> tuple[_ParamChunks, ...]:
                 chunks.append(ChunkStorageMetadata(offsets=torch.Size(box.offsets), sizes=torch.Size(box.sizes)))
                 starts.append(at)
                 at += local.numel
-            result.append(_ParamChunks(torch.Size(boxes.global_shape), tuple(chunks), tuple(starts)))
+            origin = any(not any(box.offsets) for box in boxes.global_boxes)
+            result.append(
+                _ParamChunks(
+                    torch.Size(boxes.global_shape),
+                    tuple(chunks),
+                    tuple(starts),
+                    boxes.first_replica,
+                    boxes.placements is None,
+                    origin,
+                )
+            )
         cached = _CHUNKS[layout] = tuple(result)
     return cached
 
@@ -201,30 +218,23 @@ def _own_storage_view(source: torch.Tensor, at: int, sizes: tuple[int, ...]) -> 
 
 # [Note: A save's per-value work]
 # No parameter or optimizer byte moves in a flat-shard save, so what is left of its cost is
-# Python per value and per write item, and the coordinator's share of it grows with the world
-# size: it unpickles every rank's plan, deduplicates, builds the metadata, pickles every rank's
-# final plan and unpickles every rank's write results, O(chunks of all ranks). So:
+# Python per value and per write item on every rank, and the coordinator's share, the metadata of
+# all ranks' chunks ([Note: A save without a global plan] in ``_flat_save.py``). So:
 # - every box's chunk metadata is made once per (handle, parameter) and kept with the layout
 #   ([Note: A parameter's boxes, once] in ``fsdp/flat_param/_shard_map.py``); the optimizer
 #   states of a parameter reuse its chunk objects, and every item of a dtype shares one
-#   ``TensorProperties``, so a plan pickles (and the coordinator unpickles) each of them once
-#   (pickle memoizes objects by identity) instead of once per write item;
-# - the values every rank holds alike are planned once, not once per rank (DCP's default
-#   plans them on every rank and the coordinator's deduplication drops all but one copy): the
-#   model's plain values (buffers, unmanaged parameters) and the param groups' entries, which
-#   every rank has under the same keys, by the coordinator only; an optimizer state of a managed
-#   parameter that is not shaped like its shard (a scalar ``step``) by the ranks that write
-#   boxes of that parameter only (with ``use_orig_params`` a rank that holds none of a
-#   parameter may have no state for it, so the coordinator cannot stand in for them); one such
-#   rank exists for every parameter with elements, and a parameter without any keeps them on
-#   every rank;
-# - the deduplication left is of SHARD items that several ranks plan alike (the boxes of a
-#   ``Replicate`` tensor-parallel parameter, an unmanaged DTensor): one pass keyed by
-#   (fqn, offsets), the lowest rank keeping each (DCP's ``dedup_save_to_lowest_rank``), where
-#   DCP's default hashes its ``MetadataIndex`` dataclasses several times per item to balance
-#   the bytes of replicated values across ranks.
-# The files are the same kind as before: the same keys, chunks and metadata; only which rank
-# writes a replicated value differs.
+#   ``TensorProperties``, so what a rank sends the coordinator pickles each of them once (pickle
+#   memoizes objects by identity) instead of once per write item;
+# - a value several ranks hold alike is planned by one of them ([Note: Who writes a replicated
+#   value] in ``fsdp/flat_param/_shard_map.py``): the model's plain values (buffers, unmanaged
+#   parameters) and the param groups' entries, which every rank has under the same keys, by the
+#   coordinator only; an optimizer state of a managed parameter that is not shaped like its shard
+#   (a scalar ``step``) by the rank that writes the parameter's first element (with
+#   ``use_orig_params`` a rank that holds none of a parameter may have no state for it, so the
+#   coordinator cannot stand in for it); a parameter without elements keeps them on every rank
+#   that has them, and the coordinator enters the lowest rank's copy.
+# The files are the same kind as DCP's protocol writes: the same keys, chunks and metadata.
+
 # [Note: No cyclic garbage collection during a save]
 # A save allocates tens of thousands of small objects that live until it ends (write items,
 # every rank's plans unpickled on the coordinator, the metadata, the write results), so
@@ -305,6 +315,49 @@ class FlatShardLoadPlanner(DefaultLoadPlanner):
         return super().lookup_tensor(index)
 
 
+class _Writers(NamedTuple):
+    """Which of the values this rank holds it writes ([Note: Flat-shard checkpoints], [Note: Who
+    writes a replicated value] in ``fsdp/flat_param/_shard_map.py``), or for a load's target
+    (``every_value``) which it reads: all of them.
+
+    Attributes:
+        handles: Per ``id(handle)``, whether this rank writes the handle's parameters (its shard
+            group's, under hybrid strategies the first replica's; NO_SHARD's rank 0).
+        plain_first_replica: Whether this rank writes plain parameters, which every tp rank of
+            a tensor-parallel model holds alike (its coordinate on the tp mesh is 0; True
+            without tensor parallelism).
+        every_value: A load's target: every rank reads every value it holds.
+    """
+
+    handles: dict[int, bool]
+    plain_first_replica: bool = True
+    every_value: bool = False
+
+    @classmethod
+    def of(cls, model: nn.Module, view: ModelView) -> "_Writers":
+        """The save's rules for this rank."""
+        handles: dict[int, bool] = {}
+        for module in model.modules():
+            if is_fsdp(module):
+                for handle in unit_state(module).handles:
+                    handles.setdefault(id(handle), _writes(handle, unit_state(module)))
+        specs = (spec for handle in view.handles for spec in handle.shard_layout.dtensor_specs or () if spec is not None)
+        tp_mesh = next((spec.mesh for spec in specs), None)
+        return cls(handles, tp_mesh is None or not any(tp_mesh.get_coordinate()))
+
+    @classmethod
+    def reading(cls, view: ModelView) -> "_Writers":
+        """A load's target: every value this rank holds."""
+        return cls({id(handle): True for handle in view.handles}, True, every_value=True)
+
+    def boxes(self, handle: FlatParamHandle, chunks: "_ParamChunks") -> bool:
+        """Whether this rank writes (reads) its boxes of a parameter of ``handle``."""
+        if self.every_value:
+            return True
+        first = self.plain_first_replica if chunks.plain else chunks.first_replica
+        return self.handles[id(handle)] and first
+
+
 def _writes(handle: FlatParamHandle, state: Any) -> bool:
     """Whether this rank writes ``handle``'s parameters ([Note: Flat-shard checkpoints])."""
     replicate = state.replicate_group
@@ -313,7 +366,7 @@ def _writes(handle: FlatParamHandle, state: Any) -> bool:
     return bool(handle.shard_layout.uses_sharding) or state.rank == 0
 
 
-def _chunks(handle: FlatParamHandle, index: int, source: torch.Tensor, orig_value: bool, writes: bool) -> FlatShardChunks:
+def _chunks(handle: FlatParamHandle, index: int, source: torch.Tensor, orig_value: bool, who: _Writers) -> FlatShardChunks:
     """Parameter ``index``'s boxes in ``source``: the handle's flat shard (or a state shaped
     like it), or with ``orig_value`` a use_orig_params parameter's own (1-D or whole) part. A
     tensor-parallel parameter's boxes are of its full shape, placed by its tp-local tensor's
@@ -321,18 +374,19 @@ def _chunks(handle: FlatParamHandle, index: int, source: torch.Tensor, orig_valu
     layout = handle.shard_layout
     chunks = _layout_chunks(layout)[index]  # every rank: a placement that is not a box raises
     piece = layout.shard_slices[index]
-    if piece is None or not writes or not chunks.chunks:
+    if piece is None or not chunks.chunks or not who.boxes(handle, chunks):
         return FlatShardChunks(None, source, 0, chunks.size)
     return FlatShardChunks(chunks, source.reshape(-1), 0 if orig_value else piece.offset_in_shard, chunks.size)
 
 
-def _model_entries(model: nn.Module, view: ModelView, writes: dict[int, bool]) -> dict[str, Any]:
-    """The model's entries: managed parameters as box views, the rest as plain tensors."""
+def _model_entries(model: nn.Module, view: ModelView, who: _Writers) -> dict[str, Any]:
+    """The model's entries: managed parameters as box views (those ``who`` says this rank
+    writes), the rest as plain tensors."""
     entries: dict[str, Any] = {}
     for handle, fqns in zip(view.handles, view.handle_fqns):
         shard = handle.flat_param.detach()
         for index, fqn in enumerate(fqns):
-            entries[fqn] = _chunks(handle, index, shard, False, writes[id(handle)])
+            entries[fqn] = _chunks(handle, index, shard, False, who)
     for fqn, param in view.unmanaged.items():
         entries[fqn] = param.detach()
     cast = {}
@@ -350,11 +404,9 @@ def _model_entries(model: nn.Module, view: ModelView, writes: dict[int, bool]) -
     return entries
 
 
-def _optim_entries(
-    optim: torch.optim.Optimizer, view: ModelView, writes: dict[int, bool], every_value: bool = False
-) -> dict[str, Any]:
+def _optim_entries(optim: torch.optim.Optimizer, view: ModelView, who: _Writers) -> dict[str, Any]:
     """The optimizer's entries, keyed as a SHARDED optimizer state dict: ``state`` by FQN and
-    state name, ``param_groups`` listing FQNs. ``every_value``: a load's target, where every
+    state name, ``param_groups`` listing FQNs. For a load's target (``who.every_value``) every
     rank reads each parameter's scalar states (``step``), also a rank that holds none of it."""
     states: dict[str, dict[str, Any]] = {}
     for param, entry in optim.state.items():
@@ -362,13 +414,11 @@ def _optim_entries(
             h = view.flat_to_handle[id(param)]
             handle = view.handles[h]
             for index, fqn in enumerate(view.handle_fqns[h]):
-                states[fqn] = _state_values(entry, param, handle, index, False, writes[id(handle)], every_value)
+                states[fqn] = _state_values(entry, param, handle, index, False, who)
         elif id(param) in view.orig_to_slot:
             h, index = view.orig_to_slot[id(param)]
             handle = view.handles[h]
-            states[view.handle_fqns[h][index]] = _state_values(
-                entry, param, handle, index, True, writes[id(handle)], every_value
-            )
+            states[view.handle_fqns[h][index]] = _state_values(entry, param, handle, index, True, who)
         else:
             fqn = view.param_to_fqns[id(param)][0]
             states[fqn] = {k: v.detach() if torch.is_tensor(v) else v for k, v in entry.items()}
@@ -392,21 +442,20 @@ def _state_values(
     handle: FlatParamHandle,
     index: int,
     orig: bool,
-    writes: bool,
-    every_value: bool = False,
+    who: _Writers,
 ) -> dict[str, Any]:
     """Parameter ``index``'s optimizer states: those shaped like the shard as boxes, the others
-    (a scalar ``step``) only where this rank writes boxes of the parameter, or, for a parameter
-    without elements, everywhere ([Note: A save's per-value work]); with ``every_value`` (a
-    load), everywhere."""
+    (a scalar ``step``) only where this rank writes the parameter's first element, or, for a
+    parameter without elements, everywhere ([Note: A save's per-value work]); for a load's
+    target, everywhere."""
     layout = handle.shard_layout
     chunks = _layout_chunks(layout)[index]
-    holds = writes and layout.shard_slices[index] is not None and bool(chunks.chunks)
-    plans_others = every_value or holds or chunks.size.numel() == 0
+    holds = layout.shard_slices[index] is not None and bool(chunks.chunks) and who.boxes(handle, chunks)
+    plans_others = who.every_value or (holds and chunks.origin) or chunks.size.numel() == 0
     values: dict[str, Any] = {}
     for name, value in entry.items():
         if torch.is_tensor(value) and value.dim() > 0 and value.shape == param.shape:
-            values[name] = _chunks(handle, index, value.detach(), orig, writes)
+            values[name] = _chunks(handle, index, value.detach(), orig, who)
         elif not plans_others:
             continue
         elif torch.is_tensor(value):
@@ -425,14 +474,10 @@ def flat_shard_state_dict(
     ``ignore_frozen_params``: parameters with ``requires_grad=False`` (and any optimizer state
     of theirs) are left out ([Note: Trainable-only checkpoints])."""
     view = ModelView(model)
-    writes: dict[int, bool] = {}
-    for module in model.modules():
-        if is_fsdp(module):
-            for handle in unit_state(module).handles:
-                writes.setdefault(id(handle), _writes(handle, unit_state(module)))
-    result: dict[str, Any] = {"model": _model_entries(model, view, writes)}
+    who = _Writers.of(model, view)
+    result: dict[str, Any] = {"model": _model_entries(model, view, who)}
     if optim is not None:
-        result["optim"] = _optim_entries(optim, view, writes)
+        result["optim"] = _optim_entries(optim, view, who)
     if ignore_frozen_params:
         for fqn in frozen_fqns(view):
             result["model"].pop(fqn, None)
@@ -487,14 +532,14 @@ def flat_shard_load_target(model: nn.Module) -> dict[str, Any]:
     save's keys, managed parameters as :class:`FlatShardChunks` on the live shards of every rank
     that holds them; no collective. :func:`optim_load_target` adds the optimizer's."""
     view = ModelView(model)
-    return {"model": _model_entries(model, view, {id(handle): True for handle in view.handles})}
+    return {"model": _model_entries(model, view, _Writers.reading(view))}
 
 
 def optim_load_target(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
     """The optimizer's part of the load target (``state["optim"]``): shard-shaped states as
     :class:`FlatShardChunks` on the live states, every scalar state on every rank."""
     view = ModelView(model)
-    return _optim_entries(optim, view, {id(handle): True for handle in view.handles}, every_value=True)
+    return _optim_entries(optim, view, _Writers.reading(view))
 
 
 def apply_loaded(model: nn.Module, optim: Optional[torch.optim.Optimizer], state: dict[str, Any]) -> None:
