@@ -72,7 +72,14 @@ OVERSUBSCRIPTION = (
     "every rank is a local process: with more ranks than cores, wall time measures mostly the "
     "oversubscription (at 16 ranks on 2 cores, 8 processes per core), CPU time the work each rank does"
 )
-_OBJECT_FUNCS = ("gather_object", "scatter_object_list", "all_gather_object", "broadcast_object_list")
+_OBJECT_FUNCS = (
+    "gather_object",
+    "scatter_object_list",
+    "all_gather_object",
+    "broadcast_object_list",
+    "send_object_list",
+    "recv_object_list",
+)
 
 
 class Unit(nn.Module):

@@ -81,7 +81,7 @@ def save_sharded(
     writer, state = _start_save("save_sharded", model, optim, checkpoint_id, storage_writer, overwrite, ignore_frozen_params)
     with collector_paused():  # [Note: No cyclic garbage collection during a save]
         if isinstance(writer, CommitWriter):  # [Note: A save without a global plan]
-            return save_without_global_plan(state, writer, FlatShardSavePlanner())
+            return save_without_global_plan(state, writer, FlatShardSavePlanner(), _ASYNC.group())
         return dcp.save(state, checkpoint_id=checkpoint_id, storage_writer=writer, planner=FlatShardSavePlanner())
 
 
@@ -159,8 +159,9 @@ class _AsyncSaves:
         return self._executor
 
     def group(self) -> dist.ProcessGroup:
-        """The background writes' process group (every rank of the default group, gloo), made
-        on first use; a new default group (after ``destroy_process_group``) gets a new one."""
+        """The saves' process group (every rank of the default group, gloo: [Note: A save
+        without a global plan]), made on first use; a new default group (after
+        ``destroy_process_group``) gets a new one."""
         world = dist.group.WORLD
         if self._group is None or self._group_world is not world:
             self._group = dist.new_group(backend="gloo")

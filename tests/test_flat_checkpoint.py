@@ -111,7 +111,14 @@ def _assert_equal(loaded: dict[str, Any], expected: dict[str, Any], what: str) -
 
 
 _DATA_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
-_OBJECT_FUNCS = ("gather_object", "scatter_object_list", "all_gather_object", "broadcast_object_list")
+_OBJECT_FUNCS = (
+    "gather_object",
+    "scatter_object_list",
+    "all_gather_object",
+    "broadcast_object_list",
+    "send_object_list",
+    "recv_object_list",
+)
 
 
 @contextlib.contextmanager
@@ -137,10 +144,10 @@ def _count_objects() -> Iterator[dict[str, int]]:
 
 
 def _save_moving_no_tensor(model: Any, optim: Any, path: str, name: str) -> tuple[dict[str, int], dict[str, int]]:
-    """save_sharded, asserting it issues no tensor collective at all, and of object collectives
-    only one gather of what the metadata needs and one broadcast of the outcome ([Note: A save
-    without a global plan]: no plan travels). Returns the data collectives (none) and the
-    object ones."""
+    """save_sharded, asserting it issues no tensor collective at all, and of object messages
+    only each rank's report to the coordinator (received one at a time) and one broadcast of the
+    outcome ([Note: A save without a global plan]: no plan travels). Returns the data
+    collectives (none) and the object ones."""
     from fsdp.checkpoint import save_sharded
     from tests._comm_count import count_collectives
 
@@ -149,7 +156,9 @@ def _save_moving_no_tensor(model: Any, optim: Any, path: str, name: str) -> tupl
         save_sharded(model, optim, checkpoint_id=path)
     data = {kind: counts.calls[kind] for kind in _DATA_KINDS if counts.calls[kind]}
     assert data == {} and counts.total_bytes() == 0, (name, dict(counts.calls), dict(counts.bytes))
-    assert objects == {"gather_object": 1, "scatter_object_list": 0, "all_gather_object": 0, "broadcast_object_list": 1}
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    sent = {"recv_object_list": ws - 1, "send_object_list": 0} if rank == 0 else {"recv_object_list": 0, "send_object_list": 1}
+    assert objects == {"gather_object": 0, "scatter_object_list": 0, "all_gather_object": 0, "broadcast_object_list": 1, **sent}
     return data, dict(objects)
 
 

@@ -17,9 +17,11 @@ alike, and the writer names each rank's files itself (``CommitWriter``: a fresh 
 and save, [Note: Kill-safe re-saves]). So a rank's local plan is its final plan, and the save is:
 
 1. each rank plans and writes its own items with DCP's planner and writer (no communication);
-2. one gather to the coordinator of what the metadata needs from each rank: per written item
-   its key, chunk, tensor properties and where its bytes lie (file, offset, length), and the
-   flattening paths of the keys it wrote; or the rank's failure;
+2. each rank sends the coordinator what the metadata needs of it: per written item its key,
+   chunk, tensor properties and where its bytes lie (file, offset, length), and the flattening
+   paths of the keys it wrote; or the rank's failure. The coordinator receives the reports one
+   at a time in rank order and merges each before the next, so it holds one report's buffer at
+   a time (a gather would allocate the world size times the largest report at once);
 3. the coordinator builds DCP's ``Metadata`` from them, as DCP's default planner builds it (the
    same keys, chunks, properties and storage entries; only the index hints, which readers treat
    as hints, are left unset), checks that each tensor's chunks lie in it and cover it exactly
@@ -27,12 +29,17 @@ and save, [Note: Kill-safe re-saves]). So a rank's local plan is its final plan,
 4. one broadcast of the outcome (nothing, or every rank's failures), so that all ranks return or
    all raise DCP's ``CheckpointException``.
 
+These messages are metadata, Python objects pickled into byte tensors: they travel on a gloo group
+of every rank, made once (the one an asynchronous save writes on), whatever backend trains. So
+they are staged in host memory, never on a GPU, and the coordinator's receives from each rank
+need no NCCL communicator per pair of ranks.
+
 The coordinator's work is the metadata itself (each chunk's entry built once and pickled once
 into ``.metadata``, which DCP's format requires), every other rank's is its own items plus two
-small collectives, whatever the world size. A value written by two ranks after all (a plain
-parameter of a tensor-parallel unit with no DTensor in it, or a parameter with no elements, whose
-scalar states every rank that has them plans) is entered once, the lowest rank's copy, as DCP's
-deduplication would keep it; the other copy's bytes stay unreferenced in its file.
+small messages, whatever the world size. A value written by two ranks after all (the scalar
+states of a parameter with no elements, which every rank that has them plans) is entered once,
+the lowest rank's copy, as DCP's deduplication would keep it; the other copies' few bytes stay
+unreferenced in their files.
 
 The checkpoint is the same kind DCP's protocol writes: ``dcp.load``, torch FSDP1/FSDP2 and
 ``load_sharded`` read it at any world size. ``save_sharded`` returns the ``Metadata`` on the
@@ -109,13 +116,25 @@ def _plan_and_write(
     return _Written(tensors, byte_items, paths)
 
 
-def _metadata(reports: list[_Written]) -> Metadata:
-    """Step 3: DCP's ``Metadata`` of every rank's items, a key and chunk written twice entered
-    once (the lowest rank's), checked to tile each tensor ([Note: A save without a global plan])."""
-    entries: dict[str, Any] = {}
-    storage: dict[MetadataIndex, Any] = {}
-    paths: dict[str, Any] = {}
-    for report in reports:
+class _MetadataBuilder:
+    """Step 3: DCP's ``Metadata`` of every rank's items, merged one report at a time in rank
+    order, a key and chunk written twice entered once (the lowest rank's), checked to tile each
+    tensor ([Note: A save without a global plan]); or the ranks' failures."""
+
+    def __init__(self) -> None:
+        self.entries: dict[str, Any] = {}
+        self.storage: dict[MetadataIndex, Any] = {}
+        self.paths: dict[str, Any] = {}
+        self.failures: dict[int, Any] = {}
+
+    def add(self, rank: int, report: _Report) -> None:
+        """Merges ``rank``'s report (or records its failure)."""
+        if not isinstance(report, _Written):
+            self.failures[rank] = report
+            return
+        if self.failures:
+            return  # the save fails: nothing more to build
+        entries, storage = self.entries, self.storage
         for fqn, chunk, properties, size, info in report.tensors:
             if storage.setdefault(MetadataIndex(fqn, chunk.offsets), info) is not info:
                 continue  # written by a lower rank too
@@ -127,11 +146,14 @@ def _metadata(reports: list[_Written]) -> Metadata:
             if storage.setdefault(MetadataIndex(fqn), info) is info:
                 entries[fqn] = BytesStorageMetadata()
         for fqn, path in report.paths.items():
-            paths.setdefault(fqn, path)
-    _check_tiling(entries)
-    metadata = Metadata(state_dict_metadata=entries, planner_data=paths)
-    metadata.storage_data = storage
-    return metadata
+            self.paths.setdefault(fqn, path)
+
+    def build(self) -> Metadata:
+        """The checkpoint's metadata, once every rank's report is in and none failed."""
+        _check_tiling(self.entries)
+        metadata = Metadata(state_dict_metadata=self.entries, planner_data=self.paths)
+        metadata.storage_data = self.storage
+        return metadata
 
 
 def _check_tiling(entries: dict[str, Any]) -> None:
@@ -172,8 +194,8 @@ def save_without_global_plan(
     planner: FlatShardSavePlanner,
     group: Optional[dist.ProcessGroup] = None,
 ) -> Optional[Metadata]:
-    """Writes ``state_dict`` (a flat-shard state dict) as a DCP checkpoint with one gather and
-    one broadcast of metadata ([Note: A save without a global plan]). Every rank of ``group``
+    """Writes ``state_dict`` (a flat-shard state dict) as a DCP checkpoint, each rank sending the
+    coordinator one report, and one broadcast of the outcome ([Note: A save without a global plan]). Every rank of ``group``
     calls it.
 
     Returns:
@@ -190,22 +212,35 @@ def save_without_global_plan(
         report = _plan_and_write(state_dict, writer, planner, rank, is_coordinator)
     except BaseException as exc:  # as DCP's protocol: every failure goes to the coordinator
         report = _wrap_exception(exc)
-    reports: Optional[list[Any]] = [None] * dist.get_world_size(group) if is_coordinator else None
-    coordinator = dist.get_global_rank(group, 0) if group is not None else 0
-    dist.gather_object(report, reports, dst=coordinator, group=group)
+    coordinator = _global_rank(group, 0)
     outcome: list[Any] = [None]
     metadata: Optional[Metadata] = None
-    if reports is not None:
-        failures = {r: got for r, got in enumerate(reports) if not isinstance(got, _Written)}
-        if not failures:
+    if is_coordinator:
+        builder = _MetadataBuilder()
+        for src in range(dist.get_world_size(group)):
+            if src:
+                received: list[Any] = [None]
+                dist.recv_object_list(received, src=_global_rank(group, src), group=group)
+                report = received[0]
             try:
-                metadata = _metadata(reports)
+                builder.add(src, report)
+            except BaseException as exc:  # a bug in the merge: every rank raises it
+                builder.failures.setdefault(0, _wrap_exception(exc))
+        if not builder.failures:
+            try:
+                metadata = builder.build()
                 writer.commit(metadata)
             except BaseException as exc:
-                failures = {0: _wrap_exception(exc)}
-        if failures:
-            outcome[0] = CheckpointException("save", failures)
+                builder.failures[0] = _wrap_exception(exc)
+        if builder.failures:
+            outcome[0] = CheckpointException("save", builder.failures)
+    else:
+        dist.send_object_list([report], dst=coordinator, group=group)
     dist.broadcast_object_list(outcome, src=coordinator, group=group)
     if outcome[0] is not None:
         raise outcome[0]
     return metadata
+
+
+def _global_rank(group: Optional[dist.ProcessGroup], group_rank: int) -> int:
+    return dist.get_global_rank(group, group_rank) if group is not None else group_rank
