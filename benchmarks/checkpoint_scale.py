@@ -18,9 +18,11 @@ Per implementation and world size: seconds per save on the slowest rank (median 
 repetitions; every rank times its own call, the slowest is the max over ranks), the CPU
 seconds of each rank's process during its call (``time.process_time()``: every thread of the
 process, DCP's writer threads included; median of the repetitions) and their most over ranks
-(the coordinator's, which plans for all), the tensor
-collectives during one save and their bytes per rank (``benchmarks/comm.py``: all-gathers,
-reduce-scatters, all-reduces, broadcasts), DCP's object collectives (its planning), and the
+(the coordinator's, which builds the metadata of all; and the most of the other ranks), the
+tensor collectives during one save and their bytes per rank (``benchmarks/comm.py``: all-gathers,
+reduce-scatters, all-reduces, broadcasts), the object collectives and messages of metadata on
+rank 0 (the coordinator) and rank 1 (DCP's planning for torch FSDP1; fsdp's reports to the
+coordinator and the outcome's broadcast, [Note: A save without a global plan]), and the
 peak live CPU bytes during a save over the peak of a steady training step before it (the
 second: the first allocates AdamW's state in ``step()``, so its backward peaks lower)
 (``benchmarks/memory.py``; a separate, profiled build, so the profiler does not slow the timed
@@ -263,7 +265,8 @@ def _summary(per_rank: list[dict[str, Any]], dim: int) -> dict[str, Any]:
             "save_cpu_s_by_rank": [round(r["save_cpu_s"], 4) for r in ranks],
             "collectives_per_save": ranks[0]["collectives"],
             "bytes_sent_per_rank_max": max(r["bytes_sent"] for r in ranks),
-            "object_collectives_per_save": ranks[0]["object_collectives"],
+            "object_collectives_per_save": {"rank 0": ranks[0]["object_collectives"], "rank 1": ranks[1]["object_collectives"]},
+            "save_cpu_s_max_rank_but_0": max(r["save_cpu_s"] for r in ranks[1:]),
             "save_peak_over_train_peak_bytes_max": max(r["save_peak_bytes"] - r["train_peak_bytes"] for r in ranks),
             "save_peak_over_train_peak_bytes_by_rank": [r["save_peak_bytes"] - r["train_peak_bytes"] for r in ranks],
         }
