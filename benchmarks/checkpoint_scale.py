@@ -60,7 +60,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from benchmarks.comm import count_collectives
+from benchmarks.comm import count_collectives, count_object_messages
 from benchmarks.local_ranks import run_local_ranks, write_rank_result
 from benchmarks.memory import MemoryTrace
 
@@ -73,14 +73,6 @@ _TIME_MEASURES = (
 OVERSUBSCRIPTION = (
     "every rank is a local process: with more ranks than cores, wall time measures mostly the "
     "oversubscription (at 16 ranks on 2 cores, 8 processes per core), CPU time the work each rank does"
-)
-_OBJECT_FUNCS = (
-    "gather_object",
-    "scatter_object_list",
-    "all_gather_object",
-    "broadcast_object_list",
-    "send_object_list",
-    "recv_object_list",
 )
 
 
@@ -133,21 +125,6 @@ def _saver(impl: str, model: nn.Module, optim: torch.optim.Optimizer) -> Callabl
     return save
 
 
-def _count_objects(counts: dict[str, int]) -> dict[str, Any]:
-    originals = {name: getattr(dist, name) for name in _OBJECT_FUNCS}
-
-    def counting(name: str) -> Any:
-        def patched(*args: Any, **kwargs: Any) -> Any:
-            counts[name] = counts.get(name, 0) + 1
-            return originals[name](*args, **kwargs)
-
-        return patched
-
-    for name in _OBJECT_FUNCS:
-        setattr(dist, name, counting(name))
-    return originals
-
-
 def _measure(impl: str, payload: dict[str, Any], workdir: str) -> dict[str, Any]:
     dim, reps = payload["dim"], payload["reps"]
     # Memory: a profiled build, saved once.
@@ -167,14 +144,8 @@ def _measure(impl: str, payload: dict[str, Any], workdir: str) -> dict[str, Any]
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
     _train_step(model, optim, dim)
     save = _saver(impl, model, optim)
-    objects: dict[str, int] = {}
-    originals = _count_objects(objects)
-    try:
-        with count_collectives() as counts:
-            save(os.path.join(workdir, f"{impl}_count"))
-    finally:
-        for name, original in originals.items():
-            setattr(dist, name, original)
+    with count_collectives() as counts, count_object_messages() as objects:
+        save(os.path.join(workdir, f"{impl}_count"))
     times, cpu = [], []
     for rep in range(reps):
         dist.barrier()

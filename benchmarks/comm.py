@@ -17,7 +17,7 @@ from typing import Any, Iterator
 
 import torch.distributed as dist
 
-__all__ = ["CommCounts", "count_collectives"]
+__all__ = ["CommCounts", "count_collectives", "OBJECT_FUNCS", "count_object_messages"]
 
 _KINDS = {
     "all_gather_single": "all_gather",
@@ -100,3 +100,38 @@ def count_collectives() -> Iterator[CommCounts]:
             setattr(dist, name, original)
         for name, original in fsdp_originals.items():
             setattr(fsdp_comm, name, original)
+
+
+# The object collectives and messages of ``torch.distributed`` (pickled Python objects: DCP's
+# planning, fsdp's checkpoint reports), counted by name.
+OBJECT_FUNCS = (
+    "gather_object",
+    "scatter_object_list",
+    "all_gather_object",
+    "broadcast_object_list",
+    "send_object_list",
+    "recv_object_list",
+)
+
+
+@contextlib.contextmanager
+def count_object_messages() -> Iterator[dict[str, int]]:
+    """Counts the calls of each of :data:`OBJECT_FUNCS` in the block (every name, 0 if not
+    called), by patching ``torch.distributed``."""
+    counts = {name: 0 for name in OBJECT_FUNCS}
+    originals = {name: getattr(dist, name) for name in OBJECT_FUNCS}
+
+    def counting(name: str) -> Any:
+        def patched(*args: Any, **kwargs: Any) -> Any:
+            counts[name] += 1
+            return originals[name](*args, **kwargs)
+
+        return patched
+
+    for name in OBJECT_FUNCS:
+        setattr(dist, name, counting(name))
+    try:
+        yield counts
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)

@@ -1,5 +1,5 @@
 """Counting collectives in tests: the benchmark's counter (patches ``torch.distributed``)."""
 
-from benchmarks.comm import CommCounts, count_collectives
+from benchmarks.comm import CommCounts, count_collectives, count_object_messages
 
-__all__ = ["CommCounts", "count_collectives"]
+__all__ = ["CommCounts", "count_collectives", "count_object_messages"]

@@ -21,11 +21,10 @@ Save and load run in pools of different sizes that share the directory, each its
 
 from __future__ import annotations
 
-import contextlib
 import collections
 import os
 import warnings
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -51,7 +50,8 @@ CONFIGS_4 = {
 def _ours(config: tuple[bool, str, bool, bool, bool], seed: int, policy: set[type] | None = None) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from fsdp import CPUOffload, FullyShardedDataParallel as FSDP, MixedPrecision, ShardingStrategy
+    from fsdp import CPUOffload, MixedPrecision, ShardingStrategy
+    from fsdp import FullyShardedDataParallel as FSDP
     from fsdp.wrap import ModuleWrapPolicy
 
     orig, strategy, mp, offload, hybrid = config
@@ -81,11 +81,15 @@ def _train(model: nn.Module, steps: int, lr: float = 1e-2) -> torch.optim.Optimi
 def _full(model: nn.Module, optim: torch.optim.Optimizer, lib: str = "ours") -> tuple[dict[str, Any], dict[str, Any]]:
     """FULL model and optimizer state dicts (on every rank)."""
     if lib == "ours":
-        from fsdp import FullOptimStateDictConfig, FullStateDictConfig, FullyShardedDataParallel as FSDP, StateDictType
+        from fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
+        from fsdp import FullyShardedDataParallel as FSDP
     else:
-        from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig  # type: ignore[assignment]
+        from torch.distributed.fsdp import (  # type: ignore[assignment]
+            FullOptimStateDictConfig,
+            FullStateDictConfig,
+            StateDictType,  # type: ignore[assignment]
+        )
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP  # type: ignore[assignment]
-        from torch.distributed.fsdp import StateDictType  # type: ignore[assignment]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with FSDP.state_dict_type(
@@ -111,47 +115,15 @@ def _assert_equal(loaded: dict[str, Any], expected: dict[str, Any], what: str) -
 
 
 _DATA_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
-_OBJECT_FUNCS = (
-    "gather_object",
-    "scatter_object_list",
-    "all_gather_object",
-    "broadcast_object_list",
-    "send_object_list",
-    "recv_object_list",
-)
-
-
-@contextlib.contextmanager
-def _count_objects() -> Iterator[dict[str, int]]:
-    """Counts DCP's object collectives (its planning) by patching ``torch.distributed``."""
-    counts = {name: 0 for name in _OBJECT_FUNCS}
-    originals = {name: getattr(dist, name) for name in _OBJECT_FUNCS}
-
-    def counting(name: str) -> Any:
-        def patched(*args: Any, **kwargs: Any) -> Any:
-            counts[name] += 1
-            return originals[name](*args, **kwargs)
-
-        return patched
-
-    for name in _OBJECT_FUNCS:
-        setattr(dist, name, counting(name))
-    try:
-        yield counts
-    finally:
-        for name, original in originals.items():
-            setattr(dist, name, original)
-
-
 def _save_moving_no_tensor(model: Any, optim: Any, path: str, name: str) -> tuple[dict[str, int], dict[str, int]]:
     """save_sharded, asserting it issues no tensor collective at all, and of object messages
     only each rank's report to the coordinator (received one at a time) and one broadcast of the
     outcome ([Note: A save without a global plan]: no plan travels). Returns the data
     collectives (none) and the object ones."""
     from fsdp.checkpoint import save_sharded
-    from tests._comm_count import count_collectives
+    from tests._comm_count import count_collectives, count_object_messages
 
-    with count_collectives() as counts, _count_objects() as objects, warnings.catch_warnings():
+    with count_collectives() as counts, count_object_messages() as objects, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         save_sharded(model, optim, checkpoint_id=path)
     data = {kind: counts.calls[kind] for kind in _DATA_KINDS if counts.calls[kind]}
@@ -189,6 +161,7 @@ def _assert_metadata_as_dcp_builds_it(model: Any, optim: Any, path: str) -> None
     chunks in the same order, flattening paths and storage entries; the coordinator returns it,
     the other ranks None."""
     import torch.distributed.checkpoint as dcp
+
     from fsdp.checkpoint import save_sharded
 
     dist.barrier()  # rank 0 has checked the first save's files
@@ -299,7 +272,8 @@ def _load_into_fsdp2(path: str, expected: dict[str, Any], name: str) -> None:
 
 def _load_into_torch_fsdp1(path: str, expected: dict[str, Any], orig: bool, name: str) -> None:
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP, StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+    from torch.distributed.fsdp import StateDictType
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     model = TorchFSDP(make_toy(seed=9), auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=orig, device_id=torch.device("cpu"))
@@ -512,7 +486,8 @@ def test_trainable_only_checkpoint(tmp_path: Any) -> None:
 def buffers_as_state_dict() -> None:
     """Buffers (BatchNorm's, cast by mixed precision) go in under the SHARDED state dict's keys
     with its full-precision values."""
-    from fsdp import FullyShardedDataParallel as FSDP, MixedPrecision, StateDictType
+    from fsdp import FullyShardedDataParallel as FSDP
+    from fsdp import MixedPrecision, StateDictType
     from fsdp.state_dict._flat_checkpoint import flat_shard_state_dict
     from fsdp.wrap import ModuleWrapPolicy
 
@@ -638,6 +613,7 @@ def _assert_same_checkpoint(path: str, other: str, directory: str, name: str) ->
 def _tp_load_plain(path: str, expected: dict[str, Any], name: str, optim: bool, hidden: int | None = None) -> None:
     """Into a plain model (full tensors) through DCP (hidden size: ``name``'s config's)."""
     import torch.distributed.checkpoint as dcp
+
     from tests.test_tensor_parallel import _make_model
 
     plain = _make_model(hidden=hidden or TP_CONFIGS[name][3])
