@@ -702,7 +702,7 @@ def test_param_boxes_once_per_layout() -> None:
 
     class Layout:  # what layout_param_boxes reads of a ShardLayout
         param_shapes = (torch.Size([3, 4]), torch.Size([5]))
-        shard_slices = [ParamShardSlice(0, 2, 9, 0), None]
+        shard_slices = (ParamShardSlice(0, 2, 9, 0), None)
         dtensor_specs = (None, None)
 
     layout = Layout()

@@ -206,8 +206,8 @@ class ShardLayout:
     uses_sharding: bool
     padded_unsharded_numel: int
     sharded_numel: int
-    shard_slices: list[Optional[ParamShardSlice]]
-    sharded_ranges: list[tuple[int, int]]
+    shard_slices: tuple[Optional[ParamShardSlice], ...]  # tuples: caches keyed by the layout rely on it
+    sharded_ranges: tuple[tuple[int, int], ...]
     dtensor_specs: tuple[Optional[Any], ...] = ()
 
     @staticmethod
@@ -236,8 +236,8 @@ class ShardLayout:
             uses_sharding,
             padded,
             padded // (world_size if uses_sharding else 1),
-            slices,
-            ranges,
+            tuple(slices),
+            tuple(ranges),
             tuple(info.dtensor_spec for info in param_infos),
         )
 

@@ -260,7 +260,9 @@ def collector_paused() -> Iterator[None]:
 
 class FlatShardSavePlanner(DefaultSavePlanner):
     """DCP's default save planner, that also finds the box views of :class:`FlatShardChunks`,
-    and plans replicated values on the coordinator only ([Note: A save's per-value work])."""
+    and plans the values every rank has alike under the same keys on the coordinator only
+    ([Note: Who writes a replicated value]). DCP's plan caching stays off (its default): it
+    would keep the plan from before this filter."""
 
     def create_local_plan(self) -> SavePlan:
         plan = super().create_local_plan()
@@ -398,10 +400,16 @@ def _model_entries(model: nn.Module, view: ModelView, who: _Writers) -> dict[str
         for buf_name, buf in module._buffers.items():
             if buf is None or buf_name in module._non_persistent_buffers_set:
                 continue
-            fqn = clean_fqn(f"{name}.{buf_name}" if name else buf_name)
+            fqn = _buffer_fqn(name, buf_name)
             kept = cast.get((id(module), buf_name))
             entries.setdefault(fqn, kept.state_dict_value() if kept is not None else buf.detach())
     return entries
+
+
+def _buffer_fqn(module_name: str, buffer_name: str) -> str:
+    """A buffer's state-dict key: its module's name (from ``named_modules``) and its own, without
+    FSDP's wrapper prefixes."""
+    return clean_fqn(f"{module_name}.{buffer_name}" if module_name else buffer_name)
 
 
 def _optim_entries(optim: torch.optim.Optimizer, view: ModelView, who: _Writers) -> dict[str, Any]:
@@ -550,8 +558,7 @@ def apply_loaded(model: nn.Module, optim: Optional[torch.optim.Optimizer], state
     for unit in states:
         for record in unit.cast_buffers:
             name = names.get(id(record.module))
-            fqn = clean_fqn(f"{name}.{record.name}" if name else record.name) if name is not None else None
-            value = state["model"].get(fqn) if fqn is not None else None
+            value = state["model"].get(_buffer_fqn(name, record.name)) if name is not None else None
             buffer = record.module._buffers[record.name]
             if torch.is_tensor(value) and buffer is not None:
                 buffer.copy_(value)
