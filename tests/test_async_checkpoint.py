@@ -37,27 +37,44 @@ from tests._harness import get_pool
 from tests.test_flat_checkpoint import CONFIGS_2, _assert_equal, _full, _ours, _train, _train_more, load_all
 
 
-class GatedWriter(dcp.FileSystemWriter):
-    """DCP's file writer whose data write waits for ``gate`` (set by the training loop once it
-    has stepped): the background write is certainly in flight while the optimizer steps."""
+class _Gated:
+    """A writer whose data write waits for ``gate`` (set by the training loop once it has
+    stepped): the background write is certainly in flight while the optimizer steps."""
+
+    gate: threading.Event
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        assert self.gate.wait(120), "the gate was never opened"
+        return super().write_data(plan, planner)  # type: ignore[misc]
+
+
+class GatedWriter(_Gated, CommitWriter):
+    """fsdp's default writer, gated: the save without a global plan in fsdp's thread."""
+
+    def __init__(self, path: str, gate: threading.Event) -> None:
+        super().__init__(path)
+        self.gate = gate
+
+
+class GatedDCPWriter(_Gated, dcp.FileSystemWriter):
+    """DCP's file writer, gated: a caller's writer, which DCP's own ``async_save`` drives."""
 
     def __init__(self, path: str, gate: threading.Event) -> None:
         super().__init__(path, overwrite=True)
         self.gate = gate
 
-    def write_data(self, plan: Any, planner: Any) -> Any:
-        assert self.gate.wait(120), "the gate was never opened"
-        return super().write_data(plan, planner)
-
 
 def snapshot_save(directory: str, configs: dict[str, Any]) -> dict[str, Any]:
     """Each config: train 2 steps, keep the FULL state, start an async save whose write waits,
-    step the optimizer twice (the state changes), then let the write go. Also: the staging
+    step the optimizer twice (the state changes), then let the write go (fsdp's default writer;
+    the last config a plain DCP writer, so DCP's ``async_save`` runs it). Also: the staging
     buffers are the same host tensors at a second save."""
     from fsdp.checkpoint import _ASYNC, async_save_sharded
 
     report = {}
+    last = list(configs)[-1]
     for name, config in configs.items():
+        writer = GatedDCPWriter if name == last else GatedWriter  # both protocols
         model = _ours(config, seed=5)
         optim = _train(model, 2)
         expected = _full(model, optim)
@@ -65,7 +82,7 @@ def snapshot_save(directory: str, configs: dict[str, Any]) -> dict[str, Any]:
         path = os.path.join(directory, name)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            future = async_save_sharded(model, optim, checkpoint_id=path, storage_writer=GatedWriter(path, gate))
+            future = async_save_sharded(model, optim, checkpoint_id=path, storage_writer=writer(path, gate))
             _train_more(model, optim)
             _train_more(model, optim)
             assert not future.done()  # the write is still waiting: training ran beside it
@@ -135,7 +152,7 @@ def in_flight_rules(directory: str) -> None:
             assert time.perf_counter() - start >= 0.45 and first.done(), follower  # it waited
             assert first.exception() is None
 
-        class Failing(dcp.FileSystemWriter):
+        class Failing(CommitWriter):  # fsdp's default writer: the save without a global plan
             def write_data(self, plan: Any, planner: Any) -> Any:
                 raise OSError("disk full (planted)")
 
