@@ -14,6 +14,12 @@ of 32 units (one ``nn.Linear(dim, dim)`` each plus a head), take one AdamW step 
   buffers; no save in flight, since each repetition waits for the previous write first), the
   first call's (it allocates the buffers), and the whole write (call to ``result()``).
 
+Loads: each implementation then loads, into the same model and optimizer, the checkpoint it has
+just saved (``load_same``) and one that a single rank saved with ``save_sharded`` before the runs
+(``load_other``: another world size, resharded from whole parameters), the same repetitions:
+fsdp's ``load_sharded``, torch FSDP1's documented DCP load of its SHARDED state dicts. The
+JSON's ``growth`` says how each save's and load's time grows from the fewest ranks to the most.
+
 Per implementation and world size: seconds per save on the slowest rank (median of the
 repetitions; every rank times its own call, the slowest is the max over ranks), the CPU
 seconds of each rank's process during its call (``time.process_time()``: every thread of the
@@ -52,6 +58,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 import warnings
 from typing import Any, Callable, Optional, Sequence
@@ -125,6 +132,41 @@ def _saver(impl: str, model: nn.Module, optim: torch.optim.Optimizer) -> Callabl
     return save
 
 
+def _loader(impl: str, model: nn.Module, optim: torch.optim.Optimizer) -> Callable[[str], None]:
+    """Loads a checkpoint (either implementation's: the same keys) into ``model`` and ``optim``:
+    fsdp's ``load_sharded`` (into the flat shards in place), torch FSDP1's documented DCP load of
+    its SHARDED model and optimizer state dicts."""
+    import torch.distributed.checkpoint as dcp
+
+    if impl == "fsdp":
+        from fsdp.checkpoint import load_sharded
+
+        return lambda path: load_sharded(model, optim, checkpoint_id=path)
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, StateDictType
+
+    def load(path: str) -> None:
+        with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+            state = {"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, optim)}
+            dcp.load(state, checkpoint_id=path)
+            model.load_state_dict(state["model"])
+            optim.load_state_dict(FSDP.optim_state_dict_to_load(model, optim, state["optim"]))
+
+    return load
+
+
+def _timed(reps: int, call: Callable[[], None]) -> tuple[float, float]:
+    """Median wall and CPU seconds of ``call`` over ``reps`` repetitions, all ranks starting
+    together."""
+    times, cpu = [], []
+    for _ in range(reps):
+        dist.barrier()
+        start, start_cpu = time.perf_counter(), time.process_time()
+        call()
+        times.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
+    return statistics.median(times), statistics.median(cpu)
+
+
 def _measure(impl: str, payload: dict[str, Any], workdir: str) -> dict[str, Any]:
     dim, reps = payload["dim"], payload["reps"]
     # Memory: a profiled build, saved once.
@@ -146,16 +188,18 @@ def _measure(impl: str, payload: dict[str, Any], workdir: str) -> dict[str, Any]
     save = _saver(impl, model, optim)
     with count_collectives() as counts, count_object_messages() as objects:
         save(os.path.join(workdir, f"{impl}_count"))
-    times, cpu = [], []
-    for rep in range(reps):
-        dist.barrier()
-        start, start_cpu = time.perf_counter(), time.process_time()
-        save(os.path.join(workdir, f"{impl}_{rep}"))
-        times.append(time.perf_counter() - start)
-        cpu.append(time.process_time() - start_cpu)
+    saves = iter(range(reps))
+    save_s, save_cpu_s = _timed(reps, lambda: save(os.path.join(workdir, f"{impl}_{next(saves)}")))
+    load = _loader(impl, model, optim)
+    loads = {
+        which: _timed(reps, lambda: load(path))
+        for which, path in (("same", os.path.join(workdir, f"{impl}_0")), ("other", payload["reference"]))
+    }
     return {
-        "save_s": statistics.median(times),
-        "save_cpu_s": statistics.median(cpu),
+        "save_s": save_s,
+        "save_cpu_s": save_cpu_s,
+        **{f"load_{which}_s": wall for which, (wall, _) in loads.items()},
+        **{f"load_{which}_cpu_s": cpu for which, (_, cpu) in loads.items()},
         "collectives": {k: int(v) for k, v in counts.calls.items() if v},
         "bytes_sent": int(counts.total_bytes()),
         "object_collectives": {k: v for k, v in objects.items() if v},
@@ -214,6 +258,24 @@ def _measure_async(payload: dict[str, Any], workdir: str) -> dict[str, Any]:
     }
 
 
+def _reference(rank: int, payload: dict[str, Any], workdir: str) -> None:
+    """One rank saves the model (one AdamW step) with ``save_sharded``: the checkpoint every world
+    size also loads, from another world size (resharded from whole parameters)."""
+    from fsdp.checkpoint import save_sharded
+
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{workdir}/rendezvous", rank=rank, world_size=1)
+    try:
+        model = _wrap("fsdp", payload["dim"])
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        _train_step(model, optim, payload["dim"])
+        save_sharded(model, optim, checkpoint_id=payload["reference"])
+    finally:
+        dist.destroy_process_group()
+    write_rank_result(workdir, rank, {})
+
+
 def _rank(rank: int, payload: dict[str, Any], workdir: str) -> None:
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
@@ -240,6 +302,11 @@ def _summary(per_rank: list[dict[str, Any]], dim: int) -> dict[str, Any]:
             "save_cpu_s_max_rank_but_0": max(r["save_cpu_s"] for r in ranks[1:]),
             "save_peak_over_train_peak_bytes_max": max(r["save_peak_bytes"] - r["train_peak_bytes"] for r in ranks),
             "save_peak_over_train_peak_bytes_by_rank": [r["save_peak_bytes"] - r["train_peak_bytes"] for r in ranks],
+            **{
+                f"load_{which}_{measure}": max(r[f"load_{which}_{key}"] for r in ranks)
+                for which in ("same", "other")
+                for measure, key in (("s_slowest_rank", "s"), ("cpu_s_max_rank", "cpu_s"))
+            },
         }
     ranks = [r["fsdp_async"] for r in per_rank]
     over = [r["save_peak_bytes"] - r["train_peak_bytes"] for r in ranks]
@@ -256,6 +323,20 @@ def _summary(per_rank: list[dict[str, Any]], dim: int) -> dict[str, Any]:
     }
     rows["unit_shard_bytes"] = (dim * dim + dim) * 4 // len(per_rank)
     return rows
+
+
+def _growth(rows: dict[int, dict[str, Any]]) -> dict[str, float]:
+    """How each save's and load's time grows from the fewest ranks to the most, per
+    implementation and measure (issue 33's "how each grows"; the save's is a target too)."""
+    sizes = sorted(rows)
+    low, high = sizes[0], sizes[-1]
+    keys = ("save_s_slowest_rank", "save_cpu_s_max_rank", "save_cpu_s_max_rank_but_0")
+    keys += tuple(f"load_{w}_{m}" for w in ("same", "other") for m in ("s_slowest_rank", "cpu_s_max_rank"))
+    return {
+        f"{impl} {key} {high}/{low}": round(rows[high][impl][key] / rows[low][impl][key], 3)
+        for impl in ("fsdp", "torch_fsdp1")
+        for key in keys
+    }
 
 
 def _targets(rows: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -313,8 +394,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--timeout", type=float, default=900.0)
     a = parser.parse_args(argv)
     rows: dict[int, dict[str, Any]] = {}
+    reference_dir = tempfile.TemporaryDirectory(prefix="ckpt_scale_reference_")
+    reference = os.path.join(reference_dir.name, "one_rank")
+    run_local_ranks(_reference, {"dim": a.dim, "reference": reference}, 1, a.timeout, prog="benchmarks.checkpoint_scale")
     for ws in a.world_sizes:
-        payload = {"world_size": ws, "dim": a.dim, "reps": a.reps}
+        payload = {"world_size": ws, "dim": a.dim, "reps": a.reps, "reference": reference}
         per_rank = run_local_ranks(_rank, payload, ws, a.timeout, prog="benchmarks.checkpoint_scale")
         rows[ws] = _summary(per_rank, a.dim)
         print(f"world size {ws}: {json.dumps(rows[ws])}", flush=True)
@@ -330,6 +414,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "time_measures": OVERSUBSCRIPTION,
         },
         "rows": {str(ws): row for ws, row in rows.items()},
+        "growth": _growth(rows),
         "targets": _targets(rows),
     }
     text = json.dumps(result, indent=2)
