@@ -31,7 +31,7 @@ from fsdp.state_dict._flat_checkpoint import (
     missing_from_checkpoint,
     optim_load_target,
 )
-from fsdp.state_dict._flat_save import save_without_global_plan
+from fsdp.state_dict._local_plans import load_without_global_plan, save_without_global_plan
 from fsdp.state_dict._safetensors import sharded_to_safetensors
 from fsdp.state_dict._staging import HostStaging
 
@@ -66,7 +66,7 @@ def save_sharded(
     Returns:
         DCP's ``Metadata`` of the checkpoint on rank 0; None on the other ranks with the default
         writer (which saves without a global plan: [Note: A save without a global plan] in
-        ``fsdp/state_dict/_flat_save.py``), DCP's on every rank with a ``storage_writer`` of the
+        ``fsdp/state_dict/_local_plans.py``), DCP's on every rank with a ``storage_writer`` of the
         caller's.
 
     Raises:
@@ -343,9 +343,9 @@ def load_sharded(
     import torch.distributed.checkpoint as dcp
 
     _ASYNC.wait_for_in_flight("load_sharded")
-    if storage_reader is None:
-        storage_reader = dcp.FileSystemReader(checkpoint_id)
-    saved_keys = set(storage_reader.read_metadata().state_dict_metadata)
+    reader = storage_reader if storage_reader is not None else dcp.FileSystemReader(checkpoint_id)
+    metadata = reader.read_metadata()
+    saved_keys = set(metadata.state_dict_metadata)
     state = flat_shard_load_target(model)
     frozen, others = missing_from_checkpoint(model, state["model"], saved_keys)
     _check_missing(checkpoint_id, frozen, others, ignore_frozen_params)  # before anything changes
@@ -358,7 +358,10 @@ def load_sharded(
         if optim is not None:
             state["optim"]["state"].pop(key, None)
     with torch.no_grad():
-        dcp.load(state, checkpoint_id=checkpoint_id, storage_reader=storage_reader, planner=FlatShardLoadPlanner())
+        if storage_reader is None:  # [Note: A load without a global plan]
+            load_without_global_plan(state, reader, FlatShardLoadPlanner(), metadata, _ASYNC.group())
+        else:
+            dcp.load(state, checkpoint_id=checkpoint_id, storage_reader=reader, planner=FlatShardLoadPlanner())
         apply_loaded(model, optim, state)
 
 

@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from torch.distributed.checkpoint.api import CheckpointException
 
+from tests._comm_count import count_object_messages
 from tests._harness import get_pool
 from tests.test_flat_checkpoint import _tp_expected, _tp_load_plain, _tp_ours
 
@@ -309,12 +310,42 @@ def scalar_states_on_every_rank(directory: str) -> list[float]:
         warnings.simplefilter("ignore")
         save_sharded(model, optim, checkpoint_id=path)
     fresh, fresh_optim = build()
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), count_object_messages() as messages:
         warnings.simplefilter("ignore")
         load_sharded(fresh, fresh_optim, checkpoint_id=path)
+    # [Note: A load without a global plan]: no plan travels, one exchange of the outcome.
+    assert {k: v for k, v in messages.items() if v} == {"all_gather_object": 1}, messages
     return [float(state["step"]) for state in fresh_optim.state.values()]
+
+
+def load_failing_on_one_rank(directory: str) -> str:
+    """A read that fails on rank 1 only: every rank raises DCP's ``CheckpointException`` naming
+    rank 1's failure (nobody returns while a peer failed, nobody hangs)."""
+    import torch.distributed.checkpoint as dcp
+
+    from fsdp import FullyShardedDataParallel as FSDP
+    from fsdp.checkpoint import load_sharded, save_sharded
+
+    model = FSDP(_SmallFirst(), use_orig_params=True)
+    path = os.path.join(directory, "failing")
+    save_sharded(model, checkpoint_id=path)
+    original = dcp.FileSystemReader.read_data
+
+    def failing(self: Any, plan: Any, planner: Any) -> Any:
+        if dist.get_rank() == 1:
+            raise OSError("unreadable disk (planted)")
+        return original(self, plan, planner)
+
+    dcp.FileSystemReader.read_data = failing  # type: ignore[method-assign]
+    try:
+        with pytest.raises(CheckpointException, match="unreadable disk") as caught:
+            load_sharded(model, checkpoint_id=path)
+    finally:
+        dcp.FileSystemReader.read_data = original  # type: ignore[method-assign]
+    return str(sorted(caught.value.failures))
 
 
 def test_scalar_states_load_on_ranks_that_hold_none_of_the_parameter(tmp_path: Any) -> None:
     for rank, loaded in enumerate(get_pool(2).run(scalar_states_on_every_rank, str(tmp_path), _timeout=300)):
         assert loaded == [3.0, 3.0], (rank, loaded)  # a and b, three steps each
+    assert get_pool(2).run(load_failing_on_one_rank, str(tmp_path), _timeout=120) == ["[1]", "[1]"]

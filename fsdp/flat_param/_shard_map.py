@@ -247,7 +247,7 @@ class ParamBoxes(NamedTuple):
 # [Note: Who writes a replicated value]
 # A flat-shard checkpoint writes each value once, and which rank writes it follows from static
 # facts every rank knows alike, so no rank needs another's plan ([Note: A save without a global
-# plan] in ``fsdp/state_dict/_flat_save.py``). Ranks that hold the same bytes: the replicas of a
+# plan] in ``fsdp/state_dict/_local_plans.py``). Ranks that hold the same bytes: the replicas of a
 # hybrid strategy (the first replica writes), the ranks of a NO_SHARD unit (its rank 0), and under
 # tensor parallelism the tp ranks of a parameter's ``Replicate`` mesh dims and, for a plain
 # parameter of a model with tensor-parallel ones, of every mesh dim of their mesh: of those, the

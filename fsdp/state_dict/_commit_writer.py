@@ -82,7 +82,7 @@ def _fsync_dir(path: str) -> None:
 
 # [Note: The metadata pickles by constructor]
 # ``.metadata`` is a pickle of DCP's ``Metadata``, and it is most of what the coordinator's save
-# costs beyond its own shards ([Note: A save without a global plan] in ``_flat_save.py``): one
+# costs beyond its own shards ([Note: A save without a global plan] in ``_local_plans.py``): one
 # storage entry (a ``MetadataIndex`` key and a ``_StorageInfo`` value) per chunk of all ranks.
 # Pickled by default, each ``_StorageInfo`` calls its Python ``__getstate__`` and each key's
 # offsets are a ``torch.Size`` of their own. :class:`_MetadataPickler` writes both as calls of
@@ -133,7 +133,7 @@ class CommitWriter(FileSystemWriter):
     def prepare_local_plan(self, plan: Any) -> Any:
         """Creates the folder and names this rank's files ``__<rank>_<tag>_``, a tag drawn per
         rank and save, so no file a committed ``.metadata`` names is written and the plan needs
-        no global step to be final ([Note: A save without a global plan] in ``_flat_save.py``).
+        no global step to be final ([Note: A save without a global plan] in ``_local_plans.py``).
         No "existing checkpoint" check or warning (``save_sharded`` checks ``overwrite`` itself
         before planning, and a replacement is safe)."""
         self.fs.mkdir(self.path)

@@ -219,7 +219,7 @@ def _own_storage_view(source: torch.Tensor, at: int, sizes: tuple[int, ...]) -> 
 # [Note: A save's per-value work]
 # No parameter or optimizer byte moves in a flat-shard save, so what is left of its cost is
 # Python per value and per write item on every rank, and the coordinator's share, the metadata of
-# all ranks' chunks ([Note: A save without a global plan] in ``_flat_save.py``). So:
+# all ranks' chunks ([Note: A save without a global plan] in ``_local_plans.py``). So:
 # - every box's chunk metadata is made once per (handle, parameter) and kept with the layout
 #   ([Note: A parameter's boxes, once] in ``fsdp/flat_param/_shard_map.py``); the optimizer
 #   states of a parameter reuse its chunk objects, and every item of a dtype shares one

@@ -1,4 +1,4 @@
-"""A flat-shard save without a global plan: every rank's plan is final as it is made.
+"""Flat-shard saves and loads without a global plan: every rank's plan is final as it is made.
 
 [Note: A save without a global plan]
 DCP's save protocol (``torch.distributed.checkpoint.save``) serves state dicts whose ranks do not
@@ -68,9 +68,9 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItemType
 
 from fsdp.state_dict._commit_writer import CommitWriter
-from fsdp.state_dict._flat_checkpoint import FlatShardSavePlanner
+from fsdp.state_dict._flat_checkpoint import FlatShardLoadPlanner, FlatShardSavePlanner
 
-__all__ = ["save_without_global_plan"]
+__all__ = ["save_without_global_plan", "load_without_global_plan"]
 
 
 class _Written(NamedTuple):
@@ -244,3 +244,48 @@ def save_without_global_plan(
 
 def _global_rank(group: Optional[dist.ProcessGroup], group_rank: int) -> int:
     return dist.get_global_rank(group, group_rank) if group is not None else group_rank
+
+
+# [Note: A load without a global plan]
+# DCP's load protocol (``torch.distributed.checkpoint.load``) gathers every rank's read plan to
+# the coordinator and scatters it back, and its default global step changes nothing
+# (``create_default_global_load_plan`` and ``FileSystemReader.prepare_global_plan`` return the
+# plans as they are): at 16 ranks the coordinator's load spent a third of its time unpickling and
+# pickling the other ranks' plans. A flat-shard load reads each rank's own boxes ([Note:
+# Flat-shard loads] in ``_flat_checkpoint.py``), so with DCP's file reader each rank plans and
+# reads alone, as DCP itself does without collectives (``load(..., use_collectives=False)``'s
+# path: the global step run on the rank's own plan), with the metadata ``load_sharded`` read once
+# for its missing-keys check; then one exchange of the outcome, so that every rank returns or
+# every rank raises DCP's ``CheckpointException`` with each rank's failure. A ``storage_reader``
+# of the caller's may need its global step to see every plan, so ``load_sharded`` hands it to
+# ``dcp.load``.
+def load_without_global_plan(
+    state_dict: dict[str, Any],
+    reader: Any,
+    planner: FlatShardLoadPlanner,
+    metadata: Metadata,
+    group: Optional[dist.ProcessGroup] = None,
+) -> None:
+    """Reads ``metadata``'s checkpoint into ``state_dict`` (a flat-shard load target), each rank
+    alone, then exchanges the outcome ([Note: A load without a global plan]). Every rank of
+    ``group`` calls it.
+
+    Raises:
+        CheckpointException: On every rank, when any rank failed to plan or read (each failure
+            with its rank and traceback, as DCP's).
+    """
+    rank = dist.get_rank(group)
+    failure: Optional[tuple[BaseException, Any]] = None
+    try:
+        planner.set_up_planner(state_dict, metadata, rank == 0)
+        reader.set_up_storage_reader(metadata, rank == 0, rank=rank, use_collectives=False)
+        plan = reader.prepare_local_plan(planner.create_local_plan())
+        (plan,) = reader.prepare_global_plan(planner.create_global_plan([plan]))
+        reader.read_data(planner.finish_plan(plan), planner).wait()
+    except BaseException as exc:  # as DCP's protocol: every rank hears of every failure
+        failure = _wrap_exception(exc)
+    outcomes: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(outcomes, failure, group=group)
+    failures = {r: got for r, got in enumerate(outcomes) if got is not None}
+    if failures:
+        raise CheckpointException("load", failures)
