@@ -247,6 +247,7 @@ for name in sys.argv[1:]:  # once, for every command forked below
 def pythonpath(value):  # its entries as python puts them on sys.path at start-up
     return [os.path.abspath(p) for p in value.split(os.pathsep)] if value else []
 site_path = sys.path[1 + len(pythonpath(os.environ.get("PYTHONPATH", ""))):]  # after '' and those
+base_warnings = os.environ.get("PYTHONWARNINGS", "")
 pending, running, eof = b"", set(), False
 while not eof or running:
     # Requests come on stdin, one JSON line each; every fork runs while the next is read, and
@@ -284,6 +285,10 @@ while not eof or running:
                 # its environment's PYTHONPATH, then the installation's.
                 first = "" if argv[1] == "-c" else os.getcwd()
                 sys.path[:] = [first, *pythonpath(env.get("PYTHONPATH", "")), *site_path]
+                if not base_warnings and env.get("PYTHONWARNINGS"):  # as python applies it at start
+                    import warnings
+                    sys.warnoptions[:] = env["PYTHONWARNINGS"].split(",")
+                    warnings._processoptions(sys.warnoptions)
                 if argv[1] == "-c":
                     sys.argv = ["-c", *argv[3:]]
                     exec(compile(argv[2], "<string>", "exec"), {"__name__": "__main__"})

@@ -10,8 +10,8 @@ path and exit status as ``python`` gives). Every one of those commands imports t
 itself or through fsdp, and ``import torch`` imports none of what they look at (torch's FSDP1
 package, DCP's state-dict module, Dynamo). A command whose environment sets a variable that torch
 or the interpreter reads at start-up differently from the preloaded one (``TORCH_*``,
-``PYTORCH_*``, ``PYTHON*`` but ``PYTHONPATH``) runs in a fresh interpreter instead, as does any
-other command line (a script's path).
+``PYTORCH_*``, ``PYTHON*`` but ``PYTHONPATH`` and ``PYTHONWARNINGS``, which a fork applies) runs
+in a fresh interpreter instead, as does any other command line (a script's path).
 """
 
 from __future__ import annotations
@@ -31,7 +31,10 @@ _SERVER_ENV: Dict[str, str] = {}
 
 
 def _read_at_start(name: str) -> bool:
-    return name.startswith(("TORCH_", "PYTORCH_")) or (name.startswith("PYTHON") and name != "PYTHONPATH")
+    """Whether python or torch reads ``name`` at start-up, where a fork cannot apply it (the
+    preloaded interpreter applies ``PYTHONPATH``, and ``PYTHONWARNINGS`` where it had none)."""
+    applied = ("PYTHONPATH",) if _SERVER_ENV.get("PYTHONWARNINGS") else ("PYTHONPATH", "PYTHONWARNINGS")
+    return name.startswith(("TORCH_", "PYTORCH_")) or (name.startswith("PYTHON") and name not in applied)
 
 
 def _server_for(args: List[str], env: Dict[str, str]) -> Optional[_Preloaded]:
