@@ -227,14 +227,16 @@ def _run(argv: list[str], env: dict[str, str], limit: float, log_path: str) -> t
 # Every dry-run step but the install imports torch, which costs seconds of CPU per interpreter
 # (1-3 s each on 2 cores). So a dry run starts one interpreter that imports torch once
 # (:data:`PRELOAD`), and each command is a fork of it, run the way ``python -c`` or ``python -m``
-# runs it (same argv, environment, working directory; its own process group, killed as a group
-# after its limit, its exit status reported). Not its own session: with the kernel's autogroup
+# runs it (same argv, environment, working directory, the import path python builds from the
+# command's PYTHONPATH, and its PYTHONWARNINGS; its own process group, killed as a group after its
+# limit, its exit status reported as it exits, so commands may also run side by side). Not its own session: with the kernel's autogroup
 # scheduling (on by default) every session gets an equal share of the CPUs, so on a busy machine
 # a fork in a session of its own would run at a speed set by how many other sessions run, not
 # at its caller's (tests/test_example_train.py forks the trainer this way too). A step whose environment names a ``TORCH_`` variable
 # (read when torch is imported, e.g. TORCH_CUDA_SANITIZER) runs in a fresh interpreter. The
 # harness's rank pools fork their ranks from a torch-loaded server the same way
-# (tests/_harness.py). On the GPU every command is a fresh process (:func:`_run`).
+# (tests/_harness.py), and the tests' fresh-interpreter commands are forks of one such
+# interpreter (tests/_preloaded.py). On the GPU every command is a fresh process (:func:`_run`).
 
 #: What the preloaded interpreter imports: torch and the torch packages most steps load (the
 #: benchmarks run torch's FSDP1 beside fsdp; the test collection imports DCP); not fsdp, which the
