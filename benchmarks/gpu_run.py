@@ -227,84 +227,155 @@ def _run(argv: list[str], env: dict[str, str], limit: float, log_path: str) -> t
 # Every dry-run step but the install imports torch, which costs seconds of CPU per interpreter
 # (1-3 s each on 2 cores). So a dry run starts one interpreter that imports torch once
 # (:data:`PRELOAD`), and each command is a fork of it, run the way ``python -c`` or ``python -m``
-# runs it (same argv, environment, working directory; its own process group, killed as a group
-# after its limit, its exit status reported). Not its own session: with the kernel's autogroup
+# runs it (same argv, environment, working directory, the import path python builds from the
+# command's PYTHONPATH, and its PYTHONWARNINGS; its own process group, killed as a group after its
+# limit, its exit status reported as it exits, so commands may also run side by side). Not its own session: with the kernel's autogroup
 # scheduling (on by default) every session gets an equal share of the CPUs, so on a busy machine
 # a fork in a session of its own would run at a speed set by how many other sessions run, not
 # at its caller's (tests/test_example_train.py forks the trainer this way too). A step whose environment names a ``TORCH_`` variable
 # (read when torch is imported, e.g. TORCH_CUDA_SANITIZER) runs in a fresh interpreter. The
 # harness's rank pools fork their ranks from a torch-loaded server the same way
-# (tests/_harness.py). On the GPU every command is a fresh process (:func:`_run`).
+# (tests/_harness.py), and the tests' fresh-interpreter commands are forks of one such
+# interpreter (tests/_preloaded.py). On the GPU every command is a fresh process (:func:`_run`).
 
 #: What the preloaded interpreter imports: torch and the torch packages most steps load (the
 #: benchmarks run torch's FSDP1 beside fsdp; the test collection imports DCP); not fsdp, which the
 #: ``env`` step imports from the repository as the install left it.
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.checkpoint")
 _PRELOADED = r"""
-import atexit, importlib, json, os, runpy, sys, traceback
+import atexit, importlib, json, os, runpy, select, sys, traceback
 for name in sys.argv[1:]:  # once, for every command forked below
     importlib.import_module(name)
-for line in sys.stdin:
-    argv, env, log, err_log = json.loads(line)
-    pid = os.fork()
-    if pid == 0:
-        os.setpgid(0, 0)  # its own process group, not session: see the Note
-        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-        out = os.open(log, os.O_WRONLY | os.O_APPEND)
-        err = os.open(err_log, os.O_WRONLY | os.O_APPEND) if err_log else out
-        os.dup2(out, 1)
-        os.dup2(err, 2)
-        os.close(out)
-        if err != out:
-            os.close(err)
-        os.environ.clear()
-        os.environ.update(env)
-        code = 0
-        try:
-            if argv[1] == "-c":
-                sys.argv = ["-c", *argv[3:]]
-                exec(compile(argv[2], "<string>", "exec"), {"__name__": "__main__"})
-            else:
-                sys.argv = [argv[2], *argv[3:]]
-                runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
-            if not isinstance(exc.code, (int, type(None))):
-                print(exc.code, file=sys.stderr)
-        except BaseException:
-            traceback.print_exc()
-            code = 1
-        atexit._run_exitfuncs()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    print(pid, flush=True)
-    print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
+def pythonpath(value):  # its entries as python puts them on sys.path at start-up
+    return [os.path.abspath(p) for p in value.split(os.pathsep)] if value else []
+site_path = sys.path[1 + len(pythonpath(os.environ.get("PYTHONPATH", ""))):]  # after '' and those
+base_warnings = os.environ.get("PYTHONWARNINGS", "")
+pending, running, eof = b"", set(), False
+while not eof or running:
+    # Requests come on stdin, one JSON line each; every fork runs while the next is read, and
+    # each exit is reported as it happens ("exit PID STATUS"): commands may run side by side.
+    if select.select([] if eof else [0], [], [], 0.05 if running else None)[0]:
+        chunk = os.read(0, 65536)
+        eof = not chunk
+        pending += chunk
+    while running:
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid == 0:
+            break
+        running.discard(pid)
+        print("exit", pid, os.waitstatus_to_exitcode(status), flush=True)
+    while b"\n" in pending:
+        line, pending = pending.split(b"\n", 1)
+        argv, env, log, err_log, cwd = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            os.setpgid(0, 0)  # its own process group, not session: see the Note
+            os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+            out = os.open(log, os.O_WRONLY | os.O_APPEND)
+            err = os.open(err_log, os.O_WRONLY | os.O_APPEND) if err_log else out
+            os.dup2(out, 1)
+            os.dup2(err, 2)
+            os.close(out)
+            if err != out:
+                os.close(err)
+            os.environ.clear()
+            os.environ.update(env)
+            os.chdir(cwd)
+            code = 0
+            try:
+                # The import path python would start with: the command's first entry, then
+                # its environment's PYTHONPATH, then the installation's.
+                first = "" if argv[1] == "-c" else os.getcwd()
+                sys.path[:] = [first, *pythonpath(env.get("PYTHONPATH", "")), *site_path]
+                if not base_warnings and env.get("PYTHONWARNINGS"):  # as python applies it at start
+                    import warnings
+                    sys.warnoptions[:] = env["PYTHONWARNINGS"].split(",")
+                    warnings._processoptions(sys.warnoptions)
+                if argv[1] == "-c":
+                    sys.argv = ["-c", *argv[3:]]
+                    exec(compile(argv[2], "<string>", "exec"), {"__name__": "__main__"})
+                else:
+                    sys.argv = [argv[2], *argv[3:]]
+                    runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+                if not isinstance(exc.code, (int, type(None))):
+                    print(exc.code, file=sys.stderr)
+            except BaseException:
+                traceback.print_exc()
+                code = 1
+            atexit._run_exitfuncs()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        running.add(pid)
+        print("started", pid, flush=True)
 """
 
 
 class _Preloaded:
     """The dry run's preloaded interpreter ([Note: The dry run's preloaded interpreter]); its
-    :meth:`run` is :func:`_run`'s twin."""
+    :meth:`run` is :func:`_run`'s twin. Commands may also run side by side: :meth:`start` each,
+    then :meth:`wait` for each (a test's ranks)."""
 
     def __init__(self, env: dict[str, str], preload: Sequence[str] = PRELOAD) -> None:
         self._env = env
         self._preload = list(preload)
         self._proc: Optional[subprocess.Popen] = None
+        self._lock = threading.Lock()  # one request at a time: its "started" line is the next
+        self._changed = threading.Condition()
+        self._started: list[int] = []
+        self._exits: dict[int, int] = {}
+        self._dead = False
 
-    def _send(self, argv: list[str], env: dict[str, str], log_path: str, err_path: Optional[str]) -> Optional[int]:
-        """Starts ``argv`` as a fork; returns its pid (None: the preloaded interpreter failed)."""
-        if self._proc is None:
-            self._proc = subprocess.Popen([PY, "-c", _PRELOADED, *self._preload], cwd=ROOT, env=self._env, stdin=subprocess.PIPE,
-                                          stdout=subprocess.PIPE, text=True)
-        assert self._proc.stdin is not None and self._proc.stdout is not None
-        try:
-            self._proc.stdin.write(json.dumps([argv, env, log_path, err_path]) + "\n")
-            self._proc.stdin.flush()
-            return int(self._proc.stdout.readline())
-        except (OSError, ValueError):
-            self.close()
-            return None
+    def _read_replies(self, proc: subprocess.Popen) -> None:
+        """Turns the interpreter's reply lines into :attr:`_started` and :attr:`_exits` (a thread)."""
+        for line in proc.stdout:  # type: ignore[union-attr]
+            kind, *numbers = line.split()
+            with self._changed:
+                if kind == "started":
+                    self._started.append(int(numbers[0]))
+                elif kind == "exit":
+                    self._exits[int(numbers[0])] = int(numbers[1])
+                self._changed.notify_all()
+        with self._changed:
+            if self._proc in (proc, None):  # not a later interpreter's
+                self._dead = True
+            self._changed.notify_all()
+
+    def start(self, argv: list[str], env: dict[str, str], log_path: str, err_path: Optional[str] = None,
+              cwd: str = ROOT) -> Optional[int]:
+        """Starts ``argv`` (``PY -c ...`` or ``PY -m ...``) as a fork in ``cwd``, its stdout
+        appended to ``log_path`` and its stderr to ``err_path`` (else to ``log_path`` too); returns
+        its pid, or None where the preloaded interpreter failed (:meth:`wait` it)."""
+        with self._lock:
+            if self._proc is None:
+                self._proc = subprocess.Popen([PY, "-c", _PRELOADED, *self._preload], cwd=ROOT, env=self._env,
+                                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                self._dead, self._started, self._exits = False, [], {}
+                threading.Thread(target=self._read_replies, args=(self._proc,), daemon=True).start()
+            assert self._proc.stdin is not None
+            try:
+                self._proc.stdin.write(json.dumps([argv, env, log_path, err_path, cwd]) + "\n")
+                self._proc.stdin.flush()
+            except (OSError, ValueError):
+                self.close()
+                return None
+            with self._changed:
+                self._changed.wait_for(lambda: self._started or self._dead)
+                return self._started.pop(0) if self._started else None
+
+    def wait(self, pid: int, limit: float) -> Optional[int]:
+        """The exit status of the fork ``pid``; None where it ran past ``limit`` seconds (it is
+        then killed, with its process group); 1 where the preloaded interpreter died."""
+        with self._changed:
+            if not self._changed.wait_for(lambda: pid in self._exits or self._dead, timeout=limit):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
+                self._changed.wait_for(lambda: pid in self._exits or self._dead)
+                self._exits.pop(pid, None)
+                return None
+            return self._exits.pop(pid) if pid in self._exits else 1
 
     def run(
         self, argv: list[str], env: dict[str, str], limit: float, log_path: str, err_path: Optional[str] = None
@@ -319,33 +390,30 @@ class _Preloaded:
             log.write("$ " + " ".join(argv) + "\n")
         if err_path:
             open(err_path, "w").close()
-        pid = self._send(argv, env, log_path, err_path)
+        pid = self.start(argv, env, log_path, err_path)
         if pid is None:  # a fresh interpreter then says what fails
             return _run(argv, env, limit, log_path)
-        stdout = self._proc.stdout  # type: ignore[union-attr]
-        replies: list[str] = []
-        reader = threading.Thread(target=lambda: replies.append(stdout.readline()), daemon=True)  # type: ignore[union-attr]
-        reader.start()
-        reader.join(limit)
-        if reader.is_alive():
-            os.killpg(pid, signal.SIGKILL)
-            reader.join()
+        code = self.wait(pid, limit)
+        if code is None:
             with open(log_path, "a") as log:
                 log.write(f"\n[gpu_run] killed after its limit of {limit:.0f} s\n")
-            return None, time.monotonic() - start
-        if not replies[0].strip():  # the preloaded interpreter itself died
+        elif self._dead and code == 1:  # the preloaded interpreter itself died
             self.close()
             with open(log_path, "a") as log:
                 log.write("\n[gpu_run] the preloaded interpreter died (see gpu_run's stderr)\n")
-            return 1, time.monotonic() - start
-        return int(replies[0]), time.monotonic() - start
+        return code, time.monotonic() - start
 
     def close(self) -> None:
-        """Ends the preloaded interpreter (its input closed, it exits)."""
-        if self._proc is not None:
-            with contextlib.suppress(OSError):
-                self._proc.communicate(timeout=30)
-            self._proc = None
+        """Ends the preloaded interpreter (its input closed, it exits once its forks have)."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            with contextlib.suppress(OSError, ValueError):
+                proc.stdin.close()  # type: ignore[union-attr]
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 def _import_check(modules: Sequence[str], env: dict[str, str], log_path: str, run: Runner = _run) -> set[str]:

@@ -45,12 +45,14 @@ import contextlib
 import dataclasses
 import faulthandler
 import gc
+import hashlib
 import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
 import io
 import itertools
+import marshal
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -240,16 +242,35 @@ class _AssertRewritingFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader)
         return None
 
     def exec_module(self, module: types.ModuleType) -> None:
-        from _pytest.assertion.rewrite import rewrite_asserts
-
         assert module.__spec__ is not None and module.__spec__.origin is not None
         path = module.__spec__.origin
         with open(path, "rb") as f:
             source = f.read()
-        tree = ast.parse(source, filename=path)
-        rewrite_asserts(tree, source, path, None)
-        code = compile(tree, path, "exec", dont_inherit=True)
-        exec(code, module.__dict__)  # noqa: S102 - this is what an import does
+        exec(_rewritten(path, source), module.__dict__)  # noqa: S102 - this is what an import does
+
+
+def _rewritten(path: str, source: bytes) -> types.CodeType:
+    """``source`` compiled with its asserts rewritten, through the session's cache: every rank of
+    every pool imports the same test modules, and rewriting them costs ~1.5 s of CPU for all of
+    tests/ (a cached module loads in well under a millisecond). The key is the path and the
+    source, so an edited file is a new entry; a rank writes its entry whole (rename)."""
+    from _pytest.assertion.rewrite import rewrite_asserts
+
+    cache_dir = os.environ.get(_REWRITE_CACHE_ENV)
+    entry = os.path.join(cache_dir, hashlib.sha1(path.encode() + b"\0" + source).hexdigest()) if cache_dir else None
+    if entry is not None:
+        with contextlib.suppress(OSError, EOFError, ValueError, TypeError):
+            with open(entry, "rb") as f:
+                return marshal.loads(f.read())
+    tree = ast.parse(source, filename=path)
+    rewrite_asserts(tree, source, path, None)
+    code = compile(tree, path, "exec", dont_inherit=True)
+    if entry is not None:
+        with contextlib.suppress(OSError):
+            with open(f"{entry}.{os.getpid()}", "wb") as f:
+                f.write(marshal.dumps(code))
+            os.replace(f"{entry}.{os.getpid()}", entry)
+    return code
 
 
 class _StubPytestConfig:
@@ -325,7 +346,7 @@ def _child_environment() -> Iterator[None]:
     find their entry point before any of its code runs; so the repository root and the tests
     directory are appended for the duration (needed e.g. with ``--import-mode=importlib``).
     """
-    overrides = _child_env_overrides()
+    overrides = {**_child_env_overrides(), _REWRITE_CACHE_ENV: _rewrite_cache_dir()}
     saved = {k: os.environ.get(k) for k in overrides}
     added = [p for p in (REPO_ROOT, TESTS_DIR) if p not in sys.path]
     os.environ.update(overrides)
@@ -343,6 +364,19 @@ def _child_environment() -> Iterator[None]:
                 os.environ[k] = v
 
 
+_REWRITE_CACHE_ENV = "FSDP_TEST_REWRITE_CACHE"
+_REWRITE_CACHE_DIR: str | None = None
+
+
+def _rewrite_cache_dir() -> str:
+    """This session's folder of rewritten test modules (:func:`_rewritten`), removed at exit."""
+    global _REWRITE_CACHE_DIR
+    if _REWRITE_CACHE_DIR is None:
+        _REWRITE_CACHE_DIR = tempfile.mkdtemp(prefix="rankpool-rewritten-")
+        atexit.register(shutil.rmtree, _REWRITE_CACHE_DIR, True)
+    return _REWRITE_CACHE_DIR
+
+
 def _default_start_method() -> str:
     """``FSDP_TEST_START_METHOD`` if set, else ``forkserver`` where available, else ``spawn``."""
     method = os.environ.get("FSDP_TEST_START_METHOD")
@@ -354,13 +388,17 @@ def _default_start_method() -> str:
 # Imported once in the fork server, so every rank (and every restart after a failed job) starts
 # with them loaded: torch, fsdp, and the heavy torch packages the tests use (torch's FSDP1 as the
 # oracle pulls in DTensor; DCP for checkpoints). Importing them in each fresh rank instead costs
-# seconds of CPU per rank. None of them starts threads or touches a device at import.
+# seconds of CPU per rank. None of them starts threads or touches a device at import. Dynamo
+# comes last, after fsdp, as a rank met it before: torch's optimizers import it when the first
+# one is built (the first call of a torch._disable_dynamo function), 0.5 s of CPU in every rank
+# that ever builds one.
 _FORKSERVER_PRELOAD = [
     "torch",
     "torch.distributed",
     "torch.distributed.fsdp",
     "torch.distributed.checkpoint",
     "fsdp",
+    "torch._dynamo",
 ]
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -19,6 +18,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from tests._preloaded import run_python
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES_DIR = os.path.join(REPO_ROOT, "docs", "examples", "stacks")
@@ -35,10 +36,12 @@ RUN_TIMEOUT_S = 240.0
 # preloaded packages read from the environment at import, they read without the rank's
 # variables (as rank 0); Lightning's strategies set their ranks again when they start.
 # The interpreter kills the other ranks when one fails (a peer blocks in a collective) and
-# prints every rank's exit status.
+# prints every rank's exit status. It is itself a fork of the session's interpreter that imported
+# torch alone ([Note: Test commands forked from a preloaded interpreter] in tests/_preloaded.py),
+# which the redirect and every stack import first anyway.
 _PRELOADED = r"""
 import json, os, runpy, sys, traceback
-request = json.loads(sys.stdin.readline())
+request = json.loads(sys.argv[1])
 if request["redirect"]:
     from fsdp.torch_alias import redirect_torch_fsdp
     redirect_torch_fsdp()
@@ -210,21 +213,21 @@ def _launch_preloaded(
         paths = [os.path.join(logs, f"rank{rank}.log") for rank in range(len(envs))]
         request = {"redirect": redirect, "preload": list(preload), "cwd": cwd, "argv": argv,
                    "ranks": [[env, path] for env, path in zip(envs, paths)]}
-        proc = subprocess.Popen([sys.executable, "-c", _PRELOADED], env=common, cwd=cwd, stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-        try:
-            out, err = proc.communicate(json.dumps(request) + "\n", timeout=RUN_TIMEOUT_S)
-            codes: List[Optional[int]] = json.loads(out) if proc.returncode == 0 else [None] * len(envs)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
-            codes = [None] * len(envs)
+        returncode: Optional[int] = None
+        codes: List[Optional[int]] = [None] * len(envs)
+        try:  # killed with its ranks (its process group) after the timeout
+            done = run_python(["-c", _PRELOADED, json.dumps(request)], env=common, cwd=cwd, timeout=RUN_TIMEOUT_S)
+            returncode, err = done.returncode, done.stderr
+            if returncode == 0:
+                codes = json.loads(done.stdout.strip().splitlines()[-1])
+        except subprocess.TimeoutExpired as timed_out:
+            err = str(timed_out.stderr or "")
         outputs = []
         for path in paths:
             text = open(path, encoding="utf-8", errors="replace").read() if os.path.exists(path) else ""
             outputs.append(text[-6000:])
-    if proc.returncode != 0:
-        outputs[0] += f"\n--- the preloaded interpreter (exit {proc.returncode}) ---\n{err[-6000:]}"
+    if returncode != 0:
+        outputs[0] += f"\n--- the preloaded interpreter (exit {returncode}) ---\n{err[-6000:]}"
     return codes, outputs
 
 

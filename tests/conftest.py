@@ -36,6 +36,7 @@ import os
 import pytest
 import torch
 
+from tests import _preloaded
 from tests._harness import RankPool, get_pool, shutdown_all
 
 
@@ -133,5 +134,7 @@ def dist_pool(request: pytest.FixtureRequest) -> RankPool:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """Stops every rank pool at the end of the session (``atexit`` is only the backstop)."""
+    """Stops every rank pool at the end of the session (``atexit`` is only the backstop), and
+    the tests' preloaded interpreter (tests/_preloaded.py)."""
     shutdown_all()
+    _preloaded.close()

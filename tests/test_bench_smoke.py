@@ -7,13 +7,13 @@ import json
 import math
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 from torch import nn
 
 from benchmarks.config import CHECKPOINTED, BenchConfig
+from tests._preloaded import run_python
 
 IMPLS = ("fsdp", "torch_fsdp1", "torch_fsdp2", "ddp", "local")
 WARMUP = BenchConfig.warmup_steps
@@ -49,7 +49,7 @@ def test_bench_tiny_config(tmp_path: Path) -> None:
         "--json", str(json_path),
     ]
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180, check=False)
+    proc = run_python(cmd[1:], cwd=str(ROOT), env=env, timeout=180)  # [Note: Test commands forked from a preloaded interpreter]
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     # Progress on stderr (rank 0): a line per phase, implementation or round, never per step.

@@ -9,8 +9,6 @@ and prints both graph-break counts and first-step (compile) times: run with ``-s
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import time
 from typing import Any
 
@@ -20,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tests._harness import RankPool
+from tests._preloaded import run_python
 from tests._models import Block, global_batch, lm_loss, local_rows, make_toy
 from tests.test_parity import _full_params
 
@@ -222,5 +221,5 @@ def test_compile_markers_either_import_order(dynamo_first: bool) -> None:
     port = 29100 + os.getpid() % 500 + (500 if dynamo_first else 0)
     code = _MARKS_CHECK.format(first="import torch._dynamo" if dynamo_first else "", dynamo_first=dynamo_first, port=port)
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    done = run_python(["-c", code], env=env, timeout=120)  # a fork of an interpreter that imported torch alone
     assert done.returncode == 0, done.stderr

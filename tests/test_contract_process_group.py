@@ -16,7 +16,6 @@ two forked ranks, bounded by a timeout.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import traceback
 from pathlib import Path
@@ -99,14 +98,11 @@ def _rank_main(rank: int, world_size: int, store_path: str, out_dir: str) -> Non
 
 def test_explicit_group_without_default_group_matches_torch(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(_REPO), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.test_contract_process_group", str(tmp_path)],
-        cwd=_REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    # A fork of an interpreter that imported torch alone ([Note: Test commands forked from a
+    # preloaded interpreter]): no process group, as in a fresh one.
+    from tests._preloaded import run_python  # here: the command runs this module
+
+    proc = run_python(["-m", "tests.test_contract_process_group", str(tmp_path)], cwd=str(_REPO), env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     for rank, result in enumerate(results):

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -32,6 +30,7 @@ from torch import nn
 
 from tests._harness import ends_cleanly, get_pool
 from tests._models import Block, global_batch, lm_loss, local_rows, make_toy
+from tests._preloaded import start_python
 from tests.test_state_dict_roots import _local_part
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -351,23 +350,26 @@ if int(os.environ["RANK"]) == 0:
 
 
 def _run_ranks(code: str, args: List[str], world_size: int) -> Optional[Dict[str, Any]]:
-    """Runs ``code`` as ``world_size`` fresh processes (env:// rendezvous); rank 0's JSON line."""
+    """Runs ``code`` as ``world_size`` fresh processes (env:// rendezvous); rank 0's JSON line.
+
+    Each is a fork of an interpreter that imported torch alone ([Note: Test commands forked from
+    a preloaded interpreter] in tests/_preloaded.py): what these children check is the order of
+    fsdp and torch's FSDP1 and state-dict modules, which ``import torch`` loads none of."""
     import socket
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = str(sock.getsockname()[1])
-    procs = []
+    ranks = []
     for rank in range(world_size):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=port, OMP_NUM_THREADS="1")
         env["PYTHONPATH"] = os.pathsep.join([REPO_ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
-        procs.append(subprocess.Popen([sys.executable, "-c", ends_cleanly(code), *args], env=env, cwd=REPO_ROOT,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    outputs = [p.communicate(timeout=240) for p in procs]
-    for rank, (proc, (stdout, stderr)) in enumerate(zip(procs, outputs)):
-        assert proc.returncode == 0, f"rank {rank} failed:\n{stdout}\n{stderr}"
-    lines = outputs[0][0].strip().splitlines()
+        ranks.append(start_python(["-c", ends_cleanly(code), *args], env=env, cwd=REPO_ROOT))
+    outputs = [r.wait(timeout=240) for r in ranks]
+    for rank, proc in enumerate(outputs):
+        assert proc.returncode == 0, f"rank {rank} failed:\n{proc.stdout}\n{proc.stderr}"
+    lines = outputs[0].stdout.strip().splitlines()
     return json.loads(lines[-1]) if lines else None
 
 

@@ -291,17 +291,21 @@ def test_offload_step_benchmark_reports(tmp_path: Any) -> None:
     """benchmarks/offload_step.py at a tiny size: the JSON has its date, kernels and targets,
     and foreach is bit-identical to the default kernel (one process, its own free port)."""
     import json
+    import os
     import socket
-    import subprocess
     import sys
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path / "step.json"
-    env = {**__import__("os").environ, "MASTER_PORT": str(port)}
+    env = {**os.environ, "MASTER_PORT": str(port)}
     cmd = [sys.executable, "-m", "benchmarks.offload_step", "--units", "2", "--unit-params", "400", "--repeats", "1", "--json", str(out)]
-    subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=120)
+    # A fork of an interpreter that imported torch alone ([Note: Test commands forked from a
+    # preloaded interpreter] in tests/_preloaded.py).
+    from tests._preloaded import run_python
+
+    run_python(cmd[1:], env=env, cwd=os.getcwd(), timeout=120).check_returncode()
     doc = json.loads(out.read_text())
     assert {"date", "targets", "kernels", "params"} <= doc.keys()
     assert set(doc["kernels"]) == {"default", "foreach", "fused"}

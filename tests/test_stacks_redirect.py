@@ -1,7 +1,9 @@
 """``fsdp.redirect_torch_fsdp()``: torch's FSDP1 import path answers with fsdp; FSDP2 stays torch's.
 
-Every check runs in a fresh interpreter (``subprocess``): the redirect changes ``sys.modules``,
-and this pytest process and the shared rank pools have torch's package loaded already. Each child
+Every check runs in a fresh interpreter (a fork of one that imported torch alone: [Note: Test
+commands forked from a preloaded interpreter] in tests/_preloaded.py): the redirect changes
+``sys.modules``, and this pytest process and the shared rank pools have torch's package loaded
+already. Each child
 prints one JSON object of observations; the parent asserts on it.
 """
 
@@ -9,8 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 from typing import Any, Dict, List, Tuple
 
@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from tests._harness import ends_cleanly
+from tests._preloaded import run_python
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCH_FSDP = "torch.distributed" + ".fsdp"
@@ -28,14 +29,9 @@ def _run_child(code: str, args: List[str] | None = None, timeout: float = 180.0)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([REPO_ROOT] + [p for p in [env.get("PYTHONPATH")] if p])
     env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run(
-        [sys.executable, *(args or ["-c", ends_cleanly(textwrap.dedent(code))])],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=REPO_ROOT,
-    )
+    # A fork of an interpreter that imported torch alone ([Note: Test commands forked from a
+    # preloaded interpreter]): the redirect's checks look at torch.distributed.fsdp, not torch.
+    proc = run_python(args or ["-c", ends_cleanly(textwrap.dedent(code))], env=env, timeout=timeout)
     assert proc.returncode == 0, f"child failed:\n{proc.stdout}\n{proc.stderr}"
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -294,13 +290,7 @@ def test_runner_runs_a_script_unchanged(tmp_path: Any, monkeypatch: pytest.Monke
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     out = _run_child("", args=["-m", "fsdp.torch_alias", "-m", "probe_module", "a", "b"])
     assert out == {"module": "fsdp.wrap", "argv": ["a", "b"]}
-    help_out = subprocess.run(
-        [sys.executable, "-m", "fsdp.torch_alias", "--help"],
-        env={**os.environ, "PYTHONPATH": REPO_ROOT},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    help_out = run_python(["-m", "fsdp.torch_alias", "--help"], env={**os.environ, "PYTHONPATH": REPO_ROOT}, timeout=120)
     assert help_out.returncode == 0 and "usage: python -m fsdp.torch_alias" in help_out.stdout
 
 

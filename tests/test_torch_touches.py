@@ -5,9 +5,9 @@ after-import finder leaves ``sys.meta_path`` once nothing is left to wait for.""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
+
+from tests._preloaded import run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,11 +42,10 @@ print("ok")
 """
 
 
-def test_import_changes_nothing_and_first_wrap_installs_the_touches(tmp_path: Path) -> None:
-    script = tmp_path / "touches.py"
-    script.write_text(_SCRIPT)
+def test_import_changes_nothing_and_first_wrap_installs_the_touches() -> None:
     port = str(29000 + os.getpid() % 1000)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(script), port], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300, check=False)
+    # A fork of an interpreter that imported torch alone, as the script's first line does ([Note:
+    # Test commands forked from a preloaded interpreter] in tests/_preloaded.py).
+    proc = run_python(["-c", _SCRIPT, port], cwd=str(ROOT), env=env, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout + proc.stderr
