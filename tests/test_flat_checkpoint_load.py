@@ -320,7 +320,8 @@ def scalar_states_on_every_rank(directory: str) -> list[float]:
 
 def load_failing_on_one_rank(directory: str) -> str:
     """A read that fails on rank 1 only: every rank raises DCP's ``CheckpointException`` naming
-    rank 1's failure (nobody returns while a peer failed, nobody hangs)."""
+    rank 1's failure (nobody returns while a peer failed, nobody hangs); the same for a save
+    whose failure on rank 1 does not pickle."""
     import torch.distributed.checkpoint as dcp
 
     from fsdp import FullyShardedDataParallel as FSDP
@@ -342,6 +343,31 @@ def load_failing_on_one_rank(directory: str) -> str:
             load_sharded(model, checkpoint_id=path)
     finally:
         dcp.FileSystemReader.read_data = original  # type: ignore[method-assign]
+    # A save whose write fails on rank 1 with an exception that does not pickle: its text
+    # travels instead, and every rank raises (the report could not be sent otherwise, and rank
+    # 0 would wait for it until the group's timeout).
+    from fsdp.state_dict._commit_writer import CommitWriter
+
+    class Unpicklable(OSError):
+        def __init__(self) -> None:
+            super().__init__("disk gone (planted)")
+            self.callback = lambda: None  # a lambda does not pickle
+
+    written = CommitWriter.write_data
+
+    def failing_write(self: Any, plan: Any, planner: Any) -> Any:
+        if dist.get_rank() == 1:
+            raise Unpicklable()
+        return written(self, plan, planner)
+
+    CommitWriter.write_data = failing_write  # type: ignore[method-assign]
+    try:
+        with pytest.raises(CheckpointException, match=r"Unpicklable: disk gone \(planted\) \(the exception itself does not pickle\)") as saved:
+            save_sharded(model, checkpoint_id=os.path.join(directory, "unpicklable"))
+    finally:
+        CommitWriter.write_data = written  # type: ignore[method-assign]
+    assert sorted(saved.value.failures) == [1]
+    assert not os.path.exists(os.path.join(directory, "unpicklable", ".metadata")), "nothing committed"
     return str(sorted(caught.value.failures))
 
 

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import math
 import operator
+import pickle
 from typing import Any, NamedTuple, Optional, Union, cast
 
 import torch
@@ -211,7 +212,7 @@ def save_without_global_plan(
     try:
         report = _plan_and_write(state_dict, writer, planner, rank, is_coordinator)
     except BaseException as exc:  # as DCP's protocol: every failure goes to the coordinator
-        report = _wrap_exception(exc)
+        report = _failure(exc)
     coordinator = _global_rank(group, 0)
     outcome: list[Any] = [None]
     metadata: Optional[Metadata] = None
@@ -225,13 +226,13 @@ def save_without_global_plan(
             try:
                 builder.add(src, report)
             except BaseException as exc:  # a bug in the merge: every rank raises it
-                builder.failures.setdefault(0, _wrap_exception(exc))
+                builder.failures.setdefault(0, _failure(exc))
         if not builder.failures:
             try:
                 metadata = builder.build()
                 writer.commit(metadata)
             except BaseException as exc:
-                builder.failures[0] = _wrap_exception(exc)
+                builder.failures[0] = _failure(exc)
         if builder.failures:
             outcome[0] = CheckpointException("save", builder.failures)
     else:
@@ -240,6 +241,22 @@ def save_without_global_plan(
     if outcome[0] is not None:
         raise outcome[0]
     return metadata
+
+
+def _failure(exc: BaseException) -> tuple[BaseException, Any]:
+    """``exc`` with its traceback, as DCP wraps a rank's failure, made sure to pickle: an
+    exception that does not (one holding a lock, a lambda) would fail the message that carries
+    it, and the ranks waiting for that message would wait until the group's timeout. Such an
+    exception travels as a ``RuntimeError`` with its type, text and traceback."""
+    wrapped = _wrap_exception(exc)
+    text = RuntimeError(f"{type(exc).__name__}: {exc} (the exception itself does not pickle)")
+    for candidate in (wrapped, (text, wrapped[1]), (text, None)):
+        try:
+            pickle.dumps(candidate)
+        except Exception:  # any pickling failure: try the plainer form
+            continue
+        return candidate
+    return text, None  # unreachable: a RuntimeError of a str pickles
 
 
 def _global_rank(group: Optional[dist.ProcessGroup], group_rank: int) -> int:
@@ -283,7 +300,7 @@ def load_without_global_plan(
         (plan,) = reader.prepare_global_plan(planner.create_global_plan([plan]))
         reader.read_data(planner.finish_plan(plan), planner).wait()
     except BaseException as exc:  # as DCP's protocol: every rank hears of every failure
-        failure = _wrap_exception(exc)
+        failure = _failure(exc)
     outcomes: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(outcomes, failure, group=group)
     failures = {r: got for r, got in enumerate(outcomes) if got is not None}
