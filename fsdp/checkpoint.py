@@ -127,11 +127,12 @@ def _start_save(
 # the buffers the writer is reading; a failed previous save whose future nobody read is raised
 # there, once, so that no failure goes unseen.
 #
-# The background thread's object collectives (the gather of what the metadata needs, the
+# The background thread's object messages (each rank's report to the coordinator and the
 # outcome's broadcast; DCP's planning with a caller's writer) run on a process group of their
 # own, created once on the first call with every rank (``dist.new_group(backend="gloo")``, as
-# torch's async_save asks of its callers): on the training's group they could interleave with the training loop's collectives,
-# which gloo and NCCL both require to be issued in the same order on every rank.
+# torch's async_save asks of its callers): on the training's group they could interleave with
+# the training loop's collectives, which gloo and NCCL both require to be issued in the same
+# order on every rank.
 #
 # Kill safety: the default writer commits a checkpoint by one atomic rename of ``.metadata``, on
 # the coordinator after every rank's data files are written, and never writes into a file a

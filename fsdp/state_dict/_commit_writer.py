@@ -56,7 +56,6 @@ import re
 import uuid
 from typing import Any
 
-import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo, _StoragePrefix
 from torch.distributed.checkpoint.metadata import MetadataIndex
@@ -124,11 +123,6 @@ class CommitWriter(FileSystemWriter):
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         super().__init__(path, overwrite=True)
-
-    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
-        if self.rank is None:  # a DCP protocol that passes no rank
-            self.rank = dist.get_rank() if dist.is_initialized() else 0
 
     def prepare_local_plan(self, plan: Any) -> Any:
         """Creates the folder and names this rank's files ``__<rank>_<tag>_``, a tag drawn per
